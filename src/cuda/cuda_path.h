@@ -1,0 +1,28 @@
+// The portable CUDA path (any sm_80+ GPU): routing metadata on the device, grouped GEMMs with
+// gathered operands, SwiGLU, deterministic combine. No device->host synchronisation and no
+// allocation: everything lives in the caller's workspace, so a CUDA graph can capture a call.
+//
+// Preconditions (checked by src/api.cpp before any call here): every tensor is on the same CUDA
+// device and contiguous row-major; x, w13, w2, dy share one dtype (bf16 or f16); topk_ids is i32 or
+// i64; topk_weights is f32 or the dtype of x; output dtypes are as documented in megamoe.h;
+// accum is DEFAULT or F32; shape.num_slots() < 2^31; the params' workspace has at least the bytes
+// the matching *_workspace_size reports.
+//
+// Ids outside [-1, E) cannot be reported without a host sync: the CUDA path never reads out of
+// bounds for them and writes NaN into y (forward) and into dx / d topk_weights (backward) for the
+// tokens holding them, so the error is loud, never silent.
+#pragma once
+
+#include <cstddef>
+
+#include "common.h"
+
+namespace megamoe::cuda {
+
+size_t forward_workspace_size(const megamoe_forward_params_t& params, const Shape& shape);
+megamoe_status_t forward(const megamoe_forward_params_t& params, const Shape& shape);
+
+size_t backward_workspace_size(const megamoe_backward_params_t& params, const Shape& shape);
+megamoe_status_t backward(const megamoe_backward_params_t& params, const Shape& shape);
+
+}  // namespace megamoe::cuda
