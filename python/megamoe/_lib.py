@@ -1,0 +1,174 @@
+"""ctypes binding of the C API in include/megamoe/megamoe.h (no compilation against torch).
+
+This module only converts torch tensors into `megamoe_tensor_t` views, calls the library and turns a
+failed status into a Python exception carrying the library's message (which names the argument).
+"""
+
+import ctypes
+import os
+import pathlib
+
+import torch
+
+MAX_DIMS = 4
+
+STATUS_SUCCESS = 0
+STATUS_INVALID_ARGUMENT = 1
+STATUS_NOT_SUPPORTED = 2
+STATUS_WORKSPACE_TOO_SMALL = 3
+
+DEVICE_CPU = 0
+DEVICE_CUDA = 1
+
+ACCUM_DEFAULT = 0
+
+_DTYPE_CODES = {
+    torch.bfloat16: 0,
+    torch.float16: 1,
+    torch.float32: 2,
+    torch.float64: 3,
+    torch.int32: 4,
+    torch.int64: 5,
+}
+
+
+class Tensor(ctypes.Structure):
+    _fields_ = [
+        ("data", ctypes.c_void_p),
+        ("dtype", ctypes.c_int),
+        ("ndim", ctypes.c_int32),
+        ("shape", ctypes.c_int64 * MAX_DIMS),
+        ("strides", ctypes.c_int64 * MAX_DIMS),
+        ("device_type", ctypes.c_int),
+        ("device_index", ctypes.c_int32),
+    ]
+
+
+class ForwardParams(ctypes.Structure):
+    _fields_ = [
+        ("x", Tensor),
+        ("topk_ids", Tensor),
+        ("topk_weights", Tensor),
+        ("w13", Tensor),
+        ("w2", Tensor),
+        ("y", Tensor),
+        ("accum", ctypes.c_int),
+        ("workspace", ctypes.c_void_p),
+        ("workspace_bytes", ctypes.c_size_t),
+        ("stream", ctypes.c_void_p),
+    ]
+
+
+class BackwardParams(ctypes.Structure):
+    _fields_ = [
+        ("dy", Tensor),
+        ("x", Tensor),
+        ("topk_ids", Tensor),
+        ("topk_weights", Tensor),
+        ("w13", Tensor),
+        ("w2", Tensor),
+        ("dx", Tensor),
+        ("dtopk_weights", Tensor),
+        ("dw13", Tensor),
+        ("dw2", Tensor),
+        ("accum", ctypes.c_int),
+        ("workspace", ctypes.c_void_p),
+        ("workspace_bytes", ctypes.c_size_t),
+        ("stream", ctypes.c_void_p),
+    ]
+
+
+def _candidates():
+    env = os.environ.get("MEGAMOE_LIBRARY")
+    if env:
+        yield pathlib.Path(env)
+    here = pathlib.Path(__file__).resolve().parent
+    yield here / "lib" / "libmegamoe.so"  # pip install . puts it here
+    yield here.parent.parent / "build" / "libmegamoe.so"  # a CMake build of this checkout
+
+
+_LIB = None
+
+
+def library():
+    """The loaded shared library (loaded once, on first use)."""
+    global _LIB
+    if _LIB is None:
+        tried = []
+        for path in _candidates():
+            tried.append(str(path))
+            if path.is_file():
+                lib = ctypes.CDLL(str(path))
+                break
+        else:
+            raise ImportError(
+                "megamoe: libmegamoe.so not found (tried: " + ", ".join(tried) + "). Install with "
+                "`pip install .`, build with CMake into build/, or set MEGAMOE_LIBRARY."
+            )
+        lib.megamoe_last_error.restype = ctypes.c_char_p
+        lib.megamoe_version.restype = ctypes.c_int32
+        for name, params in (("forward", ForwardParams), ("backward", BackwardParams)):
+            getattr(lib, f"megamoe_{name}").argtypes = [ctypes.POINTER(params)]
+            getattr(lib, f"megamoe_{name}").restype = ctypes.c_int
+            size_fn = getattr(lib, f"megamoe_{name}_workspace_size")
+            size_fn.argtypes = [ctypes.POINTER(params), ctypes.POINTER(ctypes.c_size_t)]
+            size_fn.restype = ctypes.c_int
+        _LIB = lib
+    return _LIB
+
+
+def check_arg(name, tensor):
+    """What must hold before a tensor can even be described to the library (type, dtype, rank, device)."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"megamoe: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dtype not in _DTYPE_CODES:
+        raise TypeError(f"megamoe: {name} has dtype {tensor.dtype}; supported: bf16, f16, f32, f64, int32, int64")
+    if tensor.dim() > MAX_DIMS:
+        raise ValueError(f"megamoe: {name} has {tensor.dim()} dimensions; at most {MAX_DIMS}")
+    if tensor.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"megamoe: {name} is on {tensor.device}; only cpu and cuda tensors are supported")
+
+
+def view(name, tensor):
+    """A megamoe_tensor_t describing `tensor` (None gives the absent tensor)."""
+    out = Tensor()
+    if tensor is None:
+        return out
+    check_arg(name, tensor)
+    out.data = tensor.data_ptr() or None
+    out.dtype = _DTYPE_CODES[tensor.dtype]
+    out.ndim = tensor.dim()
+    for dim in range(tensor.dim()):
+        out.shape[dim] = tensor.shape[dim]
+        out.strides[dim] = tensor.stride(dim)
+    out.device_type = DEVICE_CUDA if tensor.is_cuda else DEVICE_CPU
+    out.device_index = (tensor.device.index or 0) if tensor.is_cuda else 0
+    return out
+
+
+def check(status):
+    """Raise the exception matching a non-success status, with the library's message."""
+    if status == STATUS_SUCCESS:
+        return
+    message = "megamoe: " + library().megamoe_last_error().decode()
+    if status == STATUS_INVALID_ARGUMENT:
+        raise ValueError(message)
+    if status == STATUS_NOT_SUPPORTED:
+        raise NotImplementedError(message)
+    raise RuntimeError(message)
+
+
+def run(kind, params, device):
+    """Query the workspace, allocate it through torch, launch on the current stream."""
+    lib = library()
+    size = ctypes.c_size_t(0)
+    check(getattr(lib, f"megamoe_{kind}_workspace_size")(ctypes.byref(params), ctypes.byref(size)))
+    workspace = None
+    if size.value:
+        workspace = torch.empty(size.value, dtype=torch.uint8, device=device)
+        params.workspace = workspace.data_ptr()
+        params.workspace_bytes = size.value
+    if device.type == "cuda":
+        params.stream = torch.cuda.current_stream(device).cuda_stream
+    check(getattr(lib, f"megamoe_{kind}")(ctypes.byref(params)))
+    return workspace  # kept alive by the caller until the launch is queued

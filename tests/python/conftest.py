@@ -1,0 +1,95 @@
+"""Shared fixtures of the Python tests: random problems (fresh data each run, never zeros), ragged
+routings, and an independent plain-PyTorch implementation of DESIGN.md section 1."""
+
+import os
+import pathlib
+import sys
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "python"))
+
+# Ragged problems: (name, T, H, I, E, topk, routing). routing: random | one_expert | dropped | half_empty.
+RAGGED = [
+    ("basic", 9, 16, 12, 4, 2, "random"),
+    ("zero_token_experts", 11, 24, 10, 8, 2, "half_empty"),
+    ("one_expert_takes_all", 10, 20, 9, 5, 1, "one_expert"),
+    ("topk1", 7, 18, 6, 3, 1, "random"),
+    ("T1", 1, 10, 7, 4, 3, "random"),
+    ("dropped_slots", 13, 15, 11, 6, 3, "dropped"),
+    ("E1", 6, 12, 5, 1, 1, "random"),
+    ("odd_sizes", 67, 70, 33, 9, 4, "random"),
+]
+
+
+@pytest.fixture
+def gen():
+    """A generator with a fresh seed each run (printed, so a failure can be replayed with MEGAMOE_SEED)."""
+    seed = int(os.environ.get("MEGAMOE_SEED", torch.seed() % 2**31))
+    print(f"seed={seed}")
+    g = torch.Generator()
+    g.manual_seed(seed)
+    return g
+
+
+def make_ids(T, E, topk, routing, gen):
+    """topk_ids [T, topk] int64: distinct experts per token where E allows, with the ragged variants."""
+    pool = torch.arange(E) if routing != "half_empty" else torch.arange(0, E, 2)
+    scores = torch.rand(T, pool.numel(), generator=gen)
+    order = scores.argsort(dim=1)
+    reps = (topk + pool.numel() - 1) // pool.numel()
+    ids = pool[order.repeat(1, reps)[:, :topk]]
+    if routing == "one_expert":
+        ids[:, 0] = 0
+    if routing == "dropped":
+        ids[torch.rand(T, topk, generator=gen) < 0.3] = -1
+        ids[0] = -1  # one token with every slot dropped
+    return ids
+
+
+def make_problem(T, H, I, E, topk, routing="random", dtype=torch.float64, gen=None, device="cpu"):
+    """x, topk_ids, topk_weights, w13, w2, dy on `device` (float leaves require grad)."""
+    x = torch.randn(T, H, generator=gen, dtype=torch.float64) * 0.5
+    w13 = torch.randn(E, 2 * I, H, generator=gen, dtype=torch.float64) / H**0.5
+    w2 = torch.randn(E, H, I, generator=gen, dtype=torch.float64) / I**0.5
+    ids = make_ids(T, E, topk, routing, gen)
+    s = torch.rand(T, topk, generator=gen, dtype=torch.float64) + 0.05
+    dy = torch.randn(T, H, generator=gen, dtype=torch.float64)
+    weight_dtype = torch.float64 if dtype == torch.float64 else torch.float32
+    out = [x.to(dtype), ids, s.to(weight_dtype), w13.to(dtype), w2.to(dtype), dy.to(dtype)]
+    out = [t.to(device) for t in out]
+    for t in (out[0], out[2], out[3], out[4]):
+        t.requires_grad_(True)
+    return out
+
+
+def torch_moe(x, topk_ids, topk_weights, w13, w2):
+    """DESIGN.md section 1 in plain PyTorch, slot by slot via gathered expert weights (small shapes only)."""
+    I = w2.shape[2]
+    valid = topk_ids >= 0  # [T, topk]
+    experts = topk_ids.clamp(min=0)
+    h = torch.einsum("tknh,th->tkn", w13[experts], x)  # [T, topk, 2I]
+    a = F.silu(h[..., :I]) * h[..., I:]  # [T, topk, I]
+    o = torch.einsum("tkhi,tki->tkh", w2[experts], a)  # [T, topk, H]
+    s = torch.where(valid, topk_weights, torch.zeros_like(topk_weights))
+    return (o * s.unsqueeze(-1).to(o.dtype)).sum(dim=1)
+
+
+def grads_of(fn, x, ids, s, w13, w2, dy):
+    """y and the gradients (dx, ds, dw13, dw2) of <dy, fn(...)>."""
+    for t in (x, s, w13, w2):
+        t.grad = None
+    y = fn(x, ids, s, w13, w2)
+    y.backward(dy)
+    out = [y.detach()] + [t.grad.detach().clone() for t in (x, s, w13, w2)]
+    for t in (x, s, w13, w2):
+        t.grad = None
+    return out
+
+
+def rel_err(a, b):
+    """||a - b|| / ||b|| in float64 (NaN in a gives NaN)."""
+    a, b = a.double().cpu(), b.double().cpu()
+    return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()

@@ -1,0 +1,91 @@
+"""The op on CPU tensors (the C++ reference): against an independent float64 PyTorch implementation,
+gradcheck, opcheck, torch.compile, the ragged set and low-precision dtypes."""
+
+import pytest
+import torch
+
+import megamoe
+from conftest import RAGGED, grads_of, make_problem, rel_err, torch_moe
+
+
+@pytest.mark.parametrize("case", RAGGED, ids=[c[0] for c in RAGGED])
+@pytest.mark.parametrize("id_dtype", [torch.int32, torch.int64])
+def test_reference_matches_torch_float64(case, id_dtype, gen):
+    _, T, H, I, E, topk, routing = case
+    x, ids, s, w13, w2, dy = make_problem(T, H, I, E, topk, routing, gen=gen)
+    ids = ids.to(id_dtype)
+    ours = grads_of(megamoe.moe, x, ids, s, w13, w2, dy)
+    theirs = grads_of(torch_moe, x, ids, s, w13, w2, dy)
+    for name, a, b in zip(("y", "dx", "dtopk_weights", "dw13", "dw2"), ours, theirs):
+        assert a.dtype == b.dtype and a.shape == b.shape, name
+        assert rel_err(a, b) < 1e-12, f"{name}: {rel_err(a, b):.3e}"
+
+
+def test_dropped_and_unused_give_exact_zeros(gen):
+    x, ids, s, w13, w2, dy = make_problem(8, 12, 6, 6, 2, "half_empty", gen=gen)
+    ids[3] = -1
+    y, dx, ds, dw13, dw2 = grads_of(megamoe.moe, x, ids, s, w13, w2, dy)
+    assert torch.all(y[3] == 0) and torch.all(dx[3] == 0) and torch.all(ds[3] == 0)
+    assert torch.all(dw13[1::2] == 0) and torch.all(dw2[1::2] == 0)  # odd experts never chosen
+    assert dw13[0].abs().sum() > 0
+
+
+def test_gradcheck_float64(gen):
+    x, ids, s, w13, w2, _ = make_problem(4, 6, 5, 3, 2, "dropped", gen=gen)
+    assert torch.autograd.gradcheck(lambda a, b, c, d: megamoe.moe(a, ids, b, c, d), (x, s, w13, w2))
+
+
+def test_opcheck(gen):
+    x, ids, s, w13, w2, dy = make_problem(5, 8, 6, 4, 2, gen=gen)
+    torch.library.opcheck(torch.ops.megamoe.moe_forward.default, (x, ids, s, w13, w2))
+    with torch.no_grad():
+        torch.library.opcheck(torch.ops.megamoe.moe_backward.default, (dy, x, ids, s, w13, w2))
+
+
+def test_torch_compile_fullgraph(gen):
+    x, ids, s, w13, w2, dy = make_problem(6, 8, 4, 3, 2, gen=gen)
+
+    def block(x, ids, s, w13, w2):
+        return megamoe.moe(torch.tanh(x), ids, s.softmax(-1), w13, w2) * 2
+
+    compiled = torch.compile(block, fullgraph=True)
+    expected = grads_of(block, x, ids, s, w13, w2, dy)
+    got = grads_of(compiled, x, ids, s, w13, w2, dy)
+    for a, b in zip(got, expected):
+        assert rel_err(a, b) < 1e-12
+
+
+@pytest.mark.parametrize("dtype,bound", [(torch.float32, 1e-5), (torch.bfloat16, 2e-2), (torch.float16, 4e-3)])
+def test_low_precision_tracks_float64(dtype, bound, gen):
+    x, ids, s, w13, w2, dy = make_problem(17, 40, 24, 5, 2, "dropped", dtype=dtype, gen=gen)
+    ours = grads_of(megamoe.moe, x, ids, s, w13, w2, dy)
+    ref = grads_of(torch_moe, *[t.detach().double().requires_grad_(t.requires_grad) if t.is_floating_point() else t
+                                for t in (x, ids, s, w13, w2)], dy.double())
+    for name, a, b in zip(("y", "dx", "dtopk_weights", "dw13", "dw2"), ours, ref):
+        assert a.dtype in (dtype, torch.float32), name
+        assert rel_err(a, b) < bound, f"{name}: {rel_err(a, b):.3e}"
+
+
+def test_non_contiguous_inputs_are_copied_with_a_warning(gen):
+    x, ids, s, w13, w2, _ = make_problem(5, 8, 6, 4, 2, gen=gen)
+    w13_t = w13.detach().transpose(1, 2).contiguous().transpose(1, 2)  # same values, strided
+    assert not w13_t.is_contiguous()
+    megamoe.ops._warned.discard("w13")
+    with pytest.warns(UserWarning, match="w13 is not contiguous"):
+        y = megamoe.moe(x.detach(), ids, s.detach(), w13_t, w2.detach())
+    assert rel_err(y, megamoe.moe(x.detach(), ids, s.detach(), w13.detach(), w2.detach())) == 0
+
+
+def test_nan_passes_through_as_nan(gen):
+    x, ids, s, w13, w2, _ = make_problem(4, 8, 6, 4, 2, gen=gen)
+    x = x.detach().clone()
+    x[2, 3] = float("nan")
+    y = megamoe.moe(x, ids, s.detach(), w13.detach(), w2.detach())
+    assert torch.isnan(y[2]).all() and torch.isfinite(y[[0, 1, 3]]).all()
+
+
+def test_empty_batch(gen):
+    x, ids, s, w13, w2, dy = make_problem(0, 8, 6, 4, 2, gen=gen)
+    y, dx, ds, dw13, dw2 = grads_of(megamoe.moe, x, ids, s, w13, w2, dy)
+    assert y.shape == (0, 8) and dx.shape == (0, 8) and ds.shape == (0, 2)
+    assert torch.all(dw13 == 0) and torch.all(dw2 == 0)
