@@ -158,7 +158,28 @@ def check(status):
     raise RuntimeError(message)
 
 
-def run(kind, params, device):
+def forward_into(x, topk_ids, topk_weights, w13, w2, y):
+    """megamoe_forward writing into the caller's y [T, H]."""
+    params = ForwardParams()
+    for name, tensor in (
+        ("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w13", w13), ("w2", w2), ("y", y),
+    ):
+        setattr(params, name, view(name, tensor))
+    _run("forward", params, x.device)
+
+
+def backward_into(dy, x, topk_ids, topk_weights, w13, w2, dx, dtopk_weights, dw13, dw2):
+    """megamoe_backward writing into the caller's gradients (None = not wanted)."""
+    params = BackwardParams()
+    for name, tensor in (
+        ("dy", dy), ("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w13", w13), ("w2", w2),
+        ("dx", dx), ("dtopk_weights", dtopk_weights), ("dw13", dw13), ("dw2", dw2),
+    ):
+        setattr(params, name, view(name, tensor))
+    _run("backward", params, x.device)
+
+
+def _run(kind, params, device):
     """Query the workspace, allocate it through torch, launch on the current stream."""
     lib = library()
     size = ctypes.c_size_t(0)
@@ -171,4 +192,4 @@ def run(kind, params, device):
     if device.type == "cuda":
         params.stream = torch.cuda.current_stream(device).cuda_stream
     check(getattr(lib, f"megamoe_{kind}")(ctypes.byref(params)))
-    return workspace  # kept alive by the caller until the launch is queued
+    del workspace  # freed only after the launch is queued; the caching allocator orders reuse on the stream

@@ -33,12 +33,7 @@ def moe_forward(
 ) -> torch.Tensor:
     x, topk_ids, topk_weights, w13, w2 = _inputs(x, topk_ids, topk_weights, w13, w2)
     y = torch.empty_like(x, memory_format=torch.contiguous_format)  # [T, H]
-    params = _lib.ForwardParams()
-    for name, tensor in (
-        ("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w13", w13), ("w2", w2), ("y", y),
-    ):
-        setattr(params, name, _lib.view(name, tensor))
-    _lib.run("forward", params, x.device)
+    _lib.forward_into(x, topk_ids, topk_weights, w13, w2, y)
     return y
 
 
@@ -62,13 +57,7 @@ def moe_backward(
     dtopk_weights = torch.empty_like(topk_weights, memory_format=torch.contiguous_format)  # [T, topk]
     dw13 = torch.empty_like(w13, memory_format=torch.contiguous_format)  # [E, 2I, H]
     dw2 = torch.empty_like(w2, memory_format=torch.contiguous_format)  # [E, H, I]
-    params = _lib.BackwardParams()
-    for name, tensor in (
-        ("dy", dy), ("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w13", w13), ("w2", w2),
-        ("dx", dx), ("dtopk_weights", dtopk_weights), ("dw13", dw13), ("dw2", dw2),
-    ):
-        setattr(params, name, _lib.view(name, tensor))
-    _lib.run("backward", params, x.device)
+    _lib.backward_into(dy, x, topk_ids, topk_weights, w13, w2, dx, dtopk_weights, dw13, dw2)
     return dx, dtopk_weights, dw13, dw2
 
 
