@@ -2,14 +2,10 @@
 routings, and an independent plain-PyTorch implementation of DESIGN.md section 1."""
 
 import os
-import pathlib
-import sys
 
 import pytest
 import torch
 import torch.nn.functional as F
-
-sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "python"))
 
 # Ragged problems: (name, T, H, I, E, topk, routing). routing: random | one_expert | dropped | half_empty.
 RAGGED = [
