@@ -1,0 +1,274 @@
+// The portable CUDA path (cuda_path.h): host orchestration of routing, grouped GEMMs and row kernels
+// on the caller's stream. No device->host synchronisation, no allocation: every buffer is carved out
+// of the caller's workspace (256-byte aligned, sized by host-known bounds: S = T * topk rows).
+//
+// Forward:  routing -> up GEMM (x gathered, SwiGLU epilogue) -> a [S, I]
+//           -> down GEMM -> o f32 [S, H] -> gather_sum with topk_weights -> y.
+// Backward: routing -> up GEMM -> h = [g, u] [S, 2I] (the forward is recomputed)
+//           -> dH GEMM (dy gathered x w2[e]) -> p f32 [S, I]
+//           -> dswiglu_rows: ds, dh over h in place, s * a -> finalize d topk_weights
+//           -> dX GEMM (dh x w13[e]) -> q f32 [S, H] (reuses p's buffer) -> gather_sum -> dx
+//           -> dW13 = K-grouped(dh, x gathered) -> dW2 = K-grouped(dy gathered, s * a).
+#include "cuda/cuda_path.h"
+
+#include <algorithm>
+
+#include "cuda/cuda_utils.h"
+#include "cuda/elementwise.h"
+#include "cuda/grouped_gemm.h"
+#include "cuda/routing.h"
+
+namespace megamoe::cuda {
+namespace {
+
+struct ForwardWorkspace {
+    RoutingBuffers routing;
+    uint16_t* act;  // [S, I] element type
+    float* out;     // [S, H]
+
+    static ForwardWorkspace carve(WorkspaceCarver& carver, const RoutingPlan& plan, const Shape& shape) {
+        ForwardWorkspace workspace;
+        const int64_t num_slots = shape.num_slots();
+        workspace.routing = RoutingBuffers::carve(carver, plan);
+        workspace.act = carver.take<uint16_t>(num_slots * shape.intermediate);
+        workspace.out = carver.take<float>(num_slots * shape.hidden);
+        return workspace;
+    }
+};
+
+struct BackwardWorkspace {
+    RoutingBuffers routing;
+    uint16_t* h;      // [S, 2I] element type: [g, u], then [dg, du]
+    uint16_t* act;    // [S, I] element type: s * a
+    float* p_then_q;  // [S, max(I, H)]: p [S, I] of the dH GEMM, later q [S, H] of the dX GEMM
+    float* ds_rows;   // [S]
+
+    static BackwardWorkspace carve(WorkspaceCarver& carver, const RoutingPlan& plan, const Shape& shape) {
+        BackwardWorkspace workspace;
+        const int64_t num_slots = shape.num_slots();
+        workspace.routing = RoutingBuffers::carve(carver, plan);
+        workspace.h = carver.take<uint16_t>(num_slots * 2 * shape.intermediate);
+        workspace.act = carver.take<uint16_t>(num_slots * shape.intermediate);
+        workspace.p_then_q = carver.take<float>(num_slots * std::max(shape.intermediate, shape.hidden));
+        workspace.ds_rows = carver.take<float>(num_slots);
+        return workspace;
+    }
+};
+
+// The up projection shared by forward and backward: rows of x gathered by sorted slot, times w13[e].
+MGroupedGemmArgs up_gemm_args(megamoe_dtype_t dtype, const void* x, const void* w13, const RoutingPlan& plan,
+                              const RoutingBuffers& routing, const Shape& shape) {
+    MGroupedGemmArgs args{};
+    args.dtype = dtype;
+    args.a = x;
+    args.lda = shape.hidden;
+    args.a_gather_slots = routing.sorted_slot;
+    args.topk = shape.topk;
+    args.b = w13;
+    args.b_expert_stride = 2 * shape.intermediate * shape.hidden;
+    args.ldb = shape.hidden;
+    args.n = shape.intermediate;
+    args.k = shape.hidden;
+    args.expert_offsets = routing.expert_offsets;
+    args.m_tile_offsets = routing.m_tile_offsets;
+    args.num_experts = shape.num_experts;
+    args.max_m_tiles = plan.max_m_tiles;
+    return args;
+}
+
+megamoe_status_t zero_if_wanted(const megamoe_tensor_t& tensor, size_t element_bytes, cudaStream_t stream,
+                                const char* name) {
+    if (tensor.data == nullptr) return MEGAMOE_STATUS_SUCCESS;
+    int64_t count = 1;
+    for (int32_t dim = 0; dim < tensor.ndim; ++dim) count *= tensor.shape[dim];
+    if (count == 0) return MEGAMOE_STATUS_SUCCESS;
+    return check_cuda(cudaMemsetAsync(tensor.data, 0, static_cast<size_t>(count) * element_bytes, stream), name);
+}
+
+size_t output_element_bytes(megamoe_dtype_t dtype) {
+    return dtype == MEGAMOE_DTYPE_F32 ? 4 : 2;
+}
+
+megamoe_status_t forward_on_device(const megamoe_forward_params_t& params, const Shape& shape) {
+    const auto stream = static_cast<cudaStream_t>(params.stream);
+    const megamoe_dtype_t dtype = params.x.dtype;
+    const RoutingPlan plan = RoutingPlan::make(shape, kGemmBlockM);
+    WorkspaceCarver carver(params.workspace);
+    const ForwardWorkspace workspace = ForwardWorkspace::carve(carver, plan, shape);
+    const RoutingBuffers& routing = workspace.routing;
+
+    MEGAMOE_CUDA_RETURN_IF_ERROR(launch_routing(params.topk_ids.data, params.topk_ids.dtype, plan, routing, stream));
+
+    const MGroupedGemmArgs up = up_gemm_args(dtype, params.x.data, params.w13.data, plan, routing, shape);
+    MEGAMOE_CUDA_RETURN_IF_ERROR(launch_m_grouped_gemm_swiglu(up, nullptr, workspace.act, stream));
+
+    MGroupedGemmArgs down = up;
+    down.a = workspace.act;
+    down.lda = shape.intermediate;
+    down.a_gather_slots = nullptr;
+    down.b = params.w2.data;
+    down.b_expert_stride = shape.hidden * shape.intermediate;
+    down.ldb = shape.intermediate;
+    down.n = shape.hidden;
+    down.k = shape.intermediate;
+    MEGAMOE_CUDA_RETURN_IF_ERROR(launch_m_grouped_gemm_f32(down, BLayout::kNK, workspace.out, shape.hidden, stream));
+
+    GatherSumArgs combine{};
+    combine.out_dtype = dtype;
+    combine.rows = workspace.out;
+    combine.slot_to_row = routing.slot_to_row;
+    combine.weights = params.topk_weights.data;
+    combine.weights_dtype = params.topk_weights.dtype;
+    combine.token_invalid = routing.token_invalid;
+    combine.num_tokens = shape.num_tokens;
+    combine.topk = shape.topk;
+    combine.num_cols = shape.hidden;
+    combine.out = params.y.data;
+    return launch_gather_sum(combine, stream);
+}
+
+megamoe_status_t backward_on_device(const megamoe_backward_params_t& params, const Shape& shape) {
+    const auto stream = static_cast<cudaStream_t>(params.stream);
+    const megamoe_dtype_t dtype = params.x.dtype;
+    const int64_t num_slots = shape.num_slots(), hidden = shape.hidden, intermediate = shape.intermediate;
+    if (num_slots == 0) {  // no rows at all: every gradient is zero (or empty)
+        MEGAMOE_CUDA_RETURN_IF_ERROR(
+            zero_if_wanted(params.dx, output_element_bytes(params.dx.dtype), stream, "cudaMemsetAsync(dx)"));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(
+            zero_if_wanted(params.dw13, output_element_bytes(params.dw13.dtype), stream, "cudaMemsetAsync(dw13)"));
+        return zero_if_wanted(params.dw2, output_element_bytes(params.dw2.dtype), stream, "cudaMemsetAsync(dw2)");
+    }
+    const RoutingPlan plan = RoutingPlan::make(shape, kGemmBlockM);
+    WorkspaceCarver carver(params.workspace);
+    const BackwardWorkspace workspace = BackwardWorkspace::carve(carver, plan, shape);
+    const RoutingBuffers& routing = workspace.routing;
+
+    MEGAMOE_CUDA_RETURN_IF_ERROR(launch_routing(params.topk_ids.data, params.topk_ids.dtype, plan, routing, stream));
+
+    const MGroupedGemmArgs up = up_gemm_args(dtype, params.x.data, params.w13.data, plan, routing, shape);
+    MEGAMOE_CUDA_RETURN_IF_ERROR(launch_m_grouped_gemm_swiglu(up, workspace.h, nullptr, stream));
+
+    // p = dy gathered x w2[e], w2[e] read as [K = H, N = I].
+    MGroupedGemmArgs d_hidden = up;
+    d_hidden.a = params.dy.data;
+    d_hidden.b = params.w2.data;
+    d_hidden.b_expert_stride = hidden * intermediate;
+    d_hidden.ldb = intermediate;
+    d_hidden.n = intermediate;
+    d_hidden.k = hidden;
+    MEGAMOE_CUDA_RETURN_IF_ERROR(
+        launch_m_grouped_gemm_f32(d_hidden, BLayout::kKN, workspace.p_then_q, intermediate, stream));
+
+    DSwiGLUArgs dswiglu{};
+    dswiglu.dtype = dtype;
+    dswiglu.h = workspace.h;
+    dswiglu.p = workspace.p_then_q;
+    dswiglu.act = workspace.act;
+    dswiglu.ds_rows = workspace.ds_rows;
+    dswiglu.sorted_slot = routing.sorted_slot;
+    dswiglu.expert_offsets = routing.expert_offsets;
+    dswiglu.num_experts = shape.num_experts;
+    dswiglu.weights = params.topk_weights.data;
+    dswiglu.weights_dtype = params.topk_weights.dtype;
+    dswiglu.intermediate = intermediate;
+    dswiglu.max_rows = num_slots;
+    MEGAMOE_CUDA_RETURN_IF_ERROR(launch_dswiglu_rows(dswiglu, stream));
+
+    if (params.dtopk_weights.data != nullptr) {
+        FinalizeDTopkArgs finalize{};
+        finalize.ds_rows = workspace.ds_rows;
+        finalize.slot_to_row = routing.slot_to_row;
+        finalize.token_invalid = routing.token_invalid;
+        finalize.num_slots = num_slots;
+        finalize.topk = shape.topk;
+        finalize.dtopk_weights = params.dtopk_weights.data;
+        finalize.dtopk_dtype = params.dtopk_weights.dtype;
+        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_finalize_dtopk(finalize, stream));
+    }
+
+    if (params.dx.data != nullptr) {
+        // q = dh x w13[e], w13[e] read as [K = 2I, N = H]; then dx_t = sum_j q[row of (t, j)].
+        MGroupedGemmArgs d_input = up;
+        d_input.a = workspace.h;
+        d_input.lda = 2 * intermediate;
+        d_input.a_gather_slots = nullptr;
+        d_input.n = hidden;
+        d_input.k = 2 * intermediate;
+        MEGAMOE_CUDA_RETURN_IF_ERROR(
+            launch_m_grouped_gemm_f32(d_input, BLayout::kKN, workspace.p_then_q, hidden, stream));
+        GatherSumArgs gather{};
+        gather.out_dtype = dtype;
+        gather.rows = workspace.p_then_q;
+        gather.slot_to_row = routing.slot_to_row;
+        gather.weights = nullptr;
+        gather.token_invalid = routing.token_invalid;
+        gather.num_tokens = shape.num_tokens;
+        gather.topk = shape.topk;
+        gather.num_cols = hidden;
+        gather.out = params.dx.data;
+        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_gather_sum(gather, stream));
+    }
+
+    KGroupedGemmArgs weight_grad{};
+    weight_grad.dtype = dtype;
+    weight_grad.topk = shape.topk;
+    weight_grad.expert_offsets = routing.expert_offsets;
+    weight_grad.num_experts = shape.num_experts;
+    if (params.dw13.data != nullptr) {  // dW13[e] = sum dh x^T
+        KGroupedGemmArgs dw13 = weight_grad;
+        dw13.a = workspace.h;
+        dw13.lda = 2 * intermediate;
+        dw13.a_gather_slots = nullptr;
+        dw13.b = params.x.data;
+        dw13.ldb = hidden;
+        dw13.b_gather_slots = routing.sorted_slot;
+        dw13.m = 2 * intermediate;
+        dw13.n = hidden;
+        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_k_grouped_gemm(dw13, params.dw13.data, params.dw13.dtype, stream));
+    }
+    if (params.dw2.data != nullptr) {  // dW2[e] = sum dy (s a)^T
+        KGroupedGemmArgs dw2 = weight_grad;
+        dw2.a = params.dy.data;
+        dw2.lda = hidden;
+        dw2.a_gather_slots = routing.sorted_slot;
+        dw2.b = workspace.act;
+        dw2.ldb = intermediate;
+        dw2.b_gather_slots = nullptr;
+        dw2.m = hidden;
+        dw2.n = intermediate;
+        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_k_grouped_gemm(dw2, params.dw2.data, params.dw2.dtype, stream));
+    }
+    return MEGAMOE_STATUS_SUCCESS;
+}
+
+}  // namespace
+
+size_t forward_workspace_size(const megamoe_forward_params_t& /*params*/, const Shape& shape) {
+    WorkspaceCarver carver(nullptr);
+    ForwardWorkspace::carve(carver, RoutingPlan::make(shape, kGemmBlockM), shape);
+    return carver.bytes_used();
+}
+
+megamoe_status_t forward(const megamoe_forward_params_t& params, const Shape& shape) {
+    const DeviceGuard guard(params.x.device_index);
+    MEGAMOE_CUDA_RETURN_IF_ERROR(guard.status());
+    if (shape.num_slots() == 0) {  // no slots: y is all zeros (or empty)
+        return zero_if_wanted(params.y, output_element_bytes(params.y.dtype), static_cast<cudaStream_t>(params.stream),
+                              "cudaMemsetAsync(y)");
+    }
+    return forward_on_device(params, shape);
+}
+
+size_t backward_workspace_size(const megamoe_backward_params_t& /*params*/, const Shape& shape) {
+    WorkspaceCarver carver(nullptr);
+    BackwardWorkspace::carve(carver, RoutingPlan::make(shape, kGemmBlockM), shape);
+    return carver.bytes_used();
+}
+
+megamoe_status_t backward(const megamoe_backward_params_t& params, const Shape& shape) {
+    const DeviceGuard guard(params.x.device_index);
+    MEGAMOE_CUDA_RETURN_IF_ERROR(guard.status());
+    return backward_on_device(params, shape);
+}
+
+}  // namespace megamoe::cuda

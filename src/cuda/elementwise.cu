@@ -1,0 +1,157 @@
+// Row kernels of the portable CUDA path (math in elementwise.h).
+//
+// gather_sum: block (token t, column tile); each of 256 threads owns 4 consecutive columns (one
+//   float4 of every source row when aligned) and adds the token's rows in j order: the sum order is
+//   fixed, so results are bitwise reproducible. No shared memory.
+// dswiglu_rows: one block of 256 threads per sorted row; thread i handles columns i, i + 256, ... of
+//   the row in order, then a fixed shuffle tree and the 8 warp sums in warp order give ds
+//   (deterministic). Shared memory: 8 floats. Blocks past the device-side row count exit at once.
+// finalize_dtopk: one thread per slot.
+#include "cuda/elementwise.h"
+
+#include "cuda/cuda_utils.h"
+
+namespace megamoe::cuda {
+namespace {
+
+constexpr int kWarpSize = 32;
+constexpr unsigned kFullMask = 0xffffffffu;
+constexpr int kGatherThreads = 256;
+constexpr int kGatherColsPerThread = 4;
+constexpr int kGatherColsPerBlock = kGatherThreads * kGatherColsPerThread;
+constexpr int kRowThreads = 256;
+constexpr int kSlotThreads = 256;
+constexpr int64_t kMaxGridY = 65535;
+
+static_assert(kGatherColsPerThread == 4, "gather_sum moves one float4 per source row");
+static_assert(kRowThreads % kWarpSize == 0, "row reduction uses whole warps");
+
+template <typename T>
+__global__ void __launch_bounds__(kGatherThreads) gather_sum_kernel(const GatherSumArgs args, bool vec) {
+    const int64_t token_idx = blockIdx.x;
+    const int64_t col = (static_cast<int64_t>(blockIdx.y) * kGatherThreads + threadIdx.x) * kGatherColsPerThread;
+    if (col >= args.num_cols) return;
+    const int num_valid = static_cast<int>(min(static_cast<int64_t>(kGatherColsPerThread), args.num_cols - col));
+    float acc[kGatherColsPerThread] = {};
+    if (args.token_invalid[token_idx] != 0) {
+        for (int item_idx = 0; item_idx < kGatherColsPerThread; ++item_idx) acc[item_idx] = __int_as_float(0x7fc00000);
+    } else {
+        for (int64_t choice_idx = 0; choice_idx < args.topk; ++choice_idx) {
+            const int64_t slot_idx = token_idx * args.topk + choice_idx;
+            const int row_idx = args.slot_to_row[slot_idx];
+            if (row_idx < 0) continue;
+            const float weight =
+                args.weights != nullptr ? load_scalar(args.weights, args.weights_dtype, slot_idx) : 1.0f;
+            const float* src = args.rows + row_idx * args.num_cols + col;
+            if (vec) {
+                const float4 value = *reinterpret_cast<const float4*>(src);
+                acc[0] = fmaf(weight, value.x, acc[0]);
+                acc[1] = fmaf(weight, value.y, acc[1]);
+                acc[2] = fmaf(weight, value.z, acc[2]);
+                acc[3] = fmaf(weight, value.w, acc[3]);
+            } else {
+                for (int item_idx = 0; item_idx < num_valid; ++item_idx) {
+                    acc[item_idx] = fmaf(weight, src[item_idx], acc[item_idx]);
+                }
+            }
+        }
+    }
+    T* dst = static_cast<T*>(args.out) + token_idx * args.num_cols + col;
+    if (vec) {
+        *reinterpret_cast<uint2*>(dst) = make_uint2(pack_pair<T>(acc[0], acc[1]), pack_pair<T>(acc[2], acc[3]));
+    } else {
+        for (int item_idx = 0; item_idx < num_valid; ++item_idx) dst[item_idx] = from_float<T>(acc[item_idx]);
+    }
+}
+
+// Sum over the block in a fixed order: a butterfly within each warp, then the warp sums in warp order.
+__device__ float block_sum(float value, float* warp_sums) {
+    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) value += __shfl_xor_sync(kFullMask, value, offset);
+    if (threadIdx.x % kWarpSize == 0) warp_sums[threadIdx.x / kWarpSize] = value;
+    __syncthreads();
+    float total = 0.0f;
+    for (int warp_idx = 0; warp_idx < kRowThreads / kWarpSize; ++warp_idx) total += warp_sums[warp_idx];
+    return total;
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kRowThreads) dswiglu_rows_kernel(const DSwiGLUArgs args) {
+    __shared__ float warp_sums[kRowThreads / kWarpSize];
+    const int64_t row_idx = blockIdx.x;
+    if (row_idx >= args.expert_offsets[args.num_experts]) return;
+    const int64_t slot_idx = args.sorted_slot[row_idx];
+    const float weight = load_scalar(args.weights, args.weights_dtype, slot_idx);
+    const int64_t intermediate = args.intermediate;
+    T* h_row = static_cast<T*>(args.h) + row_idx * 2 * intermediate;
+    T* act_row = static_cast<T*>(args.act) + row_idx * intermediate;
+    const float* p_row = args.p + row_idx * intermediate;
+
+    float partial = 0.0f;
+    for (int64_t col = threadIdx.x; col < intermediate; col += kRowThreads) {
+        const float gate = to_float(h_row[col]);
+        const float up = to_float(h_row[intermediate + col]);
+        const float p = p_row[col];
+        const float sigmoid = 1.0f / (1.0f + expf(-gate));
+        const float silu = gate * sigmoid;
+        const float act = silu * up;
+        partial = fmaf(p, act, partial);
+        const float d_act = weight * p;
+        h_row[col] = from_float<T>(d_act * up * sigmoid * (1.0f + gate * (1.0f - sigmoid)));
+        h_row[intermediate + col] = from_float<T>(d_act * silu);
+        act_row[col] = from_float<T>(weight * act);
+    }
+    const float ds = block_sum(partial, warp_sums);
+    if (threadIdx.x == 0) args.ds_rows[row_idx] = ds;
+}
+
+__global__ void __launch_bounds__(kSlotThreads) finalize_dtopk_kernel(const FinalizeDTopkArgs args) {
+    const int64_t slot_idx = static_cast<int64_t>(blockIdx.x) * kSlotThreads + threadIdx.x;
+    if (slot_idx >= args.num_slots) return;
+    float value = 0.0f;
+    if (args.token_invalid[slot_idx / args.topk] != 0) {
+        value = __int_as_float(0x7fc00000);
+    } else {
+        const int row_idx = args.slot_to_row[slot_idx];
+        if (row_idx >= 0) value = args.ds_rows[row_idx];
+    }
+    store_scalar(args.dtopk_weights, args.dtopk_dtype, slot_idx, value);
+}
+
+}  // namespace
+
+megamoe_status_t launch_gather_sum(const GatherSumArgs& args, cudaStream_t stream) {
+    const int64_t num_col_tiles = ceil_div(args.num_cols, kGatherColsPerBlock);
+    if (args.num_tokens == 0 || num_col_tiles == 0) return MEGAMOE_STATUS_SUCCESS;
+    if (num_col_tiles > kMaxGridY) {
+        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "gather_sum: %lld columns are too many",
+                         static_cast<long long>(args.num_cols));
+    }
+    const bool vec = args.num_cols % kGatherColsPerThread == 0 && is_aligned(args.rows, 16) && is_aligned(args.out, 8);
+    const dim3 grid(static_cast<unsigned>(args.num_tokens), static_cast<unsigned>(num_col_tiles));
+    if (args.out_dtype == MEGAMOE_DTYPE_BF16) {
+        gather_sum_kernel<__nv_bfloat16><<<grid, kGatherThreads, 0, stream>>>(args, vec);
+    } else {
+        gather_sum_kernel<__half><<<grid, kGatherThreads, 0, stream>>>(args, vec);
+    }
+    return check_launch("gather_sum_kernel");
+}
+
+megamoe_status_t launch_dswiglu_rows(const DSwiGLUArgs& args, cudaStream_t stream) {
+    if (args.max_rows == 0) return MEGAMOE_STATUS_SUCCESS;
+    const dim3 grid(static_cast<unsigned>(args.max_rows));
+    if (args.dtype == MEGAMOE_DTYPE_BF16) {
+        dswiglu_rows_kernel<__nv_bfloat16><<<grid, kRowThreads, 0, stream>>>(args);
+    } else {
+        dswiglu_rows_kernel<__half><<<grid, kRowThreads, 0, stream>>>(args);
+    }
+    return check_launch("dswiglu_rows_kernel");
+}
+
+megamoe_status_t launch_finalize_dtopk(const FinalizeDTopkArgs& args, cudaStream_t stream) {
+    if (args.num_slots == 0) return MEGAMOE_STATUS_SUCCESS;
+    const dim3 grid(static_cast<unsigned>(ceil_div(args.num_slots, kSlotThreads)));
+    finalize_dtopk_kernel<<<grid, kSlotThreads, 0, stream>>>(args);
+    return check_launch("finalize_dtopk_kernel");
+}
+
+}  // namespace megamoe::cuda

@@ -1,0 +1,60 @@
+// Row kernels of the portable CUDA path, all memory-bound and deterministic (fixed reduction order):
+//   gather_sum    out[t, :] = sum_j w_tj rows[slot_to_row[t * topk + j], :] in j order, f32 accumulate;
+//                 w = 1 when weights is NULL; NaN rows for tokens flagged invalid by the routing.
+//                 Forward combine (rows = o, w = topk_weights) and backward dx (rows = q, w = 1).
+//   dswiglu_rows  per sorted row r (slot = sorted_slot[r], s = topk_weights[slot]), from h = [g, u] and
+//                 p = W2[e]^T dy: ds = <p, a>, da = s p, dh = [dg, du] written over h in place, and
+//                 s * a written to `act` (the dW2 operand: dW2[e] = sum dy (s a)^T).
+//   finalize_dtopk  d topk_weights[slot] = ds of the slot's row, 0 for dropped slots, NaN for invalid tokens.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common.h"
+
+namespace megamoe::cuda {
+
+struct GatherSumArgs {
+    megamoe_dtype_t out_dtype;  // bf16 or f16
+    const float* rows;          // [rows, num_cols] f32
+    const int* slot_to_row;     // [T * topk], -1 = no row
+    const void* weights;        // [T * topk] or NULL (w = 1)
+    megamoe_dtype_t weights_dtype;
+    const int* token_invalid;  // [T]
+    int64_t num_tokens;
+    int64_t topk;
+    int64_t num_cols;
+    void* out;  // [T, num_cols]
+};
+megamoe_status_t launch_gather_sum(const GatherSumArgs& args, cudaStream_t stream);
+
+struct DSwiGLUArgs {
+    megamoe_dtype_t dtype;      // element type of h and act
+    void* h;                    // [rows, 2I]: [g, u] in, [dg, du] out
+    const float* p;             // [rows, I]
+    void* act;                  // [rows, I] out: s * silu(g) * u
+    float* ds_rows;             // [rows] out
+    const int* sorted_slot;     // [S]
+    const int* expert_offsets;  // [E + 1]; rows = expert_offsets[E]
+    int64_t num_experts;
+    const void* weights;  // [T * topk]
+    megamoe_dtype_t weights_dtype;
+    int64_t intermediate;
+    int64_t max_rows;  // host bound on rows (S)
+};
+megamoe_status_t launch_dswiglu_rows(const DSwiGLUArgs& args, cudaStream_t stream);
+
+struct FinalizeDTopkArgs {
+    const float* ds_rows;
+    const int* slot_to_row;
+    const int* token_invalid;
+    int64_t num_slots;
+    int64_t topk;
+    void* dtopk_weights;  // [T * topk]
+    megamoe_dtype_t dtopk_dtype;
+};
+megamoe_status_t launch_finalize_dtopk(const FinalizeDTopkArgs& args, cudaStream_t stream);
+
+}  // namespace megamoe::cuda

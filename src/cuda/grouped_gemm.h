@@ -1,0 +1,79 @@
+// Grouped GEMMs of the portable CUDA path (any sm_80+ GPU; mma.sync m16n8k16, f32 accumulators).
+//
+// M-grouped (one weight matrix per expert, the rows of the expert are the M dimension):
+//     out[r, n] = sum_k A[a_row(r), k] * B_e(n, k)       for the sorted rows r of expert e
+//   a_row(r) = r, or the token of sorted_slot[r] (sorted_slot[r] / topk) when A is gathered.
+//   B_e is b + e * b_expert_stride, stored [N, K] (BLayout::kNK, K contiguous) or [K, N] (kKN).
+//   Epilogues: f32 store, or SwiGLU for the up projection (B = w13 [E, 2I, H]; each N tile holds
+//   matching gate and up rows, so h = [g, u] and a = silu(g) * u come straight from registers).
+//   The grid is sized by host-known bounds; tiles come from the routing's m_tile_offsets.
+//
+// K-grouped (the weight gradients; the rows of the expert are the reduction dimension):
+//     C_e[m, n] = sum over the rows r of expert e of A[a_row(r), m] * B[b_row(r), n]
+//   with the same gather rule on either side. One block owns one output tile and loops over all the
+//   expert's rows (no split-K): deterministic, and an expert with no rows writes exact zeros.
+//
+// Sizes are arbitrary (no multiple-of requirements); 16-byte cp.async loads are used when every
+// operand row is 16-byte aligned, element loads with zero fill otherwise.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common.h"
+
+namespace megamoe::cuda {
+
+constexpr int kGemmBlockM = 128;  // rows per M tile; the routing's M-tile schedule uses it
+
+enum class BLayout {
+    kNK,  // B_e is [N, K], K contiguous (w13[e] for up, w2[e] for down)
+    kKN,  // B_e is [K, N], N contiguous (w2[e] for dH, w13[e] for dX)
+};
+
+struct MGroupedGemmArgs {
+    megamoe_dtype_t dtype;  // element type of A and B: bf16 or f16
+    const void* a;          // A rows, row stride lda elements
+    int64_t lda;
+    const int* a_gather_slots;  // NULL: a_row(r) = r; else a_row(r) = a_gather_slots[r] / topk
+    int64_t topk;
+    const void* b;  // B_0; B_e = b + e * b_expert_stride
+    int64_t b_expert_stride;
+    int64_t ldb;                // row stride of B_e
+    int64_t n;                  // N (for the SwiGLU epilogue: I, the number of (gate, up) pairs)
+    int64_t k;                  // K
+    const int* expert_offsets;  // [E + 1] sorted rows per expert
+    const int* m_tile_offsets;  // [E + 1] M-tile schedule (kGemmBlockM rows per tile)
+    int64_t num_experts;
+    int64_t max_m_tiles;  // host bound on m_tile_offsets[E]
+};
+
+// out[r, n] in f32, row stride ldo.
+megamoe_status_t launch_m_grouped_gemm_f32(const MGroupedGemmArgs& args, BLayout b_layout, float* out, int64_t ldo,
+                                           cudaStream_t stream);
+
+// Up projection with SwiGLU: B = w13 [E, 2I, H] (kNK), args.n = I. Writes h = [g, u] ([rows, 2I]) and
+// a = silu(g) * u ([rows, I]) in the element type; either may be NULL (not written).
+megamoe_status_t launch_m_grouped_gemm_swiglu(const MGroupedGemmArgs& args, void* h, void* act, cudaStream_t stream);
+
+struct KGroupedGemmArgs {
+    megamoe_dtype_t dtype;  // element type of A and B: bf16 or f16
+    const void* a;          // rows of M values, row stride lda
+    int64_t lda;
+    const int* a_gather_slots;  // NULL: row r; else row a_gather_slots[r] / topk
+    const void* b;              // rows of N values, row stride ldb
+    int64_t ldb;
+    const int* b_gather_slots;
+    int64_t topk;
+    int64_t m;
+    int64_t n;
+    const int* expert_offsets;  // [E + 1]
+    int64_t num_experts;
+};
+
+// C_e into out [E, M, N] (contiguous), dtype out_dtype: the element type or f32.
+megamoe_status_t launch_k_grouped_gemm(const KGroupedGemmArgs& args, void* out, megamoe_dtype_t out_dtype,
+                                       cudaStream_t stream);
+
+}  // namespace megamoe::cuda
