@@ -18,7 +18,7 @@ constexpr int kTileM = 64;
 constexpr int kTileN = 64;
 constexpr int kTileK = 16;
 constexpr int kNumThreads = 128;  // one warpgroup
-static_assert(kTileK * sizeof(cute::bfloat16_t) == 32, "one 32-byte row per tile row: no swizzle needed");
+static_assert(kTileM == kTileN, "A and B tiles share one fill loop");
 
 __global__ void __launch_bounds__(kNumThreads, 1)
     probe_kernel(const cute::bfloat16_t* a_gmem, const cute::bfloat16_t* b_gmem, float* d_gmem) {
@@ -26,14 +26,15 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     using namespace cute;
     __shared__ alignas(128) bfloat16_t a_smem[kTileM * kTileK];
     __shared__ alignas(128) bfloat16_t b_smem[kTileN * kTileK];
-    for (int idx = threadIdx.x; idx < kTileM * kTileK; idx += kNumThreads) {
-        a_smem[idx] = a_gmem[idx];
-        b_smem[idx] = b_gmem[idx];
-    }
-    __syncthreads();
-    auto smem_layout = GMMA::Layout_K_INTER_Atom<bfloat16_t>{};  // (8, 16) core-matrix atom, K-major
+    auto smem_layout = GMMA::Layout_K_INTER_Atom<bfloat16_t>{};  // (8, 8) core-matrix atom, K-major, no swizzle
     Tensor s_a = make_tensor(make_smem_ptr(a_smem), tile_to_shape(smem_layout, Shape<Int<kTileM>, Int<kTileK>>{}));
     Tensor s_b = make_tensor(make_smem_ptr(b_smem), tile_to_shape(smem_layout, Shape<Int<kTileN>, Int<kTileK>>{}));
+    for (int idx = threadIdx.x; idx < kTileM * kTileK; idx += kNumThreads) {  // row-major global -> atom layout
+        s_a(idx / kTileK, idx % kTileK) = a_gmem[idx];
+        s_b(idx / kTileK, idx % kTileK) = b_gmem[idx];
+    }
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic-proxy stores -> wgmma (async proxy)
+    __syncthreads();
     auto tiled_mma = make_tiled_mma(SM90_64x64x16_F32BF16BF16_SS<GMMA::Major::K, GMMA::Major::K>{});
     auto thr_mma = tiled_mma.get_thread_slice(threadIdx.x);
     Tensor t_a = thr_mma.partition_fragment_A(s_a);
