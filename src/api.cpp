@@ -21,10 +21,10 @@ namespace {
 
 constexpr int64_t kMaxSlots = (int64_t{1} << 31) - 1;  // sorted-row indices are int32 on the device
 
-#define MEGAMOE_CHECK(expr)                                            \
-    do {                                                               \
-        const megamoe_status_t status_ = (expr);                       \
-        if (status_ != MEGAMOE_STATUS_SUCCESS) return status_;         \
+#define MEGAMOE_CHECK(expr)                                    \
+    do {                                                       \
+        const megamoe_status_t status_ = (expr);               \
+        if (status_ != MEGAMOE_STATUS_SUCCESS) return status_; \
     } while (0)
 
 std::string shape_string(const megamoe_tensor_t& tensor) {
@@ -35,7 +35,9 @@ std::string shape_string(const megamoe_tensor_t& tensor) {
     return text + "]";
 }
 
-bool is_valid_dtype(megamoe_dtype_t dtype) { return dtype >= MEGAMOE_DTYPE_BF16 && dtype <= MEGAMOE_DTYPE_I64; }
+bool is_valid_dtype(megamoe_dtype_t dtype) {
+    return dtype >= MEGAMOE_DTYPE_BF16 && dtype <= MEGAMOE_DTYPE_I64;
+}
 
 // Rank, dtype validity, non-negative extents, data pointer and row-major contiguity of one tensor.
 megamoe_status_t check_tensor(const char* name, const megamoe_tensor_t& tensor, int32_t ndim, const char* dims) {
@@ -44,7 +46,8 @@ megamoe_status_t check_tensor(const char* name, const megamoe_tensor_t& tensor, 
                          tensor.ndim);
     }
     if (!is_valid_dtype(tensor.dtype)) {
-        return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "%s: unknown dtype code %d", name, static_cast<int>(tensor.dtype));
+        return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "%s: unknown dtype code %d", name,
+                         static_cast<int>(tensor.dtype));
     }
     if (tensor.device_type != MEGAMOE_DEVICE_CPU && tensor.device_type != MEGAMOE_DEVICE_CUDA) {
         return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "%s: unknown device type code %d", name,
@@ -99,8 +102,9 @@ megamoe_status_t check_same_device(const char* name, const megamoe_tensor_t& ten
     const bool same = tensor.device_type == x.device_type &&
                       (x.device_type == MEGAMOE_DEVICE_CPU || tensor.device_index == x.device_index);
     if (!same) {
-        return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "%s: on %s:%d but x is on %s:%d; all tensors must share a device",
-                         name, tensor.device_type == MEGAMOE_DEVICE_CUDA ? "cuda" : "cpu", tensor.device_index,
+        return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT,
+                         "%s: on %s:%d but x is on %s:%d; all tensors must share a device", name,
+                         tensor.device_type == MEGAMOE_DEVICE_CUDA ? "cuda" : "cpu", tensor.device_index,
                          x.device_type == MEGAMOE_DEVICE_CUDA ? "cuda" : "cpu", x.device_index);
     }
     return MEGAMOE_STATUS_SUCCESS;
@@ -177,10 +181,18 @@ megamoe_status_t check_inputs(const megamoe_tensor_t& x, const megamoe_tensor_t&
     shape->topk = ids.shape[1];
     shape->num_experts = w13.shape[0];
     shape->intermediate = w2.shape[2];
-    if (shape->hidden == 0) return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "x: hidden size H must be > 0, got shape %s", shape_string(x).c_str());
-    if (shape->topk == 0) return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "topk_ids: topk must be > 0, got shape %s", shape_string(ids).c_str());
-    if (shape->num_experts == 0) return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "w13: number of experts E must be > 0, got shape %s", shape_string(w13).c_str());
-    if (shape->intermediate == 0) return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "w2: intermediate size I must be > 0, got shape %s", shape_string(w2).c_str());
+    if (shape->hidden == 0)
+        return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "x: hidden size H must be > 0, got shape %s",
+                         shape_string(x).c_str());
+    if (shape->topk == 0)
+        return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "topk_ids: topk must be > 0, got shape %s",
+                         shape_string(ids).c_str());
+    if (shape->num_experts == 0)
+        return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "w13: number of experts E must be > 0, got shape %s",
+                         shape_string(w13).c_str());
+    if (shape->intermediate == 0)
+        return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "w2: intermediate size I must be > 0, got shape %s",
+                         shape_string(w2).c_str());
     const int64_t T = shape->num_tokens, H = shape->hidden, I = shape->intermediate, E = shape->num_experts;
     MEGAMOE_CHECK(check_shape("topk_ids", ids, {T, shape->topk}, "[T, topk] (T from x)"));
     MEGAMOE_CHECK(check_shape("topk_weights", weights, {T, shape->topk}, "[T, topk] (as topk_ids)"));
@@ -191,7 +203,8 @@ megamoe_status_t check_inputs(const megamoe_tensor_t& x, const megamoe_tensor_t&
                          shape->num_slots());
     }
 
-    for (const Named& item : {Named{"topk_ids", &ids}, Named{"topk_weights", &weights}, Named{"w13", &w13}, Named{"w2", &w2}}) {
+    for (const Named& item :
+         {Named{"topk_ids", &ids}, Named{"topk_weights", &weights}, Named{"w13", &w13}, Named{"w2", &w2}}) {
         MEGAMOE_CHECK(check_same_device(item.name, *item.tensor, x));
     }
     if (x.device_type == MEGAMOE_DEVICE_CUDA) {
@@ -205,7 +218,8 @@ megamoe_status_t check_inputs(const megamoe_tensor_t& x, const megamoe_tensor_t&
         }
     }
     if (accum != MEGAMOE_ACCUM_DEFAULT && accum != MEGAMOE_ACCUM_F32 && accum != MEGAMOE_ACCUM_F64) {
-        return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "accum: unknown accumulation code %d", static_cast<int>(accum));
+        return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "accum: unknown accumulation code %d",
+                         static_cast<int>(accum));
     }
     return MEGAMOE_STATUS_SUCCESS;
 }
@@ -254,8 +268,9 @@ megamoe_status_t validate_backward(const megamoe_backward_params_t* params, Shap
     MEGAMOE_CHECK(check_shape("dy", p.dy, {T, H}, "[T, H] (as x)"));
     MEGAMOE_CHECK(check_dtype("dy", p.dy, p.x.dtype, p.x.dtype, "must equal the dtype of x"));
     MEGAMOE_CHECK(check_same_device("dy", p.dy, p.x));
-    std::vector<Named> inputs = {{"dy", &p.dy}, {"x", &p.x}, {"topk_ids", &p.topk_ids}, {"topk_weights", &p.topk_weights},
-                                 {"w13", &p.w13}, {"w2", &p.w2}};
+    std::vector<Named> inputs = {
+        {"dy", &p.dy},   {"x", &p.x},  {"topk_ids", &p.topk_ids}, {"topk_weights", &p.topk_weights},
+        {"w13", &p.w13}, {"w2", &p.w2}};
     const Named outputs[] = {{"dx", &p.dx}, {"dtopk_weights", &p.dtopk_weights}, {"dw13", &p.dw13}, {"dw2", &p.dw2}};
     if (is_present(p.dx)) {
         MEGAMOE_CHECK(check_output("dx", p.dx, p.x, 2, "[T, H]", {T, H}, p.x.dtype, p.x.dtype,
@@ -263,7 +278,8 @@ megamoe_status_t validate_backward(const megamoe_backward_params_t* params, Shap
     }
     if (is_present(p.dtopk_weights)) {
         MEGAMOE_CHECK(check_output("dtopk_weights", p.dtopk_weights, p.x, 2, "[T, topk]", {T, shape->topk},
-                                   MEGAMOE_DTYPE_F32, p.topk_weights.dtype, "f32 or the dtype of topk_weights", inputs));
+                                   MEGAMOE_DTYPE_F32, p.topk_weights.dtype, "f32 or the dtype of topk_weights",
+                                   inputs));
     }
     if (is_present(p.dw13)) {
         MEGAMOE_CHECK(check_output("dw13", p.dw13, p.x, 3, "[E, 2I, H]", {E, 2 * I, H}, p.w13.dtype, MEGAMOE_DTYPE_F32,
@@ -300,16 +316,24 @@ using megamoe::Shape;
 
 extern "C" {
 
-const char* megamoe_last_error(void) { return megamoe::last_error(); }
+const char* megamoe_last_error(void) {
+    return megamoe::last_error();
+}
 
 const char* megamoe_status_string(megamoe_status_t status) {
     switch (status) {
-        case MEGAMOE_STATUS_SUCCESS: return "MEGAMOE_STATUS_SUCCESS";
-        case MEGAMOE_STATUS_INVALID_ARGUMENT: return "MEGAMOE_STATUS_INVALID_ARGUMENT";
-        case MEGAMOE_STATUS_NOT_SUPPORTED: return "MEGAMOE_STATUS_NOT_SUPPORTED";
-        case MEGAMOE_STATUS_WORKSPACE_TOO_SMALL: return "MEGAMOE_STATUS_WORKSPACE_TOO_SMALL";
-        case MEGAMOE_STATUS_CUDA_ERROR: return "MEGAMOE_STATUS_CUDA_ERROR";
-        case MEGAMOE_STATUS_INTERNAL_ERROR: return "MEGAMOE_STATUS_INTERNAL_ERROR";
+        case MEGAMOE_STATUS_SUCCESS:
+            return "MEGAMOE_STATUS_SUCCESS";
+        case MEGAMOE_STATUS_INVALID_ARGUMENT:
+            return "MEGAMOE_STATUS_INVALID_ARGUMENT";
+        case MEGAMOE_STATUS_NOT_SUPPORTED:
+            return "MEGAMOE_STATUS_NOT_SUPPORTED";
+        case MEGAMOE_STATUS_WORKSPACE_TOO_SMALL:
+            return "MEGAMOE_STATUS_WORKSPACE_TOO_SMALL";
+        case MEGAMOE_STATUS_CUDA_ERROR:
+            return "MEGAMOE_STATUS_CUDA_ERROR";
+        case MEGAMOE_STATUS_INTERNAL_ERROR:
+            return "MEGAMOE_STATUS_INTERNAL_ERROR";
     }
     return "MEGAMOE_STATUS_UNKNOWN";
 }
@@ -349,8 +373,11 @@ megamoe_status_t megamoe_forward(const megamoe_forward_params_t* params) {
                                                megamoe::reference::forward_workspace_size(p, shape)));
         return megamoe::reference::forward(p, shape);
     }
-    MEGAMOE_CHECK(megamoe::check_cuda_pointers({{"x", &p.x}, {"topk_ids", &p.topk_ids},
-                                                {"topk_weights", &p.topk_weights}, {"w13", &p.w13}, {"w2", &p.w2},
+    MEGAMOE_CHECK(megamoe::check_cuda_pointers({{"x", &p.x},
+                                                {"topk_ids", &p.topk_ids},
+                                                {"topk_weights", &p.topk_weights},
+                                                {"w13", &p.w13},
+                                                {"w2", &p.w2},
                                                 {"y", &p.y}}));
     MEGAMOE_CHECK(
         megamoe::check_workspace(p.workspace, p.workspace_bytes, megamoe::cuda::forward_workspace_size(p, shape)));
@@ -368,9 +395,16 @@ megamoe_status_t megamoe_backward(const megamoe_backward_params_t* params) {
                                                megamoe::reference::backward_workspace_size(p, shape)));
         return megamoe::reference::backward(p, shape);
     }
-    MEGAMOE_CHECK(megamoe::check_cuda_pointers(
-        {{"dy", &p.dy}, {"x", &p.x}, {"topk_ids", &p.topk_ids}, {"topk_weights", &p.topk_weights}, {"w13", &p.w13},
-         {"w2", &p.w2}, {"dx", &p.dx}, {"dtopk_weights", &p.dtopk_weights}, {"dw13", &p.dw13}, {"dw2", &p.dw2}}));
+    MEGAMOE_CHECK(megamoe::check_cuda_pointers({{"dy", &p.dy},
+                                                {"x", &p.x},
+                                                {"topk_ids", &p.topk_ids},
+                                                {"topk_weights", &p.topk_weights},
+                                                {"w13", &p.w13},
+                                                {"w2", &p.w2},
+                                                {"dx", &p.dx},
+                                                {"dtopk_weights", &p.dtopk_weights},
+                                                {"dw13", &p.dw13},
+                                                {"dw2", &p.dw2}}));
     MEGAMOE_CHECK(
         megamoe::check_workspace(p.workspace, p.workspace_bytes, megamoe::cuda::backward_workspace_size(p, shape)));
     return megamoe::cuda::backward(p, shape);

@@ -12,11 +12,11 @@ namespace megamoe {
 
 // The sizes of one problem, read off validated tensors (DESIGN.md section 1 names).
 struct Shape {
-    int64_t num_tokens;    // T
-    int64_t hidden;        // H
-    int64_t intermediate;  // I
-    int64_t num_experts;   // E
-    int64_t topk;          // routed experts per token
+    int64_t num_tokens;                                      // T
+    int64_t hidden;                                          // H
+    int64_t intermediate;                                    // I
+    int64_t num_experts;                                     // E
+    int64_t topk;                                            // routed experts per token
     int64_t num_slots() const { return num_tokens * topk; }  // T * topk
 };
 

@@ -19,8 +19,12 @@ megamoe_status_t set_error(megamoe_status_t status, const char* fmt, ...) {
     return status;
 }
 
-void clear_error() { g_last_error.clear(); }
+void clear_error() {
+    g_last_error.clear();
+}
 
-const char* last_error() { return g_last_error.c_str(); }
+const char* last_error() {
+    return g_last_error.c_str();
+}
 
 }  // namespace megamoe

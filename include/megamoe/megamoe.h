@@ -42,7 +42,7 @@ typedef enum {
     MEGAMOE_STATUS_INVALID_ARGUMENT = 1,  // a tensor or option is wrong; the message names it
     MEGAMOE_STATUS_NOT_SUPPORTED = 2,     // valid input this build / device cannot run (e.g. f32 on CUDA)
     MEGAMOE_STATUS_WORKSPACE_TOO_SMALL = 3,
-    MEGAMOE_STATUS_CUDA_ERROR = 4,        // a CUDA or cuBLAS call failed; the message has its text
+    MEGAMOE_STATUS_CUDA_ERROR = 4,  // a CUDA or cuBLAS call failed; the message has its text
     MEGAMOE_STATUS_INTERNAL_ERROR = 5,
 } megamoe_status_t;
 
@@ -93,20 +93,20 @@ typedef struct {
 
 /* Backward: given dy, the gradients of DESIGN.md section 1 (dx, d topk_weights, dw13, dw2). */
 typedef struct {
-    megamoe_tensor_t dy;            // [T, H] gradient of y, dtype of x
-    megamoe_tensor_t x;             // [T, H] forward input
-    megamoe_tensor_t topk_ids;      // [T, topk] forward input
-    megamoe_tensor_t topk_weights;  // [T, topk] forward input
-    megamoe_tensor_t w13;           // [E, 2I, H] forward input
-    megamoe_tensor_t w2;            // [E, H, I] forward input
-    megamoe_tensor_t dx;            // [T, H] output, dtype of x; optional (data NULL = not wanted)
-    megamoe_tensor_t dtopk_weights; // [T, topk] output, f32 or dtype of topk_weights; 0 for dropped slots; optional
-    megamoe_tensor_t dw13;          // [E, 2I, H] output, dtype of w13 or f32; zero for experts with no tokens; optional
-    megamoe_tensor_t dw2;           // [E, H, I] output, dtype of w2 or f32; optional
-    megamoe_accum_t accum;          // accumulation precision
-    void* workspace;                // device (CUDA) or host (CPU) scratch of workspace_bytes
-    size_t workspace_bytes;         // at least megamoe_backward_workspace_size()
-    void* stream;                   // cudaStream_t for CUDA tensors (NULL = legacy default); ignored on CPU
+    megamoe_tensor_t dy;             // [T, H] gradient of y, dtype of x
+    megamoe_tensor_t x;              // [T, H] forward input
+    megamoe_tensor_t topk_ids;       // [T, topk] forward input
+    megamoe_tensor_t topk_weights;   // [T, topk] forward input
+    megamoe_tensor_t w13;            // [E, 2I, H] forward input
+    megamoe_tensor_t w2;             // [E, H, I] forward input
+    megamoe_tensor_t dx;             // [T, H] output, dtype of x; optional (data NULL = not wanted)
+    megamoe_tensor_t dtopk_weights;  // [T, topk] output, f32 or dtype of topk_weights; 0 for dropped slots; optional
+    megamoe_tensor_t dw13;   // [E, 2I, H] output, dtype of w13 or f32; zero for experts with no tokens; optional
+    megamoe_tensor_t dw2;    // [E, H, I] output, dtype of w2 or f32; optional
+    megamoe_accum_t accum;   // accumulation precision
+    void* workspace;         // device (CUDA) or host (CPU) scratch of workspace_bytes
+    size_t workspace_bytes;  // at least megamoe_backward_workspace_size()
+    void* stream;            // cudaStream_t for CUDA tensors (NULL = legacy default); ignored on CPU
 } megamoe_backward_params_t;
 
 /* The message of the last failed call on this thread ("" after a success). Never NULL. */
@@ -118,8 +118,7 @@ MEGAMOE_API int32_t megamoe_version(void);
 
 /* Workspace bytes the call needs for these shapes, dtypes and device (data pointers are not read). */
 MEGAMOE_API megamoe_status_t megamoe_forward_workspace_size(const megamoe_forward_params_t* params, size_t* bytes);
-MEGAMOE_API megamoe_status_t megamoe_backward_workspace_size(const megamoe_backward_params_t* params,
-                                                             size_t* bytes);
+MEGAMOE_API megamoe_status_t megamoe_backward_workspace_size(const megamoe_backward_params_t* params, size_t* bytes);
 
 /* Validate, then run. All tensors must be on one device. CUDA calls are asynchronous on params->stream. */
 MEGAMOE_API megamoe_status_t megamoe_forward(const megamoe_forward_params_t* params);

@@ -19,7 +19,8 @@ template <typename Acc>
 std::vector<Acc> widen(const megamoe_tensor_t& tensor) {
     const int64_t count = numel(tensor);
     std::vector<Acc> values(static_cast<size_t>(count));
-    for (int64_t idx = 0; idx < count; ++idx) values[idx] = static_cast<Acc>(load_element(tensor.data, tensor.dtype, idx));
+    for (int64_t idx = 0; idx < count; ++idx)
+        values[idx] = static_cast<Acc>(load_element(tensor.data, tensor.dtype, idx));
     return values;
 }
 
@@ -32,11 +33,11 @@ Acc sigmoid(Acc value) {
 template <typename Acc>
 struct Inputs {
     Shape shape;
-    std::vector<Acc> x;             // [T, H]
-    std::vector<int64_t> expert;    // [T * topk], -1 = dropped
-    std::vector<Acc> weight;        // [T * topk]
-    std::vector<Acc> w13;           // [E, 2I, H]
-    std::vector<Acc> w2;            // [E, H, I]
+    std::vector<Acc> x;           // [T, H]
+    std::vector<int64_t> expert;  // [T * topk], -1 = dropped
+    std::vector<Acc> weight;      // [T * topk]
+    std::vector<Acc> w13;         // [E, 2I, H]
+    std::vector<Acc> w2;          // [E, H, I]
 
     Inputs(const Shape& problem, const megamoe_tensor_t& x_t, const megamoe_tensor_t& ids_t,
            const megamoe_tensor_t& weights_t, const megamoe_tensor_t& w13_t, const megamoe_tensor_t& w2_t)
@@ -46,7 +47,8 @@ struct Inputs {
           weight(widen<Acc>(weights_t)),
           w13(widen<Acc>(w13_t)),
           w2(widen<Acc>(w2_t)) {
-        for (int64_t slot = 0; slot < problem.num_slots(); ++slot) expert[slot] = load_index(ids_t.data, ids_t.dtype, slot);
+        for (int64_t slot = 0; slot < problem.num_slots(); ++slot)
+            expert[slot] = load_index(ids_t.data, ids_t.dtype, slot);
     }
 
     // g, u = W13[e] x_t and a = silu(g) * u, each [I].
@@ -97,7 +99,7 @@ megamoe_status_t backward_impl(const megamoe_backward_params_t& p, const Shape& 
     const int64_t T = shape.num_tokens, H = shape.hidden, I = shape.intermediate, E = shape.num_experts;
     const int64_t topk = shape.topk, S = shape.num_slots();
     std::vector<Acc> dh(static_cast<size_t>(S * 2 * I), Acc(0));  // [S, 2I] = [dg, du] per slot
-    std::vector<Acc> act(static_cast<size_t>(S * I), Acc(0));      // [S, I]
+    std::vector<Acc> act(static_cast<size_t>(S * I), Acc(0));     // [S, I]
 
     // Per slot: p = W2[e]^T dy_t, ds = <p, a>, da = s p, then dSwiGLU into dh.
 #pragma omp parallel for schedule(dynamic)
@@ -167,8 +169,12 @@ megamoe_status_t backward_impl(const megamoe_backward_params_t& p, const Shape& 
 
 }  // namespace
 
-size_t forward_workspace_size(const megamoe_forward_params_t&, const Shape&) { return 0; }
-size_t backward_workspace_size(const megamoe_backward_params_t&, const Shape&) { return 0; }
+size_t forward_workspace_size(const megamoe_forward_params_t&, const Shape&) {
+    return 0;
+}
+size_t backward_workspace_size(const megamoe_backward_params_t&, const Shape&) {
+    return 0;
+}
 
 megamoe_status_t forward(const megamoe_forward_params_t& params, const Shape& shape) {
     return params.accum == MEGAMOE_ACCUM_F32 ? forward_impl<float>(params, shape) : forward_impl<double>(params, shape);

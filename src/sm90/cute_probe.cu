@@ -56,7 +56,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
 cudaError_t launch_cute_probe(const void* a, const void* b, float* d, cudaStream_t stream) {
     probe_kernel<<<1, kNumThreads, 0, stream>>>(static_cast<const cute::bfloat16_t*>(a),
-                                                 static_cast<const cute::bfloat16_t*>(b), d);
+                                                static_cast<const cute::bfloat16_t*>(b), d);
     return cudaGetLastError();
 }
 

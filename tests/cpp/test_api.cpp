@@ -46,7 +46,8 @@ TEST(Api, BadForwardInputsNameTheArgument) {
          MEGAMOE_STATUS_INVALID_ARGUMENT, "w2:"},
         {"w2 dtype differs", [](Problem&, megamoe_forward_params_t& p, HostTensor&) { p.w2.dtype = MEGAMOE_DTYPE_F64; },
          MEGAMOE_STATUS_INVALID_ARGUMENT, "w2:"},
-        {"ids float dtype", [](Problem&, megamoe_forward_params_t& p, HostTensor&) { p.topk_ids.dtype = MEGAMOE_DTYPE_F32; },
+        {"ids float dtype",
+         [](Problem&, megamoe_forward_params_t& p, HostTensor&) { p.topk_ids.dtype = MEGAMOE_DTYPE_F32; },
          MEGAMOE_STATUS_INVALID_ARGUMENT, "topk_ids:"},
         {"ids T mismatch", [](Problem&, megamoe_forward_params_t& p, HostTensor&) { p.topk_ids.shape[0] = 5; },
          MEGAMOE_STATUS_INVALID_ARGUMENT, "topk_ids:"},
@@ -54,15 +55,24 @@ TEST(Api, BadForwardInputsNameTheArgument) {
          MEGAMOE_STATUS_INVALID_ARGUMENT, "topk_ids: value 3 at [1, 1]", true},
         {"ids out of range low", [](Problem& pr, megamoe_forward_params_t&, HostTensor&) { pr.ids.set(0, -2); },
          MEGAMOE_STATUS_INVALID_ARGUMENT, "topk_ids: value -2", true},
-        {"topk = 0", [](Problem&, megamoe_forward_params_t& p, HostTensor&) { p.topk_ids.shape[1] = 0; p.topk_weights.shape[1] = 0; },
+        {"topk = 0",
+         [](Problem&, megamoe_forward_params_t& p, HostTensor&) {
+             p.topk_ids.shape[1] = 0;
+             p.topk_weights.shape[1] = 0;
+         },
          MEGAMOE_STATUS_INVALID_ARGUMENT, "topk_ids: topk must be > 0"},
-        {"E = 0", [](Problem&, megamoe_forward_params_t& p, HostTensor&) { p.w13.shape[0] = 0; p.w2.shape[0] = 0; },
+        {"E = 0",
+         [](Problem&, megamoe_forward_params_t& p, HostTensor&) {
+             p.w13.shape[0] = 0;
+             p.w2.shape[0] = 0;
+         },
          MEGAMOE_STATUS_INVALID_ARGUMENT, "w13: number of experts"},
         {"H = 0", [](Problem&, megamoe_forward_params_t& p, HostTensor&) { p.x.shape[1] = 0; },
          MEGAMOE_STATUS_INVALID_ARGUMENT, "x: hidden size"},
         {"weights shape", [](Problem&, megamoe_forward_params_t& p, HostTensor&) { p.topk_weights.shape[1] = 3; },
          MEGAMOE_STATUS_INVALID_ARGUMENT, "topk_weights:"},
-        {"weights dtype", [](Problem&, megamoe_forward_params_t& p, HostTensor&) { p.topk_weights.dtype = MEGAMOE_DTYPE_I64; },
+        {"weights dtype",
+         [](Problem&, megamoe_forward_params_t& p, HostTensor&) { p.topk_weights.dtype = MEGAMOE_DTYPE_I64; },
          MEGAMOE_STATUS_INVALID_ARGUMENT, "topk_weights:"},
         {"y wrong shape", [](Problem&, megamoe_forward_params_t& p, HostTensor&) { p.y.shape[1] = 11; },
          MEGAMOE_STATUS_INVALID_ARGUMENT, "y:"},
@@ -70,16 +80,20 @@ TEST(Api, BadForwardInputsNameTheArgument) {
          MEGAMOE_STATUS_INVALID_ARGUMENT, "y:"},
         {"y aliases x", [](Problem&, megamoe_forward_params_t& p, HostTensor&) { p.y.data = p.x.data; },
          MEGAMOE_STATUS_INVALID_ARGUMENT, "y: overlaps the memory of x"},
-        {"mixed devices", [](Problem&, megamoe_forward_params_t& p, HostTensor&) { p.w2.device_type = MEGAMOE_DEVICE_CUDA; },
+        {"mixed devices",
+         [](Problem&, megamoe_forward_params_t& p, HostTensor&) { p.w2.device_type = MEGAMOE_DEVICE_CUDA; },
          MEGAMOE_STATUS_INVALID_ARGUMENT, "w2: on cuda"},
-        {"unknown device", [](Problem&, megamoe_forward_params_t& p, HostTensor&) { p.w13.device_type = (megamoe_device_type_t)7; },
+        {"unknown device",
+         [](Problem&, megamoe_forward_params_t& p, HostTensor&) { p.w13.device_type = (megamoe_device_type_t)7; },
          MEGAMOE_STATUS_INVALID_ARGUMENT, "w13: unknown device"},
         {"negative extent", [](Problem&, megamoe_forward_params_t& p, HostTensor&) { p.x.shape[0] = -1; },
          MEGAMOE_STATUS_INVALID_ARGUMENT, "x: negative extent"},
         {"unknown accum", [](Problem&, megamoe_forward_params_t& p, HostTensor&) { p.accum = (megamoe_accum_t)9; },
          MEGAMOE_STATUS_INVALID_ARGUMENT, "accum:"},
-        {"f32 on CUDA", [](Problem&, megamoe_forward_params_t& p, HostTensor&) {
-             for (megamoe_tensor_t* t : {&p.x, &p.topk_ids, &p.topk_weights, &p.w13, &p.w2, &p.y}) t->device_type = MEGAMOE_DEVICE_CUDA;
+        {"f32 on CUDA",
+         [](Problem&, megamoe_forward_params_t& p, HostTensor&) {
+             for (megamoe_tensor_t* t : {&p.x, &p.topk_ids, &p.topk_weights, &p.w13, &p.w2, &p.y})
+                 t->device_type = MEGAMOE_DEVICE_CUDA;
          },
          MEGAMOE_STATUS_NOT_SUPPORTED, "x: dtype f32 is not supported on CUDA"},
     };

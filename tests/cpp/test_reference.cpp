@@ -69,7 +69,7 @@ TEST(Reference, DroppedSlotsAndEmptyExpertsGiveExactZeros) {
     Problem problem{9, 6, 5, 6, 3};
     problem.routing = Routing::kHalfEmpty;
     problem.make(rng);
-    problem.ids.set(0, -1);  // token 0 keeps two slots
+    problem.ids.set(0, -1);                                                                // token 0 keeps two slots
     for (int64_t j = 0; j < problem.topk; ++j) problem.ids.set(1 * problem.topk + j, -1);  // token 1: all dropped
     HostTensor y(problem.dtype, {problem.num_tokens, problem.hidden});
     y.fill(NAN);
@@ -79,7 +79,8 @@ TEST(Reference, DroppedSlotsAndEmptyExpertsGiveExactZeros) {
     Grads grads = backward(problem);
     EXPECT_EQ(grads.dw.get(0), 0.0);
     for (int64_t h = 0; h < problem.hidden; ++h) EXPECT_EQ(grads.dx.get(1 * problem.hidden + h), 0.0);
-    const int64_t per_expert13 = 2 * problem.intermediate * problem.hidden, per_expert2 = problem.hidden * problem.intermediate;
+    const int64_t per_expert13 = 2 * problem.intermediate * problem.hidden,
+                  per_expert2 = problem.hidden * problem.intermediate;
     for (int64_t e = 1; e < problem.num_experts; e += 2) {  // odd experts never chosen
         for (int64_t idx = 0; idx < per_expert13; ++idx) ASSERT_EQ(grads.dw13.get(e * per_expert13 + idx), 0.0);
         for (int64_t idx = 0; idx < per_expert2; ++idx) ASSERT_EQ(grads.dw2.get(e * per_expert2 + idx), 0.0);

@@ -119,8 +119,7 @@ struct Problem {
         return p;
     }
 
-    megamoe_backward_params_t backward_params(HostTensor& dx, HostTensor& dw, HostTensor& dw13,
-                                              HostTensor& dw2) const {
+    megamoe_backward_params_t backward_params(HostTensor& dx, HostTensor& dw, HostTensor& dw13, HostTensor& dw2) const {
         megamoe_backward_params_t p{};
         p.dy = dy.view;
         p.x = x.view;
