@@ -15,7 +15,7 @@ if [ ${#missing[@]} -gt 0 ]; then
     $SUDO apt-get update -qq && $SUDO apt-get install -y -qq "${missing[@]}"
 fi
 "$PYTHON" -m pip install -q --disable-pip-version-check "torch>=2.6" numpy pytest "nvidia-cutlass==4.2.0.0" \
-    "scikit-build-core>=0.10"
+    "scikit-build-core>=0.10" "transformers>=5,<6" tqdm
 
 # C++: the library and the GoogleTest suite.
 cmake -S . -B build -G Ninja -DCMAKE_BUILD_TYPE=Release

@@ -1,12 +1,24 @@
 """megamoe: a trainable fused Mixture-of-Experts layer for NVIDIA Hopper GPUs.
 
     y = megamoe.moe(x, topk_ids, topk_weights, w13, w2)   # autograd, torch.compile and CUDA graphs
+    block = megamoe.MoEBlock(hidden, intermediate, num_experts, topk)   # router + experts, nn.Module
+    import megamoe.hf                                     # registers experts_implementation="megamoe" in transformers
 
 See README.md for the API and docs/DESIGN.md for the math and the kernels.
 """
 
+from .modules import MoEBlock, MoEBlockOutput, MoEExperts, load_balancing_loss
 from .ops import moe, moe_backward, moe_forward
 
 __version__ = "0.1.0"
 
-__all__ = ["moe", "moe_forward", "moe_backward", "__version__"]
+__all__ = [
+    "moe",
+    "moe_forward",
+    "moe_backward",
+    "MoEExperts",
+    "MoEBlock",
+    "MoEBlockOutput",
+    "load_balancing_loss",
+    "__version__",
+]

@@ -1,0 +1,168 @@
+"""nn.Modules over `megamoe.moe`, for users without Hugging Face transformers.
+
+    experts = MoEExperts(num_experts, hidden, intermediate)   # w13 [E, 2I, H], w2 [E, H, I]
+    y = experts(x, topk_ids, topk_weights)                    # routing done by the caller
+
+    block = MoEBlock(hidden, intermediate, num_experts, topk)  # router + experts
+    y, router_logits = block(x)                               # x [B, S, H] or [T, H]
+
+The router follows Qwen3-MoE / prime-rl: logits in (at least) fp32 -> softmax -> top-k -> optional
+renormalisation of the top-k probabilities. The router logits come back for auxiliary losses
+(`load_balancing_loss` computes the Switch-Transformer / Qwen3-MoE one).
+"""
+
+from typing import NamedTuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from .ops import moe
+
+
+def _router_dtype(dtype):
+    """The router runs in fp32, or in fp64 for fp64 inputs (so fp64 tests stay exact)."""
+    return torch.promote_types(dtype, torch.float32)
+
+
+class MoEExperts(nn.Module):
+    """The routed experts: `num_experts` SwiGLU MLPs as two stacked weights, run by `megamoe.moe`.
+
+    Parameters (Hugging Face names in brackets; the properties `gate_up_proj` / `down_proj` return the same
+    Parameter objects, and `load_state_dict` accepts either name):
+        w13 [E, 2I, H]  (`gate_up_proj`): rows [0, I) gate, rows [I, 2I) up.
+        w2  [E, H, I]   (`down_proj`).
+
+    Initialised like Hugging Face Qwen3-MoE: normal(0, init_std).
+    """
+
+    def __init__(self, num_experts, hidden, intermediate, dtype=None, device=None, init_std=0.02):
+        super().__init__()
+        factory = {"dtype": dtype, "device": device}
+        self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
+        self.init_std = init_std
+        self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, **factory))  # [E, 2I, H]
+        self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate, **factory))  # [E, H, I]
+        self.register_load_state_dict_pre_hook(_accept_hf_names)
+        self.reset_parameters()
+
+    def reset_parameters(self):
+        """normal(0, init_std) for both weights, as Hugging Face initialises its experts."""
+        nn.init.normal_(self.w13, mean=0.0, std=self.init_std)
+        nn.init.normal_(self.w2, mean=0.0, std=self.init_std)
+
+    @property
+    def gate_up_proj(self):
+        """Hugging Face's name for `w13` (the same Parameter)."""
+        return self.w13
+
+    @property
+    def down_proj(self):
+        """Hugging Face's name for `w2` (the same Parameter)."""
+        return self.w2
+
+    def forward(self, x, topk_ids, topk_weights):
+        """x [..., H], topk_ids [..., topk] (-1 = dropped slot), topk_weights [..., topk] -> y [..., H] in x's dtype.
+
+        topk_weights may be fp32 or x's dtype; any other float dtype is cast to fp32.
+        """
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.hidden)  # [T, H]
+        ids = topk_ids.reshape(x2.shape[0], -1)  # [T, topk]
+        weights = topk_weights.reshape(ids.shape)  # [T, topk]
+        if weights.dtype not in (torch.float32, x.dtype):
+            weights = weights.float()
+        y = moe(x2, ids, weights, self.w13, self.w2)  # [T, H]
+        return y.reshape(*lead, self.hidden)
+
+    def extra_repr(self):
+        return f"num_experts={self.num_experts}, hidden={self.hidden}, intermediate={self.intermediate}"
+
+
+def _accept_hf_names(module, state_dict, prefix, *args):
+    """load_state_dict pre-hook: rename Hugging Face `gate_up_proj` / `down_proj` keys to `w13` / `w2`."""
+    for hf_name, ours in (("gate_up_proj", "w13"), ("down_proj", "w2")):
+        if prefix + hf_name in state_dict and prefix + ours not in state_dict:
+            state_dict[prefix + ours] = state_dict.pop(prefix + hf_name)
+
+
+class MoEBlockOutput(NamedTuple):
+    """What `MoEBlock.forward` returns; unpacks as `y, router_logits = block(x)`.
+
+    y             [..., H]  x's dtype.
+    router_logits [..., E]  fp32 (fp64 for fp64 inputs), before the softmax; same leading dims as x.
+    """
+
+    y: torch.Tensor
+    router_logits: torch.Tensor
+
+
+def route(router_logits, topk, norm_topk_prob=True):
+    """softmax -> top-k -> optional renormalisation, as Qwen3-MoE does.
+
+    router_logits [T, E] -> (topk_ids [T, topk] int64, topk_weights [T, topk] in the logits' dtype).
+    """
+    probs = torch.softmax(router_logits, dim=-1)  # [T, E]
+    topk_weights, topk_ids = torch.topk(probs, topk, dim=-1)  # [T, topk]
+    if norm_topk_prob:
+        topk_weights = topk_weights / topk_weights.sum(dim=-1, keepdim=True)
+    return topk_ids, topk_weights
+
+
+class MoEBlock(nn.Module):
+    """A routed-expert block: router Linear -> softmax -> top-k -> optional renormalisation -> MoEExperts.
+
+    forward(x) with x [B, S, H] or [T, H] returns `MoEBlockOutput(y, router_logits)`: y has x's shape and
+    dtype, router_logits x's leading dims by E. The router weight `router.weight` [E, H] (Hugging Face
+    Qwen3-MoE calls it `gate.weight`) is stored in the block's dtype and applied in fp32 (fp64 for fp64
+    inputs); the top-k weights reach the experts in that precision. Experts are in `experts`.
+    """
+
+    def __init__(
+        self, hidden, intermediate, num_experts, topk, norm_topk_prob=True, dtype=None, device=None, init_std=0.02
+    ):
+        super().__init__()
+        if not 0 < topk <= num_experts:
+            raise ValueError(f"megamoe: topk must be in [1, num_experts={num_experts}], got {topk}")
+        self.hidden, self.num_experts, self.topk = hidden, num_experts, topk
+        self.norm_topk_prob = norm_topk_prob
+        self.init_std = init_std
+        self.router = nn.Linear(hidden, num_experts, bias=False, dtype=dtype, device=device)  # weight [E, H]
+        self.experts = MoEExperts(num_experts, hidden, intermediate, dtype=dtype, device=device, init_std=init_std)
+        nn.init.normal_(self.router.weight, mean=0.0, std=init_std)
+
+    def router_logits(self, x):
+        """x [T, H] -> router logits [T, E] in fp32 (fp64 for fp64 x)."""
+        dtype = _router_dtype(x.dtype)
+        return F.linear(x.to(dtype), self.router.weight.to(dtype))
+
+    def forward(self, x):
+        lead = x.shape[:-1]
+        x2 = x.reshape(-1, self.hidden)  # [T, H]
+        logits = self.router_logits(x2)  # [T, E]
+        topk_ids, topk_weights = route(logits, self.topk, self.norm_topk_prob)  # [T, topk] each
+        y = self.experts(x2, topk_ids, topk_weights)  # [T, H]
+        return MoEBlockOutput(y.reshape(x.shape), logits.reshape(*lead, self.num_experts))
+
+    def extra_repr(self):
+        return f"topk={self.topk}, norm_topk_prob={self.norm_topk_prob}"
+
+
+def load_balancing_loss(router_logits, topk):
+    """The Switch-Transformer auxiliary loss as Hugging Face Qwen3-MoE computes it (without attention mask).
+
+    router_logits: one tensor [..., E] or a list/tuple of them (e.g. one per layer, concatenated over tokens).
+    Returns E * sum_e f_e P_e, where f_e is the number of top-k slots choosing expert e per token and P_e the mean
+    router probability of e; only P carries a gradient. Multiply by the aux-loss coefficient (Qwen3-MoE: 0.001)
+    and add it to the loss. No host synchronisation.
+    """
+    if isinstance(router_logits, (list, tuple)):
+        router_logits = torch.cat([r.reshape(-1, r.shape[-1]) for r in router_logits], dim=0)
+    num_experts = router_logits.shape[-1]
+    probs = torch.softmax(router_logits.reshape(-1, num_experts).float(), dim=-1)  # [T, E]
+    chosen = torch.topk(probs, topk, dim=-1).indices.reshape(-1)  # [T * topk]
+    counts = torch.zeros(num_experts, dtype=probs.dtype, device=probs.device)
+    counts.scatter_add_(0, chosen, torch.ones_like(chosen, dtype=probs.dtype))  # [E], exact small integers
+    tokens_per_expert = counts / probs.shape[0]  # [E]
+    prob_per_expert = probs.mean(dim=0)  # [E]
+    return num_experts * (tokens_per_expert * prob_per_expert).sum()
