@@ -3,7 +3,10 @@
 // of the caller's workspace (256-byte aligned, sized by host-known bounds: S = T * topk rows).
 //
 // Forward:  routing -> up GEMM (x gathered, SwiGLU epilogue) -> a [S, I]
-//           -> down GEMM -> o f32 [S, H] -> gather_sum with topk_weights -> y.
+//           -> down GEMM -> o [S, H] (element type) -> gather_sum with topk_weights -> y.
+//           The GEMMs run on the fused sm_90a kernels (sm90/grouped_gemm_sm90.h) on a compute capability 9.0
+//           device when the operands suit them, else on the portable kernels; MEGAMOE_DISABLE_SM90=1 forces
+//           the portable ones. Both write the same buffers, so the workspace is the same.
 // Backward: routing -> up GEMM -> h = [g, u] [S, 2I] (the forward is recomputed)
 //           -> dH GEMM (dy gathered x w2[e]) -> p f32 [S, I]
 //           -> dswiglu_rows: ds, dh over h in place, s * a -> finalize d topk_weights
@@ -12,11 +15,16 @@
 #include "cuda/cuda_path.h"
 
 #include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <map>
+#include <mutex>
 
 #include "cuda/cuda_utils.h"
 #include "cuda/elementwise.h"
 #include "cuda/grouped_gemm.h"
 #include "cuda/routing.h"
+#include "sm90/grouped_gemm_sm90.h"
 
 namespace megamoe::cuda {
 namespace {
@@ -24,14 +32,14 @@ namespace {
 struct ForwardWorkspace {
     RoutingBuffers routing;
     uint16_t* act;  // [S, I] element type
-    float* out;     // [S, H]
+    uint16_t* out;  // [S, H] element type
 
     static ForwardWorkspace carve(WorkspaceCarver& carver, const RoutingPlan& plan, const Shape& shape) {
         ForwardWorkspace workspace;
         const int64_t num_slots = shape.num_slots();
         workspace.routing = RoutingBuffers::carve(carver, plan);
         workspace.act = carver.take<uint16_t>(num_slots * shape.intermediate);
-        workspace.out = carver.take<float>(num_slots * shape.hidden);
+        workspace.out = carver.take<uint16_t>(num_slots * shape.hidden);
         return workspace;
     }
 };
@@ -89,9 +97,69 @@ size_t output_element_bytes(megamoe_dtype_t dtype) {
     return dtype == MEGAMOE_DTYPE_F32 ? 4 : 2;
 }
 
+// What the forward needs to know of a device, read once per device.
+struct DeviceInfo {
+    int major = 0;
+    int minor = 0;
+    int num_sms = 0;
+};
+
+DeviceInfo device_info(int device_index) {
+    static std::mutex mutex;
+    static std::map<int, DeviceInfo> cache;
+    const std::lock_guard<std::mutex> lock(mutex);
+    const auto found = cache.find(device_index);
+    if (found != cache.end()) return found->second;
+    DeviceInfo info;
+    cudaDeviceProp prop{};
+    if (cudaGetDeviceProperties(&prop, device_index) == cudaSuccess) {
+        info.major = prop.major;
+        info.minor = prop.minor;
+        info.num_sms = prop.multiProcessorCount;
+    } else {
+        cudaGetLastError();
+    }
+    cache.emplace(device_index, info);
+    return info;
+}
+
+bool sm90_disabled_by_env() {
+    const char* value = std::getenv("MEGAMOE_DISABLE_SM90");
+    return value != nullptr && value[0] != '\0' && std::strcmp(value, "0") != 0;
+}
+
+// The two GEMMs of the forward: up (x gathered by sorted slot, w13) and down (a, w2).
+struct ForwardGemms {
+    MGroupedGemmArgs up;
+    MGroupedGemmArgs down;
+
+    static ForwardGemms make(const megamoe_forward_params_t& params, const Shape& shape, const RoutingPlan& plan,
+                             const ForwardWorkspace& workspace) {
+        ForwardGemms gemms;
+        gemms.up = up_gemm_args(params.x.dtype, params.x.data, params.w13.data, plan, workspace.routing, shape);
+        gemms.down = gemms.up;
+        gemms.down.a = workspace.act;
+        gemms.down.lda = shape.intermediate;
+        gemms.down.a_gather_slots = nullptr;
+        gemms.down.b = params.w2.data;
+        gemms.down.b_expert_stride = shape.hidden * shape.intermediate;
+        gemms.down.ldb = shape.intermediate;
+        gemms.down.n = shape.hidden;
+        gemms.down.k = shape.intermediate;
+        return gemms;
+    }
+
+    bool sm90_ok(int device_index) const {
+        if (sm90_disabled_by_env()) return false;
+        const DeviceInfo info = device_info(device_index);
+        return info.major == 9 && info.minor == 0 && sm90::m_grouped_gemm_sm90_supported(up, true) &&
+               sm90::m_grouped_gemm_sm90_supported(down, false);
+    }
+};
+
 megamoe_status_t forward_on_device(const megamoe_forward_params_t& params, const Shape& shape) {
     const auto stream = static_cast<cudaStream_t>(params.stream);
-    const megamoe_dtype_t dtype = params.x.dtype;
+    const int device_index = params.x.device_index;
     const RoutingPlan plan = RoutingPlan::make(shape, kGemmBlockM);
     WorkspaceCarver carver(params.workspace);
     const ForwardWorkspace workspace = ForwardWorkspace::carve(carver, plan, shape);
@@ -99,23 +167,22 @@ megamoe_status_t forward_on_device(const megamoe_forward_params_t& params, const
 
     MEGAMOE_CUDA_RETURN_IF_ERROR(launch_routing(params.topk_ids.data, params.topk_ids.dtype, plan, routing, stream));
 
-    const MGroupedGemmArgs up = up_gemm_args(dtype, params.x.data, params.w13.data, plan, routing, shape);
-    MEGAMOE_CUDA_RETURN_IF_ERROR(launch_m_grouped_gemm_swiglu(up, nullptr, workspace.act, stream));
-
-    MGroupedGemmArgs down = up;
-    down.a = workspace.act;
-    down.lda = shape.intermediate;
-    down.a_gather_slots = nullptr;
-    down.b = params.w2.data;
-    down.b_expert_stride = shape.hidden * shape.intermediate;
-    down.ldb = shape.intermediate;
-    down.n = shape.hidden;
-    down.k = shape.intermediate;
-    MEGAMOE_CUDA_RETURN_IF_ERROR(launch_m_grouped_gemm_f32(down, BLayout::kNK, workspace.out, shape.hidden, stream));
+    const ForwardGemms gemms = ForwardGemms::make(params, shape, plan, workspace);
+    if (gemms.sm90_ok(device_index)) {
+        const int num_sms = device_info(device_index).num_sms;
+        MEGAMOE_CUDA_RETURN_IF_ERROR(
+            sm90::launch_m_grouped_gemm_sm90_swiglu(gemms.up, nullptr, workspace.act, num_sms, stream));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(
+            sm90::launch_m_grouped_gemm_sm90_store(gemms.down, workspace.out, shape.hidden, num_sms, stream));
+    } else {
+        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_m_grouped_gemm_swiglu(gemms.up, nullptr, workspace.act, stream));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_m_grouped_gemm_elem(gemms.down, workspace.out, shape.hidden, stream));
+    }
 
     GatherSumArgs combine{};
-    combine.out_dtype = dtype;
+    combine.out_dtype = params.x.dtype;
     combine.rows = workspace.out;
+    combine.rows_dtype = params.x.dtype;
     combine.slot_to_row = routing.slot_to_row;
     combine.weights = params.topk_weights.data;
     combine.weights_dtype = params.topk_weights.dtype;
@@ -199,6 +266,7 @@ megamoe_status_t backward_on_device(const megamoe_backward_params_t& params, con
         GatherSumArgs gather{};
         gather.out_dtype = dtype;
         gather.rows = workspace.p_then_q;
+        gather.rows_dtype = MEGAMOE_DTYPE_F32;
         gather.slot_to_row = routing.slot_to_row;
         gather.weights = nullptr;
         gather.token_invalid = routing.token_invalid;
@@ -257,6 +325,14 @@ megamoe_status_t forward(const megamoe_forward_params_t& params, const Shape& sh
                               "cudaMemsetAsync(y)");
     }
     return forward_on_device(params, shape);
+}
+
+bool forward_uses_sm90(const megamoe_forward_params_t& params, const Shape& shape) {
+    if (shape.num_slots() == 0) return false;
+    const RoutingPlan plan = RoutingPlan::make(shape, kGemmBlockM);
+    WorkspaceCarver carver(params.workspace);
+    const ForwardWorkspace workspace = ForwardWorkspace::carve(carver, plan, shape);
+    return ForwardGemms::make(params, shape, plan, workspace).sm90_ok(params.x.device_index);
 }
 
 size_t backward_workspace_size(const megamoe_backward_params_t& /*params*/, const Shape& shape) {

@@ -21,6 +21,9 @@ namespace megamoe::cuda {
 
 size_t forward_workspace_size(const megamoe_forward_params_t& params, const Shape& shape);
 megamoe_status_t forward(const megamoe_forward_params_t& params, const Shape& shape);
+// Whether forward() would run its GEMMs on the fused sm_90a kernels for these params (device, dtype,
+// alignment, MEGAMOE_DISABLE_SM90), else on the portable ones. For tests and benchmarks.
+bool forward_uses_sm90(const megamoe_forward_params_t& params, const Shape& shape);
 
 size_t backward_workspace_size(const megamoe_backward_params_t& params, const Shape& shape);
 megamoe_status_t backward(const megamoe_backward_params_t& params, const Shape& shape);

@@ -1,8 +1,8 @@
 // Row kernels of the portable CUDA path (math in elementwise.h).
 //
-// gather_sum: block (token t, column tile); each of 256 threads owns 4 consecutive columns (one
-//   float4 of every source row when aligned) and adds the token's rows in j order: the sum order is
-//   fixed, so results are bitwise reproducible. No shared memory.
+// gather_sum: block (token t, column tile); each of 256 threads owns 4 consecutive columns (one float4
+//   or 8-byte load of every source row when aligned) and adds the token's rows in j order: the sum order
+//   is fixed, so results are bitwise reproducible. No shared memory.
 // dswiglu_rows: one block of 256 threads per sorted row; thread i handles columns i, i + 256, ... of
 //   the row in order, then a fixed shuffle tree and the 8 warp sums in warp order give ds
 //   (deterministic). Shared memory: 8 floats. Blocks past the device-side row count exit at once.
@@ -26,7 +26,32 @@ constexpr int64_t kMaxGridY = 65535;
 static_assert(kGatherColsPerThread == 4, "gather_sum moves one float4 per source row");
 static_assert(kRowThreads % kWarpSize == 0, "row reduction uses whole warps");
 
+// Four consecutive values of a source row as floats: one 16-byte (f32) or 8-byte (16-bit) load.
+__device__ __forceinline__ void load4(const float* src, float (&values)[kGatherColsPerThread]) {
+    const float4 packed = *reinterpret_cast<const float4*>(src);
+    values[0] = packed.x;
+    values[1] = packed.y;
+    values[2] = packed.z;
+    values[3] = packed.w;
+}
+
 template <typename T>
+__device__ __forceinline__ void load4(const T* src, float (&values)[kGatherColsPerThread]) {
+    const uint2 packed = *reinterpret_cast<const uint2*>(src);
+    const T* elems = reinterpret_cast<const T*>(&packed);
+    for (int item_idx = 0; item_idx < kGatherColsPerThread; ++item_idx) values[item_idx] = to_float(elems[item_idx]);
+}
+
+__device__ __forceinline__ float load_value(const float* src) {
+    return *src;
+}
+
+template <typename T>
+__device__ __forceinline__ float load_value(const T* src) {
+    return to_float(*src);
+}
+
+template <typename T, typename RowT>
 __global__ void __launch_bounds__(kGatherThreads) gather_sum_kernel(const GatherSumArgs args, bool vec) {
     const int64_t token_idx = blockIdx.x;
     const int64_t col = (static_cast<int64_t>(blockIdx.y) * kGatherThreads + threadIdx.x) * kGatherColsPerThread;
@@ -42,16 +67,16 @@ __global__ void __launch_bounds__(kGatherThreads) gather_sum_kernel(const Gather
             if (row_idx < 0) continue;
             const float weight =
                 args.weights != nullptr ? load_scalar(args.weights, args.weights_dtype, slot_idx) : 1.0f;
-            const float* src = args.rows + row_idx * args.num_cols + col;
+            const RowT* src = static_cast<const RowT*>(args.rows) + row_idx * args.num_cols + col;
             if (vec) {
-                const float4 value = *reinterpret_cast<const float4*>(src);
-                acc[0] = fmaf(weight, value.x, acc[0]);
-                acc[1] = fmaf(weight, value.y, acc[1]);
-                acc[2] = fmaf(weight, value.z, acc[2]);
-                acc[3] = fmaf(weight, value.w, acc[3]);
+                float values[kGatherColsPerThread];
+                load4(src, values);
+                for (int item_idx = 0; item_idx < kGatherColsPerThread; ++item_idx) {
+                    acc[item_idx] = fmaf(weight, values[item_idx], acc[item_idx]);
+                }
             } else {
                 for (int item_idx = 0; item_idx < num_valid; ++item_idx) {
-                    acc[item_idx] = fmaf(weight, src[item_idx], acc[item_idx]);
+                    acc[item_idx] = fmaf(weight, load_value(src + item_idx), acc[item_idx]);
                 }
             }
         }
@@ -126,12 +151,25 @@ megamoe_status_t launch_gather_sum(const GatherSumArgs& args, cudaStream_t strea
         return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "gather_sum: %lld columns are too many",
                          static_cast<long long>(args.num_cols));
     }
-    const bool vec = args.num_cols % kGatherColsPerThread == 0 && is_aligned(args.rows, 16) && is_aligned(args.out, 8);
+    const bool rows_f32 = args.rows_dtype == MEGAMOE_DTYPE_F32;
+    const bool vec = args.num_cols % kGatherColsPerThread == 0 &&
+                     is_aligned(args.rows, kGatherColsPerThread * (rows_f32 ? sizeof(float) : sizeof(uint16_t))) &&
+                     is_aligned(args.out, 8);
     const dim3 grid(static_cast<unsigned>(args.num_tokens), static_cast<unsigned>(num_col_tiles));
     if (args.out_dtype == MEGAMOE_DTYPE_BF16) {
-        gather_sum_kernel<__nv_bfloat16><<<grid, kGatherThreads, 0, stream>>>(args, vec);
+        using T = __nv_bfloat16;
+        if (rows_f32) {
+            gather_sum_kernel<T, float><<<grid, kGatherThreads, 0, stream>>>(args, vec);
+        } else {
+            gather_sum_kernel<T, T><<<grid, kGatherThreads, 0, stream>>>(args, vec);
+        }
     } else {
-        gather_sum_kernel<__half><<<grid, kGatherThreads, 0, stream>>>(args, vec);
+        using T = __half;
+        if (rows_f32) {
+            gather_sum_kernel<T, float><<<grid, kGatherThreads, 0, stream>>>(args, vec);
+        } else {
+            gather_sum_kernel<T, T><<<grid, kGatherThreads, 0, stream>>>(args, vec);
+        }
     }
     return check_launch("gather_sum_kernel");
 }

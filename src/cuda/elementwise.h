@@ -1,5 +1,6 @@
 // Row kernels of the portable CUDA path, all memory-bound and deterministic (fixed reduction order):
-//   gather_sum    out[t, :] = sum_j w_tj rows[slot_to_row[t * topk + j], :] in j order, f32 accumulate;
+//   gather_sum    out[t, :] = sum_j w_tj rows[slot_to_row[t * topk + j], :] in j order, f32 accumulate
+//                 (rows in f32 or in the element type);
 //                 w = 1 when weights is NULL; NaN rows for tokens flagged invalid by the routing.
 //                 Forward combine (rows = o, w = topk_weights) and backward dx (rows = q, w = 1).
 //   dswiglu_rows  per sorted row r (slot = sorted_slot[r], s = topk_weights[slot]), from h = [g, u] and
@@ -17,10 +18,11 @@
 namespace megamoe::cuda {
 
 struct GatherSumArgs {
-    megamoe_dtype_t out_dtype;  // bf16 or f16
-    const float* rows;          // [rows, num_cols] f32
-    const int* slot_to_row;     // [T * topk], -1 = no row
-    const void* weights;        // [T * topk] or NULL (w = 1)
+    megamoe_dtype_t out_dtype;   // bf16 or f16
+    const void* rows;            // [rows, num_cols]
+    megamoe_dtype_t rows_dtype;  // f32 or out_dtype
+    const int* slot_to_row;      // [T * topk], -1 = no row
+    const void* weights;         // [T * topk] or NULL (w = 1)
     megamoe_dtype_t weights_dtype;
     const int* token_invalid;  // [T]
     int64_t num_tokens;

@@ -25,8 +25,11 @@
 // rows stores zeros.
 #include "cuda/grouped_gemm.h"
 
+#include <type_traits>
+
 #include "cuda/cuda_utils.h"
 #include "cuda/mma_sm80.h"
+#include "cuda/routing.h"
 
 namespace megamoe::cuda {
 namespace {
@@ -68,7 +71,7 @@ static_assert(kKMajorPasses * kKMajorRowsPerPass == kBlockM, "loader covers a K-
 static_assert(kMNMajorPasses * kMNMajorRowsPerPass == kBlockK, "loader covers an MN-major tile");
 static_assert(kNumStages >= 2, "cp.async pipeline needs at least two stages");
 
-enum class Epilogue { kStoreF32, kSwiGLU };
+enum class Epilogue { kStoreF32, kStoreElem, kSwiGLU };
 
 __device__ __forceinline__ int k_major_offset(int row, int chunk_idx) {
     return row * kBlockK + ((chunk_idx ^ ((row >> 1) & 3)) * kChunkElems);
@@ -97,21 +100,6 @@ __device__ __forceinline__ void load_chunk(uint16_t* shared_dst, const uint16_t*
         }
         *reinterpret_cast<uint4*>(shared_dst) = make_uint4(words[0], words[1], words[2], words[3]);
     }
-}
-
-// The expert owning M tile `m_tile_idx`: the last e with m_tile_offsets[e] <= m_tile_idx (experts
-// with no rows own no tiles and are skipped by taking the last).
-__device__ __forceinline__ int find_expert(const int* m_tile_offsets, int64_t num_experts, int m_tile_idx) {
-    int64_t lo = 0, hi = num_experts;
-    while (hi - lo > 1) {
-        const int64_t mid = (lo + hi) / 2;
-        if (m_tile_offsets[mid] <= m_tile_idx) {
-            lo = mid;
-        } else {
-            hi = mid;
-        }
-    }
-    return static_cast<int>(lo);
 }
 
 __device__ __forceinline__ float silu(float value) {
@@ -211,7 +199,7 @@ struct MGroupedParams {
     const int* expert_offsets;
     const int* m_tile_offsets;
     int64_t num_experts;
-    float* out;  // kStoreF32
+    void* out;  // kStoreF32 (f32) or kStoreElem (element type)
     int64_t ldo;
     void* h;    // kSwiGLU, may be NULL
     void* act;  // kSwiGLU, may be NULL
@@ -230,7 +218,7 @@ __global__ void __launch_bounds__(kNumThreads, kVec ? kMinBlocksPerSmVec : 1)
     // Tile schedule, read from the device-side routing (no host knows the real tile count).
     const int m_tile_idx = static_cast<int>(blockIdx.x);
     if (m_tile_idx >= params.m_tile_offsets[params.num_experts]) return;
-    const int expert_idx = find_expert(params.m_tile_offsets, params.num_experts, m_tile_idx);
+    const int expert_idx = expert_of_m_tile(params.m_tile_offsets, params.num_experts, m_tile_idx);
     const int row_begin =
         params.expert_offsets[expert_idx] + (m_tile_idx - params.m_tile_offsets[expert_idx]) * kBlockM;
     const int num_rows = min(kBlockM, params.expert_offsets[expert_idx + 1] - row_begin);
@@ -325,8 +313,9 @@ __global__ void __launch_bounds__(kNumThreads, kVec ? kMinBlocksPerSmVec : 1)
             const int local_row = warp_m_idx * kWarpM + frag_m * 16 + half * 8 + lane_idx / 4;
             if (local_row >= num_rows) continue;
             const int64_t row_idx = row_begin + local_row;
-            if constexpr (kEpilogue == Epilogue::kStoreF32) {
-                float* out_row = params.out + row_idx * params.ldo;
+            if constexpr (kEpilogue != Epilogue::kSwiGLU) {
+                using OutT = std::conditional_t<kEpilogue == Epilogue::kStoreF32, float, T>;
+                OutT* out_row = static_cast<OutT*>(params.out) + row_idx * params.ldo;
                 for (int frag_n = 0; frag_n < kNumFragsN; ++frag_n) {
                     const int64_t col = n_tile_idx * kBlockN + warp_n_idx * kWarpN + frag_n * 8 + (lane_idx % 4) * 2;
                     store_pair(out_row, col, params.n, acc[frag_m][frag_n][half * 2], acc[frag_m][frag_n][half * 2 + 1],
@@ -539,6 +528,21 @@ megamoe_status_t launch_m_grouped_gemm_f32(const MGroupedGemmArgs& args, BLayout
                ? dispatch_m_grouped<BLayout::kNK, Epilogue::kStoreF32>(args, params, grid, stream, "m_grouped_gemm[NK]")
                : dispatch_m_grouped<BLayout::kKN, Epilogue::kStoreF32>(args, params, grid, stream,
                                                                        "m_grouped_gemm[KN]");
+}
+
+megamoe_status_t launch_m_grouped_gemm_elem(const MGroupedGemmArgs& args, void* out, int64_t ldo, cudaStream_t stream) {
+    const int64_t num_n_tiles = ceil_div(args.n, kBlockN);
+    if (args.max_m_tiles == 0 || num_n_tiles == 0) return MEGAMOE_STATUS_SUCCESS;
+    if (args.max_m_tiles > kMaxGridX || num_n_tiles > kMaxGridY) {
+        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "m_grouped_gemm_elem: grid %lld x %lld too large",
+                         static_cast<long long>(args.max_m_tiles), static_cast<long long>(num_n_tiles));
+    }
+    MGroupedParams params = make_m_grouped_params(args);
+    params.out = out;
+    params.ldo = ldo;
+    params.paired_stores = ldo % 2 == 0 && is_aligned(out, 4);
+    const dim3 grid(static_cast<unsigned>(args.max_m_tiles), static_cast<unsigned>(num_n_tiles));
+    return dispatch_m_grouped<BLayout::kNK, Epilogue::kStoreElem>(args, params, grid, stream, "m_grouped_gemm_elem");
 }
 
 megamoe_status_t launch_m_grouped_gemm_swiglu(const MGroupedGemmArgs& args, void* h, void* act, cudaStream_t stream) {

@@ -4,8 +4,8 @@
 //     out[r, n] = sum_k A[a_row(r), k] * B_e(n, k)       for the sorted rows r of expert e
 //   a_row(r) = r, or the token of sorted_slot[r] (sorted_slot[r] / topk) when A is gathered.
 //   B_e is b + e * b_expert_stride, stored [N, K] (BLayout::kNK, K contiguous) or [K, N] (kKN).
-//   Epilogues: f32 store, or SwiGLU for the up projection (B = w13 [E, 2I, H]; each N tile holds
-//   matching gate and up rows, so h = [g, u] and a = silu(g) * u come straight from registers).
+//   Epilogues: f32 store, element-type store (kNK only), or SwiGLU for the up projection (B = w13 [E, 2I, H];
+//   each N tile holds matching gate and up rows, so h = [g, u] and a = silu(g) * u come straight from registers).
 //   The grid is sized by host-known bounds; tiles come from the routing's m_tile_offsets.
 //
 // K-grouped (the weight gradients; the rows of the expert are the reduction dimension):
@@ -52,6 +52,9 @@ struct MGroupedGemmArgs {
 // out[r, n] in f32, row stride ldo.
 megamoe_status_t launch_m_grouped_gemm_f32(const MGroupedGemmArgs& args, BLayout b_layout, float* out, int64_t ldo,
                                            cudaStream_t stream);
+
+// out[r, n] in the element type, row stride ldo; B_e is [N, K] (kNK).
+megamoe_status_t launch_m_grouped_gemm_elem(const MGroupedGemmArgs& args, void* out, int64_t ldo, cudaStream_t stream);
 
 // Up projection with SwiGLU: B = w13 [E, 2I, H] (kNK), args.n = I. Writes h = [g, u] ([rows, 2I]) and
 // a = silu(g) * u ([rows, I]) in the element type; either may be NULL (not written).

@@ -1,0 +1,101 @@
+"""Per-kernel GPU times of megamoe's forward at the reference shapes (torch.profiler), on the fused sm_90a path
+and on the portable one (MEGAMOE_DISABLE_SM90=1), with the forward's median time by CUDA events.
+
+    MEGAMOE_LIBRARY=build/libmegamoe.so PYTHONPATH=python:bench python3 scripts/profile_forward.py \
+        [--shapes qwen3-30b-a3b,...] [--routing balanced] [--runs 10] [--paths sm90,portable]
+
+A path named portable* runs with MEGAMOE_DISABLE_SM90=1, any other with 0; one extra environment setting per
+path can be given as name=VAR:value.
+"""
+import argparse
+import os
+import re
+import statistics
+
+import torch
+from torch.profiler import ProfilerActivity, profile
+
+import megamoe
+import workloads
+
+
+def short_name(name):
+    name = name.replace("(anonymous namespace)::", "").replace("megamoe::", "")
+    name = re.sub(r"^void ", "", name)
+    cut = name.rfind(">(")
+    name = name[:cut + 1] if cut >= 0 else name.split("(")[0]
+    return name[:110]
+
+
+def gemm_kind(name):
+    """'up' / 'down' for the forward's grouped GEMM kernels (by their epilogue template argument), else None."""
+    if "m_grouped_gemm_sm90_kernel" in name:
+        return "up" if "Epilogue)0" in name else "down"
+    if "m_grouped_gemm_kernel" in name:
+        return "up" if "Epilogue)2" in name else "down"
+    return None
+
+
+def parse_path(spec):
+    name, _, env = spec.partition("=")
+    settings = {"MEGAMOE_DISABLE_SM90": "1" if name.startswith("portable") else "0"}
+    if env:
+        var, _, value = env.partition(":")
+        settings[var] = value
+    return name, settings
+
+
+def time_forward(case, runs):
+    args = (case.x, case.ids, case.s, case.w13, case.w2)
+    for _ in range(3):
+        megamoe.moe_forward(*args)
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        megamoe.moe_forward(*args)
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            megamoe.moe_forward(*args)
+        torch.cuda.synchronize()
+    kernels = []
+    for evt in prof.key_averages():
+        total = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
+        if total > 0 and evt.count > 0:
+            kernels.append((short_name(evt.key), total / evt.count / 1000.0, evt.count))
+    return statistics.median(times), sorted(kernels, key=lambda k: -k[1])
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default=",".join(workloads.SHAPES))
+    p.add_argument("--routing", default="balanced")
+    p.add_argument("--runs", type=int, default=10)
+    p.add_argument("--paths", default="sm90,portable")
+    args = p.parse_args()
+    paths = [parse_path(spec) for spec in args.paths.split(",")]
+    for name in args.shapes.split(","):
+        T, H, I, E, topk = workloads.SHAPES[name]
+        up_flops, down_flops = 4.0 * T * topk * H * I, 2.0 * T * topk * H * I
+        case = workloads.make_case(name, (T, H, I, E, topk), args.routing, "cuda")
+        with torch.no_grad():
+            for path, settings in paths:
+                os.environ.update(settings)
+                ms, kernels = time_forward(case, args.runs)
+                print(f"\n{name} [{args.routing}] {path}: forward {ms:.3f} ms "
+                      f"({(up_flops + down_flops) / ms / 1e9:.0f} TFLOP/s)")
+                for kname, kms, count in kernels:
+                    kind = gemm_kind(kname)
+                    flops = {"up": up_flops, "down": down_flops}.get(kind, 0.0)
+                    rate = f"  {flops / kms / 1e9:.0f} TFLOP/s ({kind})" if kind else ""
+                    print(f"  {kms:8.3f} ms  x{count // args.runs:<3d} {kname}{rate}")
+        del case
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

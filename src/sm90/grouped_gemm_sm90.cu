@@ -1,0 +1,590 @@
+// The fused Hopper (sm_90a) M-grouped GEMM: a persistent, warp-specialized wgmma kernel.
+//
+// Computes, for the sorted rows r of each expert e (rows [expert_offsets[e], expert_offsets[e + 1])):
+//     acc[r, n] = sum_k A[a_row(r), k] * B_e[n, k]
+//   a_row(r) = sorted_slot[r] / topk (up projection: rows of x gathered, never copied) or r (down projection).
+//   B_e = b + e * b_expert_stride, [N, K] K-contiguous: w13[e] ([2I, H]) or w2[e] ([H, I]).
+// Epilogues (templated): kSwiGLU writes h = [g, u] and / or a = silu(g) * u; kStore writes acc. Both in the
+// element type (bf16 / f16), with f32 accumulation. No atomics: every output element is written once.
+//
+// Tiles: kBlockM = 128 rows (one M tile of the routing's schedule) x kBlockN = 256 columns of B_e x kBlockK = 64
+// (one 128-byte swizzled row of 16-bit elements). For kSwiGLU, the kBlockN rows of the B tile are 128 gate rows
+// n0 + [0, 128) (TMA box 0) followed by the matching up rows I + n0 + [0, 128) (box 1): each thread holds g and u
+// of the same outputs, so SwiGLU is register-local; a tile writes 128 columns of a.
+// Clusters: 2 CTAs run M tiles 2p and 2p + 1 of the schedule with the same n-tile. When both belong to one expert
+// (most pairs: experts span many M tiles) they need the same B tile, and each CTA loads one of its two boxes and
+// multicasts it to both, which halves B's L2 -> SM traffic. Otherwise each CTA loads both boxes for itself.
+// Pairing consecutive 128-row tiles, rather than cutting experts into 256-row tiles, keeps the rows wasted at an
+// expert's end below 128 and needs no second M-tile schedule (both measured the same on an H200).
+//
+// Warp roles (3 warpgroups, 384 threads, 1 CTA per SM, as many clusters as fit on the device at once):
+//   warpgroup 0, producer (setmaxnreg down to kProducerRegs): thread 0 issues this CTA's B boxes (3-D tensor map
+//     over [E, rows of B_e, K], 128-byte swizzle, zero fill out of bounds, multicast when shared); all 128
+//     threads gather the A tile with 16-byte cp.async into the same swizzled layout (8 threads per row, 16 rows
+//     per pass, 8 passes), zero-filling rows past the expert's end and K past the end. Each thread then arms
+//     cp.async.mbarrier.arrive.noinc on the stage's full barrier and moves on: the stage is published when all
+//     copies have landed (128 such arrivals + thread 0's arrive.expect_tx of the B bytes), with no waiting in
+//     the producer. Consumers issue fence.proxy.async after the wait (cp.async writes are generic-proxy,
+//     wgmma reads through the async proxy).
+//   warpgroups 1, 2, consumers (setmaxnreg up to kConsumerRegs): rows [64 (w - 1), 64 w) of the CTA's M tile,
+//     with m64 x kBlockN x k16 wgmmas (both operands from shared memory, K-major); one wgmma batch stays in
+//     flight, and the stage it read is released when the next batch has been issued: one arrive per warp on
+//     the empty barrier of both CTAs (the next fill lands in both). A warpgroup without valid rows skips its
+//     wgmmas but keeps the pipeline going. The epilogue transposes accumulator pairs across each quad of lanes
+//     and stores 16-byte chunks (64 contiguous bytes per row per warp store).
+// Tile schedule: cluster tiles t = p * num_n_tiles + n_tile over the pairs p of the routing's device-side M-tile
+// schedule (m_tile_offsets; its total m_tile_offsets[E] is read on the device, the host only knows a bound);
+// cluster c takes t = c, c + num_clusters, ...: the n-tiles of one pair run side by side on neighbouring
+// clusters (A read once from DRAM, then from L2), the M tiles of one expert follow each other (B_e stays in L2).
+// Every tile has the same K, so the static stride stays balanced whatever the routing (hot or empty experts
+// only change the number of m-tiles). Producer and consumers walk the same tile sequence; stage and phase run on
+// across tiles, so the producer prefetches the next tile while the consumers run the epilogue.
+// Shared memory (dynamic, 1024-byte aligned): kNumStages x (A tile 16 KiB + B tile kBlockN x 128 B), then
+// kNumStages full and kNumStages empty mbarriers.
+#include "sm90/grouped_gemm_sm90.h"
+
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
+#include <algorithm>
+#include <map>
+#include <mutex>
+#include <cute/arch/mma_sm90_gmma.hpp>
+#include <utility>
+
+#include "cuda/cuda_utils.h"
+#include "cuda/routing.h"
+#include "sm90/ptx.h"
+
+namespace megamoe::sm90 {
+namespace {
+
+using cuda::ceil_div;
+namespace gmma = cute::SM90::GMMA;
+
+constexpr int kBlockM = 128;     // rows per CTA
+constexpr int kBlockN = 256;     // columns of B_e per tile
+constexpr int kClusterSize = 2;  // a cluster runs two consecutive M tiles of the schedule, one per CTA
+constexpr uint16_t kClusterMask = (1u << kClusterSize) - 1;
+constexpr int kNumBBoxes = 2;  // TMA boxes per B tile (the gate and up halves for SwiGLU)
+constexpr int kBlockK = 64;
+constexpr int kElemBytes = 2;
+constexpr int kWarpSize = 32;
+constexpr int kWarpgroupThreads = 128;
+constexpr int kNumConsumers = 2;  // consumer warpgroups
+constexpr int kNumThreads = (1 + kNumConsumers) * kWarpgroupThreads;
+constexpr int kConsumerRows = kBlockM / kNumConsumers;  // one wgmma M (64)
+constexpr int kWgmmaK = 16;
+constexpr int kChunkElems = 8;  // one 16-byte cp.async
+constexpr int kChunksPerRow = kBlockK / kChunkElems;
+constexpr int kProducerRowsPerPass = kWarpgroupThreads / kChunksPerRow;
+constexpr int kProducerPasses = kBlockM / kProducerRowsPerPass;
+constexpr int kATileBytes = kBlockM * kBlockK * kElemBytes;
+constexpr int kConsumerATileBytes = kConsumerRows * kBlockK * kElemBytes;
+constexpr int kFullArrivals = kWarpgroupThreads + 1;  // producer threads + the TMA thread's expect_tx
+// Per CTA of the cluster, one per consumer warp: a stage is refilled (by multicast) in all of them at once.
+constexpr int kEmptyArrivalsPerCta = kNumConsumers * kWarpgroupThreads / kWarpSize;
+constexpr int kProducerRegs = 56;
+constexpr int kConsumerRegs = 224;
+constexpr int kRegisterFile = 64 * 1024;
+constexpr int kMaxSmemBytes = 227 * 1024;  // per block on sm_90
+
+static_assert(kBlockK * kElemBytes == kSwizzleBytes, "a K block is one 128-byte swizzled row");
+static_assert(kBlockM == cuda::kGemmBlockM, "the routing's M tile is one CTA's rows");
+static_assert(kNumBBoxes == kClusterSize, "when the pair shares B, each CTA loads one box and multicasts it");
+static_assert(kConsumerRows == 64, "each consumer warpgroup owns one m64 wgmma row block");
+static_assert(kProducerPasses * kProducerRowsPerPass == kBlockM, "the producer covers the A tile");
+static_assert(kConsumerATileBytes % kSwizzleAtomBytes == 0, "consumer A sub-tiles start on a swizzle atom");
+static_assert(kProducerRegs * kWarpgroupThreads + kConsumerRegs * kNumConsumers * kWarpgroupThreads <= kRegisterFile,
+              "setmaxnreg budgets exceed the register file");
+
+// Pipeline and shared memory: 4 stages of 48 KiB (A 16 KiB + B 32 KiB).
+constexpr int kNumStages = 4;
+constexpr int kBBoxRows = kBlockN / kNumBBoxes;
+constexpr int kBBoxBytes = kBBoxRows * kBlockK * kElemBytes;
+constexpr int kBTileBytes = kBlockN * kBlockK * kElemBytes;
+constexpr int kNumAccRegs = kConsumerRows * kBlockN / kWarpgroupThreads;
+constexpr int kBarrierBytes = 2 * kNumStages * static_cast<int>(sizeof(uint64_t));
+constexpr int kSmemBytes = kNumStages * (kATileBytes + kBTileBytes) + kBarrierBytes + kSwizzleAtomBytes;
+
+static_assert(kBBoxBytes % kSwizzleAtomBytes == 0, "TMA boxes start on a swizzle atom");
+static_assert(kSmemBytes <= kMaxSmemBytes, "stages exceed the shared memory of an SM");
+static_assert(kNumStages >= 2, "the producer publishes a stage one stage late");
+
+// The CuTe wgmma atom m64 x kBlockN x k16, both operands K-major in shared memory, f32 accumulators.
+template <typename T>
+struct WgmmaAtom;
+template <>
+struct WgmmaAtom<__nv_bfloat16> {
+    using Op = gmma::MMA_64x256x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>;
+};
+template <>
+struct WgmmaAtom<__half> {
+    using Op = gmma::MMA_64x256x16_F32F16F16_SS<gmma::Major::K, gmma::Major::K>;
+};
+static_assert(kBlockN == 256, "the wgmma atoms above are n256");
+
+template <typename Op, int kNumRegs, size_t... kRegIdx>
+__device__ __forceinline__ void wgmma_unpacked(uint64_t desc_a, uint64_t desc_b, float (&acc)[kNumRegs],
+                                               std::index_sequence<kRegIdx...>) {
+    Op::fma(desc_a, desc_b, acc[kRegIdx]..., gmma::ScaleOut::One);
+}
+
+// acc += A (64 x 16) * B (kBlockN x 16)^T, asynchronously.
+template <typename T, int kNumRegs>
+__device__ __forceinline__ void wgmma(uint64_t desc_a, uint64_t desc_b, float (&acc)[kNumRegs]) {
+    wgmma_unpacked<typename WgmmaAtom<T>::Op>(desc_a, desc_b, acc, std::make_index_sequence<kNumRegs>{});
+}
+
+enum class Epilogue { kSwiGLU, kStore };
+
+struct KernelParams {
+    const uint16_t* a;  // A rows, row stride lda
+    int64_t lda;
+    const int* a_gather_slots;  // NULL: a_row(r) = r; else a_gather_slots[r] / topk
+    int64_t topk;
+    int64_t n;                      // output columns: I (kSwiGLU) or N (kStore)
+    int64_t k;                      // K
+    int64_t second_box_row_offset;  // rows from the first to the second B box: I (kSwiGLU) or kBlockN / 2
+    const int* expert_offsets;      // [E + 1]
+    const int* m_tile_offsets;      // [E + 1]
+    int64_t num_experts;
+    int64_t num_n_tiles;
+    void* out;  // kStore: [rows, n], row stride ldo; kSwiGLU: a [rows, I] or NULL
+    int64_t ldo;
+    void* h;  // kSwiGLU: [g, u] [rows, 2I] or NULL
+};
+
+struct Tile {
+    int expert_idx;
+    int num_rows;  // valid rows of this CTA's M tile (0 past the end of the schedule)
+    int64_t row_begin;
+    int64_t n_tile_idx;
+    bool shared_b;  // both M tiles of the pair exist and belong to one expert: each CTA loads one B box for both
+};
+
+// Cluster tile `tile_idx` = (pair of M tiles 2p, 2p + 1 of the routing's schedule, n-tile) as seen by CTA
+// `cta_rank`, which runs M tile 2p + cta_rank. Both CTAs decode both M tiles, so they agree on shared_b.
+__device__ __forceinline__ Tile decode_tile(const KernelParams& params, int64_t tile_idx, int num_m_tiles,
+                                            uint32_t cta_rank) {
+    const auto first_m_tile = static_cast<int>(tile_idx / params.num_n_tiles) * kClusterSize;
+    const int m_tile_idx = first_m_tile + static_cast<int>(cta_rank);
+    const int first_expert = cuda::expert_of_m_tile(params.m_tile_offsets, params.num_experts, first_m_tile);
+    const bool pair_complete = first_m_tile + 1 < num_m_tiles;
+    const int second_expert =
+        pair_complete ? cuda::expert_of_m_tile(params.m_tile_offsets, params.num_experts, first_m_tile + 1) : -1;
+    Tile tile;
+    tile.n_tile_idx = tile_idx % params.num_n_tiles;
+    tile.shared_b = first_expert == second_expert;
+    tile.expert_idx = cta_rank == 0 || !pair_complete ? first_expert : second_expert;
+    tile.num_rows = 0;
+    tile.row_begin = params.expert_offsets[tile.expert_idx];
+    if (m_tile_idx < num_m_tiles) {
+        tile.row_begin += static_cast<int64_t>(m_tile_idx - params.m_tile_offsets[tile.expert_idx]) * kBlockM;
+        tile.num_rows = static_cast<int>(
+            min(static_cast<int64_t>(kBlockM), params.expert_offsets[tile.expert_idx + 1] - tile.row_begin));
+    }
+    return tile;
+}
+
+// Releases a stage in every CTA of the cluster (the next fill of the stage is multicast to all of them).
+__device__ __forceinline__ void release_stage(uint64_t* empty, int stage_idx) {
+#pragma unroll
+    for (uint32_t cta_rank = 0; cta_rank < kClusterSize; ++cta_rank) {
+        mbarrier_arrive_cluster(&empty[stage_idx], cta_rank);
+    }
+}
+
+__device__ __forceinline__ float silu(float value) {
+    return value / (1.0f + __expf(-value));
+}
+
+// Producer warpgroup: B by TMA, A gathered by cp.async, stage by stage, for every tile of this CTA.
+template <bool kSwiGLU>
+__device__ __forceinline__ void produce(const CUtensorMap* b_map, const KernelParams& params, uint8_t* smem_a,
+                                        uint8_t* smem_b, uint64_t* full, uint64_t* empty, int num_m_tiles,
+                                        int64_t num_tiles, int num_k_blocks, uint32_t cta_rank, int thread_idx) {
+    const int chunk_idx = thread_idx % kChunksPerRow;
+    const int first_row = thread_idx / kChunksPerRow;
+    int stage_idx = 0;
+    uint32_t phase = 0;
+    for (int64_t tile_idx = blockIdx.x / kClusterSize; tile_idx < num_tiles; tile_idx += gridDim.x / kClusterSize) {
+        const Tile tile = decode_tile(params, tile_idx, num_m_tiles, cta_rank);
+        const uint16_t* src_rows[kProducerPasses];
+#pragma unroll
+        for (int pass = 0; pass < kProducerPasses; ++pass) {
+            const int local_row = first_row + pass * kProducerRowsPerPass;
+            src_rows[pass] = nullptr;
+            if (local_row < tile.num_rows) {
+                const int64_t row_idx = tile.row_begin + local_row;
+                const int64_t a_row =
+                    params.a_gather_slots != nullptr ? params.a_gather_slots[row_idx] / params.topk : row_idx;
+                src_rows[pass] = params.a + a_row * params.lda + chunk_idx * kChunkElems;
+            }
+        }
+        const auto b_first_row = static_cast<int32_t>(tile.n_tile_idx * (kSwiGLU ? kBBoxRows : kBlockN));
+        for (int k_block_idx = 0; k_block_idx < num_k_blocks; ++k_block_idx) {
+            mbarrier_wait(&empty[stage_idx], phase ^ 1);
+            uint8_t* tile_a = smem_a + stage_idx * kATileBytes;
+            uint8_t* tile_b = smem_b + stage_idx * kBTileBytes;
+            const int32_t k_begin = k_block_idx * kBlockK;
+            if (thread_idx == 0) {
+                mbarrier_arrive_expect_tx(&full[stage_idx], kBTileBytes);
+                // A shared B tile: box cta_rank, multicast to both CTAs; else both boxes, for this CTA alone.
+#pragma unroll
+                for (int box_idx = 0; box_idx < kNumBBoxes; ++box_idx) {
+                    const auto b_row =
+                        static_cast<int32_t>(b_first_row + (box_idx == 0 ? 0 : params.second_box_row_offset));
+                    uint8_t* box = tile_b + box_idx * kBBoxBytes;
+                    if (!tile.shared_b) {
+                        tma_load_3d(box, b_map, &full[stage_idx], k_begin, b_row, tile.expert_idx);
+                    } else if (box_idx == static_cast<int>(cta_rank)) {
+                        tma_load_3d_multicast(box, b_map, &full[stage_idx], k_begin, b_row, tile.expert_idx,
+                                              kClusterMask);
+                    }
+                }
+            }
+            const bool col_valid = k_begin + chunk_idx * kChunkElems < params.k;
+#pragma unroll
+            for (int pass = 0; pass < kProducerPasses; ++pass) {
+                const bool valid = col_valid && src_rows[pass] != nullptr;
+                cuda::cp_async_16(tile_a + swizzle_128b_offset(first_row + pass * kProducerRowsPerPass, chunk_idx),
+                                  valid ? src_rows[pass] + k_begin : params.a, valid);
+            }
+            cp_async_mbarrier_arrive_noinc(&full[stage_idx]);  // the stage is published once the copies land
+            if (++stage_idx == kNumStages) {
+                stage_idx = 0;
+                phase ^= 1;
+            }
+        }
+    }
+    cuda::cp_async_commit();
+    cuda::cp_async_wait<0>();  // no copy outlives its thread
+}
+
+// Turns the 2-column pairs that the 4 lanes of a quad hold for 4 consecutive 8-column fragments (lane q: word f =
+// columns 8 f + 2 q, + 1) into one 8-column chunk per lane (lane q: columns 8 q .. 8 q + 7): a 4 x 4 transpose
+// across the quad in two butterfly steps, so each lane can store 16 contiguous bytes.
+__device__ __forceinline__ void quad_transpose(uint32_t (&words)[4], int quad_lane) {
+#pragma unroll
+    for (int mask = 2; mask >= 1; mask /= 2) {
+        const bool upper = (quad_lane & mask) != 0;
+#pragma unroll
+        for (int word_idx = 0; word_idx < 4; ++word_idx) {
+            if ((word_idx & mask) != 0) continue;
+            const uint32_t sent = upper ? words[word_idx] : words[word_idx | mask];
+            const uint32_t received = __shfl_xor_sync(0xffffffffu, sent, mask);
+            if (upper) {
+                words[word_idx] = received;
+            } else {
+                words[word_idx | mask] = received;
+            }
+        }
+    }
+}
+
+// 16 bytes at row + col (16-byte aligned), as one vector store.
+template <typename T>
+__device__ __forceinline__ void store_chunk(T* row, int64_t col, const uint32_t (&words)[4]) {
+    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(row + col), "r"(words[0]), "r"(words[1]),
+                 "r"(words[2]), "r"(words[3])
+                 : "memory");
+}
+
+// One consumer warpgroup's epilogue: rows [64 consumer_idx, 64 consumer_idx + 64) of the tile, from the wgmma
+// accumulators (lane l of warp w holds rows 16 w + l / 4 (+ 8) and, in fragment f, columns 8 f + 2 (l % 4) + {0,
+// 1}). Groups of 4 fragments are transposed across each quad, then stored as 16-byte chunks: a warp writes 64
+// contiguous bytes of each of 8 rows per store.
+template <typename T, Epilogue kEpilogue, int kNumRegs>
+__device__ __forceinline__ void store_tile(const KernelParams& params, const Tile& tile, const float (&acc)[kNumRegs],
+                                           int consumer_idx, int warp_idx, int lane_idx) {
+    constexpr bool kSwiGLU = kEpilogue == Epilogue::kSwiGLU;
+    constexpr int kNumFrags = kBlockN / 8;
+    constexpr int kNumOutFrags = kSwiGLU ? kNumFrags / 2 : kNumFrags;  // 8-column fragments of the output
+    constexpr int kFragsPerChunk = 4;
+    static_assert(kNumOutFrags % kFragsPerChunk == 0, "output fragments come in quad-transposed groups of 4");
+    const int quad_lane = lane_idx % 4;
+    const int first_row = consumer_idx * kConsumerRows + warp_idx * 16 + lane_idx / 4;
+    const int64_t first_col = tile.n_tile_idx * kNumOutFrags * 8;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int local_row = first_row + half * 8;
+        const bool row_valid = local_row < tile.num_rows;
+        const int64_t row_idx = tile.row_begin + local_row;
+#pragma unroll
+        for (int group_idx = 0; group_idx < kNumOutFrags / kFragsPerChunk; ++group_idx) {
+            uint32_t out_words[kFragsPerChunk], gate_words[kFragsPerChunk], up_words[kFragsPerChunk];
+#pragma unroll
+            for (int word_idx = 0; word_idx < kFragsPerChunk; ++word_idx) {
+                const int reg_idx = (group_idx * kFragsPerChunk + word_idx) * 4 + half * 2;
+                if constexpr (kSwiGLU) {
+                    const int up_reg_idx = reg_idx + kNumFrags / 2 * 4;
+                    const float gate0 = acc[reg_idx], gate1 = acc[reg_idx + 1];
+                    const float up0 = acc[up_reg_idx], up1 = acc[up_reg_idx + 1];
+                    out_words[word_idx] = cuda::pack_pair<T>(silu(gate0) * up0, silu(gate1) * up1);
+                    gate_words[word_idx] = cuda::pack_pair<T>(gate0, gate1);
+                    up_words[word_idx] = cuda::pack_pair<T>(up0, up1);
+                } else {
+                    out_words[word_idx] = cuda::pack_pair<T>(acc[reg_idx], acc[reg_idx + 1]);
+                }
+            }
+            const int64_t col = first_col + (group_idx * kFragsPerChunk + quad_lane) * 8;
+            const bool valid = row_valid && col < params.n;
+            if (params.out != nullptr) {
+                quad_transpose(out_words, quad_lane);
+                if (valid) store_chunk(static_cast<T*>(params.out) + row_idx * params.ldo, col, out_words);
+            }
+            if (kSwiGLU && params.h != nullptr) {
+                quad_transpose(gate_words, quad_lane);
+                quad_transpose(up_words, quad_lane);
+                T* h_row = static_cast<T*>(params.h) + row_idx * 2 * params.n;
+                if (valid) store_chunk(h_row, col, gate_words);
+                if (valid) store_chunk(h_row + params.n, col, up_words);
+            }
+        }
+    }
+}
+
+// Consumer warpgroup `consumer_idx`: wgmma over the stages of every tile of this CTA, then the epilogue.
+template <typename T, Epilogue kEpilogue>
+__device__ __forceinline__ void consume(const KernelParams& params, uint8_t* smem_a, uint8_t* smem_b, uint64_t* full,
+                                        uint64_t* empty, int num_m_tiles, int64_t num_tiles, int num_k_blocks,
+                                        uint32_t cta_rank, int consumer_idx, int thread_idx) {
+    const int lane_idx = thread_idx % kWarpSize;
+    const int warp_idx = (thread_idx % kWarpgroupThreads) / kWarpSize;
+    int stage_idx = 0;
+    uint32_t phase = 0;
+    float acc[kNumAccRegs];
+    for (int64_t tile_idx = blockIdx.x / kClusterSize; tile_idx < num_tiles; tile_idx += gridDim.x / kClusterSize) {
+        const Tile tile = decode_tile(params, tile_idx, num_m_tiles, cta_rank);
+        const bool has_rows = consumer_idx * kConsumerRows < tile.num_rows;  // else only keep the pipeline going
+#pragma unroll
+        for (int reg_idx = 0; reg_idx < kNumAccRegs; ++reg_idx) acc[reg_idx] = 0.0f;
+        int in_flight_stage = -1;
+        for (int k_block_idx = 0; k_block_idx < num_k_blocks; ++k_block_idx) {
+            mbarrier_wait(&full[stage_idx], phase);
+            fence_proxy_async_shared();  // the A tile was written by cp.async (generic proxy), wgmma reads it async
+            const uint64_t desc_a =
+                make_smem_desc_k_major_sw128(smem_a + stage_idx * kATileBytes + consumer_idx * kConsumerATileBytes);
+            const uint64_t desc_b = make_smem_desc_k_major_sw128(smem_b + stage_idx * kBTileBytes);
+            if (has_rows) {
+                fence_accumulators(acc);
+                wgmma_fence();
+#pragma unroll
+                for (int k_step = 0; k_step < kBlockK / kWgmmaK; ++k_step) {
+                    wgmma<T>(desc_a + k_step * kDescK16Step, desc_b + k_step * kDescK16Step, acc);
+                }
+                wgmma_commit_group();
+            }
+            wgmma_wait_group<1>();  // the previous batch is done: its stage can be refilled
+            fence_accumulators(acc);
+            if (in_flight_stage >= 0 && lane_idx == 0) release_stage(empty, in_flight_stage);
+            in_flight_stage = stage_idx;
+            if (++stage_idx == kNumStages) {
+                stage_idx = 0;
+                phase ^= 1;
+            }
+        }
+        wgmma_wait_group<0>();
+        fence_accumulators(acc);
+        if (in_flight_stage >= 0 && lane_idx == 0) release_stage(empty, in_flight_stage);
+        store_tile<T, kEpilogue>(params, tile, acc, consumer_idx, warp_idx, lane_idx);
+    }
+}
+
+template <typename T, Epilogue kEpilogue>
+__global__ void __launch_bounds__(kNumThreads, 1)
+    m_grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap b_map, const KernelParams params) {
+#if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    extern __shared__ uint8_t smem_raw[];
+    const uint32_t misalignment = shared_address(smem_raw) % kSwizzleAtomBytes;
+    uint8_t* smem_a = smem_raw + (misalignment == 0 ? 0 : kSwizzleAtomBytes - misalignment);
+    uint8_t* smem_b = smem_a + kNumStages * kATileBytes;
+    auto* full = reinterpret_cast<uint64_t*>(smem_b + kNumStages * kBTileBytes);
+    uint64_t* empty = full + kNumStages;
+
+    const int thread_idx = static_cast<int>(threadIdx.x);
+    if (thread_idx == 0) {
+        for (int stage_idx = 0; stage_idx < kNumStages; ++stage_idx) {
+            mbarrier_init(&full[stage_idx], kFullArrivals);
+            mbarrier_init(&empty[stage_idx], kClusterSize * kEmptyArrivalsPerCta);
+        }
+        fence_barrier_init();
+        prefetch_tensor_map(&b_map);
+    }
+    cluster_sync();  // barriers initialised in both CTAs before any multicast or remote arrive
+    const uint32_t cta_rank = cluster_cta_rank();
+
+    const int num_m_tiles = params.m_tile_offsets[params.num_experts];
+    const int64_t num_tiles = ceil_div(num_m_tiles, kClusterSize) * params.num_n_tiles;  // cluster tiles
+    const auto num_k_blocks = static_cast<int>(ceil_div(params.k, kBlockK));
+    const int warpgroup_idx = __shfl_sync(0xffffffffu, thread_idx / kWarpgroupThreads, 0);
+    if (warpgroup_idx == 0) {
+        setmaxnreg_dec<kProducerRegs>();
+        produce<kEpilogue == Epilogue::kSwiGLU>(&b_map, params, smem_a, smem_b, full, empty, num_m_tiles, num_tiles,
+                                                num_k_blocks, cta_rank, thread_idx);
+    } else {
+        setmaxnreg_inc<kConsumerRegs>();
+        consume<T, kEpilogue>(params, smem_a, smem_b, full, empty, num_m_tiles, num_tiles, num_k_blocks, cta_rank,
+                              warpgroup_idx - 1, thread_idx);
+    }
+    cluster_sync();  // no CTA leaves while the other may still arrive on its barriers
+#endif
+}
+
+// ---------------------------------------------------------------------------------------------------
+// Host side: the TMA descriptor of B, the launch.
+
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+    static const PFN_cuTensorMapEncodeTiled_v12000 encoder = [] {
+        void* fn = nullptr;
+        cudaDriverEntryPointQueryResult result{};
+        constexpr unsigned kDriverApiVersion = 12000;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, kDriverApiVersion, cudaEnableDefault,
+                                             &result) != cudaSuccess ||
+            result != cudaDriverEntryPointSuccess) {
+            cudaGetLastError();
+            fn = nullptr;
+        }
+        return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+    }();
+    return encoder;
+}
+
+// B as a 3-D tensor [E, rows_per_expert, K] (K innermost), boxes of kBBoxRows x kBlockK, 128-byte swizzle.
+bool encode_b_tensor_map(const cuda::MGroupedGemmArgs& args, int64_t rows_per_expert, CUtensorMap* map) {
+    const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+    if (encode == nullptr) return false;
+    const cuuint64_t dims[3] = {static_cast<cuuint64_t>(args.k), static_cast<cuuint64_t>(rows_per_expert),
+                                static_cast<cuuint64_t>(args.num_experts)};
+    const cuuint64_t strides[2] = {static_cast<cuuint64_t>(args.ldb * kElemBytes),
+                                   static_cast<cuuint64_t>(args.b_expert_stride * kElemBytes)};
+    const cuuint32_t box[3] = {kBlockK, kBBoxRows, 1};
+    const cuuint32_t element_strides[3] = {1, 1, 1};
+    const CUtensorMapDataType data_type =
+        args.dtype == MEGAMOE_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    return encode(map, data_type, 3, const_cast<void*>(args.b), dims, strides, box, element_strides,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// Clusters of `kernel` that fit on the device at once (asked once per device and kernel): the persistent grid
+// must not exceed it, or the clusters left over would run a second wave of tiles.
+int max_active_clusters(const void* kernel, const cudaLaunchConfig_t& config) {
+    static std::mutex mutex;
+    static std::map<std::pair<int, const void*>, int> cache;
+    int device_idx = 0;
+    if (cudaGetDevice(&device_idx) != cudaSuccess) return 0;
+    const std::lock_guard<std::mutex> lock(mutex);
+    const auto key = std::make_pair(device_idx, kernel);
+    const auto found = cache.find(key);
+    if (found != cache.end()) return found->second;
+    int num_clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&num_clusters, kernel, &config) != cudaSuccess) {
+        cudaGetLastError();
+        num_clusters = 0;
+    }
+    cache.emplace(key, num_clusters);
+    return num_clusters;
+}
+
+template <typename T, Epilogue kEpilogue>
+megamoe_status_t launch_typed(const cuda::MGroupedGemmArgs& args, const KernelParams& params, int64_t rows_per_expert,
+                              int num_sms, cudaStream_t stream) {
+    CUtensorMap b_map;
+    if (!encode_b_tensor_map(args, rows_per_expert, &b_map)) {
+        return set_error(MEGAMOE_STATUS_CUDA_ERROR, "m_grouped_gemm_sm90: cuTensorMapEncodeTiled failed");
+    }
+    const auto kernel = m_grouped_gemm_sm90_kernel<T, kEpilogue>;
+    const char* name = kEpilogue == Epilogue::kSwiGLU ? "m_grouped_gemm_sm90[swiglu]" : "m_grouped_gemm_sm90[store]";
+    MEGAMOE_CUDA_RETURN_IF_ERROR(
+        cuda::check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes), name));
+
+    cudaLaunchAttribute attribute{};
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = kClusterSize;
+    attribute.val.clusterDim.y = 1;
+    attribute.val.clusterDim.z = 1;
+    cudaLaunchConfig_t config{};
+    config.blockDim = dim3(kNumThreads);
+    config.dynamicSmemBytes = kSmemBytes;
+    config.stream = stream;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    config.gridDim = dim3(kClusterSize);                                                      // for the occupancy query
+    const int64_t max_tiles = ceil_div(args.max_m_tiles, kClusterSize) * params.num_n_tiles;  // cluster tiles
+    const int64_t num_clusters = std::min<int64_t>({max_active_clusters(reinterpret_cast<const void*>(kernel), config),
+                                                    std::max(num_sms, kClusterSize) / kClusterSize, max_tiles});
+    if (num_clusters <= 0) {
+        return set_error(MEGAMOE_STATUS_CUDA_ERROR, "%s: no cluster of %d CTAs fits on the device", name, kClusterSize);
+    }
+    config.gridDim = dim3(static_cast<unsigned>(num_clusters * kClusterSize));
+    MEGAMOE_CUDA_RETURN_IF_ERROR(cuda::check_cuda(cudaLaunchKernelEx(&config, kernel, b_map, params), name));
+    return cuda::check_launch(name);
+}
+
+template <Epilogue kEpilogue>
+megamoe_status_t launch(const cuda::MGroupedGemmArgs& args, KernelParams params, int num_sms, cudaStream_t stream) {
+    const bool swiglu = kEpilogue == Epilogue::kSwiGLU;
+    params.num_n_tiles = ceil_div(args.n, swiglu ? kBlockN / 2 : kBlockN);
+    params.second_box_row_offset = swiglu ? args.n : kBBoxRows;
+    if (args.max_m_tiles == 0 || params.num_n_tiles == 0) return MEGAMOE_STATUS_SUCCESS;
+    const int64_t rows_per_expert = swiglu ? 2 * args.n : args.n;
+    return args.dtype == MEGAMOE_DTYPE_BF16
+               ? launch_typed<__nv_bfloat16, kEpilogue>(args, params, rows_per_expert, num_sms, stream)
+               : launch_typed<__half, kEpilogue>(args, params, rows_per_expert, num_sms, stream);
+}
+
+KernelParams make_params(const cuda::MGroupedGemmArgs& args) {
+    KernelParams params{};
+    params.a = static_cast<const uint16_t*>(args.a);
+    params.lda = args.lda;
+    params.a_gather_slots = args.a_gather_slots;
+    params.topk = args.topk;
+    params.n = args.n;
+    params.k = args.k;
+    params.expert_offsets = args.expert_offsets;
+    params.m_tile_offsets = args.m_tile_offsets;
+    params.num_experts = args.num_experts;
+    return params;
+}
+
+}  // namespace
+
+bool m_grouped_gemm_sm90_supported(const cuda::MGroupedGemmArgs& args, bool swiglu) {
+    constexpr int64_t kMaxTmaCoord = INT32_MAX;
+    const bool dtype_ok = args.dtype == MEGAMOE_DTYPE_BF16 || args.dtype == MEGAMOE_DTYPE_F16;
+    const bool sizes_ok = args.n > 0 && args.k > 0 && args.k % kChunkElems == 0 && args.n % kChunkElems == 0 &&
+                          args.k <= kMaxTmaCoord && (swiglu ? 2 * args.n : args.n) <= kMaxTmaCoord &&
+                          args.num_experts <= kMaxTmaCoord;
+    const bool a_ok = cuda::is_aligned(args.a, 16) && args.lda % kChunkElems == 0;
+    const bool b_ok =
+        cuda::is_aligned(args.b, 16) && args.ldb % kChunkElems == 0 && args.b_expert_stride % kChunkElems == 0;
+    return dtype_ok && sizes_ok && a_ok && b_ok && tensor_map_encoder() != nullptr;
+}
+
+megamoe_status_t launch_m_grouped_gemm_sm90_swiglu(const cuda::MGroupedGemmArgs& args, void* h, void* act, int num_sms,
+                                                   cudaStream_t stream) {
+    if (!cuda::is_aligned(h, 16) || !cuda::is_aligned(act, 16)) {
+        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "m_grouped_gemm_sm90: outputs must be 16-byte aligned");
+    }
+    KernelParams params = make_params(args);
+    params.out = act;
+    params.ldo = args.n;
+    params.h = h;
+    return launch<Epilogue::kSwiGLU>(args, params, num_sms, stream);
+}
+
+megamoe_status_t launch_m_grouped_gemm_sm90_store(const cuda::MGroupedGemmArgs& args, void* out, int64_t ldo,
+                                                  int num_sms, cudaStream_t stream) {
+    if (!cuda::is_aligned(out, 16) || ldo % kChunkElems != 0) {
+        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
+                         "m_grouped_gemm_sm90: out must be 16-byte aligned, ldo % 8 == 0");
+    }
+    KernelParams params = make_params(args);
+    params.out = out;
+    params.ldo = ldo;
+    return launch<Epilogue::kStore>(args, params, num_sms, stream);
+}
+
+}  // namespace megamoe::sm90

@@ -1,0 +1,34 @@
+// The fused Hopper (sm_90a) M-grouped GEMMs of the forward pass (grouped_gemm_sm90.cu): the same math as
+// the portable launch_m_grouped_gemm_* of cuda/grouped_gemm.h, with B = w13 or w2 read [N, K] (BLayout::kNK),
+// outputs in the element type, run by a persistent warp-specialized wgmma kernel.
+//
+// Requirements (m_grouped_gemm_sm90_supported checks them; the caller falls back to the portable kernels):
+// a device of compute capability 9.0, bf16 or f16, K % 8 == 0 and N % 8 == 0, every A / B row start 16-byte
+// aligned (16-byte cp.async rows and TMA strides), output rows 16-byte aligned (16-byte stores). M, N and K are
+// otherwise arbitrary: rows past an expert's end, N tails and K tails are zero-filled or masked.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common.h"
+#include "cuda/grouped_gemm.h"
+
+namespace megamoe::sm90 {
+
+// Whether the sm_90a kernels take these operands (dtype, alignment, sizes, the driver's TMA encoder).
+// `swiglu`: args describe the up projection (B_e has 2 * args.n rows).
+bool m_grouped_gemm_sm90_supported(const cuda::MGroupedGemmArgs& args, bool swiglu);
+
+// Up projection with SwiGLU (B = w13 [E, 2I, H], args.n = I): h = [g, u] ([rows, 2I]) and a = silu(g) * u
+// ([rows, I]) in the element type; either may be NULL. `num_sms`: bound on the persistent kernel's grid (the
+// number of co-resident clusters of the device is asked of the runtime).
+megamoe_status_t launch_m_grouped_gemm_sm90_swiglu(const cuda::MGroupedGemmArgs& args, void* h, void* act, int num_sms,
+                                                   cudaStream_t stream);
+
+// out[r, n] = A[a_row(r), :] . B_e[n, :] in the element type, row stride ldo (a multiple of 8).
+megamoe_status_t launch_m_grouped_gemm_sm90_store(const cuda::MGroupedGemmArgs& args, void* out, int64_t ldo,
+                                                  int num_sms, cudaStream_t stream);
+
+}  // namespace megamoe::sm90

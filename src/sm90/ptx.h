@@ -1,0 +1,184 @@
+// Raw PTX of the Hopper (sm_90a) kernels, one thin wrapper per instruction:
+//   mbarrier   init, arrive on a CTA of the cluster, arrive + expect_tx, parity wait (the stage pipelines'
+//              full / empty barriers);
+//   cluster    CTA rank, cluster-wide barrier;
+//   TMA        cp.async.bulk.tensor 3-D loads, plain or multicast to CTAs of the cluster, completing on an
+//              mbarrier;
+//   cp.async   arrival on an mbarrier once a thread's cp.async copies landed;
+//   proxies    fence.proxy.async: generic-proxy writes to shared memory (cp.async, st.shared) before the
+//              async proxy (wgmma, TMA) reads them;
+//   wgmma      shared-memory matrix descriptors (K-major, 128-byte swizzle), fence / commit / wait, and
+//              the accumulator register fence that keeps the compiler from moving accumulator accesses
+//              across an in-flight wgmma;
+//   setmaxnreg register reallocation between warpgroups.
+// The wgmma instruction itself comes from CuTe's MMA atoms (cute/arch/mma_sm90_gmma.hpp). The 16-byte
+// cp.async with zero fill is the sm_80 one (cuda/mma_sm80.h). Semantics: PTX ISA 8.x, "mbarrier",
+// "cp.async.bulk.tensor", "wgmma", "Matrix Descriptor Format".
+#pragma once
+
+#include <cuda.h>
+
+#include <cstdint>
+
+#include "cuda/mma_sm80.h"
+
+namespace megamoe::sm90 {
+
+using cuda::shared_address;
+
+// Bytes of one shared-memory row of a 128-byte swizzled K-major tile, and of its 8-row swizzle atom.
+constexpr int kSwizzleBytes = 128;
+constexpr int kSwizzleAtomBytes = 8 * kSwizzleBytes;
+
+// Byte offset of 16-byte chunk `chunk_idx` of row `row` in a 128-byte swizzled tile (1024-byte aligned):
+// the chunk index is XORed with the row's position in its 8-row atom, as TMA's SWIZZLE_128B writes it
+// and as wgmma's 128-byte swizzle mode reads it.
+__device__ __forceinline__ uint32_t swizzle_128b_offset(int row, int chunk_idx) {
+    return static_cast<uint32_t>(row * kSwizzleBytes + ((chunk_idx ^ (row & 7)) << 4));
+}
+
+__device__ __forceinline__ void mbarrier_init(uint64_t* barrier, uint32_t arrival_count) {
+    asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;\n" ::"r"(shared_address(barrier)), "r"(arrival_count)
+                 : "memory");
+}
+
+// Makes initialised barriers visible to the other threads and to the async proxy (TMA complete_tx).
+__device__ __forceinline__ void fence_barrier_init() {
+    asm volatile("fence.mbarrier_init.release.cluster;\n" ::: "memory");
+}
+
+// One arrival, and `num_bytes` more transaction bytes the current phase waits for.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* barrier, uint32_t num_bytes) {
+    asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(barrier)),
+                 "r"(num_bytes)
+                 : "memory");
+}
+
+// One arrival on the barrier at the same shared-memory offset in CTA `cta_rank` of the cluster (this CTA
+// included).
+__device__ __forceinline__ void mbarrier_arrive_cluster(uint64_t* barrier, uint32_t cta_rank) {
+    asm volatile(
+        "{\n"
+        ".reg .b32 remote;\n"
+        "mapa.shared::cluster.u32 remote, %0, %1;\n"
+        "mbarrier.arrive.shared::cluster.b64 _, [remote];\n"
+        "}\n" ::"r"(shared_address(barrier)),
+        "r"(cta_rank)
+        : "memory");
+}
+
+// Blocks until the phase of parity `parity` has completed (a fresh barrier counts its phase "1" as done).
+__device__ __forceinline__ void mbarrier_wait(uint64_t* barrier, uint32_t parity) {
+    const uint32_t address = shared_address(barrier);
+    uint32_t done = 0;
+    do {
+        asm volatile(
+            "{\n"
+            ".reg .pred ready;\n"
+            "mbarrier.try_wait.parity.shared::cta.b64 ready, [%1], %2;\n"
+            "selp.u32 %0, 1, 0, ready;\n"
+            "}\n"
+            : "=r"(done)
+            : "r"(address), "r"(parity)
+            : "memory");
+    } while (done == 0);
+}
+
+__device__ __forceinline__ uint32_t cluster_cta_rank() {
+    uint32_t rank;
+    asm volatile("mov.u32 %0, %%cluster_ctarank;\n" : "=r"(rank));
+    return rank;
+}
+
+// Every thread of every CTA of the cluster: arrive, then wait for all (release / acquire).
+__device__ __forceinline__ void cluster_sync() {
+    asm volatile(
+        "barrier.cluster.arrive.release.aligned;\n"
+        "barrier.cluster.wait.acquire.aligned;\n" ::
+            : "memory");
+}
+
+// Makes the barrier count one arrival once every cp.async this thread issued so far has landed (noinc: the
+// arrival is one of those the barrier was initialised to expect). The thread does not wait.
+__device__ __forceinline__ void cp_async_mbarrier_arrive_noinc(uint64_t* barrier) {
+    asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(shared_address(barrier)) : "memory");
+}
+
+// Orders generic-proxy shared-memory writes this thread has performed or observed (through a barrier) before its
+// later async-proxy accesses (wgmma, TMA).
+__device__ __forceinline__ void fence_proxy_async_shared() {
+    asm volatile("fence.proxy.async.shared::cta;\n" ::: "memory");
+}
+
+// One box of a 3-D tensor map into this CTA's shared memory, completing its bytes on `barrier`. Out-of-bounds
+// elements of the box are written as zeros (and still counted).
+__device__ __forceinline__ void tma_load_3d(void* shared_dst, const CUtensorMap* tensor_map, uint64_t* barrier,
+                                            int32_t coord0, int32_t coord1, int32_t coord2) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4, %5}], "
+        "[%2];\n" ::"r"(shared_address(shared_dst)),
+        "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(shared_address(barrier)), "r"(coord0), "r"(coord1), "r"(coord2)
+        : "memory");
+}
+
+// As tma_load_3d, the box written to the same offset in every CTA of the cluster whose bit is set in `cta_mask`,
+// completing its bytes on the barrier at the same offset in each of them.
+__device__ __forceinline__ void tma_load_3d_multicast(void* shared_dst, const CUtensorMap* tensor_map,
+                                                      uint64_t* barrier, int32_t coord0, int32_t coord1, int32_t coord2,
+                                                      uint16_t cta_mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.3d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, "
+        "{%3, %4, %5}], [%2], %6;\n" ::"r"(shared_address(shared_dst)),
+        "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(shared_address(barrier)), "r"(coord0), "r"(coord1),
+        "r"(coord2), "h"(cta_mask)
+        : "memory");
+}
+
+__device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* tensor_map) {
+    asm volatile("prefetch.tensormap [%0];\n" ::"l"(reinterpret_cast<uint64_t>(tensor_map)) : "memory");
+}
+
+// wgmma shared-memory descriptor of a K-major tile with 128-byte swizzle: rows of 128 bytes, 8-row
+// atoms 1024 bytes apart (stride byte offset), leading byte offset unused for this mode (1 by convention),
+// base offset 0 (tiles are 1024-byte aligned). Adding 2 to the descriptor moves its start 32 bytes,
+// i.e. one k16 step of 16-bit elements along K inside the swizzled row.
+__device__ __forceinline__ uint64_t make_smem_desc_k_major_sw128(const void* shared_tile) {
+    constexpr uint64_t kLeadingByteOffset = 1;
+    constexpr uint64_t kStrideByteOffset = kSwizzleAtomBytes >> 4;
+    constexpr uint64_t kLayoutSwizzle128B = 1;
+    const uint64_t start_address = (shared_address(shared_tile) & 0x3FFFF) >> 4;
+    return start_address | (kLeadingByteOffset << 16) | (kStrideByteOffset << 32) | (kLayoutSwizzle128B << 62);
+}
+constexpr uint64_t kDescK16Step = 32 >> 4;  // descriptor units (16 bytes) per k16 step of 2-byte elements
+
+__device__ __forceinline__ void wgmma_fence() {
+    asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");
+}
+
+__device__ __forceinline__ void wgmma_commit_group() {
+    asm volatile("wgmma.commit_group.sync.aligned;\n" ::: "memory");
+}
+
+template <int kNumPending>
+__device__ __forceinline__ void wgmma_wait_group() {
+    asm volatile("wgmma.wait_group.sync.aligned %0;\n" ::"n"(kNumPending) : "memory");
+}
+
+// Keeps the compiler from moving reads or writes of accumulator registers across wgmma boundaries.
+template <int kNumRegs>
+__device__ __forceinline__ void fence_accumulators(float (&acc)[kNumRegs]) {
+#pragma unroll
+    for (int reg_idx = 0; reg_idx < kNumRegs; ++reg_idx) asm volatile("" : "+f"(acc[reg_idx])::"memory");
+}
+
+template <int kNumRegs>
+__device__ __forceinline__ void setmaxnreg_dec() {
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kNumRegs));
+}
+
+template <int kNumRegs>
+__device__ __forceinline__ void setmaxnreg_inc() {
+    asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kNumRegs));
+}
+
+}  // namespace megamoe::sm90

@@ -1,0 +1,256 @@
+// The fused sm_90a forward (sm90/grouped_gemm_sm90.cu, dispatched by cuda/cuda_path.cu) on a Hopper GPU:
+//   - against the CPU reference (the C API on CPU tensors, f64 accumulation) on ragged problems: T = 1,
+//     topk = 1, E = 1, one expert taking every slot, experts with no tokens, dropped slots, thousands of
+//     experts, T / H / I that are not multiples of 64 or 128 (N and K tails), more tiles than SMs, f16;
+//     every output and the workspace are poisoned (NaN bytes) before each run, and two runs must be bitwise
+//     equal;
+//   - on the four reference shapes of DESIGN.md section 4, against the portable path (MEGAMOE_DISABLE_SM90=1)
+//     within bf16 error, weights drawn on the device;
+//   - the dispatch: operands the sm_90a kernels cannot take (misaligned views) fall back to the portable path.
+// Skips, with the reason, without a compute capability 9.0 device.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cstdlib>
+#include <iostream>
+#include <numeric>
+#include <string>
+#include <vector>
+
+#include "cuda/cuda_path.h"
+#include "cuda_test_util.h"
+#include "device_fill.h"
+#include "test_util.h"
+
+namespace megamoe::test {
+namespace {
+
+constexpr double kBf16Tolerance = 2e-2;  // as in test_cuda.cpp: a few bf16 roundings of the intermediates
+constexpr double kF16Tolerance = 4e-3;
+// Two bf16 GPU paths that differ only in summation order and in where intermediates are rounded.
+constexpr double kPathAgreement = 1e-2;
+
+bool sm90_available(std::string* reason) {
+    int num_devices = 0;
+    if (cudaGetDeviceCount(&num_devices) != cudaSuccess || num_devices == 0) {
+        cudaGetLastError();
+        *reason = "no CUDA device: the sm_90a forward needs a Hopper GPU";
+        return false;
+    }
+    cudaDeviceProp prop{};
+    if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess || prop.major != 9 || prop.minor != 0) {
+        *reason = "device is not compute capability 9.0: the sm_90a forward needs a Hopper GPU";
+        return false;
+    }
+    return true;
+}
+
+#define SKIP_WITHOUT_SM90()                                             \
+    do {                                                                \
+        std::string skip_reason;                                        \
+        if (!sm90_available(&skip_reason)) GTEST_SKIP() << skip_reason; \
+    } while (0)
+
+// Sets an environment variable for the scope (MEGAMOE_DISABLE_SM90 is read on every forward call).
+class ScopedEnv {
+  public:
+    ScopedEnv(const char* name, const char* value) : name_(name) { setenv(name, value, 1); }
+    ~ScopedEnv() { unsetenv(name_); }
+    ScopedEnv(const ScopedEnv&) = delete;
+    ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+  private:
+    const char* name_;
+};
+
+Shape shape_of(const megamoe_forward_params_t& params) {
+    return {params.x.shape[0], params.x.shape[1], params.w2.shape[2], params.w13.shape[0], params.topk_ids.shape[1]};
+}
+
+// A forward problem on the device: inputs, y, workspace, and the C API params that point at them.
+struct DeviceForward {
+    DeviceTensor x, ids, weights, w13, w2, y, workspace;
+    megamoe_forward_params_t params{};
+
+    void bind() {
+        params.x = x.view();
+        params.topk_ids = ids.view();
+        params.topk_weights = weights.view();
+        params.w13 = w13.view();
+        params.w2 = w2.view();
+        params.y = y.view();
+        size_t bytes = 0;
+        EXPECT_EQ(megamoe_forward_workspace_size(&params, &bytes), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
+        workspace = device_workspace(bytes);
+        params.workspace = workspace.view().data;
+        params.workspace_bytes = bytes;
+    }
+
+    // Poisons y and the workspace, runs the forward, returns y.
+    HostTensor run() {
+        y.poison();
+        workspace.poison();
+        expect_cuda(cudaDeviceSynchronize(), "poison");
+        EXPECT_EQ(megamoe_forward(&params), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
+        expect_cuda(cudaDeviceSynchronize(), "forward");
+        return y.download();
+    }
+};
+
+DeviceForward upload(const Problem& problem, int64_t offset = 0) {
+    DeviceForward device{DeviceTensor::upload(problem.x, offset),
+                         DeviceTensor::upload(problem.ids, offset),
+                         DeviceTensor::upload(problem.weights, offset),
+                         DeviceTensor::upload(problem.w13, offset),
+                         DeviceTensor::upload(problem.w2, offset),
+                         DeviceTensor(problem.x.view, offset),
+                         {}};
+    device.bind();
+    return device;
+}
+
+struct Sm90Case {
+    const char* name;
+    int64_t num_tokens, hidden, intermediate, num_experts, topk;
+    Routing routing = Routing::kRandom;
+    megamoe_dtype_t dtype = MEGAMOE_DTYPE_BF16;
+};
+
+std::ostream& operator<<(std::ostream& os, const Sm90Case& c) {
+    return os << c.name << " (T=" << c.num_tokens << " H=" << c.hidden << " I=" << c.intermediate
+              << " E=" << c.num_experts << " topk=" << c.topk << ", seed " << fresh_seed() << ")";
+}
+
+Problem make_problem(const Sm90Case& c) {
+    std::mt19937_64 rng(fresh_seed() ^ std::hash<std::string>{}(c.name));
+    Problem problem{c.num_tokens, c.hidden, c.intermediate, c.num_experts, c.topk};
+    problem.dtype = c.dtype;
+    problem.routing = c.routing;
+    problem.make(rng);
+    return problem;
+}
+
+HostTensor reference_y(const Problem& problem) {
+    HostTensor y(problem.dtype, {problem.num_tokens, problem.hidden});
+    megamoe_forward_params_t params = problem.forward_params(y);
+    EXPECT_EQ(megamoe_forward(&params), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
+    return y;
+}
+
+void check_against_reference(const Sm90Case& c) {
+    SCOPED_TRACE(::testing::PrintToString(c));
+    const Problem problem = make_problem(c);
+    const HostTensor want = reference_y(problem);
+    DeviceForward device = upload(problem);
+    ASSERT_TRUE(cuda::forward_uses_sm90(device.params, shape_of(device.params))) << "sm_90a path not taken";
+    const HostTensor got = device.run();
+    EXPECT_EQ(got.bytes, device.run().bytes) << "y differs between runs";
+    const double tolerance = c.dtype == MEGAMOE_DTYPE_F16 ? kF16Tolerance : kBf16Tolerance;
+    EXPECT_LT(relative_error(got, want), tolerance) << "y: relative Frobenius error vs the CPU reference";
+}
+
+TEST(Sm90Forward, RaggedShapesMatchReference) {
+    SKIP_WITHOUT_SM90();
+    std::vector<Sm90Case> cases;
+    cases.push_back({"T = 1, topk = 1, E = 1", 1, 64, 32, 1, 1});
+    cases.push_back({"one expert takes every slot", 300, 136, 72, 4, 1, Routing::kOneExpert});
+    cases.push_back({"hot expert, topk 3", 301, 136, 72, 16, 3, Routing::kOneExpert});
+    cases.push_back({"most experts empty", 5, 64, 40, 64, 2, Routing::kHalfEmpty});
+    cases.push_back({"dropped slots, N and K tails", 37, 200, 72, 5, 2, Routing::kSomeDropped});
+    cases.push_back({"E = 1, several M tiles", 700, 128, 256, 1, 1});
+    cases.push_back({"K tails on both GEMMs, N tails", 260, 520, 200, 8, 2});
+    cases.push_back({"more tiles than SMs", 2048, 64, 1024, 2, 2});
+    cases.push_back({"thousands of experts", 50, 24, 16, 3000, 3});
+    cases.push_back({"f16, dropped slots", 97, 72, 48, 7, 2, Routing::kSomeDropped, MEGAMOE_DTYPE_F16});
+    for (const Sm90Case& c : cases) check_against_reference(c);
+}
+
+// Misaligned views (one element past the allocation) cannot take 16-byte cp.async or TMA: the dispatch
+// must pick the portable kernels and stay correct.
+TEST(Sm90Forward, MisalignedViewsFallBackToPortable) {
+    SKIP_WITHOUT_SM90();
+    const Sm90Case c{"misaligned views", 150, 136, 72, 5, 2, Routing::kSomeDropped};
+    SCOPED_TRACE(::testing::PrintToString(c));
+    const Problem problem = make_problem(c);
+    DeviceForward device = upload(problem, 1);
+    EXPECT_FALSE(cuda::forward_uses_sm90(device.params, shape_of(device.params)));
+    EXPECT_LT(relative_error(device.run(), reference_y(problem)), kBf16Tolerance);
+}
+
+// A contiguous view of `dims` (no host memory: the reference shapes' weights are filled on the device).
+megamoe_tensor_t contiguous_view(megamoe_dtype_t dtype, const std::vector<int64_t>& dims) {
+    megamoe_tensor_t view{};
+    view.dtype = dtype;
+    view.ndim = static_cast<int32_t>(dims.size());
+    int64_t stride = 1;
+    for (int32_t dim = view.ndim - 1; dim >= 0; --dim) {
+        view.shape[dim] = dims[static_cast<size_t>(dim)];
+        view.strides[dim] = stride;
+        stride *= dims[static_cast<size_t>(dim)];
+    }
+    return view;
+}
+
+DeviceTensor device_random(megamoe_dtype_t dtype, const std::vector<int64_t>& dims, uint64_t seed, double std_dev) {
+    DeviceTensor tensor(contiguous_view(dtype, dims));
+    expect_cuda(device_fill_uniform(tensor.view().data, dtype, numel(tensor.view()), seed, static_cast<float>(std_dev)),
+                "device_fill_uniform");
+    return tensor;
+}
+
+TEST(Sm90Forward, ReferenceShapesAgreeWithPortablePath) {
+    SKIP_WITHOUT_SM90();
+    struct ReferenceShape {
+        const char* name;
+        int64_t num_tokens, hidden, intermediate, num_experts, topk;
+    };
+    const ReferenceShape shapes[] = {{"qwen3-30b-a3b", 16384, 2048, 768, 128, 8},
+                                     {"qwen3-235b-a22b", 16384, 4096, 1536, 128, 8},
+                                     {"deepseek-v3", 8192, 7168, 2048, 256, 8},
+                                     {"mixtral-8x7b", 8192, 4096, 14336, 8, 2}};
+    for (const ReferenceShape& s : shapes) {
+        SCOPED_TRACE(std::string(s.name) + ", seed " + std::to_string(fresh_seed()));
+        std::mt19937_64 rng(fresh_seed() ^ std::hash<std::string>{}(s.name));
+        HostTensor ids(MEGAMOE_DTYPE_I32, {s.num_tokens, s.topk}), weights(MEGAMOE_DTYPE_F32, {s.num_tokens, s.topk});
+        std::vector<int64_t> experts(static_cast<size_t>(s.num_experts));
+        std::uniform_real_distribution<double> uniform(0.05, 1.0);
+        for (int64_t token_idx = 0; token_idx < s.num_tokens; ++token_idx) {
+            std::iota(experts.begin(), experts.end(), 0);
+            for (int64_t choice_idx = 0; choice_idx < s.topk; ++choice_idx) {  // distinct experts per token
+                std::uniform_int_distribution<int64_t> pick(choice_idx, s.num_experts - 1);
+                std::swap(experts[static_cast<size_t>(choice_idx)], experts[static_cast<size_t>(pick(rng))]);
+                ids.set(token_idx * s.topk + choice_idx, static_cast<double>(experts[static_cast<size_t>(choice_idx)]));
+                weights.set(token_idx * s.topk + choice_idx, uniform(rng));
+            }
+        }
+        const megamoe_dtype_t dtype = MEGAMOE_DTYPE_BF16;
+        const uint64_t seed = rng();
+        DeviceForward device{device_random(dtype, {s.num_tokens, s.hidden}, seed + 1, 0.5),
+                             DeviceTensor::upload(ids),
+                             DeviceTensor::upload(weights),
+                             device_random(dtype, {s.num_experts, 2 * s.intermediate, s.hidden}, seed + 2,
+                                           1.0 / std::sqrt(static_cast<double>(s.hidden))),
+                             device_random(dtype, {s.num_experts, s.hidden, s.intermediate}, seed + 3,
+                                           1.0 / std::sqrt(static_cast<double>(s.intermediate))),
+                             DeviceTensor(contiguous_view(dtype, {s.num_tokens, s.hidden})),
+                             {}};
+        device.bind();
+        ASSERT_TRUE(cuda::forward_uses_sm90(device.params, shape_of(device.params))) << "sm_90a path not taken";
+        const HostTensor fused = device.run();
+        HostTensor portable;
+        {
+            const ScopedEnv disable("MEGAMOE_DISABLE_SM90", "1");
+            ASSERT_FALSE(cuda::forward_uses_sm90(device.params, shape_of(device.params)));
+            portable = device.run();
+        }
+        double norm = 0.0;
+        for (int64_t idx = 0; idx < portable.size(); ++idx) norm += portable.get(idx) * portable.get(idx);
+        EXPECT_GT(norm, 0.0) << "y is all zeros: the inputs were not filled";
+        const double error = relative_error(fused, portable);
+        EXPECT_LT(error, kPathAgreement) << "sm_90a vs portable forward";
+        std::cout << s.name << ": |y| = " << std::sqrt(norm) << ", sm_90a vs portable relative error " << error << "\n";
+    }
+}
+
+}  // namespace
+}  // namespace megamoe::test
