@@ -73,10 +73,8 @@ def table_rows(results):
         for p, label in shown or [("", "—")]:
             res = case.get(p, {})
             ceiling_ms = None if dense_ms is None else dense_ms * (3 if p == "fwdbwd" else 1)
-            mem = "—"
-            if p == "fwdbwd":
-                mem_m, mem_t = _num(res, "megamoe", "peak_extra_gib"), _num(res, "torch", "peak_extra_gib")
-                mem = f"{_f(mem_m, '.2f')} / {_f(mem_t, '.2f')}"
+            mem_m, mem_t = _num(res, "megamoe", "peak_extra_gib"), _num(res, "torch", "peak_extra_gib")
+            mem = f"{_f(mem_m, '.2f')} / {_f(mem_t, '.2f')}"
             err = f"{_f(_max_err(case, p, 'megamoe'), '.1e')} / {_f(_max_err(case, p, 'torch_bf16'), '.1e')}"
             speedup = _num(res, "speedup_vs_torch")
             rows.append([
@@ -121,8 +119,8 @@ def markdown(results, png_name):
         "- FLOPs: fwd 6·T·topk·H·I, fwd+bwd 18·T·topk·H·I. torch = `moe_grouped` of torch_moe_baseline.py"
         " (argsort + `torch._grouped_mm` + autograd). Dense ceiling = bf16 GEMM [T·topk, H] x [H, 3I] of the"
         " forward's FLOPs in the same run; the fwd+bwd ceiling ms is 3x its time.",
-        "- extra peak GiB = torch.cuda.max_memory_allocated during one fwd+bwd above the allocation before it"
-        " (includes the new x, w13, w2, topk_weights gradients). rel err = the largest over the checked tensors,"
+        "- extra peak GiB = torch.cuda.max_memory_allocated during one pass above the allocation before it"
+        " (for fwd+bwd it includes the new x, w13, w2, topk_weights gradients). rel err = the largest over the checked tensors,"
         " megamoe / torch bf16.",
         "",
         markdown_table(results),
