@@ -10,8 +10,14 @@
 // Backward: routing -> up GEMM -> h = [g, u] [S, 2I] (the forward is recomputed)
 //           -> dH GEMM (dy gathered x w2[e]) -> p f32 [S, I]
 //           -> dswiglu_rows: ds, dh over h in place, s * a -> finalize d topk_weights
-//           -> dX GEMM (dh x w13[e]) -> q f32 [S, H] (reuses p's buffer) -> gather_sum -> dx
+//           -> dX GEMM (dh x w13[e]) -> q [S, H] (reuses p's buffer) -> gather_sum -> dx
 //           -> dW13 = K-grouped(dh, x gathered) -> dW2 = K-grouped(dy gathered, s * a).
+//           Up, dH and dX run on the sm_90a kernels under the forward's conditions (all three must suit them);
+//           there q is in the element type, like the forward's o rows: gather_sum still adds the topk rows in
+//           f32, so the one extra rounding per row is of the size of dx's own output rounding. The portable
+//           kernels write q in f32. The buffer is sized for f32 either way, so the workspace does not depend on
+//           the device. The K-grouped weight gradients stay on the portable kernel unless MEGAMOE_SM90_WEIGHT_GRADS=1
+//           (sm90/k_grouped_gemm_sm90.h: correct, not yet faster).
 #include "cuda/cuda_path.h"
 
 #include <algorithm>
@@ -25,6 +31,7 @@
 #include "cuda/grouped_gemm.h"
 #include "cuda/routing.h"
 #include "sm90/grouped_gemm_sm90.h"
+#include "sm90/k_grouped_gemm_sm90.h"
 
 namespace megamoe::cuda {
 namespace {
@@ -123,6 +130,14 @@ DeviceInfo device_info(int device_index) {
     return info;
 }
 
+// MEGAMOE_SM90_WEIGHT_GRADS=1 opts into the sm_90a K-grouped weight-gradient kernel: correct on an H200
+// (2026-11-30), but slower than the portable kernel there (qwen3-30b-a3b dW13 6.9 vs 4.5 ms, dW2 2.75 vs 2.4 ms:
+// its producer waits on each stage's gather indices), so it is off by default until it wins.
+bool sm90_weight_grads_enabled_by_env() {
+    const char* value = std::getenv("MEGAMOE_SM90_WEIGHT_GRADS");
+    return value != nullptr && value[0] != '\0' && std::strcmp(value, "0") != 0;
+}
+
 bool sm90_disabled_by_env() {
     const char* value = std::getenv("MEGAMOE_DISABLE_SM90");
     return value != nullptr && value[0] != '\0' && std::strcmp(value, "0") != 0;
@@ -172,8 +187,8 @@ megamoe_status_t forward_on_device(const megamoe_forward_params_t& params, const
         const int num_sms = device_info(device_index).num_sms;
         MEGAMOE_CUDA_RETURN_IF_ERROR(
             sm90::launch_m_grouped_gemm_sm90_swiglu(gemms.up, nullptr, workspace.act, num_sms, stream));
-        MEGAMOE_CUDA_RETURN_IF_ERROR(
-            sm90::launch_m_grouped_gemm_sm90_store(gemms.down, workspace.out, shape.hidden, num_sms, stream));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(sm90::launch_m_grouped_gemm_sm90_store(gemms.down, BLayout::kNK, workspace.out,
+                                                                            shape.hidden, num_sms, stream));
     } else {
         MEGAMOE_CUDA_RETURN_IF_ERROR(launch_m_grouped_gemm_swiglu(gemms.up, nullptr, workspace.act, stream));
         MEGAMOE_CUDA_RETURN_IF_ERROR(launch_m_grouped_gemm_elem(gemms.down, workspace.out, shape.hidden, stream));
@@ -194,6 +209,86 @@ megamoe_status_t forward_on_device(const megamoe_forward_params_t& params, const
     return launch_gather_sum(combine, stream);
 }
 
+// The GEMMs of the backward: M-grouped up (recomputed, h = [g, u]), dH (dy gathered x w2[e] read [K = H, N = I])
+// and dX (dh x w13[e] read [K = 2I, N = H]); K-grouped dW13 (dh, x gathered) and dW2 (dy gathered, s * a).
+struct BackwardGemms {
+    MGroupedGemmArgs up;
+    MGroupedGemmArgs d_hidden;
+    MGroupedGemmArgs d_input;
+    KGroupedGemmArgs dw13;
+    KGroupedGemmArgs dw2;
+    const void* dw13_out;  // NULL: not wanted
+    const void* dw2_out;
+
+    static BackwardGemms make(const megamoe_backward_params_t& params, const Shape& shape, const RoutingPlan& plan,
+                              const BackwardWorkspace& workspace) {
+        BackwardGemms gemms;
+        gemms.up = up_gemm_args(params.x.dtype, params.x.data, params.w13.data, plan, workspace.routing, shape);
+        gemms.d_hidden = gemms.up;
+        gemms.d_hidden.a = params.dy.data;
+        gemms.d_hidden.b = params.w2.data;
+        gemms.d_hidden.b_expert_stride = shape.hidden * shape.intermediate;
+        gemms.d_hidden.ldb = shape.intermediate;
+        gemms.d_hidden.n = shape.intermediate;
+        gemms.d_hidden.k = shape.hidden;
+        gemms.d_input = gemms.up;
+        gemms.d_input.a = workspace.h;
+        gemms.d_input.lda = 2 * shape.intermediate;
+        gemms.d_input.a_gather_slots = nullptr;
+        gemms.d_input.n = shape.hidden;
+        gemms.d_input.k = 2 * shape.intermediate;
+
+        KGroupedGemmArgs weight_grad{};
+        weight_grad.dtype = params.x.dtype;
+        weight_grad.topk = shape.topk;
+        weight_grad.expert_offsets = workspace.routing.expert_offsets;
+        weight_grad.num_experts = shape.num_experts;
+        gemms.dw13 = weight_grad;
+        gemms.dw13.a = workspace.h;
+        gemms.dw13.lda = 2 * shape.intermediate;
+        gemms.dw13.b = params.x.data;
+        gemms.dw13.ldb = shape.hidden;
+        gemms.dw13.b_gather_slots = workspace.routing.sorted_slot;
+        gemms.dw13.m = 2 * shape.intermediate;
+        gemms.dw13.n = shape.hidden;
+        gemms.dw2 = weight_grad;
+        gemms.dw2.a = params.dy.data;
+        gemms.dw2.lda = shape.hidden;
+        gemms.dw2.a_gather_slots = workspace.routing.sorted_slot;
+        gemms.dw2.b = workspace.act;
+        gemms.dw2.ldb = shape.intermediate;
+        gemms.dw2.m = shape.hidden;
+        gemms.dw2.n = shape.intermediate;
+        gemms.dw13_out = params.dw13.data;
+        gemms.dw2_out = params.dw2.data;
+        return gemms;
+    }
+
+    bool sm90_ok(int device_index) const {
+        if (sm90_disabled_by_env()) return false;
+        const DeviceInfo info = device_info(device_index);
+        return info.major == 9 && info.minor == 0 && sm90::m_grouped_gemm_sm90_supported(up, true) &&
+               sm90::m_grouped_gemm_sm90_supported(d_hidden, false, BLayout::kKN) &&
+               sm90::m_grouped_gemm_sm90_supported(d_input, false, BLayout::kKN);
+    }
+
+    // The weight gradients on the sm_90a K-grouped kernel: opted into, and the M-grouped GEMMs on sm_90a too.
+    bool weight_grads_sm90_ok(int device_index) const {
+        return sm90_weight_grads_enabled_by_env() && sm90_ok(device_index) &&
+               (dw13_out == nullptr || sm90::k_grouped_gemm_sm90_supported(dw13, dw13_out)) &&
+               (dw2_out == nullptr || sm90::k_grouped_gemm_sm90_supported(dw2, dw2_out));
+    }
+};
+
+// A weight gradient (K-grouped GEMM) on the sm_90a kernel or the portable one.
+megamoe_status_t launch_weight_grad(const KGroupedGemmArgs& args, const megamoe_tensor_t& grad, bool use_sm90,
+                                    int num_sms, cudaStream_t stream) {
+    if (use_sm90) {
+        return sm90::launch_k_grouped_gemm_sm90(args, grad.data, grad.dtype, num_sms, stream);
+    }
+    return launch_k_grouped_gemm(args, grad.data, grad.dtype, stream);
+}
+
 megamoe_status_t backward_on_device(const megamoe_backward_params_t& params, const Shape& shape) {
     const auto stream = static_cast<cudaStream_t>(params.stream);
     const megamoe_dtype_t dtype = params.x.dtype;
@@ -212,19 +307,20 @@ megamoe_status_t backward_on_device(const megamoe_backward_params_t& params, con
 
     MEGAMOE_CUDA_RETURN_IF_ERROR(launch_routing(params.topk_ids.data, params.topk_ids.dtype, plan, routing, stream));
 
-    const MGroupedGemmArgs up = up_gemm_args(dtype, params.x.data, params.w13.data, plan, routing, shape);
-    MEGAMOE_CUDA_RETURN_IF_ERROR(launch_m_grouped_gemm_swiglu(up, workspace.h, nullptr, stream));
-
-    // p = dy gathered x w2[e], w2[e] read as [K = H, N = I].
-    MGroupedGemmArgs d_hidden = up;
-    d_hidden.a = params.dy.data;
-    d_hidden.b = params.w2.data;
-    d_hidden.b_expert_stride = hidden * intermediate;
-    d_hidden.ldb = intermediate;
-    d_hidden.n = intermediate;
-    d_hidden.k = hidden;
-    MEGAMOE_CUDA_RETURN_IF_ERROR(
-        launch_m_grouped_gemm_f32(d_hidden, BLayout::kKN, workspace.p_then_q, intermediate, stream));
+    const BackwardGemms gemms = BackwardGemms::make(params, shape, plan, workspace);
+    const bool use_sm90 = gemms.sm90_ok(params.x.device_index);
+    const bool weight_grads_sm90 = gemms.weight_grads_sm90_ok(params.x.device_index);
+    const int num_sms = use_sm90 ? device_info(params.x.device_index).num_sms : 0;
+    if (use_sm90) {  // h = [g, u]; p = dy gathered x w2[e]
+        MEGAMOE_CUDA_RETURN_IF_ERROR(
+            sm90::launch_m_grouped_gemm_sm90_swiglu(gemms.up, workspace.h, nullptr, num_sms, stream));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(
+            sm90::launch_m_grouped_gemm_sm90_f32_kn(gemms.d_hidden, workspace.p_then_q, intermediate, num_sms, stream));
+    } else {
+        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_m_grouped_gemm_swiglu(gemms.up, workspace.h, nullptr, stream));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(
+            launch_m_grouped_gemm_f32(gemms.d_hidden, BLayout::kKN, workspace.p_then_q, intermediate, stream));
+    }
 
     DSwiGLUArgs dswiglu{};
     dswiglu.dtype = dtype;
@@ -254,19 +350,18 @@ megamoe_status_t backward_on_device(const megamoe_backward_params_t& params, con
     }
 
     if (params.dx.data != nullptr) {
-        // q = dh x w13[e], w13[e] read as [K = 2I, N = H]; then dx_t = sum_j q[row of (t, j)].
-        MGroupedGemmArgs d_input = up;
-        d_input.a = workspace.h;
-        d_input.lda = 2 * intermediate;
-        d_input.a_gather_slots = nullptr;
-        d_input.n = hidden;
-        d_input.k = 2 * intermediate;
-        MEGAMOE_CUDA_RETURN_IF_ERROR(
-            launch_m_grouped_gemm_f32(d_input, BLayout::kKN, workspace.p_then_q, hidden, stream));
+        // q = dh x w13[e]; then dx_t = sum_j q[row of (t, j)].
+        if (use_sm90) {
+            MEGAMOE_CUDA_RETURN_IF_ERROR(sm90::launch_m_grouped_gemm_sm90_store(
+                gemms.d_input, BLayout::kKN, workspace.p_then_q, hidden, num_sms, stream));
+        } else {
+            MEGAMOE_CUDA_RETURN_IF_ERROR(
+                launch_m_grouped_gemm_f32(gemms.d_input, BLayout::kKN, workspace.p_then_q, hidden, stream));
+        }
         GatherSumArgs gather{};
         gather.out_dtype = dtype;
         gather.rows = workspace.p_then_q;
-        gather.rows_dtype = MEGAMOE_DTYPE_F32;
+        gather.rows_dtype = use_sm90 ? dtype : MEGAMOE_DTYPE_F32;
         gather.slot_to_row = routing.slot_to_row;
         gather.weights = nullptr;
         gather.token_invalid = routing.token_invalid;
@@ -277,34 +372,11 @@ megamoe_status_t backward_on_device(const megamoe_backward_params_t& params, con
         MEGAMOE_CUDA_RETURN_IF_ERROR(launch_gather_sum(gather, stream));
     }
 
-    KGroupedGemmArgs weight_grad{};
-    weight_grad.dtype = dtype;
-    weight_grad.topk = shape.topk;
-    weight_grad.expert_offsets = routing.expert_offsets;
-    weight_grad.num_experts = shape.num_experts;
     if (params.dw13.data != nullptr) {  // dW13[e] = sum dh x^T
-        KGroupedGemmArgs dw13 = weight_grad;
-        dw13.a = workspace.h;
-        dw13.lda = 2 * intermediate;
-        dw13.a_gather_slots = nullptr;
-        dw13.b = params.x.data;
-        dw13.ldb = hidden;
-        dw13.b_gather_slots = routing.sorted_slot;
-        dw13.m = 2 * intermediate;
-        dw13.n = hidden;
-        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_k_grouped_gemm(dw13, params.dw13.data, params.dw13.dtype, stream));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_weight_grad(gemms.dw13, params.dw13, weight_grads_sm90, num_sms, stream));
     }
     if (params.dw2.data != nullptr) {  // dW2[e] = sum dy (s a)^T
-        KGroupedGemmArgs dw2 = weight_grad;
-        dw2.a = params.dy.data;
-        dw2.lda = hidden;
-        dw2.a_gather_slots = routing.sorted_slot;
-        dw2.b = workspace.act;
-        dw2.ldb = intermediate;
-        dw2.b_gather_slots = nullptr;
-        dw2.m = hidden;
-        dw2.n = intermediate;
-        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_k_grouped_gemm(dw2, params.dw2.data, params.dw2.dtype, stream));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_weight_grad(gemms.dw2, params.dw2, weight_grads_sm90, num_sms, stream));
     }
     return MEGAMOE_STATUS_SUCCESS;
 }
@@ -339,6 +411,22 @@ size_t backward_workspace_size(const megamoe_backward_params_t& /*params*/, cons
     WorkspaceCarver carver(nullptr);
     BackwardWorkspace::carve(carver, RoutingPlan::make(shape, kGemmBlockM), shape);
     return carver.bytes_used();
+}
+
+bool backward_uses_sm90(const megamoe_backward_params_t& params, const Shape& shape) {
+    if (shape.num_slots() == 0) return false;
+    const RoutingPlan plan = RoutingPlan::make(shape, kGemmBlockM);
+    WorkspaceCarver carver(params.workspace);
+    const BackwardWorkspace workspace = BackwardWorkspace::carve(carver, plan, shape);
+    return BackwardGemms::make(params, shape, plan, workspace).sm90_ok(params.x.device_index);
+}
+
+bool backward_weight_grads_use_sm90(const megamoe_backward_params_t& params, const Shape& shape) {
+    if (shape.num_slots() == 0) return false;
+    const RoutingPlan plan = RoutingPlan::make(shape, kGemmBlockM);
+    WorkspaceCarver carver(params.workspace);
+    const BackwardWorkspace workspace = BackwardWorkspace::carve(carver, plan, shape);
+    return BackwardGemms::make(params, shape, plan, workspace).weight_grads_sm90_ok(params.x.device_index);
 }
 
 megamoe_status_t backward(const megamoe_backward_params_t& params, const Shape& shape) {

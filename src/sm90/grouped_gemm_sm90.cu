@@ -3,9 +3,12 @@
 // Computes, for the sorted rows r of each expert e (rows [expert_offsets[e], expert_offsets[e + 1])):
 //     acc[r, n] = sum_k A[a_row(r), k] * B_e[n, k]
 //   a_row(r) = sorted_slot[r] / topk (up projection: rows of x gathered, never copied) or r (down projection).
-//   B_e = b + e * b_expert_stride, [N, K] K-contiguous: w13[e] ([2I, H]) or w2[e] ([H, I]).
-// Epilogues (templated): kSwiGLU writes h = [g, u] and / or a = silu(g) * u; kStore writes acc. Both in the
-// element type (bf16 / f16), with f32 accumulation. No atomics: every output element is written once.
+//   B_e = b + e * b_expert_stride, either [N, K] K-contiguous (BLayout::kNK: w13[e] [2I, H] for up, w2[e] [H, I]
+//   for down) or [K, N] N-contiguous (BLayout::kKN: w2[e] read as [K = H, N = I] for the backward's dH,
+//   w13[e] read as [K = 2I, N = H] for its dX).
+// Epilogues (templated): kSwiGLU writes h = [g, u] and / or a = silu(g) * u; kStore writes acc in the element
+// type (bf16 / f16); kStoreF32 writes acc in f32. f32 accumulation. No atomics: every output element is written
+// once.
 //
 // Tiles: kBlockM = 128 rows (one M tile of the routing's schedule) x kBlockN = 256 columns of B_e x kBlockK = 64
 // (one 128-byte swizzled row of 16-bit elements). For kSwiGLU, the kBlockN rows of the B tile are 128 gate rows
@@ -39,6 +42,10 @@
 // Every tile has the same K, so the static stride stays balanced whatever the routing (hot or empty experts
 // only change the number of m-tiles). Producer and consumers walk the same tile sequence; stage and phase run on
 // across tiles, so the producer prefetches the next tile while the consumers run the epilogue.
+// kKN (MN-major B): the B tile is kBlockN / 64 TMA boxes of 64 N columns (one 128-byte swizzled row) x kBlockK K
+// rows, 8 KiB each, box i holding columns n0 + 64 i; wgmma reads B through an MN-major descriptor (transpose bit
+// of the atom), 8-row K atoms 1024 bytes apart, N blocks one box apart; a shared tile is multicast as half the
+// boxes from each CTA.
 // Shared memory (dynamic, 1024-byte aligned): kNumStages x (A tile 16 KiB + B tile kBlockN x 128 B), then
 // kNumStages full and kNumStages empty mbarriers.
 #include "sm90/grouped_gemm_sm90.h"
@@ -54,6 +61,7 @@
 
 #include "cuda/cuda_utils.h"
 #include "cuda/routing.h"
+#include "sm90/epilogue.cuh"
 #include "sm90/ptx.h"
 
 namespace megamoe::sm90 {
@@ -66,7 +74,7 @@ constexpr int kBlockM = 128;     // rows per CTA
 constexpr int kBlockN = 256;     // columns of B_e per tile
 constexpr int kClusterSize = 2;  // a cluster runs two consecutive M tiles of the schedule, one per CTA
 constexpr uint16_t kClusterMask = (1u << kClusterSize) - 1;
-constexpr int kNumBBoxes = 2;  // TMA boxes per B tile (the gate and up halves for SwiGLU)
+constexpr int kNumBBoxes = 2;  // kNK: TMA boxes per B tile (the gate and up halves for SwiGLU)
 constexpr int kBlockK = 64;
 constexpr int kElemBytes = 2;
 constexpr int kWarpSize = 32;
@@ -108,19 +116,34 @@ constexpr int kBarrierBytes = 2 * kNumStages * static_cast<int>(sizeof(uint64_t)
 constexpr int kSmemBytes = kNumStages * (kATileBytes + kBTileBytes) + kBarrierBytes + kSwizzleAtomBytes;
 
 static_assert(kBBoxBytes % kSwizzleAtomBytes == 0, "TMA boxes start on a swizzle atom");
+
+// kKN: boxes of 64 N columns (one 128-byte swizzled row) x kBlockK rows of K.
+constexpr int kKNBoxCols = kSwizzleBytes / kElemBytes;
+constexpr int kKNNumBoxes = kBlockN / kKNBoxCols;
+constexpr int kKNBoxBytes = kKNBoxCols * kBlockK * kElemBytes;
+constexpr int kKNBoxesPerCta = kKNNumBoxes / kClusterSize;  // a shared B tile: this many boxes multicast per CTA
+static_assert(kKNNumBoxes * kKNBoxBytes == kBTileBytes, "kKN boxes cover the B tile");
+static_assert(kKNBoxesPerCta * kClusterSize == kKNNumBoxes, "the CTAs of a pair split the kKN boxes evenly");
+static_assert(kKNBoxBytes % kSwizzleAtomBytes == 0, "kKN boxes start on a swizzle atom");
+static_assert(kBlockK % kWgmmaK == 0 && kBlockK % 8 == 0, "K blocks hold whole k16 steps and 8-row atoms");
 static_assert(kSmemBytes <= kMaxSmemBytes, "stages exceed the shared memory of an SM");
 static_assert(kNumStages >= 2, "the producer publishes a stage one stage late");
 
-// The CuTe wgmma atom m64 x kBlockN x k16, both operands K-major in shared memory, f32 accumulators.
-template <typename T>
+using cuda::BLayout;
+
+// The CuTe wgmma atom m64 x kBlockN x k16 from shared memory, f32 accumulators: A K-major, B K-major (kNK) or
+// MN-major (kKN).
+template <BLayout kBLayout>
+constexpr gmma::Major kBMajor = kBLayout == BLayout::kNK ? gmma::Major::K : gmma::Major::MN;
+template <typename T, BLayout kBLayout>
 struct WgmmaAtom;
-template <>
-struct WgmmaAtom<__nv_bfloat16> {
-    using Op = gmma::MMA_64x256x16_F32BF16BF16_SS<gmma::Major::K, gmma::Major::K>;
+template <BLayout kBLayout>
+struct WgmmaAtom<__nv_bfloat16, kBLayout> {
+    using Op = gmma::MMA_64x256x16_F32BF16BF16_SS<gmma::Major::K, kBMajor<kBLayout>>;
 };
-template <>
-struct WgmmaAtom<__half> {
-    using Op = gmma::MMA_64x256x16_F32F16F16_SS<gmma::Major::K, gmma::Major::K>;
+template <BLayout kBLayout>
+struct WgmmaAtom<__half, kBLayout> {
+    using Op = gmma::MMA_64x256x16_F32F16F16_SS<gmma::Major::K, kBMajor<kBLayout>>;
 };
 static_assert(kBlockN == 256, "the wgmma atoms above are n256");
 
@@ -131,26 +154,38 @@ __device__ __forceinline__ void wgmma_unpacked(uint64_t desc_a, uint64_t desc_b,
 }
 
 // acc += A (64 x 16) * B (kBlockN x 16)^T, asynchronously.
-template <typename T, int kNumRegs>
+template <typename T, BLayout kBLayout, int kNumRegs>
 __device__ __forceinline__ void wgmma(uint64_t desc_a, uint64_t desc_b, float (&acc)[kNumRegs]) {
-    wgmma_unpacked<typename WgmmaAtom<T>::Op>(desc_a, desc_b, acc, std::make_index_sequence<kNumRegs>{});
+    wgmma_unpacked<typename WgmmaAtom<T, kBLayout>::Op>(desc_a, desc_b, acc, std::make_index_sequence<kNumRegs>{});
 }
 
-enum class Epilogue { kSwiGLU, kStore };
+// Descriptor of the B tile of a stage, and its advance per k16 step.
+template <BLayout kBLayout>
+__device__ __forceinline__ uint64_t make_b_desc(const uint8_t* tile_b) {
+    if constexpr (kBLayout == BLayout::kNK) {
+        return make_smem_desc_k_major_sw128(tile_b);
+    } else {
+        return make_smem_desc_mn_major_sw128<kKNBoxBytes>(tile_b);
+    }
+}
+template <BLayout kBLayout>
+constexpr uint64_t kBDescK16Step = kBLayout == BLayout::kNK ? kDescK16Step : kDescMnK16Step;
+
+enum class Epilogue { kSwiGLU, kStore, kStoreF32 };
 
 struct KernelParams {
     const uint16_t* a;  // A rows, row stride lda
     int64_t lda;
     const int* a_gather_slots;  // NULL: a_row(r) = r; else a_gather_slots[r] / topk
     int64_t topk;
-    int64_t n;                      // output columns: I (kSwiGLU) or N (kStore)
+    int64_t n;                      // output columns: I (kSwiGLU) or N (kStore, kStoreF32)
     int64_t k;                      // K
     int64_t second_box_row_offset;  // rows from the first to the second B box: I (kSwiGLU) or kBlockN / 2
     const int* expert_offsets;      // [E + 1]
     const int* m_tile_offsets;      // [E + 1]
     int64_t num_experts;
     int64_t num_n_tiles;
-    void* out;  // kStore: [rows, n], row stride ldo; kSwiGLU: a [rows, I] or NULL
+    void* out;  // kStore / kStoreF32: [rows, n], row stride ldo; kSwiGLU: a [rows, I] or NULL
     int64_t ldo;
     void* h;  // kSwiGLU: [g, u] [rows, 2I] or NULL
 };
@@ -200,7 +235,7 @@ __device__ __forceinline__ float silu(float value) {
 }
 
 // Producer warpgroup: B by TMA, A gathered by cp.async, stage by stage, for every tile of this CTA.
-template <bool kSwiGLU>
+template <bool kSwiGLU, BLayout kBLayout>
 __device__ __forceinline__ void produce(const CUtensorMap* b_map, const KernelParams& params, uint8_t* smem_a,
                                         uint8_t* smem_b, uint64_t* full, uint64_t* empty, int num_m_tiles,
                                         int64_t num_tiles, int num_k_blocks, uint32_t cta_rank, int thread_idx) {
@@ -228,7 +263,21 @@ __device__ __forceinline__ void produce(const CUtensorMap* b_map, const KernelPa
             uint8_t* tile_a = smem_a + stage_idx * kATileBytes;
             uint8_t* tile_b = smem_b + stage_idx * kBTileBytes;
             const int32_t k_begin = k_block_idx * kBlockK;
-            if (thread_idx == 0) {
+            if (thread_idx == 0 && kBLayout == BLayout::kKN) {
+                mbarrier_arrive_expect_tx(&full[stage_idx], kBTileBytes);
+                // A shared B tile: boxes [cta_rank, cta_rank + 1) x kKNBoxesPerCta, multicast to both CTAs.
+#pragma unroll
+                for (int box_idx = 0; box_idx < kKNNumBoxes; ++box_idx) {
+                    const auto b_col = static_cast<int32_t>(tile.n_tile_idx * kBlockN + box_idx * kKNBoxCols);
+                    uint8_t* box = tile_b + box_idx * kKNBoxBytes;
+                    if (!tile.shared_b) {
+                        tma_load_3d(box, b_map, &full[stage_idx], b_col, k_begin, tile.expert_idx);
+                    } else if (box_idx / kKNBoxesPerCta == static_cast<int>(cta_rank)) {
+                        tma_load_3d_multicast(box, b_map, &full[stage_idx], b_col, k_begin, tile.expert_idx,
+                                              kClusterMask);
+                    }
+                }
+            } else if (thread_idx == 0) {
                 mbarrier_arrive_expect_tx(&full[stage_idx], kBTileBytes);
                 // A shared B tile: box cta_rank, multicast to both CTAs; else both boxes, for this CTA alone.
 #pragma unroll
@@ -262,33 +311,29 @@ __device__ __forceinline__ void produce(const CUtensorMap* b_map, const KernelPa
     cuda::cp_async_wait<0>();  // no copy outlives its thread
 }
 
-// Turns the 2-column pairs that the 4 lanes of a quad hold for 4 consecutive 8-column fragments (lane q: word f =
-// columns 8 f + 2 q, + 1) into one 8-column chunk per lane (lane q: columns 8 q .. 8 q + 7): a 4 x 4 transpose
-// across the quad in two butterfly steps, so each lane can store 16 contiguous bytes.
-__device__ __forceinline__ void quad_transpose(uint32_t (&words)[4], int quad_lane) {
+// kStoreF32 epilogue of one consumer warpgroup (rows as in store_tile): each lane stores its 2-column pair of every
+// fragment as one 8-byte vector, so a quad writes one full 32-byte sector of a row per fragment.
+template <int kNumRegs>
+__device__ __forceinline__ void store_tile_f32(const KernelParams& params, const Tile& tile,
+                                               const float (&acc)[kNumRegs], int consumer_idx, int warp_idx,
+                                               int lane_idx) {
+    constexpr int kNumFrags = kBlockN / 8;
+    const int first_row = consumer_idx * kConsumerRows + warp_idx * 16 + lane_idx / 4;
+    const int64_t first_col = tile.n_tile_idx * kBlockN + (lane_idx % 4) * 2;
 #pragma unroll
-    for (int mask = 2; mask >= 1; mask /= 2) {
-        const bool upper = (quad_lane & mask) != 0;
+    for (int half = 0; half < 2; ++half) {
+        const int local_row = first_row + half * 8;
+        if (local_row >= tile.num_rows) continue;
+        float* out_row = static_cast<float*>(params.out) + (tile.row_begin + local_row) * params.ldo;
 #pragma unroll
-        for (int word_idx = 0; word_idx < 4; ++word_idx) {
-            if ((word_idx & mask) != 0) continue;
-            const uint32_t sent = upper ? words[word_idx] : words[word_idx | mask];
-            const uint32_t received = __shfl_xor_sync(0xffffffffu, sent, mask);
-            if (upper) {
-                words[word_idx] = received;
-            } else {
-                words[word_idx | mask] = received;
+        for (int frag_idx = 0; frag_idx < kNumFrags; ++frag_idx) {
+            const int64_t col = first_col + frag_idx * 8;
+            const int reg_idx = frag_idx * 4 + half * 2;
+            if (col < params.n) {
+                store_pair_f32(out_row, col, acc[reg_idx], acc[reg_idx + 1]);
             }
         }
     }
-}
-
-// 16 bytes at row + col (16-byte aligned), as one vector store.
-template <typename T>
-__device__ __forceinline__ void store_chunk(T* row, int64_t col, const uint32_t (&words)[4]) {
-    asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(row + col), "r"(words[0]), "r"(words[1]),
-                 "r"(words[2]), "r"(words[3])
-                 : "memory");
 }
 
 // One consumer warpgroup's epilogue: rows [64 consumer_idx, 64 consumer_idx + 64) of the tile, from the wgmma
@@ -346,7 +391,7 @@ __device__ __forceinline__ void store_tile(const KernelParams& params, const Til
 }
 
 // Consumer warpgroup `consumer_idx`: wgmma over the stages of every tile of this CTA, then the epilogue.
-template <typename T, Epilogue kEpilogue>
+template <typename T, Epilogue kEpilogue, BLayout kBLayout>
 __device__ __forceinline__ void consume(const KernelParams& params, uint8_t* smem_a, uint8_t* smem_b, uint64_t* full,
                                         uint64_t* empty, int num_m_tiles, int64_t num_tiles, int num_k_blocks,
                                         uint32_t cta_rank, int consumer_idx, int thread_idx) {
@@ -366,13 +411,13 @@ __device__ __forceinline__ void consume(const KernelParams& params, uint8_t* sme
             fence_proxy_async_shared();  // the A tile was written by cp.async (generic proxy), wgmma reads it async
             const uint64_t desc_a =
                 make_smem_desc_k_major_sw128(smem_a + stage_idx * kATileBytes + consumer_idx * kConsumerATileBytes);
-            const uint64_t desc_b = make_smem_desc_k_major_sw128(smem_b + stage_idx * kBTileBytes);
+            const uint64_t desc_b = make_b_desc<kBLayout>(smem_b + stage_idx * kBTileBytes);
             if (has_rows) {
                 fence_accumulators(acc);
                 wgmma_fence();
 #pragma unroll
                 for (int k_step = 0; k_step < kBlockK / kWgmmaK; ++k_step) {
-                    wgmma<T>(desc_a + k_step * kDescK16Step, desc_b + k_step * kDescK16Step, acc);
+                    wgmma<T, kBLayout>(desc_a + k_step * kDescK16Step, desc_b + k_step * kBDescK16Step<kBLayout>, acc);
                 }
                 wgmma_commit_group();
             }
@@ -388,11 +433,15 @@ __device__ __forceinline__ void consume(const KernelParams& params, uint8_t* sme
         wgmma_wait_group<0>();
         fence_accumulators(acc);
         if (in_flight_stage >= 0 && lane_idx == 0) release_stage(empty, in_flight_stage);
-        store_tile<T, kEpilogue>(params, tile, acc, consumer_idx, warp_idx, lane_idx);
+        if constexpr (kEpilogue == Epilogue::kStoreF32) {
+            store_tile_f32(params, tile, acc, consumer_idx, warp_idx, lane_idx);
+        } else {
+            store_tile<T, kEpilogue>(params, tile, acc, consumer_idx, warp_idx, lane_idx);
+        }
     }
 }
 
-template <typename T, Epilogue kEpilogue>
+template <typename T, Epilogue kEpilogue, BLayout kBLayout>
 __global__ void __launch_bounds__(kNumThreads, 1)
     m_grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap b_map, const KernelParams params) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -421,12 +470,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const int warpgroup_idx = __shfl_sync(0xffffffffu, thread_idx / kWarpgroupThreads, 0);
     if (warpgroup_idx == 0) {
         setmaxnreg_dec<kProducerRegs>();
-        produce<kEpilogue == Epilogue::kSwiGLU>(&b_map, params, smem_a, smem_b, full, empty, num_m_tiles, num_tiles,
-                                                num_k_blocks, cta_rank, thread_idx);
+        produce<kEpilogue == Epilogue::kSwiGLU, kBLayout>(&b_map, params, smem_a, smem_b, full, empty, num_m_tiles,
+                                                          num_tiles, num_k_blocks, cta_rank, thread_idx);
     } else {
         setmaxnreg_inc<kConsumerRegs>();
-        consume<T, kEpilogue>(params, smem_a, smem_b, full, empty, num_m_tiles, num_tiles, num_k_blocks, cta_rank,
-                              warpgroup_idx - 1, thread_idx);
+        consume<T, kEpilogue, kBLayout>(params, smem_a, smem_b, full, empty, num_m_tiles, num_tiles, num_k_blocks,
+                                        cta_rank, warpgroup_idx - 1, thread_idx);
     }
     cluster_sync();  // no CTA leaves while the other may still arrive on its barriers
 #endif
@@ -451,15 +500,19 @@ PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
     return encoder;
 }
 
-// B as a 3-D tensor [E, rows_per_expert, K] (K innermost), boxes of kBBoxRows x kBlockK, 128-byte swizzle.
-bool encode_b_tensor_map(const cuda::MGroupedGemmArgs& args, int64_t rows_per_expert, CUtensorMap* map) {
+// B as a 3-D tensor [E, rows_per_expert, cols] (cols innermost, 128-byte swizzle): kNK rows of B_e are the N
+// rows, cols K, boxes of kBBoxRows x kBlockK; kKN rows are K, cols N, boxes of kBlockK x kKNBoxCols.
+bool encode_b_tensor_map(const cuda::MGroupedGemmArgs& args, BLayout b_layout, int64_t rows_per_expert,
+                         CUtensorMap* map) {
     const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
     if (encode == nullptr) return false;
-    const cuuint64_t dims[3] = {static_cast<cuuint64_t>(args.k), static_cast<cuuint64_t>(rows_per_expert),
+    const bool nk = b_layout == BLayout::kNK;
+    const cuuint64_t dims[3] = {static_cast<cuuint64_t>(nk ? args.k : args.n), static_cast<cuuint64_t>(rows_per_expert),
                                 static_cast<cuuint64_t>(args.num_experts)};
     const cuuint64_t strides[2] = {static_cast<cuuint64_t>(args.ldb * kElemBytes),
                                    static_cast<cuuint64_t>(args.b_expert_stride * kElemBytes)};
-    const cuuint32_t box[3] = {kBlockK, kBBoxRows, 1};
+    const cuuint32_t box[3] = {nk ? static_cast<cuuint32_t>(kBlockK) : static_cast<cuuint32_t>(kKNBoxCols),
+                               nk ? static_cast<cuuint32_t>(kBBoxRows) : static_cast<cuuint32_t>(kBlockK), 1};
     const cuuint32_t element_strides[3] = {1, 1, 1};
     const CUtensorMapDataType data_type =
         args.dtype == MEGAMOE_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
@@ -488,15 +541,21 @@ int max_active_clusters(const void* kernel, const cudaLaunchConfig_t& config) {
     return num_clusters;
 }
 
-template <typename T, Epilogue kEpilogue>
+constexpr const char* kernel_name(Epilogue epilogue, BLayout b_layout) {
+    if (epilogue == Epilogue::kSwiGLU) return "m_grouped_gemm_sm90[swiglu]";
+    if (epilogue == Epilogue::kStoreF32) return "m_grouped_gemm_sm90[f32, kn]";
+    return b_layout == BLayout::kNK ? "m_grouped_gemm_sm90[store]" : "m_grouped_gemm_sm90[store, kn]";
+}
+
+template <typename T, Epilogue kEpilogue, BLayout kBLayout>
 megamoe_status_t launch_typed(const cuda::MGroupedGemmArgs& args, const KernelParams& params, int64_t rows_per_expert,
                               int num_sms, cudaStream_t stream) {
     CUtensorMap b_map;
-    if (!encode_b_tensor_map(args, rows_per_expert, &b_map)) {
+    if (!encode_b_tensor_map(args, kBLayout, rows_per_expert, &b_map)) {
         return set_error(MEGAMOE_STATUS_CUDA_ERROR, "m_grouped_gemm_sm90: cuTensorMapEncodeTiled failed");
     }
-    const auto kernel = m_grouped_gemm_sm90_kernel<T, kEpilogue>;
-    const char* name = kEpilogue == Epilogue::kSwiGLU ? "m_grouped_gemm_sm90[swiglu]" : "m_grouped_gemm_sm90[store]";
+    const auto kernel = m_grouped_gemm_sm90_kernel<T, kEpilogue, kBLayout>;
+    const char* name = kernel_name(kEpilogue, kBLayout);
     MEGAMOE_CUDA_RETURN_IF_ERROR(
         cuda::check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes), name));
 
@@ -523,16 +582,17 @@ megamoe_status_t launch_typed(const cuda::MGroupedGemmArgs& args, const KernelPa
     return cuda::check_launch(name);
 }
 
-template <Epilogue kEpilogue>
+template <Epilogue kEpilogue, BLayout kBLayout>
 megamoe_status_t launch(const cuda::MGroupedGemmArgs& args, KernelParams params, int num_sms, cudaStream_t stream) {
+    static_assert(kEpilogue != Epilogue::kSwiGLU || kBLayout == BLayout::kNK, "SwiGLU pairs gate and up rows of w13");
     const bool swiglu = kEpilogue == Epilogue::kSwiGLU;
     params.num_n_tiles = ceil_div(args.n, swiglu ? kBlockN / 2 : kBlockN);
     params.second_box_row_offset = swiglu ? args.n : kBBoxRows;
     if (args.max_m_tiles == 0 || params.num_n_tiles == 0) return MEGAMOE_STATUS_SUCCESS;
-    const int64_t rows_per_expert = swiglu ? 2 * args.n : args.n;
+    const int64_t rows_per_expert = kBLayout == BLayout::kKN ? args.k : (swiglu ? 2 * args.n : args.n);
     return args.dtype == MEGAMOE_DTYPE_BF16
-               ? launch_typed<__nv_bfloat16, kEpilogue>(args, params, rows_per_expert, num_sms, stream)
-               : launch_typed<__half, kEpilogue>(args, params, rows_per_expert, num_sms, stream);
+               ? launch_typed<__nv_bfloat16, kEpilogue, kBLayout>(args, params, rows_per_expert, num_sms, stream)
+               : launch_typed<__half, kEpilogue, kBLayout>(args, params, rows_per_expert, num_sms, stream);
 }
 
 KernelParams make_params(const cuda::MGroupedGemmArgs& args) {
@@ -551,7 +611,7 @@ KernelParams make_params(const cuda::MGroupedGemmArgs& args) {
 
 }  // namespace
 
-bool m_grouped_gemm_sm90_supported(const cuda::MGroupedGemmArgs& args, bool swiglu) {
+bool m_grouped_gemm_sm90_supported(const cuda::MGroupedGemmArgs& args, bool swiglu, BLayout b_layout) {
     constexpr int64_t kMaxTmaCoord = INT32_MAX;
     const bool dtype_ok = args.dtype == MEGAMOE_DTYPE_BF16 || args.dtype == MEGAMOE_DTYPE_F16;
     const bool sizes_ok = args.n > 0 && args.k > 0 && args.k % kChunkElems == 0 && args.n % kChunkElems == 0 &&
@@ -560,7 +620,8 @@ bool m_grouped_gemm_sm90_supported(const cuda::MGroupedGemmArgs& args, bool swig
     const bool a_ok = cuda::is_aligned(args.a, 16) && args.lda % kChunkElems == 0;
     const bool b_ok =
         cuda::is_aligned(args.b, 16) && args.ldb % kChunkElems == 0 && args.b_expert_stride % kChunkElems == 0;
-    return dtype_ok && sizes_ok && a_ok && b_ok && tensor_map_encoder() != nullptr;
+    const bool layout_ok = !swiglu || b_layout == BLayout::kNK;
+    return dtype_ok && sizes_ok && a_ok && b_ok && layout_ok && tensor_map_encoder() != nullptr;
 }
 
 megamoe_status_t launch_m_grouped_gemm_sm90_swiglu(const cuda::MGroupedGemmArgs& args, void* h, void* act, int num_sms,
@@ -572,11 +633,11 @@ megamoe_status_t launch_m_grouped_gemm_sm90_swiglu(const cuda::MGroupedGemmArgs&
     params.out = act;
     params.ldo = args.n;
     params.h = h;
-    return launch<Epilogue::kSwiGLU>(args, params, num_sms, stream);
+    return launch<Epilogue::kSwiGLU, BLayout::kNK>(args, params, num_sms, stream);
 }
 
-megamoe_status_t launch_m_grouped_gemm_sm90_store(const cuda::MGroupedGemmArgs& args, void* out, int64_t ldo,
-                                                  int num_sms, cudaStream_t stream) {
+megamoe_status_t launch_m_grouped_gemm_sm90_store(const cuda::MGroupedGemmArgs& args, BLayout b_layout, void* out,
+                                                  int64_t ldo, int num_sms, cudaStream_t stream) {
     if (!cuda::is_aligned(out, 16) || ldo % kChunkElems != 0) {
         return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
                          "m_grouped_gemm_sm90: out must be 16-byte aligned, ldo % 8 == 0");
@@ -584,7 +645,20 @@ megamoe_status_t launch_m_grouped_gemm_sm90_store(const cuda::MGroupedGemmArgs& 
     KernelParams params = make_params(args);
     params.out = out;
     params.ldo = ldo;
-    return launch<Epilogue::kStore>(args, params, num_sms, stream);
+    return b_layout == BLayout::kNK ? launch<Epilogue::kStore, BLayout::kNK>(args, params, num_sms, stream)
+                                    : launch<Epilogue::kStore, BLayout::kKN>(args, params, num_sms, stream);
+}
+
+megamoe_status_t launch_m_grouped_gemm_sm90_f32_kn(const cuda::MGroupedGemmArgs& args, float* out, int64_t ldo,
+                                                   int num_sms, cudaStream_t stream) {
+    if (!cuda::is_aligned(out, 16) || ldo % kChunkElems != 0) {
+        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
+                         "m_grouped_gemm_sm90: out must be 16-byte aligned, ldo % 8 == 0");
+    }
+    KernelParams params = make_params(args);
+    params.out = out;
+    params.ldo = ldo;
+    return launch<Epilogue::kStoreF32, BLayout::kKN>(args, params, num_sms, stream);
 }
 
 }  // namespace megamoe::sm90

@@ -1,6 +1,8 @@
-// The fused Hopper (sm_90a) M-grouped GEMMs of the forward pass (grouped_gemm_sm90.cu): the same math as
-// the portable launch_m_grouped_gemm_* of cuda/grouped_gemm.h, with B = w13 or w2 read [N, K] (BLayout::kNK),
-// outputs in the element type, run by a persistent warp-specialized wgmma kernel.
+// The fused Hopper (sm_90a) M-grouped GEMMs (grouped_gemm_sm90.cu): the same math as the portable
+// launch_m_grouped_gemm_* of cuda/grouped_gemm.h, run by a persistent warp-specialized wgmma kernel. Forward: B =
+// w13 or w2 read [N, K] (BLayout::kNK), outputs in the element type. Backward: the recomputed up projection (h),
+// dH (B = w2[e] read [K = H, N = I], BLayout::kKN, f32 out) and dX (B = w13[e] read [K = 2I, N = H], kKN, element
+// type out).
 //
 // Requirements (m_grouped_gemm_sm90_supported checks them; the caller falls back to the portable kernels):
 // a device of compute capability 9.0, bf16 or f16, K % 8 == 0 and N % 8 == 0, every A / B row start 16-byte
@@ -18,8 +20,9 @@
 namespace megamoe::sm90 {
 
 // Whether the sm_90a kernels take these operands (dtype, alignment, sizes, the driver's TMA encoder).
-// `swiglu`: args describe the up projection (B_e has 2 * args.n rows).
-bool m_grouped_gemm_sm90_supported(const cuda::MGroupedGemmArgs& args, bool swiglu);
+// `swiglu`: args describe the up projection (B_e has 2 * args.n rows; kNK only).
+bool m_grouped_gemm_sm90_supported(const cuda::MGroupedGemmArgs& args, bool swiglu,
+                                   cuda::BLayout b_layout = cuda::BLayout::kNK);
 
 // Up projection with SwiGLU (B = w13 [E, 2I, H], args.n = I): h = [g, u] ([rows, 2I]) and a = silu(g) * u
 // ([rows, I]) in the element type; either may be NULL. `num_sms`: bound on the persistent kernel's grid (the
@@ -27,8 +30,13 @@ bool m_grouped_gemm_sm90_supported(const cuda::MGroupedGemmArgs& args, bool swig
 megamoe_status_t launch_m_grouped_gemm_sm90_swiglu(const cuda::MGroupedGemmArgs& args, void* h, void* act, int num_sms,
                                                    cudaStream_t stream);
 
-// out[r, n] = A[a_row(r), :] . B_e[n, :] in the element type, row stride ldo (a multiple of 8).
-megamoe_status_t launch_m_grouped_gemm_sm90_store(const cuda::MGroupedGemmArgs& args, void* out, int64_t ldo,
-                                                  int num_sms, cudaStream_t stream);
+// out[r, n] = sum_k A[a_row(r), k] B_e(n, k) in the element type, row stride ldo (a multiple of 8); B_e stored
+// [N, K] (kNK) or [K, N] (kKN).
+megamoe_status_t launch_m_grouped_gemm_sm90_store(const cuda::MGroupedGemmArgs& args, cuda::BLayout b_layout, void* out,
+                                                  int64_t ldo, int num_sms, cudaStream_t stream);
+
+// As launch_m_grouped_gemm_sm90_store with B_e stored [K, N] (kKN), out in f32.
+megamoe_status_t launch_m_grouped_gemm_sm90_f32_kn(const cuda::MGroupedGemmArgs& args, float* out, int64_t ldo,
+                                                   int num_sms, cudaStream_t stream);
 
 }  // namespace megamoe::sm90

@@ -1,5 +1,5 @@
 // Raw PTX of the Hopper (sm_90a) kernels, one thin wrapper per instruction:
-//   mbarrier   init, arrive on a CTA of the cluster, arrive + expect_tx, parity wait (the stage pipelines'
+//   mbarrier   init, arrive (this CTA, or a CTA of the cluster), arrive + expect_tx, parity wait (the stage pipelines'
 //              full / empty barriers);
 //   cluster    CTA rank, cluster-wide barrier;
 //   TMA        cp.async.bulk.tensor 3-D loads, plain or multicast to CTAs of the cluster, completing on an
@@ -7,7 +7,7 @@
 //   cp.async   arrival on an mbarrier once a thread's cp.async copies landed;
 //   proxies    fence.proxy.async: generic-proxy writes to shared memory (cp.async, st.shared) before the
 //              async proxy (wgmma, TMA) reads them;
-//   wgmma      shared-memory matrix descriptors (K-major, 128-byte swizzle), fence / commit / wait, and
+//   wgmma      shared-memory matrix descriptors (K-major and MN-major, 128-byte swizzle), fence / commit / wait, and
 //              the accumulator register fence that keeps the compiler from moving accumulator accesses
 //              across an in-flight wgmma;
 //   setmaxnreg register reallocation between warpgroups.
@@ -52,6 +52,11 @@ __device__ __forceinline__ void mbarrier_arrive_expect_tx(uint64_t* barrier, uin
     asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;\n" ::"r"(shared_address(barrier)),
                  "r"(num_bytes)
                  : "memory");
+}
+
+// One arrival on a barrier of this CTA.
+__device__ __forceinline__ void mbarrier_arrive(uint64_t* barrier) {
+    asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];\n" ::"r"(shared_address(barrier)) : "memory");
 }
 
 // One arrival on the barrier at the same shared-memory offset in CTA `cta_rank` of the cluster (this CTA
@@ -150,6 +155,22 @@ __device__ __forceinline__ uint64_t make_smem_desc_k_major_sw128(const void* sha
     return start_address | (kLeadingByteOffset << 16) | (kStrideByteOffset << 32) | (kLayoutSwizzle128B << 62);
 }
 constexpr uint64_t kDescK16Step = 32 >> 4;  // descriptor units (16 bytes) per k16 step of 2-byte elements
+
+// wgmma shared-memory descriptor of an MN-major tile with 128-byte swizzle, as TMA writes boxes of 64 MN
+// elements (one 128-byte row) x K rows: K rows 128 bytes apart, 8-row atoms 1024 bytes apart (stride byte
+// offset), 64-element MN blocks kMnBlockBytes apart (leading byte offset), base offset 0 (1024-byte aligned).
+// Adding kDescMnK16Step moves the start 16 K rows (2048 bytes): one k16 step.
+template <uint32_t kMnBlockBytes>
+__device__ __forceinline__ uint64_t make_smem_desc_mn_major_sw128(const void* shared_tile) {
+    static_assert(kMnBlockBytes % kSwizzleAtomBytes == 0 && (kMnBlockBytes >> 4) < (1u << 14),
+                  "MN blocks start on a swizzle atom and their offset fits the 14-bit field");
+    constexpr uint64_t kLeadingByteOffset = kMnBlockBytes >> 4;
+    constexpr uint64_t kStrideByteOffset = kSwizzleAtomBytes >> 4;
+    constexpr uint64_t kLayoutSwizzle128B = 1;
+    const uint64_t start_address = (shared_address(shared_tile) & 0x3FFFF) >> 4;
+    return start_address | (kLeadingByteOffset << 16) | (kStrideByteOffset << 32) | (kLayoutSwizzle128B << 62);
+}
+constexpr uint64_t kDescMnK16Step = (16 * kSwizzleBytes) >> 4;  // descriptor units per k16 step (16 K rows)
 
 __device__ __forceinline__ void wgmma_fence() {
     asm volatile("wgmma.fence.sync.aligned;\n" ::: "memory");

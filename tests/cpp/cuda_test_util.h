@@ -6,9 +6,16 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
+#include <numeric>
+#include <ostream>
+#include <random>
+#include <string>
 #include <utility>
 #include <vector>
 
+#include "common.h"
+#include "device_fill.h"
 #include "test_util.h"
 
 namespace megamoe::test {
@@ -82,6 +89,108 @@ inline DeviceTensor device_workspace(size_t num_bytes) {
     like.shape[0] = static_cast<int64_t>((num_bytes + 3) / 4);
     like.strides[0] = 1;
     return DeviceTensor(like);
+}
+
+constexpr double kBf16Tolerance = 2e-2;  // as in test_cuda.cpp: a few bf16 roundings of the intermediates
+constexpr double kF16Tolerance = 4e-3;
+// Two bf16 GPU paths that differ in summation order and in where intermediates are rounded.
+constexpr double kPathAgreement = 1e-2;
+
+// True on a compute capability 9.0 device; otherwise false with the reason for the skip.
+inline bool sm90_available(std::string* reason) {
+    int num_devices = 0;
+    if (cudaGetDeviceCount(&num_devices) != cudaSuccess || num_devices == 0) {
+        cudaGetLastError();
+        *reason = "no CUDA device: the sm_90a kernels need a Hopper GPU";
+        return false;
+    }
+    cudaDeviceProp prop{};
+    if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess || prop.major != 9 || prop.minor != 0) {
+        *reason = "device is not compute capability 9.0: the sm_90a kernels need a Hopper GPU";
+        return false;
+    }
+    return true;
+}
+
+#define SKIP_WITHOUT_SM90()                                             \
+    do {                                                                \
+        std::string skip_reason;                                        \
+        if (!sm90_available(&skip_reason)) GTEST_SKIP() << skip_reason; \
+    } while (0)
+
+// Sets an environment variable for the scope (the MEGAMOE_* switches are read on every call).
+class ScopedEnv {
+  public:
+    ScopedEnv(const char* name, const char* value) : name_(name) { setenv(name, value, 1); }
+    ~ScopedEnv() { unsetenv(name_); }
+    ScopedEnv(const ScopedEnv&) = delete;
+    ScopedEnv& operator=(const ScopedEnv&) = delete;
+
+  private:
+    const char* name_;
+};
+
+template <typename Params>
+Shape shape_of(const Params& params) {
+    return {params.x.shape[0], params.x.shape[1], params.w2.shape[2], params.w13.shape[0], params.topk_ids.shape[1]};
+}
+
+// A GPU-side random tensor (uniform with the given standard deviation): big shapes without host copies.
+inline DeviceTensor device_random(megamoe_dtype_t dtype, const std::vector<int64_t>& dims, uint64_t seed,
+                                  double std_dev) {
+    DeviceTensor tensor(contiguous_view(dtype, dims));
+    expect_cuda(device_fill_uniform(tensor.view().data, dtype, numel(tensor.view()), seed, static_cast<float>(std_dev)),
+                "device_fill_uniform");
+    return tensor;
+}
+
+// The reference shapes of DESIGN.md section 4.
+struct ReferenceShape {
+    const char* name;
+    int64_t num_tokens, hidden, intermediate, num_experts, topk;
+};
+inline const ReferenceShape kReferenceShapes[] = {{"qwen3-30b-a3b", 16384, 2048, 768, 128, 8},
+                                                  {"qwen3-235b-a22b", 16384, 4096, 1536, 128, 8},
+                                                  {"deepseek-v3", 8192, 7168, 2048, 256, 8},
+                                                  {"mixtral-8x7b", 8192, 4096, 14336, 8, 2}};
+
+// Distinct random experts per token and weights in [0.05, 1): topk_ids (i32) and topk_weights (f32) on the host.
+inline void random_routing(const ReferenceShape& s, std::mt19937_64& rng, HostTensor* ids, HostTensor* weights) {
+    *ids = HostTensor(MEGAMOE_DTYPE_I32, {s.num_tokens, s.topk});
+    *weights = HostTensor(MEGAMOE_DTYPE_F32, {s.num_tokens, s.topk});
+    std::vector<int64_t> experts(static_cast<size_t>(s.num_experts));
+    std::uniform_real_distribution<double> uniform(0.05, 1.0);
+    for (int64_t token_idx = 0; token_idx < s.num_tokens; ++token_idx) {
+        std::iota(experts.begin(), experts.end(), 0);
+        for (int64_t choice_idx = 0; choice_idx < s.topk; ++choice_idx) {
+            std::uniform_int_distribution<int64_t> pick(choice_idx, s.num_experts - 1);
+            std::swap(experts[static_cast<size_t>(choice_idx)], experts[static_cast<size_t>(pick(rng))]);
+            ids->set(token_idx * s.topk + choice_idx, static_cast<double>(experts[static_cast<size_t>(choice_idx)]));
+            weights->set(token_idx * s.topk + choice_idx, uniform(rng));
+        }
+    }
+}
+
+// One ragged problem of the sm_90a tests.
+struct Sm90Case {
+    const char* name;
+    int64_t num_tokens, hidden, intermediate, num_experts, topk;
+    Routing routing = Routing::kRandom;
+    megamoe_dtype_t dtype = MEGAMOE_DTYPE_BF16;
+};
+
+inline std::ostream& operator<<(std::ostream& os, const Sm90Case& c) {
+    return os << c.name << " (T=" << c.num_tokens << " H=" << c.hidden << " I=" << c.intermediate
+              << " E=" << c.num_experts << " topk=" << c.topk << ", seed " << fresh_seed() << ")";
+}
+
+inline Problem make_problem(const Sm90Case& c) {
+    std::mt19937_64 rng(fresh_seed() ^ std::hash<std::string>{}(c.name));
+    Problem problem{c.num_tokens, c.hidden, c.intermediate, c.num_experts, c.topk};
+    problem.dtype = c.dtype;
+    problem.routing = c.routing;
+    problem.make(rng);
+    return problem;
 }
 
 }  // namespace megamoe::test

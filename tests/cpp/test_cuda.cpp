@@ -49,31 +49,6 @@ void expect_close(const HostTensor& got, const HostTensor& want, int64_t row_len
     EXPECT_LT(error, tolerance) << what << ": relative Frobenius error vs the CPU reference";
 }
 
-// Per slot, sum_i |p_i a_i| with p = W2[e]^T dy_t and a = silu(g) * u: the size of the terms of
-// ds = <p, a>. A single ds can cancel to near zero (T = 1, topk = 1 gives one scalar), and the GPU's
-// bf16 rounding of h = [g, u] then dominates its relative error; against the size of its terms the
-// error stays far below the tolerance (about 4e-3 at worst for bf16 in a 20000-draw simulation).
-std::vector<double> dtopk_term_scale(const Problem& problem) {
-    const int64_t H = problem.hidden, I = problem.intermediate;
-    std::vector<double> scale(static_cast<size_t>(problem.num_tokens * problem.topk), 0.0);
-    for (int64_t slot_idx = 0; slot_idx < problem.num_tokens * problem.topk; ++slot_idx) {
-        const auto expert_idx = static_cast<int64_t>(problem.ids.get(slot_idx));
-        if (expert_idx < 0) continue;
-        const int64_t token_idx = slot_idx / problem.topk;
-        for (int64_t col = 0; col < I; ++col) {
-            double gate = 0.0, up = 0.0, p = 0.0;
-            for (int64_t h = 0; h < H; ++h) {
-                const double x = problem.x.get(token_idx * H + h);
-                gate += problem.w13.get((expert_idx * 2 * I + col) * H + h) * x;
-                up += problem.w13.get((expert_idx * 2 * I + I + col) * H + h) * x;
-                p += problem.w2.get((expert_idx * H + h) * I + col) * problem.dy.get(token_idx * H + h);
-            }
-            scale[static_cast<size_t>(slot_idx)] += std::fabs(p * gate / (1.0 + std::exp(-gate)) * up);
-        }
-    }
-    return scale;
-}
-
 struct CudaCase {
     const char* name;
     int64_t num_tokens, hidden, intermediate, num_experts, topk;

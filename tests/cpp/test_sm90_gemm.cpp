@@ -25,48 +25,6 @@
 namespace megamoe::test {
 namespace {
 
-constexpr double kBf16Tolerance = 2e-2;  // as in test_cuda.cpp: a few bf16 roundings of the intermediates
-constexpr double kF16Tolerance = 4e-3;
-// Two bf16 GPU paths that differ only in summation order and in where intermediates are rounded.
-constexpr double kPathAgreement = 1e-2;
-
-bool sm90_available(std::string* reason) {
-    int num_devices = 0;
-    if (cudaGetDeviceCount(&num_devices) != cudaSuccess || num_devices == 0) {
-        cudaGetLastError();
-        *reason = "no CUDA device: the sm_90a forward needs a Hopper GPU";
-        return false;
-    }
-    cudaDeviceProp prop{};
-    if (cudaGetDeviceProperties(&prop, 0) != cudaSuccess || prop.major != 9 || prop.minor != 0) {
-        *reason = "device is not compute capability 9.0: the sm_90a forward needs a Hopper GPU";
-        return false;
-    }
-    return true;
-}
-
-#define SKIP_WITHOUT_SM90()                                             \
-    do {                                                                \
-        std::string skip_reason;                                        \
-        if (!sm90_available(&skip_reason)) GTEST_SKIP() << skip_reason; \
-    } while (0)
-
-// Sets an environment variable for the scope (MEGAMOE_DISABLE_SM90 is read on every forward call).
-class ScopedEnv {
-  public:
-    ScopedEnv(const char* name, const char* value) : name_(name) { setenv(name, value, 1); }
-    ~ScopedEnv() { unsetenv(name_); }
-    ScopedEnv(const ScopedEnv&) = delete;
-    ScopedEnv& operator=(const ScopedEnv&) = delete;
-
-  private:
-    const char* name_;
-};
-
-Shape shape_of(const megamoe_forward_params_t& params) {
-    return {params.x.shape[0], params.x.shape[1], params.w2.shape[2], params.w13.shape[0], params.topk_ids.shape[1]};
-}
-
 // A forward problem on the device: inputs, y, workspace, and the C API params that point at them.
 struct DeviceForward {
     DeviceTensor x, ids, weights, w13, w2, y, workspace;
@@ -107,27 +65,6 @@ DeviceForward upload(const Problem& problem, int64_t offset = 0) {
                          {}};
     device.bind();
     return device;
-}
-
-struct Sm90Case {
-    const char* name;
-    int64_t num_tokens, hidden, intermediate, num_experts, topk;
-    Routing routing = Routing::kRandom;
-    megamoe_dtype_t dtype = MEGAMOE_DTYPE_BF16;
-};
-
-std::ostream& operator<<(std::ostream& os, const Sm90Case& c) {
-    return os << c.name << " (T=" << c.num_tokens << " H=" << c.hidden << " I=" << c.intermediate
-              << " E=" << c.num_experts << " topk=" << c.topk << ", seed " << fresh_seed() << ")";
-}
-
-Problem make_problem(const Sm90Case& c) {
-    std::mt19937_64 rng(fresh_seed() ^ std::hash<std::string>{}(c.name));
-    Problem problem{c.num_tokens, c.hidden, c.intermediate, c.num_experts, c.topk};
-    problem.dtype = c.dtype;
-    problem.routing = c.routing;
-    problem.make(rng);
-    return problem;
 }
 
 HostTensor reference_y(const Problem& problem) {
@@ -177,52 +114,13 @@ TEST(Sm90Forward, MisalignedViewsFallBackToPortable) {
     EXPECT_LT(relative_error(device.run(), reference_y(problem)), kBf16Tolerance);
 }
 
-// A contiguous view of `dims` (no host memory: the reference shapes' weights are filled on the device).
-megamoe_tensor_t contiguous_view(megamoe_dtype_t dtype, const std::vector<int64_t>& dims) {
-    megamoe_tensor_t view{};
-    view.dtype = dtype;
-    view.ndim = static_cast<int32_t>(dims.size());
-    int64_t stride = 1;
-    for (int32_t dim = view.ndim - 1; dim >= 0; --dim) {
-        view.shape[dim] = dims[static_cast<size_t>(dim)];
-        view.strides[dim] = stride;
-        stride *= dims[static_cast<size_t>(dim)];
-    }
-    return view;
-}
-
-DeviceTensor device_random(megamoe_dtype_t dtype, const std::vector<int64_t>& dims, uint64_t seed, double std_dev) {
-    DeviceTensor tensor(contiguous_view(dtype, dims));
-    expect_cuda(device_fill_uniform(tensor.view().data, dtype, numel(tensor.view()), seed, static_cast<float>(std_dev)),
-                "device_fill_uniform");
-    return tensor;
-}
-
 TEST(Sm90Forward, ReferenceShapesAgreeWithPortablePath) {
     SKIP_WITHOUT_SM90();
-    struct ReferenceShape {
-        const char* name;
-        int64_t num_tokens, hidden, intermediate, num_experts, topk;
-    };
-    const ReferenceShape shapes[] = {{"qwen3-30b-a3b", 16384, 2048, 768, 128, 8},
-                                     {"qwen3-235b-a22b", 16384, 4096, 1536, 128, 8},
-                                     {"deepseek-v3", 8192, 7168, 2048, 256, 8},
-                                     {"mixtral-8x7b", 8192, 4096, 14336, 8, 2}};
-    for (const ReferenceShape& s : shapes) {
+    for (const ReferenceShape& s : kReferenceShapes) {
         SCOPED_TRACE(std::string(s.name) + ", seed " + std::to_string(fresh_seed()));
         std::mt19937_64 rng(fresh_seed() ^ std::hash<std::string>{}(s.name));
-        HostTensor ids(MEGAMOE_DTYPE_I32, {s.num_tokens, s.topk}), weights(MEGAMOE_DTYPE_F32, {s.num_tokens, s.topk});
-        std::vector<int64_t> experts(static_cast<size_t>(s.num_experts));
-        std::uniform_real_distribution<double> uniform(0.05, 1.0);
-        for (int64_t token_idx = 0; token_idx < s.num_tokens; ++token_idx) {
-            std::iota(experts.begin(), experts.end(), 0);
-            for (int64_t choice_idx = 0; choice_idx < s.topk; ++choice_idx) {  // distinct experts per token
-                std::uniform_int_distribution<int64_t> pick(choice_idx, s.num_experts - 1);
-                std::swap(experts[static_cast<size_t>(choice_idx)], experts[static_cast<size_t>(pick(rng))]);
-                ids.set(token_idx * s.topk + choice_idx, static_cast<double>(experts[static_cast<size_t>(choice_idx)]));
-                weights.set(token_idx * s.topk + choice_idx, uniform(rng));
-            }
-        }
+        HostTensor ids, weights;
+        random_routing(s, rng, &ids, &weights);
         const megamoe_dtype_t dtype = MEGAMOE_DTYPE_BF16;
         const uint64_t seed = rng();
         DeviceForward device{device_random(dtype, {s.num_tokens, s.hidden}, seed + 1, 0.5),

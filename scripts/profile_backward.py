@@ -1,0 +1,106 @@
+"""Per-kernel GPU times of megamoe's backward at the reference shapes (torch.profiler, launches in order), on the
+sm_90a path and on the portable one (MEGAMOE_DISABLE_SM90=1), with forward, backward and forward+backward median
+times by CUDA events.
+
+    MEGAMOE_LIBRARY=build/libmegamoe.so PYTHONPATH=python:bench python3 scripts/profile_backward.py \
+        [--shapes qwen3-30b-a3b,...] [--routing balanced] [--runs 10] [--paths sm90,portable]
+
+The backward's grouped GEMMs run in a fixed order: up (recomputed), dH, dX (M-grouped), then dW13, dW2
+(K-grouped); they are labelled by that order and their TFLOP/s counted from section 1's FLOPs.
+"""
+import argparse
+import os
+import re
+import statistics
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+import megamoe
+import workloads
+
+GEMM_LABELS = [("up (recompute)", 4.0), ("dH", 2.0), ("dX", 4.0), ("dW13", 4.0), ("dW2", 2.0)]  # x T topk H I
+
+
+def short_name(name):
+    name = name.replace("(anonymous namespace)::", "").replace("megamoe::", "")
+    name = re.sub(r"^void ", "", name)
+    cut = name.rfind(">(")
+    name = name[:cut + 1] if cut >= 0 else name.split("(")[0]
+    return name[:100]
+
+
+def median_ms(fn, runs):
+    for _ in range(3):
+        fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(runs):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        fn()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end))
+    return statistics.median(times)
+
+
+def backward_kernels(backward, runs):
+    """(label, median ms, name) of each kernel launch of one backward, in launch order."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            backward()
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA and "emcpy" not in e.name
+                     and "emset" not in e.name), key=lambda e: e.time_range.start)
+    per_run = len(events) // runs
+    rows, gemm_idx = [], 0
+    for pos in range(per_run):
+        name = short_name(events[pos].name)
+        ms = statistics.median(events[run * per_run + pos].time_range.elapsed_us() / 1000.0 for run in range(runs))
+        label = None
+        if "grouped_gemm" in name and gemm_idx < len(GEMM_LABELS):
+            label = GEMM_LABELS[gemm_idx]
+            gemm_idx += 1
+        rows.append((label, ms, name))
+    return rows
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default=",".join(workloads.SHAPES))
+    p.add_argument("--routing", default="balanced")
+    p.add_argument("--runs", type=int, default=10)
+    p.add_argument("--paths", default="sm90,portable")
+    args = p.parse_args()
+    for name in args.shapes.split(","):
+        T, H, I, E, topk = workloads.SHAPES[name]
+        unit = 1.0 * T * topk * H * I
+        case = workloads.make_case(name, (T, H, I, E, topk), args.routing, "cuda")
+        inputs = [t.detach() for t in (case.x, case.ids, case.s, case.w13, case.w2)]
+        dy = case.dy.detach()
+        forward = lambda: megamoe.moe_forward(*inputs)  # noqa: E731
+        backward = lambda: megamoe.moe_backward(dy, *inputs)  # noqa: E731
+
+        def step():
+            forward()
+            backward()
+
+        with torch.no_grad():
+            for path in args.paths.split(","):
+                os.environ["MEGAMOE_DISABLE_SM90"] = "1" if path.startswith("portable") else "0"
+                fwd, bwd, both = median_ms(forward, args.runs), median_ms(backward, args.runs), median_ms(
+                    step, args.runs)
+                print(f"\n{name} [{args.routing}] {path}: forward {fwd:.3f} ms, backward {bwd:.3f} ms "
+                      f"({12 * unit / bwd / 1e9:.0f} TFLOP/s), forward+backward {both:.3f} ms "
+                      f"({18 * unit / both / 1e9:.0f} TFLOP/s)")
+                for label, ms, kname in backward_kernels(backward, args.runs):
+                    rate = f"  {label[1] * unit / ms / 1e9:.0f} TFLOP/s ({label[0]})" if label else ""
+                    print(f"  {ms:8.3f} ms  {kname}{rate}")
+        del case, inputs, dy
+        torch.cuda.empty_cache()
+
+
+if __name__ == "__main__":
+    main()

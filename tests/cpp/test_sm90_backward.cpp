@@ -1,0 +1,243 @@
+// The sm_90a backward (cuda/cuda_path.cu runs the recomputed up GEMM, dH and dX on the fused wgmma kernels of
+// sm90/grouped_gemm_sm90.cu; dH and dX read their weights N-contiguous, BLayout::kKN) on a Hopper GPU:
+//   - against the CPU reference (the C API on CPU tensors, f64 accumulation) on ragged problems: T = 1, topk = 1,
+//     E = 1, one expert taking every slot, experts with no tokens, dropped slots, N and K tails on every GEMM,
+//     f16; every output and the workspace are poisoned (NaN bytes) before each run, two runs must be bitwise
+//     equal, and each case asserts that the sm_90a path was taken;
+//   - on the four reference shapes of DESIGN.md section 4, against the portable path (MEGAMOE_DISABLE_SM90=1)
+//     within bf16 error (dx and d topk_weights whole, dW13 / dW2 on their first and last experts);
+//   - the opt-in sm_90a K-grouped weight-gradient kernel (MEGAMOE_SM90_WEIGHT_GRADS=1) on the ragged set;
+//   - the dispatch: misaligned views fall back to the portable path.
+// Skips, with the reason, without a compute capability 9.0 device.
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <cmath>
+#include <cstdlib>
+#include <iostream>
+#include <numeric>
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "cuda/cuda_path.h"
+#include "cuda_test_util.h"
+#include "device_fill.h"
+#include "test_util.h"
+
+namespace megamoe::test {
+namespace {
+
+struct Grads {
+    HostTensor dx, dtopk, dw13, dw2;
+};
+
+// A backward problem on the device: inputs, gradients, workspace, and the C API params that point at them.
+struct DeviceBackward {
+    DeviceTensor x, ids, weights, w13, w2, dy;
+    DeviceTensor dx, dtopk, dw13, dw2, workspace;
+    megamoe_backward_params_t params{};
+
+    void bind() {
+        params.dy = dy.view();
+        params.x = x.view();
+        params.topk_ids = ids.view();
+        params.topk_weights = weights.view();
+        params.w13 = w13.view();
+        params.w2 = w2.view();
+        params.dx = dx.view();
+        params.dtopk_weights = dtopk.view();
+        params.dw13 = dw13.view();
+        params.dw2 = dw2.view();
+        size_t bytes = 0;
+        EXPECT_EQ(megamoe_backward_workspace_size(&params, &bytes), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
+        workspace = device_workspace(bytes);
+        params.workspace = workspace.view().data;
+        params.workspace_bytes = bytes;
+    }
+
+    // Poisons every gradient and the workspace, runs the backward.
+    void run() {
+        for (DeviceTensor* tensor : {&dx, &dtopk, &dw13, &dw2, &workspace}) tensor->poison();
+        expect_cuda(cudaDeviceSynchronize(), "poison");
+        EXPECT_EQ(megamoe_backward(&params), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
+        expect_cuda(cudaDeviceSynchronize(), "backward");
+    }
+
+    Grads download() const { return {dx.download(), dtopk.download(), dw13.download(), dw2.download()}; }
+};
+
+DeviceBackward upload(const Problem& problem, int64_t offset = 0) {
+    const int64_t T = problem.num_tokens, H = problem.hidden, I = problem.intermediate, E = problem.num_experts;
+    DeviceBackward device{DeviceTensor::upload(problem.x, offset),
+                          DeviceTensor::upload(problem.ids, offset),
+                          DeviceTensor::upload(problem.weights, offset),
+                          DeviceTensor::upload(problem.w13, offset),
+                          DeviceTensor::upload(problem.w2, offset),
+                          DeviceTensor::upload(problem.dy, offset),
+                          DeviceTensor(problem.x.view, offset),
+                          DeviceTensor(HostTensor(MEGAMOE_DTYPE_F32, {T, problem.topk}).view, offset),
+                          DeviceTensor(HostTensor(problem.dtype, {E, 2 * I, H}).view, offset),
+                          DeviceTensor(HostTensor(problem.dtype, {E, H, I}).view, offset),
+                          {}};
+    device.bind();
+    return device;
+}
+
+Grads reference_grads(const Problem& problem) {
+    const int64_t T = problem.num_tokens, H = problem.hidden, I = problem.intermediate, E = problem.num_experts;
+    Grads grads{HostTensor(problem.dtype, {T, H}), HostTensor(MEGAMOE_DTYPE_F32, {T, problem.topk}),
+                HostTensor(problem.dtype, {E, 2 * I, H}), HostTensor(problem.dtype, {E, H, I})};
+    megamoe_backward_params_t params = problem.backward_params(grads.dx, grads.dtopk, grads.dw13, grads.dw2);
+    EXPECT_EQ(megamoe_backward(&params), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
+    return grads;
+}
+
+// Relative Frobenius error of got against want, relative to the norm of `scale` when given.
+double relative_error_scaled(const HostTensor& got, const HostTensor& want, const std::vector<double>& scale) {
+    double diff = 0.0, norm = 0.0;
+    for (int64_t idx = 0; idx < want.size(); ++idx) {
+        const double delta = got.get(idx) - want.get(idx);
+        diff += delta * delta;
+        norm += scale[static_cast<size_t>(idx)] * scale[static_cast<size_t>(idx)];
+    }
+    return std::sqrt(diff) / std::max(std::sqrt(norm), 1e-300);
+}
+
+void expect_bitwise_equal(const Grads& first, const Grads& second) {
+    EXPECT_EQ(first.dx.bytes, second.dx.bytes) << "dx differs between runs";
+    EXPECT_EQ(first.dtopk.bytes, second.dtopk.bytes) << "dtopk_weights differs between runs";
+    EXPECT_EQ(first.dw13.bytes, second.dw13.bytes) << "dw13 differs between runs";
+    EXPECT_EQ(first.dw2.bytes, second.dw2.bytes) << "dw2 differs between runs";
+}
+
+void check_against_reference(const Sm90Case& c, bool sm90_weight_grads) {
+    SCOPED_TRACE(::testing::PrintToString(c));
+    const Problem problem = make_problem(c);
+    const Grads want = reference_grads(problem);
+    DeviceBackward device = upload(problem);
+    ASSERT_TRUE(cuda::backward_uses_sm90(device.params, shape_of(device.params))) << "sm_90a path not taken";
+    ASSERT_EQ(cuda::backward_weight_grads_use_sm90(device.params, shape_of(device.params)), sm90_weight_grads)
+        << "sm_90a weight-gradient kernel taken or not, against MEGAMOE_SM90_WEIGHT_GRADS";
+    device.run();
+    const Grads got = device.download();
+    device.run();
+    expect_bitwise_equal(got, device.download());
+    const double tolerance = c.dtype == MEGAMOE_DTYPE_F16 ? kF16Tolerance : kBf16Tolerance;
+    EXPECT_LT(relative_error(got.dx, want.dx), tolerance) << "dx vs the CPU reference";
+    EXPECT_LT(relative_error_scaled(got.dtopk, want.dtopk, dtopk_term_scale(problem)), tolerance)
+        << "dtopk_weights vs the CPU reference (relative to the size of the terms of <p, a>)";
+    EXPECT_LT(relative_error(got.dw13, want.dw13), tolerance) << "dw13 vs the CPU reference";
+    EXPECT_LT(relative_error(got.dw2, want.dw2), tolerance) << "dw2 vs the CPU reference";
+}
+
+std::vector<Sm90Case> ragged_cases() {
+    std::vector<Sm90Case> cases;
+    cases.push_back({"T = 1, topk = 1, E = 1", 1, 64, 32, 1, 1});
+    cases.push_back({"one expert takes every slot", 300, 136, 72, 4, 1, Routing::kOneExpert});
+    cases.push_back({"hot expert, topk 3", 301, 136, 72, 16, 3, Routing::kOneExpert});
+    cases.push_back({"most experts empty", 5, 64, 40, 64, 2, Routing::kHalfEmpty});
+    cases.push_back({"dropped slots, N and K tails", 37, 200, 72, 5, 2, Routing::kSomeDropped});
+    cases.push_back({"E = 1, several M tiles", 700, 128, 256, 1, 1});
+    cases.push_back({"K tails on every GEMM, N tails", 260, 520, 200, 8, 2});
+    cases.push_back({"more tiles than SMs", 2048, 64, 1024, 2, 2});
+    cases.push_back({"f16, dropped slots", 97, 72, 48, 7, 2, Routing::kSomeDropped, MEGAMOE_DTYPE_F16});
+    return cases;
+}
+
+TEST(Sm90Backward, RaggedShapesMatchReference) {
+    SKIP_WITHOUT_SM90();
+    for (const Sm90Case& c : ragged_cases()) check_against_reference(c, false);
+}
+
+// The opt-in sm_90a K-grouped weight-gradient kernel (MEGAMOE_SM90_WEIGHT_GRADS=1) on the same ragged set.
+TEST(Sm90Backward, WeightGradKernelMatchesReference) {
+    SKIP_WITHOUT_SM90();
+    const ScopedEnv enable("MEGAMOE_SM90_WEIGHT_GRADS", "1");
+    for (const Sm90Case& c : ragged_cases()) check_against_reference(c, true);
+}
+
+TEST(Sm90Backward, MisalignedViewsFallBackToPortable) {
+    SKIP_WITHOUT_SM90();
+    const Sm90Case c{"misaligned views", 150, 136, 72, 5, 2, Routing::kSomeDropped};
+    SCOPED_TRACE(::testing::PrintToString(c));
+    const Problem problem = make_problem(c);
+    DeviceBackward device = upload(problem, 1);
+    EXPECT_FALSE(cuda::backward_uses_sm90(device.params, shape_of(device.params)));
+    device.run();
+    EXPECT_LT(relative_error(device.download().dx, reference_grads(problem).dx), kBf16Tolerance);
+}
+
+// Experts first and last of a weight gradient [E, rows, cols] (the whole of it would take minutes to compare).
+HostTensor download_first_and_last_expert(const DeviceTensor& grad) {
+    const megamoe_tensor_t& view = grad.view();
+    const int64_t per_expert = view.shape[1] * view.shape[2];
+    const int64_t num_experts = view.shape[0];
+    HostTensor host(view.dtype, {num_experts > 1 ? 2 : 1, view.shape[1], view.shape[2]});
+    const size_t expert_bytes = static_cast<size_t>(per_expert) * dtype_size(view.dtype);
+    auto* dst = static_cast<char*>(host.view.data);
+    const auto* src = static_cast<const char*>(view.data);
+    expect_cuda(cudaMemcpy(dst, src, expert_bytes, cudaMemcpyDeviceToHost), "download expert 0");
+    if (num_experts > 1) {
+        expect_cuda(cudaMemcpy(dst + expert_bytes, src + (num_experts - 1) * expert_bytes, expert_bytes,
+                               cudaMemcpyDeviceToHost),
+                    "download the last expert");
+    }
+    return host;
+}
+
+TEST(Sm90Backward, ReferenceShapesAgreeWithPortablePath) {
+    SKIP_WITHOUT_SM90();
+    for (const ReferenceShape& s : kReferenceShapes) {
+        SCOPED_TRACE(std::string(s.name) + ", seed " + std::to_string(fresh_seed()));
+        std::mt19937_64 rng(fresh_seed() ^ std::hash<std::string>{}(s.name));
+        HostTensor ids, weights;
+        random_routing(s, rng, &ids, &weights);
+        const megamoe_dtype_t dtype = MEGAMOE_DTYPE_BF16;
+        const uint64_t seed = rng();
+        const int64_t T = s.num_tokens, H = s.hidden, I = s.intermediate, E = s.num_experts;
+        DeviceBackward device{device_random(dtype, {T, H}, seed + 1, 0.5),
+                              DeviceTensor::upload(ids),
+                              DeviceTensor::upload(weights),
+                              device_random(dtype, {E, 2 * I, H}, seed + 2, 1.0 / std::sqrt(static_cast<double>(H))),
+                              device_random(dtype, {E, H, I}, seed + 3, 1.0 / std::sqrt(static_cast<double>(I))),
+                              device_random(dtype, {T, H}, seed + 4, 1.0),
+                              DeviceTensor(contiguous_view(dtype, {T, H})),
+                              DeviceTensor(contiguous_view(MEGAMOE_DTYPE_F32, {T, s.topk})),
+                              DeviceTensor(contiguous_view(dtype, {E, 2 * I, H})),
+                              DeviceTensor(contiguous_view(dtype, {E, H, I})),
+                              {}};
+        device.bind();
+        ASSERT_TRUE(cuda::backward_uses_sm90(device.params, shape_of(device.params))) << "sm_90a path not taken";
+        device.run();
+        const Grads fused{device.dx.download(), device.dtopk.download(), download_first_and_last_expert(device.dw13),
+                          download_first_and_last_expert(device.dw2)};
+        Grads portable;
+        {
+            const ScopedEnv disable("MEGAMOE_DISABLE_SM90", "1");
+            ASSERT_FALSE(cuda::backward_uses_sm90(device.params, shape_of(device.params)));
+            device.run();
+            portable = {device.dx.download(), device.dtopk.download(), download_first_and_last_expert(device.dw13),
+                        download_first_and_last_expert(device.dw2)};
+        }
+        const std::pair<const char*, std::pair<const HostTensor*, const HostTensor*>> pairs[] = {
+            {"dx", {&fused.dx, &portable.dx}},
+            {"dtopk_weights", {&fused.dtopk, &portable.dtopk}},
+            {"dw13", {&fused.dw13, &portable.dw13}},
+            {"dw2", {&fused.dw2, &portable.dw2}}};
+        std::cout << s.name << ": sm_90a vs portable backward relative error";
+        for (const auto& [what, tensors] : pairs) {
+            double norm = 0.0;
+            for (int64_t idx = 0; idx < tensors.second->size(); ++idx) norm += std::pow(tensors.second->get(idx), 2);
+            EXPECT_GT(norm, 0.0) << what << " is all zeros: the inputs were not filled";
+            const double error = relative_error(*tensors.first, *tensors.second);
+            EXPECT_LT(error, kPathAgreement) << what << ": sm_90a vs portable backward";
+            std::cout << " " << what << " " << error;
+        }
+        std::cout << "\n";
+    }
+}
+
+}  // namespace
+}  // namespace megamoe::test
