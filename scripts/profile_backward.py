@@ -1,9 +1,10 @@
 """Per-kernel GPU times of megamoe's backward at the reference shapes (torch.profiler, launches in order), on the
-sm_90a path and on the portable one (MEGAMOE_DISABLE_SM90=1), with forward, backward and forward+backward median
-times by CUDA events.
+sm_90a path (weight gradients on the sm_90a K-grouped kernel), on it with the portable weight-gradient kernel
+(sm90-portable-wgrad: MEGAMOE_SM90_WEIGHT_GRADS=0) and on the portable path (MEGAMOE_DISABLE_SM90=1), with forward,
+backward and forward+backward median times by CUDA events.
 
     MEGAMOE_LIBRARY=build/libmegamoe.so PYTHONPATH=python:bench python3 scripts/profile_backward.py \
-        [--shapes qwen3-30b-a3b,...] [--routing balanced] [--runs 10] [--paths sm90,portable]
+        [--shapes qwen3-30b-a3b,...] [--routing balanced] [--runs 10] [--paths sm90,sm90-portable-wgrad,portable]
 
 The backward's grouped GEMMs run in a fixed order: up (recomputed), dH, dX (M-grouped), then dW13, dW2
 (K-grouped); they are labelled by that order and their TFLOP/s counted from section 1's FLOPs.
@@ -90,6 +91,7 @@ def main():
         with torch.no_grad():
             for path in args.paths.split(","):
                 os.environ["MEGAMOE_DISABLE_SM90"] = "1" if path.startswith("portable") else "0"
+                os.environ["MEGAMOE_SM90_WEIGHT_GRADS"] = "0" if path == "sm90-portable-wgrad" else "1"
                 fwd, bwd, both = median_ms(forward, args.runs), median_ms(backward, args.runs), median_ms(
                     step, args.runs)
                 print(f"\n{name} [{args.routing}] {path}: forward {fwd:.3f} ms, backward {bwd:.3f} ms "

@@ -16,8 +16,8 @@
 //           there q is in the element type, like the forward's o rows: gather_sum still adds the topk rows in
 //           f32, so the one extra rounding per row is of the size of dx's own output rounding. The portable
 //           kernels write q in f32. The buffer is sized for f32 either way, so the workspace does not depend on
-//           the device. The K-grouped weight gradients stay on the portable kernel unless MEGAMOE_SM90_WEIGHT_GRADS=1
-//           (sm90/k_grouped_gemm_sm90.h: correct, not yet faster).
+//           the device. The K-grouped weight gradients run on sm90/k_grouped_gemm_sm90.h with the rest of the
+//           sm_90a backward, unless MEGAMOE_SM90_WEIGHT_GRADS=0 keeps them on the portable kernel.
 #include "cuda/cuda_path.h"
 
 #include <algorithm>
@@ -130,12 +130,12 @@ DeviceInfo device_info(int device_index) {
     return info;
 }
 
-// MEGAMOE_SM90_WEIGHT_GRADS=1 opts into the sm_90a K-grouped weight-gradient kernel: correct on an H200
-// (2026-11-30), but slower than the portable kernel there (qwen3-30b-a3b dW13 6.9 vs 4.5 ms, dW2 2.75 vs 2.4 ms:
-// its producer waits on each stage's gather indices), so it is off by default until it wins.
+// The sm_90a K-grouped weight-gradient kernel is the default where the sm_90a backward runs (H200, 2026-11-30,
+// qwen3-30b-a3b: dW13 2.31 vs 4.46 ms, dW2 0.97 vs 2.36 ms on the portable kernel); MEGAMOE_SM90_WEIGHT_GRADS=0
+// keeps the portable kernel for them (tests compare both).
 bool sm90_weight_grads_enabled_by_env() {
     const char* value = std::getenv("MEGAMOE_SM90_WEIGHT_GRADS");
-    return value != nullptr && value[0] != '\0' && std::strcmp(value, "0") != 0;
+    return value == nullptr || value[0] == '\0' || std::strcmp(value, "0") != 0;
 }
 
 bool sm90_disabled_by_env() {

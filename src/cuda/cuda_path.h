@@ -28,7 +28,7 @@ bool forward_uses_sm90(const megamoe_forward_params_t& params, const Shape& shap
 size_t backward_workspace_size(const megamoe_backward_params_t& params, const Shape& shape);
 megamoe_status_t backward(const megamoe_backward_params_t& params, const Shape& shape);
 // Whether backward() would run its M-grouped GEMMs (up, dH, dX) on the fused sm_90a kernels, and its weight
-// gradients (dW13, dW2; opt-in: MEGAMOE_SM90_WEIGHT_GRADS=1) on the sm_90a K-grouped kernel. For tests and
+// gradients (dW13, dW2; MEGAMOE_SM90_WEIGHT_GRADS=0 opts out) on the sm_90a K-grouped kernel. For tests and
 // benchmarks.
 bool backward_uses_sm90(const megamoe_backward_params_t& params, const Shape& shape);
 bool backward_weight_grads_use_sm90(const megamoe_backward_params_t& params, const Shape& shape);

@@ -8,28 +8,45 @@
 //
 // Tiles: kBlockM = 128 (M) x kBlockN = 256 (N) x kBlockK = 64 rows of the reduction per stage. An operand tile is
 // stored as 64-element blocks of its MN dimension (one 128-byte row per reduction row, 128-byte swizzle), kBlockK
-// rows each (8 KiB): A has 2 blocks (one per consumer), B has 4. wgmma reads both through MN-major descriptors
-// (transpose bits of the atom): 8-row atoms 1024 bytes apart, MN blocks 8 KiB apart, 2048 bytes per k16 step.
-// Each CTA owns whole output tiles: tile t = (expert, m-tile, n-tile), expert-major, so neighbouring CTAs read the
-// same expert's rows (from L2); CTA c takes t = c, c + gridDim.x, ... and loops over every row of the tile's
-// expert in order: no split-K, no atomics, bitwise deterministic; an expert with no rows writes zeros.
+// rows each (8 KiB), exactly as a TMA box of 64 MN x 64 rows lands: A has 2 blocks (one per consumer), B has 4.
+// wgmma reads both through MN-major descriptors (transpose bits of the atom): 8-row atoms 1024 bytes apart, MN
+// blocks 8 KiB apart, 2048 bytes per k16 step.
+// Loads: an ungathered operand (dh, s * a: rows contiguous by sorted row) comes by TMA (2-D tensor map over [rows,
+// M or N], 128-byte swizzle, columns past M / N zero-filled) for every whole k-block of the expert; the expert's
+// last, partial k-block and every gathered operand are copied with 16-byte cp.async, zero-filling rows past the
+// expert's end (TMA would read the next expert's rows, or unwritten ones) and columns past M or N. Gather indices
+// cost one load per producer thread per stage, issued a stage ahead: lane j < 16 of a warp loads the index of one
+// of the warp's 16 rows of the stage, divides it by topk when the stage comes, and the copying lanes take it by
+// shuffle.
+// Clusters: 2 CTAs run two output tiles of the same expert that share the TMA operand: neighbouring n-tiles (same
+// A) when A is ungathered (dW13), else neighbouring m-tiles (same B, dW2). Each CTA loads half of the shared
+// operand's boxes and multicasts them to both, halving its L2 -> SM traffic; with an odd tile count the second CTA
+// recomputes the first one's tile without storing it, so both always walk the same expert and stay in step.
+// Tile schedule: cluster tile t = (expert, pair), expert-major, so neighbouring clusters read the same expert's
+// rows (from L2); cluster c takes t = c, c + num_clusters, ...; each CTA loops over every row of the tile's expert
+// in order: no split-K, no atomics, bitwise deterministic; an expert with no rows writes zeros.
 //
 // Warp roles (3 warpgroups, 384 threads, 1 CTA per SM):
-//   warpgroup 0, producer (setmaxnreg down to kProducerRegs): gathers both tiles with 16-byte cp.async into the
-//     swizzled layout (A: 16 threads per row, 8 rows per pass, 8 passes; B: 32 threads per row, 4 rows per pass,
-//     16 passes), zero-filling rows past the expert's end and columns past M or N; the gather indices of a stage
-//     are loaded first, then the copies issued. Each thread arms cp.async.mbarrier.arrive.noinc on the stage's
-//     full barrier (kProducerThreads arrivals publish it) and moves on.
+//   warpgroup 0, producer (setmaxnreg down to kProducerRegs): thread 0 issues the stage's TMA boxes after an
+//     arrive.expect_tx of their bytes (a plain arrive when the stage has none); all 128 threads issue the cp.async
+//     copies (A: 16 threads per row, 8 rows per pass, 8 passes; B: 32 threads per row, 4 rows per pass, 16 passes)
+//     and arm cp.async.mbarrier.arrive.noinc on the stage's full barrier (kFullArrivals publish it).
 //   warpgroups 1, 2, consumers (setmaxnreg up to kConsumerRegs): rows [64 (w - 1), 64 w) of the M tile, m64 x 256 x
-//     k16 wgmmas, one batch in flight; a stage is released (one arrive per warp on its empty barrier) once the
-//     next batch has been issued. Epilogue: element type through the quad transpose and 16-byte stores, or f32
-//     as 8-byte pairs.
+//     k16 wgmmas, one batch in flight; a stage is released (one arrive per warp on its empty barrier in both CTAs
+//     of the cluster: the next fill may be multicast into both) once the next batch has been issued. Consumers
+//     fence the async proxy after the full wait (cp.async writes are generic-proxy). Epilogue: element type
+//     through the quad transpose and 16-byte stores, or f32 as 8-byte pairs.
 // Shared memory (dynamic, 1024-byte aligned): kNumStages x (A tile 16 KiB + B tile 32 KiB), then kNumStages full
 // and kNumStages empty mbarriers.
 #include "sm90/k_grouped_gemm_sm90.h"
 
+#include <cuda.h>
+#include <cudaTypedefs.h>
+
 #include <algorithm>
 #include <cute/arch/mma_sm90_gmma.hpp>
+#include <map>
+#include <mutex>
 #include <type_traits>
 #include <utility>
 
@@ -49,37 +66,56 @@ constexpr int kBlockK = 64;  // reduction rows per stage
 constexpr int kElemBytes = 2;
 constexpr int kWarpSize = 32;
 constexpr int kWarpgroupThreads = 128;
+constexpr int kWarpsPerWarpgroup = kWarpgroupThreads / kWarpSize;
 constexpr int kNumConsumers = 2;
 constexpr int kNumThreads = (1 + kNumConsumers) * kWarpgroupThreads;
 constexpr int kConsumerRows = kBlockM / kNumConsumers;
 constexpr int kWgmmaK = 16;
-constexpr int kChunkElems = 8;                                       // one 16-byte cp.async
+constexpr int kChunkElems = 8;  // one 16-byte cp.async
+constexpr int kChunkBytes = kChunkElems * kElemBytes;
 constexpr int kMnBlockElems = kSwizzleBytes / kElemBytes;            // 64 MN elements per 128-byte swizzled row
-constexpr int kMnBlockBytes = kMnBlockElems * kBlockK * kElemBytes;  // one MN block of a stage: 8 KiB
-constexpr int kATileBytes = kBlockM * kBlockK * kElemBytes;
-constexpr int kBTileBytes = kBlockN * kBlockK * kElemBytes;
-constexpr int kAChunksPerRow = kBlockM / kChunkElems;
-constexpr int kBChunksPerRow = kBlockN / kChunkElems;
-constexpr int kARowsPerPass = kWarpgroupThreads / kAChunksPerRow;
-constexpr int kBRowsPerPass = kWarpgroupThreads / kBChunksPerRow;
-constexpr int kAPasses = kBlockK / kARowsPerPass;
-constexpr int kBPasses = kBlockK / kBRowsPerPass;
-constexpr int kFullArrivals = kWarpgroupThreads;                               // every producer thread
-constexpr int kEmptyArrivals = kNumConsumers * kWarpgroupThreads / kWarpSize;  // one per consumer warp
+constexpr int kMnBlockBytes = kMnBlockElems * kBlockK * kElemBytes;  // one MN block (one TMA box) of a stage: 8 KiB
+constexpr int kIndexLanes = kBlockK / kWarpsPerWarpgroup;  // rows of a stage per producer warp, one index per lane
+constexpr int kClusterSize = 2;                            // two output tiles of one expert sharing an operand
+constexpr uint16_t kClusterMask = (1u << kClusterSize) - 1;
+constexpr int64_t kMaxTmaRows = INT32_MAX;            // the row extent of the tensor maps: sorted rows are below 2^31
+constexpr int kFullArrivals = kWarpgroupThreads + 1;  // every producer thread's cp.async + thread 0's (expect_tx)
+constexpr int kEmptyArrivalsPerCta = kNumConsumers * kWarpgroupThreads / kWarpSize;  // one per consumer warp
 constexpr int kNumAccRegs = kConsumerRows * kBlockN / kWarpgroupThreads;
 constexpr int kProducerRegs = 56;
 constexpr int kConsumerRegs = 224;
 constexpr int kRegisterFile = 64 * 1024;
 constexpr int kMaxSmemBytes = 227 * 1024;
+
+// One operand tile of kCols MN columns x kBlockK reduction rows as the producer warpgroup copies it: thread t copies
+// 16-byte chunk t % kThreadsPerRow of rows t / kThreadsPerRow + kRowsPerPass p, or thread 0 loads kNumBoxes TMA
+// boxes. A warp copies kWarpRows rows per pass, kIndexLanes rows per stage.
+template <int kCols>
+struct OperandTile {
+    static constexpr int kThreadsPerRow = kCols / kChunkElems;
+    static constexpr int kRowsPerPass = kWarpgroupThreads / kThreadsPerRow;
+    static constexpr int kPasses = kBlockK / kRowsPerPass;
+    static constexpr int kWarpRows = kWarpSize / kThreadsPerRow;
+    static constexpr int kNumBoxes = kCols / kMnBlockElems;
+    static constexpr int kBoxesPerCta = kNumBoxes / kClusterSize;  // a shared tile: boxes each CTA multicasts
+    static constexpr int kBytes = kCols * kBlockK * kElemBytes;
+    static_assert(kPasses * kRowsPerPass == kBlockK, "the producer covers the tile");
+    static_assert(kWarpRows * kThreadsPerRow == kWarpSize && kWarpRows * kPasses == kIndexLanes,
+                  "a warp's rows of a stage are one gather index per lane of half a warp");
+    static_assert(kBoxesPerCta * kClusterSize == kNumBoxes && kNumBoxes * kMnBlockBytes == kBytes,
+                  "TMA boxes cover the tile and split evenly between the CTAs of a cluster");
+};
+using ATile = OperandTile<kBlockM>;
+using BTile = OperandTile<kBlockN>;
+
 constexpr int kNumStages = 4;
 constexpr int kBarrierBytes = 2 * kNumStages * static_cast<int>(sizeof(uint64_t));
-constexpr int kSmemBytes = kNumStages * (kATileBytes + kBTileBytes) + kBarrierBytes + kSwizzleAtomBytes;
+constexpr int kSmemBytes = kNumStages * (ATile::kBytes + BTile::kBytes) + kBarrierBytes + kSwizzleAtomBytes;
 
 static_assert(kConsumerRows == kMnBlockElems, "each consumer's A rows are one 64-element MN block");
 static_assert(kBlockN == 256, "the wgmma atoms below are n256");
 static_assert(kMnBlockBytes % kSwizzleAtomBytes == 0, "MN blocks start on a swizzle atom");
-static_assert(kAPasses * kARowsPerPass == kBlockK && kBPasses * kBRowsPerPass == kBlockK,
-              "the producer covers both tiles");
+static_assert(kIndexLanes <= kWarpSize, "a producer warp loads its gather indices in one instruction");
 static_assert(kBlockK % kWgmmaK == 0 && kBlockK % 8 == 0, "a stage holds whole k16 steps and 8-row atoms");
 static_assert(kSmemBytes <= kMaxSmemBytes, "stages exceed the shared memory of an SM");
 static_assert(kProducerRegs * kWarpgroupThreads + kConsumerRegs * kNumConsumers * kWarpgroupThreads <= kRegisterFile,
@@ -102,20 +138,27 @@ __device__ __forceinline__ void wgmma_unpacked(uint64_t desc_a, uint64_t desc_b,
     Op::fma(desc_a, desc_b, acc[kRegIdx]..., gmma::ScaleOut::One);
 }
 
+struct Operand {
+    const uint16_t* data;
+    int ld;                   // row stride (checked < 2^31 on the host)
+    const int* gather_slots;  // NULL: row r; else row gather_slots[r] / topk
+    bool tma;                 // not gathered and its tensor map made: whole k-blocks come by TMA
+};
+
 struct KernelParams {
-    const uint16_t* a;
-    int64_t lda;
-    const int* a_gather_slots;
-    const uint16_t* b;
-    int64_t ldb;
-    const int* b_gather_slots;
+    Operand a;
+    Operand b;
     int topk;
     int64_t m;
     int64_t n;
     const int* expert_offsets;
     int num_m_tiles;
     int num_n_tiles;
-    int num_tiles;  // E * num_m_tiles * num_n_tiles (checked < 2^31 on the host)
+    bool pair_along_m;  // the CTAs of a cluster take neighbouring m-tiles (same B), else neighbouring n-tiles (same A)
+    bool share;         // the operand the pair has in common comes by TMA: each CTA multicasts half of its boxes
+    int pairs_m;        // cluster tiles per expert: pairs_m x pairs_n
+    int pairs_n;
+    int num_tiles;  // cluster tiles, E * pairs_m * pairs_n (checked < 2^31 on the host)
     void* out;      // [E, M, N]
 };
 
@@ -127,15 +170,25 @@ struct Tile {
     int row_begin;  // the expert's sorted rows [row_begin, row_end)
     int row_end;
     int num_k_blocks;
+    bool store;  // false: the partner's tile again (odd tile count), computed only to keep the pair in step
 };
 
-__device__ __forceinline__ Tile decode_tile(const KernelParams& params, int tile_idx) {
-    const int tiles_per_expert = params.num_m_tiles * params.num_n_tiles;
+// CTA `cta_rank`'s output tile of cluster tile `tile_idx`. Both CTAs get the same expert, hence the same k-blocks.
+__device__ __forceinline__ Tile decode_tile(const KernelParams& params, int tile_idx, int cta_rank) {
+    const int tiles_per_expert = params.pairs_m * params.pairs_n;
     Tile tile;
     tile.expert_idx = tile_idx / tiles_per_expert;
     const int within = tile_idx % tiles_per_expert;
-    tile.m_begin = within / params.num_n_tiles * kBlockM;
-    tile.n_begin = within % params.num_n_tiles * kBlockN;
+    const int num_paired = params.pair_along_m ? params.num_m_tiles : params.num_n_tiles;
+    const int pair_idx = params.pair_along_m ? within / params.pairs_n : within % params.pairs_n;
+    const int other_idx = params.pair_along_m ? within % params.pairs_n : within / params.pairs_n;
+    int paired_idx = pair_idx * kClusterSize + cta_rank;
+    tile.store = paired_idx < num_paired;
+    if (!tile.store) paired_idx = pair_idx * kClusterSize;
+    const int m_tile_idx = params.pair_along_m ? paired_idx : other_idx;
+    const int n_tile_idx = params.pair_along_m ? other_idx : paired_idx;
+    tile.m_begin = m_tile_idx * kBlockM;
+    tile.n_begin = n_tile_idx * kBlockN;
     tile.row_begin = params.expert_offsets[tile.expert_idx];
     tile.row_end = params.expert_offsets[tile.expert_idx + 1];
     tile.num_k_blocks = (tile.row_end - tile.row_begin + kBlockK - 1) / kBlockK;
@@ -149,48 +202,122 @@ __device__ __forceinline__ uint32_t mn_major_offset(int row, int chunk_idx) {
            swizzle_128b_offset(row, chunk_idx % kChunksPerBlock);
 }
 
-// One operand's share of a stage: kPasses rows per thread, gather indices first, then the copies.
-template <int kPasses, int kRowsPerPass>
-__device__ __forceinline__ void load_operand(uint8_t* tile, const uint16_t* src, int64_t ld, const int* gather_slots,
-                                             int topk, const Tile& tile_info, int first_row_idx, int first_row,
-                                             int chunk_idx, bool col_valid, int64_t col) {
-    int src_rows[kPasses];  // sorted rows and tokens are below 2^31 (T * topk < 2^31)
+// The gather slot of this lane's index row of the k-block starting at sorted row `block_first_row` (lane j of warp w
+// holds row j % kIndexLanes of the warp's rows: pass j / kWarpRows, sub-row j % kWarpRows), or 0 when the operand is
+// not gathered. Rows past the expert's end read its last row instead (their copies are zero-filled). Not divided by
+// topk here: the load stays in flight until the stage is issued.
+template <typename Shape>
+__device__ __forceinline__ int load_gather_slot(const Operand& operand, int block_first_row, int row_end,
+                                                int thread_idx) {
+    if (operand.gather_slots == nullptr) return 0;
+    const int warp_idx = thread_idx / kWarpSize;
+    const int index_lane = thread_idx % kWarpSize % kIndexLanes;
+    const int stage_row = warp_idx * Shape::kWarpRows + index_lane % Shape::kWarpRows +
+                          index_lane / Shape::kWarpRows * Shape::kRowsPerPass;
+    return operand.gather_slots[min(block_first_row + stage_row, row_end - 1)];
+}
+
+// One operand's share of a stage by cp.async into the tile at shared address `tile`: row stage_row = first_row +
+// kRowsPerPass p of the tile is sorted row block_first_row + stage_row, its source row that or (gathered) the slot
+// this thread's warp loaded for it / topk. kRowsPerPass is a multiple of 4, so stage_row's swizzle phase (row % 8)
+// is first_row's with bit 2 flipped when kRowsPerPass p % 8 == 4: every pass stores at one of two addresses plus a
+// constant.
+template <typename Shape>
+__device__ __forceinline__ void copy_operand(uint32_t tile, const Operand& operand, int gather_slot, int topk,
+                                             int block_first_row, int row_end, int thread_idx, int col,
+                                             bool col_valid) {
+    static_assert(Shape::kRowsPerPass % 4 == 0, "a pass keeps the swizzle phase or flips its bit 2");
+    const int chunk_idx = thread_idx % Shape::kThreadsPerRow, first_row = thread_idx / Shape::kThreadsPerRow;
+    const int sub_row = thread_idx % kWarpSize / Shape::kThreadsPerRow;
+    const bool gathered = operand.gather_slots != nullptr;
+    const int gathered_row = gathered ? gather_slot / topk : 0;  // tokens are below 2^31 (T * topk < 2^31)
+    const int rows_left = row_end - block_first_row - first_row;
+    const uint16_t* col_base = operand.data + (col_valid ? col : 0);
+    const uint32_t first_dst = tile + mn_major_offset(first_row, chunk_idx);
 #pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) {
-        const int row_idx = first_row_idx + first_row + pass * kRowsPerPass;
-        src_rows[pass] = -1;
-        if (col_valid && row_idx < tile_info.row_end) {
-            src_rows[pass] = gather_slots != nullptr ? gather_slots[row_idx] / topk : row_idx;
-        }
-    }
-#pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) {
-        const bool valid = src_rows[pass] >= 0;
-        cuda::cp_async_16(tile + mn_major_offset(first_row + pass * kRowsPerPass, chunk_idx),
-                          valid ? src + static_cast<int64_t>(src_rows[pass]) * ld + col : src, valid);
+    for (int pass = 0; pass < Shape::kPasses; ++pass) {
+        const int row_offset = pass * Shape::kRowsPerPass;
+        int src_row = block_first_row + first_row + row_offset;
+        if (gathered) src_row = __shfl_sync(0xffffffffu, gathered_row, pass * Shape::kWarpRows + sub_row);
+        const bool valid = col_valid && row_offset < rows_left;
+        const uint32_t dst = (first_dst ^ (static_cast<uint32_t>(row_offset % 8) * kChunkBytes)) +
+                             static_cast<uint32_t>(row_offset * kSwizzleBytes);
+        cp_async_16_to(dst, col_base + static_cast<int64_t>(valid ? src_row : 0) * operand.ld, valid);
     }
 }
 
-__device__ __forceinline__ void produce(const KernelParams& params, uint8_t* smem_a, uint8_t* smem_b, uint64_t* full,
-                                        uint64_t* empty, int thread_idx) {
-    const int a_chunk_idx = thread_idx % kAChunksPerRow, a_first_row = thread_idx / kAChunksPerRow;
-    const int b_chunk_idx = thread_idx % kBChunksPerRow, b_first_row = thread_idx / kBChunksPerRow;
+// One operand tile of a whole k-block by TMA (thread 0): every box, or, when the pair shares it, this CTA's half
+// multicast to both.
+template <typename Shape>
+__device__ __forceinline__ void load_operand_tma(uint8_t* tile, const CUtensorMap* tensor_map, uint64_t* full,
+                                                 int mn_begin, int block_first_row, bool shared, int cta_rank) {
+#pragma unroll
+    for (int box_idx = 0; box_idx < Shape::kNumBoxes; ++box_idx) {
+        uint8_t* box = tile + box_idx * kMnBlockBytes;
+        const int32_t col = mn_begin + box_idx * kMnBlockElems;
+        if (!shared) {
+            tma_load_2d(box, tensor_map, full, col, block_first_row);
+        } else if (box_idx / Shape::kBoxesPerCta == cta_rank) {
+            tma_load_2d_multicast(box, tensor_map, full, col, block_first_row, kClusterMask);
+        }
+    }
+}
+
+__device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensorMap* b_map, const KernelParams& params,
+                                        uint8_t* smem_a, uint8_t* smem_b, uint64_t* full, uint64_t* empty, int cta_rank,
+                                        int thread_idx) {
+    const bool a_shared = params.share && !params.pair_along_m;
+    const bool b_shared = params.share && params.pair_along_m;
     int stage_idx = 0;
     uint32_t phase = 0;
-    for (int tile_idx = static_cast<int>(blockIdx.x); tile_idx < params.num_tiles;
-         tile_idx += static_cast<int>(gridDim.x)) {
-        const Tile tile = decode_tile(params, tile_idx);
-        const int64_t a_col = tile.m_begin + a_chunk_idx * kChunkElems;
-        const int64_t b_col = tile.n_begin + b_chunk_idx * kChunkElems;
+    for (int tile_idx = static_cast<int>(blockIdx.x) / kClusterSize; tile_idx < params.num_tiles;
+         tile_idx += static_cast<int>(gridDim.x) / kClusterSize) {
+        const Tile tile = decode_tile(params, tile_idx, cta_rank);
+        const int a_col = tile.m_begin + thread_idx % ATile::kThreadsPerRow * kChunkElems;
+        const int b_col = tile.n_begin + thread_idx % BTile::kThreadsPerRow * kChunkElems;
+        int a_next_slot = 0, b_next_slot = 0;
+        if (tile.num_k_blocks > 0) {
+            a_next_slot = load_gather_slot<ATile>(params.a, tile.row_begin, tile.row_end, thread_idx);
+            b_next_slot = load_gather_slot<BTile>(params.b, tile.row_begin, tile.row_end, thread_idx);
+        }
         for (int k_block_idx = 0; k_block_idx < tile.num_k_blocks; ++k_block_idx) {
+            const int block_first_row = tile.row_begin + k_block_idx * kBlockK;
+            const int a_slot = a_next_slot, b_slot = b_next_slot;
+            if (k_block_idx + 1 < tile.num_k_blocks) {  // the next stage's indices load while this one waits
+                a_next_slot = load_gather_slot<ATile>(params.a, block_first_row + kBlockK, tile.row_end, thread_idx);
+                b_next_slot = load_gather_slot<BTile>(params.b, block_first_row + kBlockK, tile.row_end, thread_idx);
+            }
+            // The same for both CTAs of the cluster (same expert, same k-block): a shared tile is loaded by both.
+            const bool whole_block = block_first_row + kBlockK <= tile.row_end;
+            const bool a_tma = params.a.tma && whole_block, b_tma = params.b.tma && whole_block;
+            uint8_t* tile_a = smem_a + stage_idx * ATile::kBytes;
+            uint8_t* tile_b = smem_b + stage_idx * BTile::kBytes;
             mbarrier_wait(&empty[stage_idx], phase ^ 1);
-            const int first_row_idx = tile.row_begin + k_block_idx * kBlockK;
-            load_operand<kAPasses, kARowsPerPass>(smem_a + stage_idx * kATileBytes, params.a, params.lda,
-                                                  params.a_gather_slots, params.topk, tile, first_row_idx, a_first_row,
-                                                  a_chunk_idx, a_col < params.m, a_col);
-            load_operand<kBPasses, kBRowsPerPass>(smem_b + stage_idx * kBTileBytes, params.b, params.ldb,
-                                                  params.b_gather_slots, params.topk, tile, first_row_idx, b_first_row,
-                                                  b_chunk_idx, b_col < params.n, b_col);
+            if (thread_idx == 0) {
+                const uint32_t tma_bytes = (a_tma ? ATile::kBytes : 0) + (b_tma ? BTile::kBytes : 0);
+                if (tma_bytes == 0) {
+                    mbarrier_arrive(&full[stage_idx]);
+                } else {
+                    fence_proxy_async_shared();  // the stage may last have been written by cp.async
+                    mbarrier_arrive_expect_tx(&full[stage_idx], tma_bytes);
+                    if (a_tma) {
+                        load_operand_tma<ATile>(tile_a, a_map, &full[stage_idx], tile.m_begin, block_first_row,
+                                                a_shared, cta_rank);
+                    }
+                    if (b_tma) {
+                        load_operand_tma<BTile>(tile_b, b_map, &full[stage_idx], tile.n_begin, block_first_row,
+                                                b_shared, cta_rank);
+                    }
+                }
+            }
+            if (!a_tma) {
+                copy_operand<ATile>(shared_address(tile_a), params.a, a_slot, params.topk, block_first_row,
+                                    tile.row_end, thread_idx, a_col, a_col < params.m);
+            }
+            if (!b_tma) {
+                copy_operand<BTile>(shared_address(tile_b), params.b, b_slot, params.topk, block_first_row,
+                                    tile.row_end, thread_idx, b_col, b_col < params.n);
+            }
             cp_async_mbarrier_arrive_noinc(&full[stage_idx]);
             if (++stage_idx == kNumStages) {
                 stage_idx = 0;
@@ -240,26 +367,34 @@ __device__ __forceinline__ void store_tile(const KernelParams& params, const Til
     }
 }
 
+// Releases a stage in both CTAs of the cluster (the next fill of the stage may be multicast into both).
+__device__ __forceinline__ void release_stage(uint64_t* empty, int stage_idx) {
+#pragma unroll
+    for (uint32_t cta_rank = 0; cta_rank < kClusterSize; ++cta_rank) {
+        mbarrier_arrive_cluster(&empty[stage_idx], cta_rank);
+    }
+}
+
 template <typename T, typename OutT>
 __device__ __forceinline__ void consume(const KernelParams& params, uint8_t* smem_a, uint8_t* smem_b, uint64_t* full,
-                                        uint64_t* empty, int consumer_idx, int thread_idx) {
+                                        uint64_t* empty, int cta_rank, int consumer_idx, int thread_idx) {
     const int lane_idx = thread_idx % kWarpSize;
     const int warp_idx = (thread_idx % kWarpgroupThreads) / kWarpSize;
     int stage_idx = 0;
     uint32_t phase = 0;
     float acc[kNumAccRegs];
-    for (int tile_idx = static_cast<int>(blockIdx.x); tile_idx < params.num_tiles;
-         tile_idx += static_cast<int>(gridDim.x)) {
-        const Tile tile = decode_tile(params, tile_idx);
+    for (int tile_idx = static_cast<int>(blockIdx.x) / kClusterSize; tile_idx < params.num_tiles;
+         tile_idx += static_cast<int>(gridDim.x) / kClusterSize) {
+        const Tile tile = decode_tile(params, tile_idx, cta_rank);
 #pragma unroll
         for (int reg_idx = 0; reg_idx < kNumAccRegs; ++reg_idx) acc[reg_idx] = 0.0f;
         int in_flight_stage = -1;
         for (int k_block_idx = 0; k_block_idx < tile.num_k_blocks; ++k_block_idx) {
             mbarrier_wait(&full[stage_idx], phase);
             fence_proxy_async_shared();  // cp.async wrote the tiles (generic proxy), wgmma reads them (async proxy)
-            const uint64_t desc_a = make_smem_desc_mn_major_sw128<kMnBlockBytes>(smem_a + stage_idx * kATileBytes +
+            const uint64_t desc_a = make_smem_desc_mn_major_sw128<kMnBlockBytes>(smem_a + stage_idx * ATile::kBytes +
                                                                                  consumer_idx * kMnBlockBytes);
-            const uint64_t desc_b = make_smem_desc_mn_major_sw128<kMnBlockBytes>(smem_b + stage_idx * kBTileBytes);
+            const uint64_t desc_b = make_smem_desc_mn_major_sw128<kMnBlockBytes>(smem_b + stage_idx * BTile::kBytes);
             fence_accumulators(acc);
             wgmma_fence();
 #pragma unroll
@@ -271,7 +406,7 @@ __device__ __forceinline__ void consume(const KernelParams& params, uint8_t* sme
             wgmma_commit_group();
             wgmma_wait_group<1>();  // the previous batch is done: its stage can be refilled
             fence_accumulators(acc);
-            if (in_flight_stage >= 0 && lane_idx == 0) mbarrier_arrive(&empty[in_flight_stage]);
+            if (in_flight_stage >= 0 && lane_idx == 0) release_stage(empty, in_flight_stage);
             in_flight_stage = stage_idx;
             if (++stage_idx == kNumStages) {
                 stage_idx = 0;
@@ -280,50 +415,139 @@ __device__ __forceinline__ void consume(const KernelParams& params, uint8_t* sme
         }
         wgmma_wait_group<0>();
         fence_accumulators(acc);
-        if (in_flight_stage >= 0 && lane_idx == 0) mbarrier_arrive(&empty[in_flight_stage]);
-        store_tile<T, OutT>(params, tile, acc, consumer_idx, warp_idx, lane_idx);
+        if (in_flight_stage >= 0 && lane_idx == 0) release_stage(empty, in_flight_stage);
+        if (tile.store) store_tile<T, OutT>(params, tile, acc, consumer_idx, warp_idx, lane_idx);
     }
 }
 
 template <typename T, typename OutT>
-__global__ void __launch_bounds__(kNumThreads, 1) k_grouped_gemm_sm90_kernel(const KernelParams params) {
+__global__ void __launch_bounds__(kNumThreads, 1)
+    k_grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
+                               const KernelParams params) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ uint8_t smem_raw[];
     const uint32_t misalignment = shared_address(smem_raw) % kSwizzleAtomBytes;
     uint8_t* smem_a = smem_raw + (misalignment == 0 ? 0 : kSwizzleAtomBytes - misalignment);
-    uint8_t* smem_b = smem_a + kNumStages * kATileBytes;
-    auto* full = reinterpret_cast<uint64_t*>(smem_b + kNumStages * kBTileBytes);
+    uint8_t* smem_b = smem_a + kNumStages * ATile::kBytes;
+    auto* full = reinterpret_cast<uint64_t*>(smem_b + kNumStages * BTile::kBytes);
     uint64_t* empty = full + kNumStages;
 
     const int thread_idx = static_cast<int>(threadIdx.x);
     if (thread_idx == 0) {
         for (int stage_idx = 0; stage_idx < kNumStages; ++stage_idx) {
             mbarrier_init(&full[stage_idx], kFullArrivals);
-            mbarrier_init(&empty[stage_idx], kEmptyArrivals);
+            mbarrier_init(&empty[stage_idx], kClusterSize * kEmptyArrivalsPerCta);
         }
         fence_barrier_init();
+        if (params.a.tma) prefetch_tensor_map(&a_map);
+        if (params.b.tma) prefetch_tensor_map(&b_map);
     }
-    __syncthreads();
+    cluster_sync();  // barriers initialised in both CTAs before any multicast or remote arrive
+    const auto cta_rank = static_cast<int>(cluster_cta_rank());
     const int warpgroup_idx = __shfl_sync(0xffffffffu, thread_idx / kWarpgroupThreads, 0);
     if (warpgroup_idx == 0) {
         setmaxnreg_dec<kProducerRegs>();
-        produce(params, smem_a, smem_b, full, empty, thread_idx);
+        produce(&a_map, &b_map, params, smem_a, smem_b, full, empty, cta_rank, thread_idx);
     } else {
         setmaxnreg_inc<kConsumerRegs>();
-        consume<T, OutT>(params, smem_a, smem_b, full, empty, warpgroup_idx - 1, thread_idx);
+        consume<T, OutT>(params, smem_a, smem_b, full, empty, cta_rank, warpgroup_idx - 1, thread_idx);
     }
+    cluster_sync();  // no CTA leaves while the other may still multicast into it or arrive on its barriers
 #endif
 }
 
+// ---------------------------------------------------------------------------------------------------
+// Host side: the TMA descriptors of the ungathered operands, the cluster launch.
+
+PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
+    static const PFN_cuTensorMapEncodeTiled_v12000 encoder = [] {
+        void* fn = nullptr;
+        cudaDriverEntryPointQueryResult result{};
+        constexpr unsigned kDriverApiVersion = 12000;
+        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, kDriverApiVersion, cudaEnableDefault,
+                                             &result) != cudaSuccess ||
+            result != cudaDriverEntryPointSuccess) {
+            cudaGetLastError();
+            fn = nullptr;
+        }
+        return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
+    }();
+    return encoder;
+}
+
+// An ungathered operand as a 2-D tensor [kMaxTmaRows, cols] (cols innermost, 128-byte swizzle), boxes of
+// kMnBlockElems columns x kBlockK rows. Only whole k-blocks inside an expert's rows are loaded, so the row extent
+// is a bound, never reached; columns past `cols` are zero-filled.
+bool encode_operand_map(megamoe_dtype_t dtype, const void* data, int64_t ld, int64_t cols, CUtensorMap* map) {
+    const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+    if (encode == nullptr) return false;
+    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(kMaxTmaRows)};
+    const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld * kElemBytes)};
+    const cuuint32_t box[2] = {static_cast<cuuint32_t>(kMnBlockElems), static_cast<cuuint32_t>(kBlockK)};
+    const cuuint32_t element_strides[2] = {1, 1};
+    const CUtensorMapDataType data_type =
+        dtype == MEGAMOE_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    return encode(map, data_type, 2, const_cast<void*>(data), dims, strides, box, element_strides,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
+// Clusters of `kernel` that fit on the device at once (asked once per device and kernel): the persistent grid
+// must not exceed it, or the clusters left over would run a second wave of tiles.
+int max_active_clusters(const void* kernel, const cudaLaunchConfig_t& config) {
+    static std::mutex mutex;
+    static std::map<std::pair<int, const void*>, int> cache;
+    int device_idx = 0;
+    if (cudaGetDevice(&device_idx) != cudaSuccess) return 0;
+    const std::lock_guard<std::mutex> lock(mutex);
+    const auto key = std::make_pair(device_idx, kernel);
+    const auto found = cache.find(key);
+    if (found != cache.end()) return found->second;
+    int num_clusters = 0;
+    if (cudaOccupancyMaxActiveClusters(&num_clusters, kernel, &config) != cudaSuccess) {
+        cudaGetLastError();
+        num_clusters = 0;
+    }
+    cache.emplace(key, num_clusters);
+    return num_clusters;
+}
+
 template <typename T, typename OutT>
-megamoe_status_t launch_typed(const KernelParams& params, int num_sms, cudaStream_t stream) {
+megamoe_status_t launch_typed(const CUtensorMap& a_map, const CUtensorMap& b_map, const KernelParams& params,
+                              int num_sms, cudaStream_t stream) {
     const auto kernel = k_grouped_gemm_sm90_kernel<T, OutT>;
     const char* name = "k_grouped_gemm_sm90";
     MEGAMOE_CUDA_RETURN_IF_ERROR(
         cuda::check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes), name));
-    const auto num_blocks = static_cast<unsigned>(std::min<int64_t>(std::max(num_sms, 1), params.num_tiles));
-    kernel<<<num_blocks, kNumThreads, kSmemBytes, stream>>>(params);
+    cudaLaunchAttribute attribute{};
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = kClusterSize;
+    attribute.val.clusterDim.y = 1;
+    attribute.val.clusterDim.z = 1;
+    cudaLaunchConfig_t config{};
+    config.blockDim = dim3(kNumThreads);
+    config.dynamicSmemBytes = kSmemBytes;
+    config.stream = stream;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    config.gridDim = dim3(kClusterSize);  // for the occupancy query
+    const int64_t num_clusters = std::min<int64_t>({max_active_clusters(reinterpret_cast<const void*>(kernel), config),
+                                                    std::max(num_sms, kClusterSize) / kClusterSize, params.num_tiles});
+    if (num_clusters <= 0) {
+        return set_error(MEGAMOE_STATUS_CUDA_ERROR, "%s: no cluster of %d CTAs fits on the device", name, kClusterSize);
+    }
+    config.gridDim = dim3(static_cast<unsigned>(num_clusters * kClusterSize));
+    MEGAMOE_CUDA_RETURN_IF_ERROR(cuda::check_cuda(cudaLaunchKernelEx(&config, kernel, a_map, b_map, params), name));
     return cuda::check_launch(name);
+}
+
+// The operand, by TMA when it is not gathered and its tensor map can be made (else by cp.async, zeroed map).
+Operand make_operand(megamoe_dtype_t dtype, const void* data, int64_t ld, const int* gather_slots, int64_t cols,
+                     CUtensorMap* map) {
+    *map = CUtensorMap{};
+    Operand operand{static_cast<const uint16_t*>(data), static_cast<int>(ld), gather_slots, false};
+    operand.tma = gather_slots == nullptr && encode_operand_map(dtype, data, ld, cols, map);
+    return operand;
 }
 
 }  // namespace
@@ -331,8 +555,8 @@ megamoe_status_t launch_typed(const KernelParams& params, int num_sms, cudaStrea
 bool k_grouped_gemm_sm90_supported(const cuda::KGroupedGemmArgs& args, const void* out) {
     const bool dtype_ok = args.dtype == MEGAMOE_DTYPE_BF16 || args.dtype == MEGAMOE_DTYPE_F16;
     const bool sizes_ok = args.m % kChunkElems == 0 && args.n % kChunkElems == 0;
-    const bool a_ok = cuda::is_aligned(args.a, 16) && args.lda % kChunkElems == 0;
-    const bool b_ok = cuda::is_aligned(args.b, 16) && args.ldb % kChunkElems == 0;
+    const bool a_ok = cuda::is_aligned(args.a, 16) && args.lda % kChunkElems == 0 && args.lda <= INT32_MAX;
+    const bool b_ok = cuda::is_aligned(args.b, 16) && args.ldb % kChunkElems == 0 && args.ldb <= INT32_MAX;
     return dtype_ok && sizes_ok && a_ok && b_ok && cuda::is_aligned(out, 16);
 }
 
@@ -341,35 +565,41 @@ megamoe_status_t launch_k_grouped_gemm_sm90(const cuda::KGroupedGemmArgs& args, 
     if (!k_grouped_gemm_sm90_supported(args, out)) {
         return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "k_grouped_gemm_sm90: operands not supported");
     }
+    const int64_t num_m_tiles = ceil_div(args.m, static_cast<int64_t>(kBlockM));
+    const int64_t num_n_tiles = ceil_div(args.n, static_cast<int64_t>(kBlockN));
+    if (args.num_experts == 0 || num_m_tiles == 0 || num_n_tiles == 0) return MEGAMOE_STATUS_SUCCESS;
+    CUtensorMap a_map, b_map;
     KernelParams params{};
-    params.a = static_cast<const uint16_t*>(args.a);
-    params.lda = args.lda;
-    params.a_gather_slots = args.a_gather_slots;
-    params.b = static_cast<const uint16_t*>(args.b);
-    params.ldb = args.ldb;
-    params.b_gather_slots = args.b_gather_slots;
+    params.a = make_operand(args.dtype, args.a, args.lda, args.a_gather_slots, args.m, &a_map);
+    params.b = make_operand(args.dtype, args.b, args.ldb, args.b_gather_slots, args.n, &b_map);
     params.topk = static_cast<int>(args.topk);
     params.m = args.m;
     params.n = args.n;
     params.expert_offsets = args.expert_offsets;
-    const int64_t num_m_tiles = ceil_div(args.m, static_cast<int64_t>(kBlockM));
-    const int64_t num_n_tiles = ceil_div(args.n, static_cast<int64_t>(kBlockN));
-    const int64_t num_tiles = args.num_experts * num_m_tiles * num_n_tiles;
-    if (num_tiles > INT32_MAX) {
+    // The pair shares A (neighbouring n-tiles) when A comes by TMA, else B (neighbouring m-tiles) when B does.
+    params.pair_along_m = !params.a.tma && params.b.tma;
+    params.share = params.a.tma || params.b.tma;
+    const int64_t pairs_m =
+        params.pair_along_m ? ceil_div(num_m_tiles, static_cast<int64_t>(kClusterSize)) : num_m_tiles;
+    const int64_t pairs_n =
+        params.pair_along_m ? num_n_tiles : ceil_div(num_n_tiles, static_cast<int64_t>(kClusterSize));
+    const int64_t num_tiles = args.num_experts * pairs_m * pairs_n;
+    if (num_tiles > INT32_MAX || num_m_tiles * kClusterSize > INT32_MAX || num_n_tiles * kClusterSize > INT32_MAX) {
         return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "k_grouped_gemm_sm90: more than 2^31 output tiles");
     }
     params.num_m_tiles = static_cast<int>(num_m_tiles);
     params.num_n_tiles = static_cast<int>(num_n_tiles);
+    params.pairs_m = static_cast<int>(pairs_m);
+    params.pairs_n = static_cast<int>(pairs_n);
     params.num_tiles = static_cast<int>(num_tiles);
     params.out = out;
-    if (params.num_tiles == 0) return MEGAMOE_STATUS_SUCCESS;
     const bool f32_out = out_dtype == MEGAMOE_DTYPE_F32;
     if (args.dtype == MEGAMOE_DTYPE_BF16) {
-        return f32_out ? launch_typed<__nv_bfloat16, float>(params, num_sms, stream)
-                       : launch_typed<__nv_bfloat16, __nv_bfloat16>(params, num_sms, stream);
+        return f32_out ? launch_typed<__nv_bfloat16, float>(a_map, b_map, params, num_sms, stream)
+                       : launch_typed<__nv_bfloat16, __nv_bfloat16>(a_map, b_map, params, num_sms, stream);
     }
-    return f32_out ? launch_typed<__half, float>(params, num_sms, stream)
-                   : launch_typed<__half, __half>(params, num_sms, stream);
+    return f32_out ? launch_typed<__half, float>(a_map, b_map, params, num_sms, stream)
+                   : launch_typed<__half, __half>(a_map, b_map, params, num_sms, stream);
 }
 
 }  // namespace megamoe::sm90

@@ -2,9 +2,9 @@
 //   mbarrier   init, arrive (this CTA, or a CTA of the cluster), arrive + expect_tx, parity wait (the stage pipelines'
 //              full / empty barriers);
 //   cluster    CTA rank, cluster-wide barrier;
-//   TMA        cp.async.bulk.tensor 3-D loads, plain or multicast to CTAs of the cluster, completing on an
-//              mbarrier;
-//   cp.async   arrival on an mbarrier once a thread's cp.async copies landed;
+//   TMA        cp.async.bulk.tensor 2-D and 3-D loads, plain or multicast to CTAs of the cluster, completing
+//              on an mbarrier;
+//   cp.async   16-byte copy to a shared-memory address; arrival on an mbarrier once a thread's copies landed;
 //   proxies    fence.proxy.async: generic-proxy writes to shared memory (cp.async, st.shared) before the
 //              async proxy (wgmma, TMA) reads them;
 //   wgmma      shared-memory matrix descriptors (K-major and MN-major, 128-byte swizzle), fence / commit / wait, and
@@ -109,6 +109,15 @@ __device__ __forceinline__ void cp_async_mbarrier_arrive_noinc(uint64_t* barrier
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(shared_address(barrier)) : "memory");
 }
 
+// The 16-byte cp.async with zero fill (cp_async_16 of cuda/mma_sm80.h) to a shared-memory address (shared_address):
+// 16 bytes from `global_ptr` when `valid`, else 16 zero bytes and no read.
+__device__ __forceinline__ void cp_async_16_to(uint32_t shared_addr, const void* global_ptr, bool valid) {
+    const int num_src_bytes = valid ? 16 : 0;
+    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_addr),
+                 "l"(__cvta_generic_to_global(global_ptr)), "r"(num_src_bytes)
+                 : "memory");
+}
+
 // Orders generic-proxy shared-memory writes this thread has performed or observed (through a barrier) before its
 // later async-proxy accesses (wgmma, TMA).
 __device__ __forceinline__ void fence_proxy_async_shared() {
@@ -126,6 +135,16 @@ __device__ __forceinline__ void tma_load_3d(void* shared_dst, const CUtensorMap*
         : "memory");
 }
 
+// One box of a 2-D tensor map into this CTA's shared memory, completing its bytes on `barrier` (as tma_load_3d).
+__device__ __forceinline__ void tma_load_2d(void* shared_dst, const CUtensorMap* tensor_map, uint64_t* barrier,
+                                            int32_t coord0, int32_t coord1) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%3, %4}], [%2];\n" ::
+            "r"(shared_address(shared_dst)),
+        "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(shared_address(barrier)), "r"(coord0), "r"(coord1)
+        : "memory");
+}
+
 // As tma_load_3d, the box written to the same offset in every CTA of the cluster whose bit is set in `cta_mask`,
 // completing its bytes on the barrier at the same offset in each of them.
 __device__ __forceinline__ void tma_load_3d_multicast(void* shared_dst, const CUtensorMap* tensor_map,
@@ -136,6 +155,19 @@ __device__ __forceinline__ void tma_load_3d_multicast(void* shared_dst, const CU
         "{%3, %4, %5}], [%2], %6;\n" ::"r"(shared_address(shared_dst)),
         "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(shared_address(barrier)), "r"(coord0), "r"(coord1),
         "r"(coord2), "h"(cta_mask)
+        : "memory");
+}
+
+// As tma_load_2d, the box written to the same offset in every CTA of the cluster whose bit is set in `cta_mask`,
+// completing its bytes on the barrier at the same offset in each of them.
+__device__ __forceinline__ void tma_load_2d_multicast(void* shared_dst, const CUtensorMap* tensor_map,
+                                                      uint64_t* barrier, int32_t coord0, int32_t coord1,
+                                                      uint16_t cta_mask) {
+    asm volatile(
+        "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes.multicast::cluster [%0], [%1, "
+        "{%3, %4}], [%2], %5;\n" ::"r"(shared_address(shared_dst)),
+        "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(shared_address(barrier)), "r"(coord0), "r"(coord1),
+        "h"(cta_mask)
         : "memory");
 }
 

@@ -6,7 +6,8 @@
 //     equal, and each case asserts that the sm_90a path was taken;
 //   - on the four reference shapes of DESIGN.md section 4, against the portable path (MEGAMOE_DISABLE_SM90=1)
 //     within bf16 error (dx and d topk_weights whole, dW13 / dW2 on their first and last experts);
-//   - the opt-in sm_90a K-grouped weight-gradient kernel (MEGAMOE_SM90_WEIGHT_GRADS=1) on the ragged set;
+//   - the sm_90a K-grouped weight-gradient kernel (the default; MEGAMOE_SM90_WEIGHT_GRADS=0 opts out) on the
+//     ragged set and on cases aimed at its TMA k-blocks and cluster pairs;
 //   - the dispatch: misaligned views fall back to the portable path.
 // Skips, with the reason, without a compute capability 9.0 device.
 #include <cuda_runtime.h>
@@ -146,16 +147,24 @@ std::vector<Sm90Case> ragged_cases() {
     return cases;
 }
 
-TEST(Sm90Backward, RaggedShapesMatchReference) {
+TEST(Sm90Backward, RaggedShapesMatchReference) {  // sm_90a M-grouped GEMMs, portable weight gradients
     SKIP_WITHOUT_SM90();
+    const ScopedEnv portable_weight_grads("MEGAMOE_SM90_WEIGHT_GRADS", "0");
     for (const Sm90Case& c : ragged_cases()) check_against_reference(c, false);
 }
 
-// The opt-in sm_90a K-grouped weight-gradient kernel (MEGAMOE_SM90_WEIGHT_GRADS=1) on the same ragged set.
+// The sm_90a K-grouped weight-gradient kernel (the default, set explicitly here) on the same ragged set, and on
+// cases aimed at it: experts of whole 64-row k-blocks only (all by TMA), odd numbers of the tiles a cluster pairs
+// (the second CTA recomputes the first one's tile) with M / N tails, and more cluster tiles than clusters with empty
+// experts between full ones (CTAs walk experts of different lengths).
 TEST(Sm90Backward, WeightGradKernelMatchesReference) {
     SKIP_WITHOUT_SM90();
     const ScopedEnv enable("MEGAMOE_SM90_WEIGHT_GRADS", "1");
-    for (const Sm90Case& c : ragged_cases()) check_against_reference(c, true);
+    std::vector<Sm90Case> cases = ragged_cases();
+    cases.push_back({"whole k-blocks only, odd m-tile pairs", 256, 264, 136, 1, 1});
+    cases.push_back({"odd n-tile pairs, long experts", 600, 712, 392, 2, 2});
+    cases.push_back({"more cluster tiles than clusters, half empty", 768, 528, 264, 40, 4, Routing::kHalfEmpty});
+    for (const Sm90Case& c : cases) check_against_reference(c, true);
 }
 
 TEST(Sm90Backward, MisalignedViewsFallBackToPortable) {
