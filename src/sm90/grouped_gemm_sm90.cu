@@ -50,18 +50,14 @@
 // kNumStages full and kNumStages empty mbarriers.
 #include "sm90/grouped_gemm_sm90.h"
 
-#include <cuda.h>
-#include <cudaTypedefs.h>
-
 #include <algorithm>
-#include <map>
-#include <mutex>
 #include <cute/arch/mma_sm90_gmma.hpp>
 #include <utility>
 
 #include "cuda/cuda_utils.h"
 #include "cuda/routing.h"
 #include "sm90/epilogue.cuh"
+#include "sm90/launch.h"
 #include "sm90/ptx.h"
 
 namespace megamoe::sm90 {
@@ -484,22 +480,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 // ---------------------------------------------------------------------------------------------------
 // Host side: the TMA descriptor of B, the launch.
 
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-    static const PFN_cuTensorMapEncodeTiled_v12000 encoder = [] {
-        void* fn = nullptr;
-        cudaDriverEntryPointQueryResult result{};
-        constexpr unsigned kDriverApiVersion = 12000;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, kDriverApiVersion, cudaEnableDefault,
-                                             &result) != cudaSuccess ||
-            result != cudaDriverEntryPointSuccess) {
-            cudaGetLastError();
-            fn = nullptr;
-        }
-        return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-    }();
-    return encoder;
-}
-
 // B as a 3-D tensor [E, rows_per_expert, cols] (cols innermost, 128-byte swizzle): kNK rows of B_e are the N
 // rows, cols K, boxes of kBBoxRows x kBlockK; kKN rows are K, cols N, boxes of kBlockK x kKNBoxCols.
 bool encode_b_tensor_map(const cuda::MGroupedGemmArgs& args, BLayout b_layout, int64_t rows_per_expert,
@@ -519,26 +499,6 @@ bool encode_b_tensor_map(const cuda::MGroupedGemmArgs& args, BLayout b_layout, i
     return encode(map, data_type, 3, const_cast<void*>(args.b), dims, strides, box, element_strides,
                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
-// Clusters of `kernel` that fit on the device at once (asked once per device and kernel): the persistent grid
-// must not exceed it, or the clusters left over would run a second wave of tiles.
-int max_active_clusters(const void* kernel, const cudaLaunchConfig_t& config) {
-    static std::mutex mutex;
-    static std::map<std::pair<int, const void*>, int> cache;
-    int device_idx = 0;
-    if (cudaGetDevice(&device_idx) != cudaSuccess) return 0;
-    const std::lock_guard<std::mutex> lock(mutex);
-    const auto key = std::make_pair(device_idx, kernel);
-    const auto found = cache.find(key);
-    if (found != cache.end()) return found->second;
-    int num_clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&num_clusters, kernel, &config) != cudaSuccess) {
-        cudaGetLastError();
-        num_clusters = 0;
-    }
-    cache.emplace(key, num_clusters);
-    return num_clusters;
 }
 
 constexpr const char* kernel_name(Epilogue epilogue, BLayout b_layout) {

@@ -40,18 +40,14 @@
 // and kNumStages empty mbarriers.
 #include "sm90/k_grouped_gemm_sm90.h"
 
-#include <cuda.h>
-#include <cudaTypedefs.h>
-
 #include <algorithm>
 #include <cute/arch/mma_sm90_gmma.hpp>
-#include <map>
-#include <mutex>
 #include <type_traits>
 #include <utility>
 
 #include "cuda/cuda_utils.h"
 #include "sm90/epilogue.cuh"
+#include "sm90/launch.h"
 #include "sm90/ptx.h"
 
 namespace megamoe::sm90 {
@@ -459,22 +455,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 // ---------------------------------------------------------------------------------------------------
 // Host side: the TMA descriptors of the ungathered operands, the cluster launch.
 
-PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
-    static const PFN_cuTensorMapEncodeTiled_v12000 encoder = [] {
-        void* fn = nullptr;
-        cudaDriverEntryPointQueryResult result{};
-        constexpr unsigned kDriverApiVersion = 12000;
-        if (cudaGetDriverEntryPointByVersion("cuTensorMapEncodeTiled", &fn, kDriverApiVersion, cudaEnableDefault,
-                                             &result) != cudaSuccess ||
-            result != cudaDriverEntryPointSuccess) {
-            cudaGetLastError();
-            fn = nullptr;
-        }
-        return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
-    }();
-    return encoder;
-}
-
 // An ungathered operand as a 2-D tensor [kMaxTmaRows, cols] (cols innermost, 128-byte swizzle), boxes of
 // kMnBlockElems columns x kBlockK rows. Only whole k-blocks inside an expert's rows are loaded, so the row extent
 // is a bound, never reached; columns past `cols` are zero-filled.
@@ -490,26 +470,6 @@ bool encode_operand_map(megamoe_dtype_t dtype, const void* data, int64_t ld, int
     return encode(map, data_type, 2, const_cast<void*>(data), dims, strides, box, element_strides,
                   CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
-// Clusters of `kernel` that fit on the device at once (asked once per device and kernel): the persistent grid
-// must not exceed it, or the clusters left over would run a second wave of tiles.
-int max_active_clusters(const void* kernel, const cudaLaunchConfig_t& config) {
-    static std::mutex mutex;
-    static std::map<std::pair<int, const void*>, int> cache;
-    int device_idx = 0;
-    if (cudaGetDevice(&device_idx) != cudaSuccess) return 0;
-    const std::lock_guard<std::mutex> lock(mutex);
-    const auto key = std::make_pair(device_idx, kernel);
-    const auto found = cache.find(key);
-    if (found != cache.end()) return found->second;
-    int num_clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&num_clusters, kernel, &config) != cudaSuccess) {
-        cudaGetLastError();
-        num_clusters = 0;
-    }
-    cache.emplace(key, num_clusters);
-    return num_clusters;
 }
 
 template <typename T, typename OutT>
