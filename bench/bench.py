@@ -201,10 +201,13 @@ def bench_case(moe_fn, name, routing, args, res):
     if not stage(res, "check", check, moe_fn, case, passes, args.check_tokens, res):
         return
     res["dense"] = stage(res, "dense", time_dense, case, flop_fwd, args)
+    res["grad_gib"] = sum(t.numel() * t.element_size() for t in (case.x, case.s, case.w13, case.w2)) / 2**30
     for p in passes:
         flop = flop_fwd if p == "fwd" else flop_fwdbwd
-        res[p] = {path: stage(res, f"{p}/{path}", time_path, fn, case, p, flop, args)
-                  for path, fn in (("megamoe", moe_fn), ("torch", moe_grouped))}
+        paths = [("megamoe", moe_fn), ("torch", moe_grouped)]
+        if p == "fwdbwd":  # the other memory mode: only the inputs are kept, h is recomputed in the backward
+            paths.insert(1, ("megamoe_recompute", lambda *a: moe_fn(*a, recompute=True)))
+        res[p] = {path: stage(res, f"{p}/{path}", time_path, fn, case, p, flop, args) for path, fn in paths}
 
 
 def case_ok(res):

@@ -10,8 +10,8 @@ import re
 PASSES = (("fwd", "fwd"), ("fwdbwd", "fwd+bwd"))
 PATHS = ("megamoe", "torch")
 HEADER = ("shape", "routing", "pass", "megamoe ms", "torch ms", "ceiling ms", "megamoe TFLOP/s", "torch TFLOP/s",
-          "dense TFLOP/s", "speed-up", "megamoe % dense", "torch % dense", "extra peak GiB m / t",
-          "rel err m / t", "status")
+          "dense TFLOP/s", "speed-up", "megamoe % dense", "torch % dense", "recompute-mode ms",
+          "extra peak GiB m / m-rc / t", "activation GiB m / m-rc / t", "rel err m / t", "status")
 
 
 def _num(d, *keys):
@@ -73,8 +73,10 @@ def table_rows(results):
         for p, label in shown or [("", "—")]:
             res = case.get(p, {})
             ceiling_ms = None if dense_ms is None else dense_ms * (3 if p == "fwdbwd" else 1)
-            mem_m, mem_t = _num(res, "megamoe", "peak_extra_gib"), _num(res, "torch", "peak_extra_gib")
-            mem = f"{_f(mem_m, '.2f')} / {_f(mem_t, '.2f')}"
+            peaks = [_num(res, path, "peak_extra_gib") for path in ("megamoe", "megamoe_recompute", "torch")]
+            mem = " / ".join(_f(v, ".2f") for v in peaks)
+            grads = _num(case, "grad_gib") if p == "fwdbwd" else 0.0
+            activation = " / ".join(_f(None if v is None or grads is None else v - grads, ".2f") for v in peaks)
             err = f"{_f(_max_err(case, p, 'megamoe'), '.1e')} / {_f(_max_err(case, p, 'torch_bf16'), '.1e')}"
             speedup = _num(res, "speedup_vs_torch")
             rows.append([
@@ -83,7 +85,7 @@ def table_rows(results):
                 _f(_num(res, "megamoe", "tflops"), ".0f"), _f(_num(res, "torch", "tflops"), ".0f"), _f(dense_tf, ".0f"),
                 "—" if speedup is None else f"{speedup:.2f}x",
                 _f(_num(res, "megamoe_pct_dense"), ".0f"), _f(_num(res, "torch_pct_dense"), ".0f"),
-                mem, err, _status(case, p)])
+                _f(_num(res, "megamoe_recompute", "ms"), ".2f"), mem, activation, err, _status(case, p)])
     return rows
 
 
@@ -119,9 +121,12 @@ def markdown(results, png_name):
         "- FLOPs: fwd 6·T·topk·H·I, fwd+bwd 18·T·topk·H·I. torch = `moe_grouped` of torch_moe_baseline.py"
         " (argsort + `torch._grouped_mm` + autograd). Dense ceiling = bf16 GEMM [T·topk, H] x [H, 3I] of the"
         " forward's FLOPs in the same run; the fwd+bwd ceiling ms is 3x its time.",
+        "- megamoe runs fwd+bwd in its default memory mode (keep h = [g, u] from the forward); recompute-mode ms and"
+        " m-rc are the same pass with recompute=True (only the inputs kept, h recomputed in the backward).",
         "- extra peak GiB = torch.cuda.max_memory_allocated during one pass above the allocation before it"
-        " (for fwd+bwd it includes the new x, w13, w2, topk_weights gradients). rel err = the largest over the checked tensors,"
-        " megamoe / torch bf16.",
+        " (for fwd+bwd it includes the new x, w13, w2, topk_weights gradients); activation GiB = the same minus"
+        " those gradients' bytes (what each path adds beyond its outputs). rel err = the largest over the checked"
+        " tensors, megamoe / torch bf16.",
         "",
         markdown_table(results),
         "",

@@ -1,13 +1,15 @@
 """Per-kernel GPU times of megamoe's backward at the reference shapes (torch.profiler, launches in order), on the
 sm_90a path (weight gradients on the sm_90a K-grouped kernel), on it with the portable weight-gradient kernel
 (sm90-portable-wgrad: MEGAMOE_SM90_WEIGHT_GRADS=0) and on the portable path (MEGAMOE_DISABLE_SM90=1), with forward,
-backward and forward+backward median times by CUDA events.
+backward and forward+backward median times by CUDA events, in both memory modes (keep-h: the forward writes h
+and the backward reads it; recompute: the backward recomputes h).
 
     MEGAMOE_LIBRARY=build/libmegamoe.so PYTHONPATH=python:bench python3 scripts/profile_backward.py \
-        [--shapes qwen3-30b-a3b,...] [--routing balanced] [--runs 10] [--paths sm90,sm90-portable-wgrad,portable]
+        [--shapes qwen3-30b-a3b,...] [--routing balanced] [--runs 10] [--paths sm90,sm90-portable-wgrad,portable] \
+        [--modes keep-h,recompute]
 
-The backward's grouped GEMMs run in a fixed order: up (recomputed), dH, dX (M-grouped), then dW13, dW2
-(K-grouped); they are labelled by that order and their TFLOP/s counted from section 1's FLOPs.
+The backward's grouped GEMMs run in a fixed order: up (recompute mode only), dH (with dSwiGLU), dX (M-grouped),
+then dW13, dW2 (K-grouped); they are labelled by that order and their TFLOP/s counted from section 1's FLOPs.
 """
 import argparse
 import os
@@ -21,7 +23,8 @@ from torch.profiler import ProfilerActivity, profile
 import megamoe
 import workloads
 
-GEMM_LABELS = [("up (recompute)", 4.0), ("dH", 2.0), ("dX", 4.0), ("dW13", 4.0), ("dW2", 2.0)]  # x T topk H I
+GEMM_LABELS = [("dH", 2.0), ("dX", 4.0), ("dW13", 4.0), ("dW2", 2.0)]  # x T topk H I
+RECOMPUTE_LABEL = ("up (recompute)", 4.0)
 
 
 def short_name(name):
@@ -47,7 +50,7 @@ def median_ms(fn, runs):
     return statistics.median(times)
 
 
-def backward_kernels(backward, runs):
+def backward_kernels(backward, runs, labels):
     """(label, median ms, name) of each kernel launch of one backward, in launch order."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(runs):
@@ -61,8 +64,8 @@ def backward_kernels(backward, runs):
         name = short_name(events[pos].name)
         ms = statistics.median(events[run * per_run + pos].time_range.elapsed_us() / 1000.0 for run in range(runs))
         label = None
-        if "grouped_gemm" in name and gemm_idx < len(GEMM_LABELS):
-            label = GEMM_LABELS[gemm_idx]
+        if "grouped_gemm" in name and gemm_idx < len(labels):
+            label = labels[gemm_idx]
             gemm_idx += 1
         rows.append((label, ms, name))
     return rows
@@ -74,6 +77,7 @@ def main():
     p.add_argument("--routing", default="balanced")
     p.add_argument("--runs", type=int, default=10)
     p.add_argument("--paths", default="sm90,portable")
+    p.add_argument("--modes", default="keep-h,recompute")
     args = p.parse_args()
     for name in args.shapes.split(","):
         T, H, I, E, topk = workloads.SHAPES[name]
@@ -81,25 +85,29 @@ def main():
         case = workloads.make_case(name, (T, H, I, E, topk), args.routing, "cuda")
         inputs = [t.detach() for t in (case.x, case.ids, case.s, case.w13, case.w2)]
         dy = case.dy.detach()
-        forward = lambda: megamoe.moe_forward(*inputs)  # noqa: E731
-        backward = lambda: megamoe.moe_backward(dy, *inputs)  # noqa: E731
-
-        def step():
-            forward()
-            backward()
-
         with torch.no_grad():
-            for path in args.paths.split(","):
+            for path, mode in [(p_, m_) for p_ in args.paths.split(",") for m_ in args.modes.split(",")]:
                 os.environ["MEGAMOE_DISABLE_SM90"] = "1" if path.startswith("portable") else "0"
                 os.environ["MEGAMOE_SM90_WEIGHT_GRADS"] = "0" if path == "sm90-portable-wgrad" else "1"
+                keep_h = mode == "keep-h"
+                saved = megamoe.moe_forward(*inputs, keep_h)[1] if keep_h else None
+                forward = lambda: megamoe.moe_forward(*inputs, keep_h)  # noqa: E731
+                backward = lambda: megamoe.moe_backward(dy, *inputs, saved)  # noqa: E731
+
+                def step():
+                    _, h = forward()
+                    megamoe.moe_backward(dy, *inputs, h if keep_h else None)
+
                 fwd, bwd, both = median_ms(forward, args.runs), median_ms(backward, args.runs), median_ms(
                     step, args.runs)
-                print(f"\n{name} [{args.routing}] {path}: forward {fwd:.3f} ms, backward {bwd:.3f} ms "
+                print(f"\n{name} [{args.routing}] {path} {mode}: forward {fwd:.3f} ms, backward {bwd:.3f} ms "
                       f"({12 * unit / bwd / 1e9:.0f} TFLOP/s), forward+backward {both:.3f} ms "
                       f"({18 * unit / both / 1e9:.0f} TFLOP/s)")
-                for label, ms, kname in backward_kernels(backward, args.runs):
+                labels = GEMM_LABELS if keep_h else [RECOMPUTE_LABEL, *GEMM_LABELS]
+                for label, ms, kname in backward_kernels(backward, args.runs, labels):
                     rate = f"  {label[1] * unit / ms / 1e9:.0f} TFLOP/s ({label[0]})" if label else ""
                     print(f"  {ms:8.3f} ms  {kname}{rate}")
+                del saved
         del case, inputs, dy
         torch.cuda.empty_cache()
 

@@ -256,6 +256,14 @@ megamoe_status_t validate_forward(const megamoe_forward_params_t* params, Shape*
         {"x", &p.x}, {"topk_ids", &p.topk_ids}, {"topk_weights", &p.topk_weights}, {"w13", &p.w13}, {"w2", &p.w2}};
     MEGAMOE_CHECK(check_output("y", p.y, p.x, 2, "[T, H]", {shape->num_tokens, shape->hidden}, p.x.dtype, p.x.dtype,
                                "must equal the dtype of x", inputs));
+    if (is_present(p.saved_h)) {
+        MEGAMOE_CHECK(check_output("saved_h", p.saved_h, p.x, 2, "[T*topk, 2I]",
+                                   {shape->num_slots(), 2 * shape->intermediate}, p.x.dtype, p.x.dtype,
+                                   "must equal the dtype of x", inputs));
+        if (overlaps(p.saved_h, p.y)) {
+            return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "saved_h: overlaps the memory of y");
+        }
+    }
     return MEGAMOE_STATUS_SUCCESS;
 }
 
@@ -271,6 +279,13 @@ megamoe_status_t validate_backward(const megamoe_backward_params_t* params, Shap
     std::vector<Named> inputs = {
         {"dy", &p.dy},   {"x", &p.x},  {"topk_ids", &p.topk_ids}, {"topk_weights", &p.topk_weights},
         {"w13", &p.w13}, {"w2", &p.w2}};
+    if (is_present(p.saved_h)) {
+        MEGAMOE_CHECK(check_tensor("saved_h", p.saved_h, 2, "[T*topk, 2I]"));
+        MEGAMOE_CHECK(check_shape("saved_h", p.saved_h, {shape->num_slots(), 2 * I}, "[T*topk, 2I]"));
+        MEGAMOE_CHECK(check_dtype("saved_h", p.saved_h, p.x.dtype, p.x.dtype, "must equal the dtype of x"));
+        MEGAMOE_CHECK(check_same_device("saved_h", p.saved_h, p.x));
+        inputs.push_back({"saved_h", &p.saved_h});
+    }
     const Named outputs[] = {{"dx", &p.dx}, {"dtopk_weights", &p.dtopk_weights}, {"dw13", &p.dw13}, {"dw2", &p.dw2}};
     if (is_present(p.dx)) {
         MEGAMOE_CHECK(check_output("dx", p.dx, p.x, 2, "[T, H]", {T, H}, p.x.dtype, p.x.dtype,
@@ -378,7 +393,8 @@ megamoe_status_t megamoe_forward(const megamoe_forward_params_t* params) {
                                                 {"topk_weights", &p.topk_weights},
                                                 {"w13", &p.w13},
                                                 {"w2", &p.w2},
-                                                {"y", &p.y}}));
+                                                {"y", &p.y},
+                                                {"saved_h", &p.saved_h}}));
     MEGAMOE_CHECK(
         megamoe::check_workspace(p.workspace, p.workspace_bytes, megamoe::cuda::forward_workspace_size(p, shape)));
     return megamoe::cuda::forward(p, shape);
@@ -401,6 +417,7 @@ megamoe_status_t megamoe_backward(const megamoe_backward_params_t* params) {
                                                 {"topk_weights", &p.topk_weights},
                                                 {"w13", &p.w13},
                                                 {"w2", &p.w2},
+                                                {"saved_h", &p.saved_h},
                                                 {"dx", &p.dx},
                                                 {"dtopk_weights", &p.dtopk_weights},
                                                 {"dw13", &p.dw13},

@@ -52,6 +52,7 @@ class ForwardParams(ctypes.Structure):
         ("w13", Tensor),
         ("w2", Tensor),
         ("y", Tensor),
+        ("saved_h", Tensor),
         ("accum", ctypes.c_int),
         ("workspace", ctypes.c_void_p),
         ("workspace_bytes", ctypes.c_size_t),
@@ -67,6 +68,7 @@ class BackwardParams(ctypes.Structure):
         ("topk_weights", Tensor),
         ("w13", Tensor),
         ("w2", Tensor),
+        ("saved_h", Tensor),
         ("dx", Tensor),
         ("dtopk_weights", Tensor),
         ("dw13", Tensor),
@@ -158,22 +160,23 @@ def check(status):
     raise RuntimeError(message)
 
 
-def forward_into(x, topk_ids, topk_weights, w13, w2, y):
-    """megamoe_forward writing into the caller's y [T, H]."""
+def forward_into(x, topk_ids, topk_weights, w13, w2, y, saved_h=None):
+    """megamoe_forward writing into the caller's y [T, H] (and h = [g, u] into saved_h [T*topk, 2I] if given)."""
     params = ForwardParams()
     for name, tensor in (
         ("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w13", w13), ("w2", w2), ("y", y),
+        ("saved_h", saved_h),
     ):
         setattr(params, name, view(name, tensor))
     _run("forward", params, x.device)
 
 
-def backward_into(dy, x, topk_ids, topk_weights, w13, w2, dx, dtopk_weights, dw13, dw2):
-    """megamoe_backward writing into the caller's gradients (None = not wanted)."""
+def backward_into(dy, x, topk_ids, topk_weights, w13, w2, dx, dtopk_weights, dw13, dw2, saved_h=None):
+    """megamoe_backward writing into the caller's gradients (None = not wanted); saved_h: the forward's, or None."""
     params = BackwardParams()
     for name, tensor in (
         ("dy", dy), ("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w13", w13), ("w2", w2),
-        ("dx", dx), ("dtopk_weights", dtopk_weights), ("dw13", dw13), ("dw2", dw2),
+        ("saved_h", saved_h), ("dx", dx), ("dtopk_weights", dtopk_weights), ("dw13", dw13), ("dw2", dw2),
     ):
         setattr(params, name, view(name, tensor))
     _run("backward", params, x.device)

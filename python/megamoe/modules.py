@@ -33,14 +33,16 @@ class MoEExperts(nn.Module):
         w13 [E, 2I, H]  (`gate_up_proj`): rows [0, I) gate, rows [I, 2I) up.
         w2  [E, H, I]   (`down_proj`).
 
-    Initialised like Hugging Face Qwen3-MoE: normal(0, init_std).
+    Initialised like Hugging Face Qwen3-MoE: normal(0, init_std). `recompute=True` selects the memory mode that
+    keeps only the inputs for the backward (it recomputes h = [g, u]); the default keeps h ([T*topk, 2I]).
     """
 
-    def __init__(self, num_experts, hidden, intermediate, dtype=None, device=None, init_std=0.02):
+    def __init__(self, num_experts, hidden, intermediate, dtype=None, device=None, init_std=0.02, recompute=False):
         super().__init__()
         factory = {"dtype": dtype, "device": device}
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.init_std = init_std
+        self.recompute = recompute
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, **factory))  # [E, 2I, H]
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate, **factory))  # [E, H, I]
         self.register_load_state_dict_pre_hook(_accept_hf_names)
@@ -72,11 +74,12 @@ class MoEExperts(nn.Module):
         weights = topk_weights.reshape(ids.shape)  # [T, topk]
         if weights.dtype not in (torch.float32, x.dtype):
             weights = weights.float()
-        y = moe(x2, ids, weights, self.w13, self.w2)  # [T, H]
+        y = moe(x2, ids, weights, self.w13, self.w2, recompute=self.recompute)  # [T, H]
         return y.reshape(*lead, self.hidden)
 
     def extra_repr(self):
-        return f"num_experts={self.num_experts}, hidden={self.hidden}, intermediate={self.intermediate}"
+        return (f"num_experts={self.num_experts}, hidden={self.hidden}, intermediate={self.intermediate}, "
+                f"recompute={self.recompute}")
 
 
 def _accept_hf_names(module, state_dict, prefix, *args):
@@ -119,7 +122,16 @@ class MoEBlock(nn.Module):
     """
 
     def __init__(
-        self, hidden, intermediate, num_experts, topk, norm_topk_prob=True, dtype=None, device=None, init_std=0.02
+        self,
+        hidden,
+        intermediate,
+        num_experts,
+        topk,
+        norm_topk_prob=True,
+        dtype=None,
+        device=None,
+        init_std=0.02,
+        recompute=False,
     ):
         super().__init__()
         if not 0 < topk <= num_experts:
@@ -128,7 +140,9 @@ class MoEBlock(nn.Module):
         self.norm_topk_prob = norm_topk_prob
         self.init_std = init_std
         self.router = nn.Linear(hidden, num_experts, bias=False, dtype=dtype, device=device)  # weight [E, H]
-        self.experts = MoEExperts(num_experts, hidden, intermediate, dtype=dtype, device=device, init_std=init_std)
+        self.experts = MoEExperts(
+            num_experts, hidden, intermediate, dtype=dtype, device=device, init_std=init_std, recompute=recompute
+        )
         nn.init.normal_(self.router.weight, mean=0.0, std=init_std)
 
     def router_logits(self, x):

@@ -4,6 +4,7 @@ stream, with every buffer allocated through torch (so CUDA graphs and the cachin
 """
 
 import warnings
+from typing import Optional
 
 import torch
 
@@ -27,19 +28,35 @@ def _inputs(x, topk_ids, topk_weights, w13, w2):
     return [_contiguous(name, t) for name, t in zip(names, (x, topk_ids, topk_weights, w13, w2))]
 
 
+def _saved_h_shape(x, topk_ids, w2):
+    return (topk_ids.shape[0] * topk_ids.shape[1], 2 * w2.shape[2])  # [T*topk, 2I]
+
+
 @torch.library.custom_op("megamoe::moe_forward", mutates_args=())
 def moe_forward(
-    x: torch.Tensor, topk_ids: torch.Tensor, topk_weights: torch.Tensor, w13: torch.Tensor, w2: torch.Tensor
-) -> torch.Tensor:
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    keep_h: bool = False,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """y [T, H], and h = [g, u] [T*topk, 2I] per slot when keep_h (for moe_backward), else an empty tensor."""
     x, topk_ids, topk_weights, w13, w2 = _inputs(x, topk_ids, topk_weights, w13, w2)
     y = torch.empty_like(x, memory_format=torch.contiguous_format)  # [T, H]
-    _lib.forward_into(x, topk_ids, topk_weights, w13, w2, y)
-    return y
+    h = x.new_empty(_saved_h_shape(x, topk_ids, w2) if keep_h else (0,))  # [T*topk, 2I] or [0]
+    _lib.forward_into(x, topk_ids, topk_weights, w13, w2, y, h if keep_h else None)
+    return y, h
 
 
 @moe_forward.register_fake
-def _(x, topk_ids, topk_weights, w13, w2):
-    return torch.empty_like(x, memory_format=torch.contiguous_format)
+def _(x, topk_ids, topk_weights, w13, w2, keep_h=False):
+    y = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return y, x.new_empty(_saved_h_shape(x, topk_ids, w2) if keep_h else (0,))
+
+
+def _saved_h_or_none(saved_h):
+    return saved_h if saved_h is not None and saved_h.dim() == 2 else None  # the empty [0] means "recompute"
 
 
 @torch.library.custom_op("megamoe::moe_backward", mutates_args=())
@@ -50,44 +67,64 @@ def moe_backward(
     topk_weights: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
+    saved_h: Optional[torch.Tensor] = None,
+    wgrad_f32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(dx, d topk_weights, dw13, dw2). saved_h: moe_forward's h (keep-h mode) or None / empty (recompute h).
+    wgrad_f32: dw13 and dw2 in f32 (main-grad style) instead of the parameters' dtype."""
     dy = _contiguous("dy", dy)
+    saved_h = _saved_h_or_none(saved_h)
+    if saved_h is not None:
+        saved_h = _contiguous("saved_h", saved_h)
     x, topk_ids, topk_weights, w13, w2 = _inputs(x, topk_ids, topk_weights, w13, w2)
+    wgrad_dtype = torch.float32 if wgrad_f32 else None
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)  # [T, H]
     dtopk_weights = torch.empty_like(topk_weights, memory_format=torch.contiguous_format)  # [T, topk]
-    dw13 = torch.empty_like(w13, memory_format=torch.contiguous_format)  # [E, 2I, H]
-    dw2 = torch.empty_like(w2, memory_format=torch.contiguous_format)  # [E, H, I]
-    _lib.backward_into(dy, x, topk_ids, topk_weights, w13, w2, dx, dtopk_weights, dw13, dw2)
+    dw13 = torch.empty_like(w13, dtype=wgrad_dtype, memory_format=torch.contiguous_format)  # [E, 2I, H]
+    dw2 = torch.empty_like(w2, dtype=wgrad_dtype, memory_format=torch.contiguous_format)  # [E, H, I]
+    _lib.backward_into(dy, x, topk_ids, topk_weights, w13, w2, dx, dtopk_weights, dw13, dw2, saved_h)
     return dx, dtopk_weights, dw13, dw2
 
 
 @moe_backward.register_fake
-def _(dy, x, topk_ids, topk_weights, w13, w2):
-    return tuple(
-        torch.empty_like(t, memory_format=torch.contiguous_format) for t in (x, topk_weights, w13, w2)
+def _(dy, x, topk_ids, topk_weights, w13, w2, saved_h=None, wgrad_f32=False):
+    wgrad_dtype = torch.float32 if wgrad_f32 else None
+    return (
+        torch.empty_like(x, memory_format=torch.contiguous_format),
+        torch.empty_like(topk_weights, memory_format=torch.contiguous_format),
+        torch.empty_like(w13, dtype=wgrad_dtype, memory_format=torch.contiguous_format),
+        torch.empty_like(w2, dtype=wgrad_dtype, memory_format=torch.contiguous_format),
     )
 
 
 def _setup_context(ctx, inputs, output):
-    ctx.save_for_backward(*inputs)
+    x, topk_ids, topk_weights, w13, w2, _keep_h = inputs
+    _y, h = output
+    ctx.mark_non_differentiable(h)
+    ctx.save_for_backward(x, topk_ids, topk_weights, w13, w2, h)
 
 
-def _backward(ctx, dy):
-    x, topk_ids, topk_weights, w13, w2 = ctx.saved_tensors
-    dx, dtopk_weights, dw13, dw2 = moe_backward(dy, x, topk_ids, topk_weights, w13, w2)
-    return dx, None, dtopk_weights, dw13, dw2
+def _backward(ctx, dy, _dh):
+    x, topk_ids, topk_weights, w13, w2, h = ctx.saved_tensors
+    dx, dtopk_weights, dw13, dw2 = moe_backward(dy, x, topk_ids, topk_weights, w13, w2, h)
+    return dx, None, dtopk_weights, dw13, dw2, None
 
 
 moe_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def moe(x, topk_ids, topk_weights, w13, w2):
+def moe(x, topk_ids, topk_weights, w13, w2, recompute=False):
     """Routed-expert MLP (DESIGN.md section 1), differentiable in x, topk_weights, w13 and w2.
 
     x [T, H]; topk_ids [T, topk] int32/int64 in [0, E) or -1 (dropped); topk_weights [T, topk] f32 or
     x's dtype; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]. Returns y [T, H] in x's dtype:
     y_t = sum_j topk_weights[t, j] * w2[e] (silu(w13[e, :I] x_t) * (w13[e, I:] x_t)), e = topk_ids[t, j].
+
+    Memory mode when gradients are wanted: by default the forward keeps h = [g, u] ([T*topk, 2I], the fastest
+    backward); recompute=True keeps only the inputs and recomputes h in the backward (same gradients).
     """
     for name, tensor in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w13", w13), ("w2", w2)):
         _lib.check_arg(name, tensor)
-    return moe_forward(x, topk_ids, topk_weights, w13, w2)
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w13, w2))
+    y, _h = moe_forward(x, topk_ids, topk_weights, w13, w2, needs_grad and not recompute)
+    return y

@@ -7,16 +7,19 @@
 //           The GEMMs run on the fused sm_90a kernels (sm90/grouped_gemm_sm90.h) on a compute capability 9.0
 //           device when the operands suit them, else on the portable kernels; MEGAMOE_DISABLE_SM90=1 forces
 //           the portable ones. Both write the same buffers, so the workspace is the same.
-// Backward: routing -> up GEMM -> h = [g, u] [S, 2I] (the forward is recomputed)
-//           -> dH GEMM (dy gathered x w2[e]) -> p f32 [S, I]
-//           -> dswiglu_rows: ds, dh over h in place, s * a -> finalize d topk_weights
+//           With saved_h, the up GEMM also writes h = [g, u] into it, row by slot (t * topk + j).
+// Backward: routing -> h = [g, u]: the forward's saved_h (keep-h mode), or recomputed by the up GEMM into the
+//           workspace by sorted row (recompute mode)
+//           -> dH GEMM (dy gathered x w2[e]) with the dSwiGLU epilogue: dh = [dg, du] [S, 2I] by sorted row (over
+//              the recomputed h in place), s * a [S, I] and ds partial sums per 256-column n-tile
+//              (portable: p f32 [S, I], then dswiglu_rows) -> finalize d topk_weights (parts added in order)
 //           -> dX GEMM (dh x w13[e]) -> q [S, H] (reuses p's buffer) -> gather_sum -> dx
 //           -> dW13 = K-grouped(dh, x gathered) -> dW2 = K-grouped(dy gathered, s * a).
 //           Up, dH and dX run on the sm_90a kernels under the forward's conditions (all three must suit them);
 //           there q is in the element type, like the forward's o rows: gather_sum still adds the topk rows in
 //           f32, so the one extra rounding per row is of the size of dx's own output rounding. The portable
-//           kernels write q in f32. The buffer is sized for f32 either way, so the workspace does not depend on
-//           the device. The K-grouped weight gradients run on sm90/k_grouped_gemm_sm90.h with the rest of the
+//           kernels write p and q in f32. The buffers are sized for the portable path, so the workspace does not
+//           depend on the device. The K-grouped weight gradients run on sm90/k_grouped_gemm_sm90.h with the rest of the
 //           sm_90a backward, unless MEGAMOE_SM90_WEIGHT_GRADS=0 keeps them on the portable kernel.
 #include "cuda/cuda_path.h"
 
@@ -56,7 +59,8 @@ struct BackwardWorkspace {
     uint16_t* h;      // [S, 2I] element type: [g, u], then [dg, du]
     uint16_t* act;    // [S, I] element type: s * a
     float* p_then_q;  // [S, max(I, H)]: p [S, I] of the dH GEMM, later q [S, H] of the dX GEMM
-    float* ds_rows;   // [S]
+    float* ds_parts;  // [S, num_ds_parts]: partial sums of ds per row (sm_90a: one per n-tile of I)
+    int64_t num_ds_parts;
 
     static BackwardWorkspace carve(WorkspaceCarver& carver, const RoutingPlan& plan, const Shape& shape) {
         BackwardWorkspace workspace;
@@ -65,7 +69,8 @@ struct BackwardWorkspace {
         workspace.h = carver.take<uint16_t>(num_slots * 2 * shape.intermediate);
         workspace.act = carver.take<uint16_t>(num_slots * shape.intermediate);
         workspace.p_then_q = carver.take<float>(num_slots * std::max(shape.intermediate, shape.hidden));
-        workspace.ds_rows = carver.take<float>(num_slots);
+        workspace.num_ds_parts = sm90::dswiglu_sm90_num_ds_parts(shape.intermediate);
+        workspace.ds_parts = carver.take<float>(num_slots * workspace.num_ds_parts);
         return workspace;
     }
 };
@@ -186,11 +191,12 @@ megamoe_status_t forward_on_device(const megamoe_forward_params_t& params, const
     if (gemms.sm90_ok(device_index)) {
         const int num_sms = device_info(device_index).num_sms;
         MEGAMOE_CUDA_RETURN_IF_ERROR(
-            sm90::launch_m_grouped_gemm_sm90_swiglu(gemms.up, nullptr, workspace.act, num_sms, stream));
+            sm90::launch_m_grouped_gemm_sm90_swiglu(gemms.up, params.saved_h.data, true, workspace.act, num_sms, stream));
         MEGAMOE_CUDA_RETURN_IF_ERROR(sm90::launch_m_grouped_gemm_sm90_store(gemms.down, BLayout::kNK, workspace.out,
                                                                             shape.hidden, num_sms, stream));
     } else {
-        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_m_grouped_gemm_swiglu(gemms.up, nullptr, workspace.act, stream));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(
+            launch_m_grouped_gemm_swiglu(gemms.up, params.saved_h.data, true, workspace.act, stream));
         MEGAMOE_CUDA_RETURN_IF_ERROR(launch_m_grouped_gemm_elem(gemms.down, workspace.out, shape.hidden, stream));
     }
 
@@ -311,35 +317,54 @@ megamoe_status_t backward_on_device(const megamoe_backward_params_t& params, con
     const bool use_sm90 = gemms.sm90_ok(params.x.device_index);
     const bool weight_grads_sm90 = gemms.weight_grads_sm90_ok(params.x.device_index);
     const int num_sms = use_sm90 ? device_info(params.x.device_index).num_sms : 0;
-    if (use_sm90) {  // h = [g, u]; p = dy gathered x w2[e]
+    // h = [g, u]: kept by the forward (slot order), or recomputed here by sorted row; dh goes to workspace.h.
+    const bool keep_h = params.saved_h.data != nullptr;
+    const void* h = keep_h ? params.saved_h.data : workspace.h;
+    if (!keep_h && use_sm90) {
         MEGAMOE_CUDA_RETURN_IF_ERROR(
-            sm90::launch_m_grouped_gemm_sm90_swiglu(gemms.up, workspace.h, nullptr, num_sms, stream));
-        MEGAMOE_CUDA_RETURN_IF_ERROR(
-            sm90::launch_m_grouped_gemm_sm90_f32_kn(gemms.d_hidden, workspace.p_then_q, intermediate, num_sms, stream));
-    } else {
-        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_m_grouped_gemm_swiglu(gemms.up, workspace.h, nullptr, stream));
-        MEGAMOE_CUDA_RETURN_IF_ERROR(
-            launch_m_grouped_gemm_f32(gemms.d_hidden, BLayout::kKN, workspace.p_then_q, intermediate, stream));
+            sm90::launch_m_grouped_gemm_sm90_swiglu(gemms.up, workspace.h, false, nullptr, num_sms, stream));
+    } else if (!keep_h) {
+        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_m_grouped_gemm_swiglu(gemms.up, workspace.h, false, nullptr, stream));
     }
 
-    DSwiGLUArgs dswiglu{};
-    dswiglu.dtype = dtype;
-    dswiglu.h = workspace.h;
-    dswiglu.p = workspace.p_then_q;
-    dswiglu.act = workspace.act;
-    dswiglu.ds_rows = workspace.ds_rows;
-    dswiglu.sorted_slot = routing.sorted_slot;
-    dswiglu.expert_offsets = routing.expert_offsets;
-    dswiglu.num_experts = shape.num_experts;
-    dswiglu.weights = params.topk_weights.data;
-    dswiglu.weights_dtype = params.topk_weights.dtype;
-    dswiglu.intermediate = intermediate;
-    dswiglu.max_rows = num_slots;
-    MEGAMOE_CUDA_RETURN_IF_ERROR(launch_dswiglu_rows(dswiglu, stream));
+    int64_t num_ds_parts = 1;
+    if (use_sm90) {  // p = dy gathered x w2[e] stays in registers: dh, s * a and ds parts from the epilogue
+        sm90::DSwiGLUEpilogueArgs epilogue{};
+        epilogue.h = h;
+        epilogue.h_in_slot_order = keep_h;
+        epilogue.dh = workspace.h;
+        epilogue.act = workspace.act;
+        epilogue.ds_parts = workspace.ds_parts;
+        epilogue.weights = params.topk_weights.data;
+        epilogue.weights_dtype = params.topk_weights.dtype;
+        MEGAMOE_CUDA_RETURN_IF_ERROR(
+            sm90::launch_m_grouped_gemm_sm90_dswiglu(gemms.d_hidden, epilogue, num_sms, stream));
+        num_ds_parts = workspace.num_ds_parts;
+    } else {
+        MEGAMOE_CUDA_RETURN_IF_ERROR(
+            launch_m_grouped_gemm_f32(gemms.d_hidden, BLayout::kKN, workspace.p_then_q, intermediate, stream));
+        DSwiGLUArgs dswiglu{};
+        dswiglu.dtype = dtype;
+        dswiglu.h = h;
+        dswiglu.h_in_slot_order = keep_h;
+        dswiglu.dh = workspace.h;
+        dswiglu.p = workspace.p_then_q;
+        dswiglu.act = workspace.act;
+        dswiglu.ds_rows = workspace.ds_parts;
+        dswiglu.sorted_slot = routing.sorted_slot;
+        dswiglu.expert_offsets = routing.expert_offsets;
+        dswiglu.num_experts = shape.num_experts;
+        dswiglu.weights = params.topk_weights.data;
+        dswiglu.weights_dtype = params.topk_weights.dtype;
+        dswiglu.intermediate = intermediate;
+        dswiglu.max_rows = num_slots;
+        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_dswiglu_rows(dswiglu, stream));
+    }
 
     if (params.dtopk_weights.data != nullptr) {
         FinalizeDTopkArgs finalize{};
-        finalize.ds_rows = workspace.ds_rows;
+        finalize.ds_parts = workspace.ds_parts;
+        finalize.num_ds_parts = num_ds_parts;
         finalize.slot_to_row = routing.slot_to_row;
         finalize.token_invalid = routing.token_invalid;
         finalize.num_slots = num_slots;

@@ -119,6 +119,14 @@ __device__ __forceinline__ uint32_t pack_pair(float first, float second) {
            (static_cast<uint32_t>(*reinterpret_cast<const uint16_t*>(&hi)) << 16);
 }
 
+// The two values of a packed 32-bit pair (first value in the low half) as floats.
+template <typename T>
+__device__ __forceinline__ void unpack_pair(uint32_t word, float& first, float& second) {
+    const uint16_t lo = static_cast<uint16_t>(word & 0xffffu), hi = static_cast<uint16_t>(word >> 16);
+    first = to_float(*reinterpret_cast<const T*>(&lo));
+    second = to_float(*reinterpret_cast<const T*>(&hi));
+}
+
 // Scalars whose dtype is only known at run time (topk_weights, d topk_weights: f32, bf16 or f16).
 __device__ __forceinline__ float load_scalar(const void* data, megamoe_dtype_t dtype, int64_t idx) {
     switch (dtype) {

@@ -107,7 +107,9 @@ __global__ void __launch_bounds__(kRowThreads) dswiglu_rows_kernel(const DSwiGLU
     const int64_t slot_idx = args.sorted_slot[row_idx];
     const float weight = load_scalar(args.weights, args.weights_dtype, slot_idx);
     const int64_t intermediate = args.intermediate;
-    T* h_row = static_cast<T*>(args.h) + row_idx * 2 * intermediate;
+    const int64_t h_row_idx = args.h_in_slot_order ? slot_idx : row_idx;
+    const T* h_row = static_cast<const T*>(args.h) + h_row_idx * 2 * intermediate;
+    T* dh_row = static_cast<T*>(args.dh) + row_idx * 2 * intermediate;
     T* act_row = static_cast<T*>(args.act) + row_idx * intermediate;
     const float* p_row = args.p + row_idx * intermediate;
 
@@ -121,8 +123,8 @@ __global__ void __launch_bounds__(kRowThreads) dswiglu_rows_kernel(const DSwiGLU
         const float act = silu * up;
         partial = fmaf(p, act, partial);
         const float d_act = weight * p;
-        h_row[col] = from_float<T>(d_act * up * sigmoid * (1.0f + gate * (1.0f - sigmoid)));
-        h_row[intermediate + col] = from_float<T>(d_act * silu);
+        dh_row[col] = from_float<T>(d_act * up * sigmoid * (1.0f + gate * (1.0f - sigmoid)));
+        dh_row[intermediate + col] = from_float<T>(d_act * silu);
         act_row[col] = from_float<T>(weight * act);
     }
     const float ds = block_sum(partial, warp_sums);
@@ -137,7 +139,11 @@ __global__ void __launch_bounds__(kSlotThreads) finalize_dtopk_kernel(const Fina
         value = __int_as_float(0x7fc00000);
     } else {
         const int row_idx = args.slot_to_row[slot_idx];
-        if (row_idx >= 0) value = args.ds_rows[row_idx];
+        if (row_idx >= 0) {
+            for (int64_t part_idx = 0; part_idx < args.num_ds_parts; ++part_idx) {
+                value += args.ds_parts[row_idx * args.num_ds_parts + part_idx];
+            }
+        }
     }
     store_scalar(args.dtopk_weights, args.dtopk_dtype, slot_idx, value);
 }

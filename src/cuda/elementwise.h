@@ -4,9 +4,10 @@
 //                 w = 1 when weights is NULL; NaN rows for tokens flagged invalid by the routing.
 //                 Forward combine (rows = o, w = topk_weights) and backward dx (rows = q, w = 1).
 //   dswiglu_rows  per sorted row r (slot = sorted_slot[r], s = topk_weights[slot]), from h = [g, u] and
-//                 p = W2[e]^T dy: ds = <p, a>, da = s p, dh = [dg, du] written over h in place, and
-//                 s * a written to `act` (the dW2 operand: dW2[e] = sum dy (s a)^T).
-//   finalize_dtopk  d topk_weights[slot] = ds of the slot's row, 0 for dropped slots, NaN for invalid tokens.
+//                 p = W2[e]^T dy: ds = <p, a>, da = s p, dh = [dg, du] (over h in place, or into a separate
+//                 buffer), and s * a written to `act` (the dW2 operand: dW2[e] = sum dy (s a)^T).
+//   finalize_dtopk  d topk_weights[slot] = ds of the slot's row (the sum of its partial sums, in order), 0 for
+//                 dropped slots, NaN for invalid tokens.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -33,8 +34,10 @@ struct GatherSumArgs {
 megamoe_status_t launch_gather_sum(const GatherSumArgs& args, cudaStream_t stream);
 
 struct DSwiGLUArgs {
-    megamoe_dtype_t dtype;      // element type of h and act
-    void* h;                    // [rows, 2I]: [g, u] in, [dg, du] out
+    megamoe_dtype_t dtype;      // element type of h, dh and act
+    const void* h;              // [g, u] rows: sorted row r at h row r, or at h row sorted_slot[r] (slot order)
+    bool h_in_slot_order;       // h is the forward's saved_h (slot order) rather than sorted rows
+    void* dh;                   // [rows, 2I] out: [dg, du] (may be h itself when h is in sorted order)
     const float* p;             // [rows, I]
     void* act;                  // [rows, I] out: s * silu(g) * u
     float* ds_rows;             // [rows] out
@@ -49,7 +52,8 @@ struct DSwiGLUArgs {
 megamoe_status_t launch_dswiglu_rows(const DSwiGLUArgs& args, cudaStream_t stream);
 
 struct FinalizeDTopkArgs {
-    const float* ds_rows;
+    const float* ds_parts;  // [rows, num_ds_parts]: partial sums of ds per row, added in part order
+    int64_t num_ds_parts;
     const int* slot_to_row;
     const int* token_invalid;
     int64_t num_slots;

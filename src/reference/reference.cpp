@@ -2,6 +2,9 @@
 // in the accumulation type Acc (double or float), with no rounding of intermediates. Inputs are first
 // widened into Acc arrays; outputs are rounded once, at the end, into their own dtypes.
 //
+// Memory modes: the forward writes h = [g, u] per slot into saved_h when asked (rounded to its dtype); the backward
+// reads a given saved_h instead of recomputing h.
+//
 // Determinism: y and dx sum over j = 0..topk-1 in order; dW13[e] and dW2[e] sum over the slots routed
 // to e in increasing slot order (t * topk + j). Threads split tokens (y, dx) or experts (dW), never a
 // single sum, so results do not depend on the thread count.
@@ -80,6 +83,12 @@ megamoe_status_t forward_impl(const megamoe_forward_params_t& p, const Shape& sh
             const int64_t slot = t * topk + j, e = in.expert[slot];
             if (e < 0) continue;
             in.up(t, e, gate.data(), up.data(), act.data());
+            if (p.saved_h.data) {
+                for (int64_t i = 0; i < I; ++i) {
+                    store_element(p.saved_h.data, p.saved_h.dtype, slot * 2 * I + i, static_cast<double>(gate[i]));
+                    store_element(p.saved_h.data, p.saved_h.dtype, slot * 2 * I + I + i, static_cast<double>(up[i]));
+                }
+            }
             const Acc* w = &in.w2[e * H * I];
             for (int64_t h = 0; h < H; ++h) {
                 Acc o = 0;
@@ -110,7 +119,15 @@ megamoe_status_t backward_impl(const megamoe_backward_params_t& p, const Shape& 
             Acc ds = 0;
             if (e >= 0) {
                 Acc* a = &act[slot * I];
-                in.up(t, e, gate.data(), up.data(), a);
+                if (p.saved_h.data) {  // h as the forward kept it (rounded), else recomputed
+                    for (int64_t i = 0; i < I; ++i) {
+                        gate[i] = static_cast<Acc>(load_element(p.saved_h.data, p.saved_h.dtype, slot * 2 * I + i));
+                        up[i] = static_cast<Acc>(load_element(p.saved_h.data, p.saved_h.dtype, slot * 2 * I + I + i));
+                        a[i] = gate[i] * sigmoid(gate[i]) * up[i];
+                    }
+                } else {
+                    in.up(t, e, gate.data(), up.data(), a);
+                }
                 const Acc* w = &in.w2[e * H * I];
                 for (int64_t i = 0; i < I; ++i) proj[i] = 0;
                 for (int64_t h = 0; h < H; ++h) {

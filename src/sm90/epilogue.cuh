@@ -1,6 +1,7 @@
 // Register-to-global epilogue helpers shared by the sm_90a GEMM kernels: wgmma m64nNk16 accumulators (lane l of
 // warp w of the warpgroup holds rows 16 w + l / 4 (+ 8) and, in 8-column fragment f, columns 8 f + 2 (l % 4) + {0,
-// 1}) rearranged across each quad of lanes into 16-byte chunks, and the vector stores.
+// 1}) rearranged across each quad of lanes into 16-byte chunks (and back: the transpose is its own inverse), and the
+// vector loads and stores.
 #pragma once
 
 #include <cstdint>
@@ -33,6 +34,15 @@ template <typename T>
 __device__ __forceinline__ void store_chunk(T* row, int64_t col, const uint32_t (&words)[4]) {
     asm volatile("st.global.v4.b32 [%0], {%1, %2, %3, %4};\n" ::"l"(row + col), "r"(words[0]), "r"(words[1]),
                  "r"(words[2]), "r"(words[3])
+                 : "memory");
+}
+
+// 16 bytes at row + col (16-byte aligned), as one vector load.
+template <typename T>
+__device__ __forceinline__ void load_chunk(const T* row, int64_t col, uint32_t (&words)[4]) {
+    asm volatile("ld.global.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(words[0]), "=r"(words[1]), "=r"(words[2]), "=r"(words[3])
+                 : "l"(row + col)
                  : "memory");
 }
 

@@ -6,9 +6,11 @@
 //   B_e = b + e * b_expert_stride, either [N, K] K-contiguous (BLayout::kNK: w13[e] [2I, H] for up, w2[e] [H, I]
 //   for down) or [K, N] N-contiguous (BLayout::kKN: w2[e] read as [K = H, N = I] for the backward's dH,
 //   w13[e] read as [K = 2I, N = H] for its dX).
-// Epilogues (templated): kSwiGLU writes h = [g, u] and / or a = silu(g) * u; kStore writes acc in the element
-// type (bf16 / f16); kStoreF32 writes acc in f32. f32 accumulation. No atomics: every output element is written
-// once.
+// Epilogues (templated): kSwiGLU writes h = [g, u] (sorted rows, or the slot order of saved_h) and / or
+// a = silu(g) * u; kStore writes acc in the element type (bf16 / f16); kDSwiGLU (the
+// backward's dH, acc = p = W2[e]^T dy) reads the row's g, u, s and writes dh = [dg, du], s * a and the tile's
+// partial sum of ds = <p, a> (one per row and n-tile, added in n-tile order later: deterministic). f32
+// accumulation. No atomics: every output element is written once.
 //
 // Tiles: kBlockM = 128 rows (one M tile of the routing's schedule) x kBlockN = 256 columns of B_e x kBlockK = 64
 // (one 128-byte swizzled row of 16-bit elements). For kSwiGLU, the kBlockN rows of the B tile are 128 gate rows
@@ -167,23 +169,28 @@ __device__ __forceinline__ uint64_t make_b_desc(const uint8_t* tile_b) {
 template <BLayout kBLayout>
 constexpr uint64_t kBDescK16Step = kBLayout == BLayout::kNK ? kDescK16Step : kDescMnK16Step;
 
-enum class Epilogue { kSwiGLU, kStore, kStoreF32 };
+enum class Epilogue { kSwiGLU, kStore, kDSwiGLU };
 
 struct KernelParams {
     const uint16_t* a;  // A rows, row stride lda
     int64_t lda;
     const int* a_gather_slots;  // NULL: a_row(r) = r; else a_gather_slots[r] / topk
     int64_t topk;
-    int64_t n;                      // output columns: I (kSwiGLU) or N (kStore, kStoreF32)
+    int64_t n;                      // output columns: I (kSwiGLU, kDSwiGLU) or N (kStore)
     int64_t k;                      // K
     int64_t second_box_row_offset;  // rows from the first to the second B box: I (kSwiGLU) or kBlockN / 2
     const int* expert_offsets;      // [E + 1]
     const int* m_tile_offsets;      // [E + 1]
     int64_t num_experts;
     int64_t num_n_tiles;
-    void* out;  // kStore / kStoreF32: [rows, n], row stride ldo; kSwiGLU: a [rows, I] or NULL
+    void* out;  // kStore: [rows, n], row stride ldo; kSwiGLU: a [rows, I] or NULL; kDSwiGLU: dh [rows, 2I]
     int64_t ldo;
-    void* h;  // kSwiGLU: [g, u] [rows, 2I] or NULL
+    void* h;               // kSwiGLU: [g, u] [rows, 2I] out, or NULL; kDSwiGLU: [g, u] in
+    bool h_in_slot_order;  // h row of sorted row r: a_gather_slots[r] (the slot, saved_h's order) instead of r
+    void* act;             // kDSwiGLU: s * a [rows, I]
+    float* ds_parts;       // kDSwiGLU: [rows, num_n_tiles] partial sums of ds
+    const void* weights;   // kDSwiGLU: topk_weights [T * topk] (s of row r: weights[a_gather_slots[r]])
+    megamoe_dtype_t weights_dtype;
 };
 
 struct Tile {
@@ -307,31 +314,6 @@ __device__ __forceinline__ void produce(const CUtensorMap* b_map, const KernelPa
     cuda::cp_async_wait<0>();  // no copy outlives its thread
 }
 
-// kStoreF32 epilogue of one consumer warpgroup (rows as in store_tile): each lane stores its 2-column pair of every
-// fragment as one 8-byte vector, so a quad writes one full 32-byte sector of a row per fragment.
-template <int kNumRegs>
-__device__ __forceinline__ void store_tile_f32(const KernelParams& params, const Tile& tile,
-                                               const float (&acc)[kNumRegs], int consumer_idx, int warp_idx,
-                                               int lane_idx) {
-    constexpr int kNumFrags = kBlockN / 8;
-    const int first_row = consumer_idx * kConsumerRows + warp_idx * 16 + lane_idx / 4;
-    const int64_t first_col = tile.n_tile_idx * kBlockN + (lane_idx % 4) * 2;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int local_row = first_row + half * 8;
-        if (local_row >= tile.num_rows) continue;
-        float* out_row = static_cast<float*>(params.out) + (tile.row_begin + local_row) * params.ldo;
-#pragma unroll
-        for (int frag_idx = 0; frag_idx < kNumFrags; ++frag_idx) {
-            const int64_t col = first_col + frag_idx * 8;
-            const int reg_idx = frag_idx * 4 + half * 2;
-            if (col < params.n) {
-                store_pair_f32(out_row, col, acc[reg_idx], acc[reg_idx + 1]);
-            }
-        }
-    }
-}
-
 // One consumer warpgroup's epilogue: rows [64 consumer_idx, 64 consumer_idx + 64) of the tile, from the wgmma
 // accumulators (lane l of warp w holds rows 16 w + l / 4 (+ 8) and, in fragment f, columns 8 f + 2 (l % 4) + {0,
 // 1}). Groups of 4 fragments are transposed across each quad, then stored as 16-byte chunks: a warp writes 64
@@ -352,6 +334,8 @@ __device__ __forceinline__ void store_tile(const KernelParams& params, const Til
         const int local_row = first_row + half * 8;
         const bool row_valid = local_row < tile.num_rows;
         const int64_t row_idx = tile.row_begin + local_row;
+        const int64_t h_row_idx =
+            kSwiGLU && params.h_in_slot_order && row_valid ? params.a_gather_slots[row_idx] : row_idx;
 #pragma unroll
         for (int group_idx = 0; group_idx < kNumOutFrags / kFragsPerChunk; ++group_idx) {
             uint32_t out_words[kFragsPerChunk], gate_words[kFragsPerChunk], up_words[kFragsPerChunk];
@@ -378,11 +362,86 @@ __device__ __forceinline__ void store_tile(const KernelParams& params, const Til
             if (kSwiGLU && params.h != nullptr) {
                 quad_transpose(gate_words, quad_lane);
                 quad_transpose(up_words, quad_lane);
-                T* h_row = static_cast<T*>(params.h) + row_idx * 2 * params.n;
+                T* h_row = static_cast<T*>(params.h) + h_row_idx * 2 * params.n;
                 if (valid) store_chunk(h_row, col, gate_words);
                 if (valid) store_chunk(h_row + params.n, col, up_words);
             }
         }
+    }
+}
+
+// kDSwiGLU epilogue of one consumer warpgroup (rows and fragments as in store_tile): acc = p = W2[e]^T dy of the
+// tile's I columns. Each lane loads its 16-byte chunks of g and u and quad-transposes them into the accumulator
+// layout, computes ds += p a, da = s p, dg = da u sigmoid(g) (1 + g (1 - sigmoid(g))), du = da silu(g), and s a,
+// transposes those back into chunks and stores them. The quad's partial sums of ds (a fixed shuffle order) give
+// the row's sum over the tile's columns. Columns past I hold p = 0 (B zero-filled) and read no h.
+template <typename T, int kNumRegs>
+__device__ __forceinline__ void store_tile_dswiglu(const KernelParams& params, const Tile& tile,
+                                                   const float (&acc)[kNumRegs], int consumer_idx, int warp_idx,
+                                                   int lane_idx) {
+    constexpr int kNumFrags = kBlockN / 8;
+    constexpr int kFragsPerChunk = 4;
+    const int quad_lane = lane_idx % 4;
+    const int first_row = consumer_idx * kConsumerRows + warp_idx * 16 + lane_idx / 4;
+    const int64_t first_col = tile.n_tile_idx * kBlockN;
+    const int64_t intermediate = params.n;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int local_row = first_row + half * 8;
+        const bool row_valid = local_row < tile.num_rows;  // the same for the 4 lanes of a quad
+        const int64_t row_idx = tile.row_begin + local_row;
+        const int64_t slot_idx = row_valid ? params.a_gather_slots[row_idx] : 0;
+        const float weight = row_valid ? cuda::load_scalar(params.weights, params.weights_dtype, slot_idx) : 0.0f;
+        const T* h_row = static_cast<const T*>(params.h) + (params.h_in_slot_order ? slot_idx : row_idx) * 2 * intermediate;
+        T* dh_row = static_cast<T*>(params.out) + row_idx * 2 * intermediate;
+        T* act_row = static_cast<T*>(params.act) + row_idx * intermediate;
+        float ds = 0.0f;
+#pragma unroll
+        for (int group_idx = 0; group_idx < kNumFrags / kFragsPerChunk; ++group_idx) {
+            const int64_t col = first_col + (group_idx * kFragsPerChunk + quad_lane) * 8;
+            const bool valid = row_valid && col < intermediate;
+            uint32_t gate_words[kFragsPerChunk] = {}, up_words[kFragsPerChunk] = {};
+            if (valid) {
+                load_chunk(h_row, col, gate_words);
+                load_chunk(h_row + intermediate, col, up_words);
+            }
+            quad_transpose(gate_words, quad_lane);
+            quad_transpose(up_words, quad_lane);
+            uint32_t dgate_words[kFragsPerChunk], dup_words[kFragsPerChunk], act_words[kFragsPerChunk];
+#pragma unroll
+            for (int word_idx = 0; word_idx < kFragsPerChunk; ++word_idx) {
+                const int reg_idx = (group_idx * kFragsPerChunk + word_idx) * 4 + half * 2;
+                float gate[2], up[2], d_gate[2], d_up[2], scaled_act[2];
+                cuda::unpack_pair<T>(gate_words[word_idx], gate[0], gate[1]);
+                cuda::unpack_pair<T>(up_words[word_idx], up[0], up[1]);
+#pragma unroll
+                for (int item_idx = 0; item_idx < 2; ++item_idx) {
+                    const float p = acc[reg_idx + item_idx];
+                    const float sigmoid = 1.0f / (1.0f + __expf(-gate[item_idx]));
+                    const float silu_gate = gate[item_idx] * sigmoid;
+                    const float act = silu_gate * up[item_idx];
+                    ds = fmaf(p, act, ds);
+                    const float d_act = weight * p;
+                    d_gate[item_idx] = d_act * up[item_idx] * sigmoid * (1.0f + gate[item_idx] * (1.0f - sigmoid));
+                    d_up[item_idx] = d_act * silu_gate;
+                    scaled_act[item_idx] = weight * act;
+                }
+                dgate_words[word_idx] = cuda::pack_pair<T>(d_gate[0], d_gate[1]);
+                dup_words[word_idx] = cuda::pack_pair<T>(d_up[0], d_up[1]);
+                act_words[word_idx] = cuda::pack_pair<T>(scaled_act[0], scaled_act[1]);
+            }
+            quad_transpose(dgate_words, quad_lane);
+            quad_transpose(dup_words, quad_lane);
+            quad_transpose(act_words, quad_lane);
+            if (valid) {
+                store_chunk(dh_row, col, dgate_words);
+                store_chunk(dh_row + intermediate, col, dup_words);
+                store_chunk(act_row, col, act_words);
+            }
+        }
+        ds += __shfl_xor_sync(0xffffffffu, ds, 1);
+        ds += __shfl_xor_sync(0xffffffffu, ds, 2);
+        if (row_valid && quad_lane == 0) params.ds_parts[row_idx * params.num_n_tiles + tile.n_tile_idx] = ds;
     }
 }
 
@@ -429,8 +488,8 @@ __device__ __forceinline__ void consume(const KernelParams& params, uint8_t* sme
         wgmma_wait_group<0>();
         fence_accumulators(acc);
         if (in_flight_stage >= 0 && lane_idx == 0) release_stage(empty, in_flight_stage);
-        if constexpr (kEpilogue == Epilogue::kStoreF32) {
-            store_tile_f32(params, tile, acc, consumer_idx, warp_idx, lane_idx);
+        if constexpr (kEpilogue == Epilogue::kDSwiGLU) {
+            store_tile_dswiglu<T>(params, tile, acc, consumer_idx, warp_idx, lane_idx);
         } else {
             store_tile<T, kEpilogue>(params, tile, acc, consumer_idx, warp_idx, lane_idx);
         }
@@ -503,7 +562,7 @@ bool encode_b_tensor_map(const cuda::MGroupedGemmArgs& args, BLayout b_layout, i
 
 constexpr const char* kernel_name(Epilogue epilogue, BLayout b_layout) {
     if (epilogue == Epilogue::kSwiGLU) return "m_grouped_gemm_sm90[swiglu]";
-    if (epilogue == Epilogue::kStoreF32) return "m_grouped_gemm_sm90[f32, kn]";
+    if (epilogue == Epilogue::kDSwiGLU) return "m_grouped_gemm_sm90[dswiglu, kn]";
     return b_layout == BLayout::kNK ? "m_grouped_gemm_sm90[store]" : "m_grouped_gemm_sm90[store, kn]";
 }
 
@@ -584,16 +643,46 @@ bool m_grouped_gemm_sm90_supported(const cuda::MGroupedGemmArgs& args, bool swig
     return dtype_ok && sizes_ok && a_ok && b_ok && layout_ok && tensor_map_encoder() != nullptr;
 }
 
-megamoe_status_t launch_m_grouped_gemm_sm90_swiglu(const cuda::MGroupedGemmArgs& args, void* h, void* act, int num_sms,
-                                                   cudaStream_t stream) {
+megamoe_status_t launch_m_grouped_gemm_sm90_swiglu(const cuda::MGroupedGemmArgs& args, void* h, bool h_in_slot_order,
+                                                   void* act, int num_sms, cudaStream_t stream) {
     if (!cuda::is_aligned(h, 16) || !cuda::is_aligned(act, 16)) {
         return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "m_grouped_gemm_sm90: outputs must be 16-byte aligned");
+    }
+    if (h_in_slot_order && args.a_gather_slots == nullptr) {
+        return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "m_grouped_gemm_sm90: h in slot order needs the gather slots");
     }
     KernelParams params = make_params(args);
     params.out = act;
     params.ldo = args.n;
     params.h = h;
+    params.h_in_slot_order = h_in_slot_order;
     return launch<Epilogue::kSwiGLU, BLayout::kNK>(args, params, num_sms, stream);
+}
+
+int64_t dswiglu_sm90_num_ds_parts(int64_t intermediate) {
+    return ceil_div(intermediate, kBlockN);
+}
+
+megamoe_status_t launch_m_grouped_gemm_sm90_dswiglu(const cuda::MGroupedGemmArgs& args,
+                                                    const DSwiGLUEpilogueArgs& epilogue, int num_sms,
+                                                    cudaStream_t stream) {
+    if (!cuda::is_aligned(epilogue.h, 16) || !cuda::is_aligned(epilogue.dh, 16) ||
+        !cuda::is_aligned(epilogue.act, 16)) {
+        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "m_grouped_gemm_sm90: h, dh and act must be 16-byte aligned");
+    }
+    if (args.a_gather_slots == nullptr) {
+        return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "m_grouped_gemm_sm90: dSwiGLU needs the rows' slots");
+    }
+    KernelParams params = make_params(args);
+    params.out = epilogue.dh;
+    params.ldo = 2 * args.n;
+    params.h = const_cast<void*>(epilogue.h);
+    params.h_in_slot_order = epilogue.h_in_slot_order;
+    params.act = epilogue.act;
+    params.ds_parts = epilogue.ds_parts;
+    params.weights = epilogue.weights;
+    params.weights_dtype = epilogue.weights_dtype;
+    return launch<Epilogue::kDSwiGLU, BLayout::kKN>(args, params, num_sms, stream);
 }
 
 megamoe_status_t launch_m_grouped_gemm_sm90_store(const cuda::MGroupedGemmArgs& args, BLayout b_layout, void* out,
@@ -607,18 +696,6 @@ megamoe_status_t launch_m_grouped_gemm_sm90_store(const cuda::MGroupedGemmArgs& 
     params.ldo = ldo;
     return b_layout == BLayout::kNK ? launch<Epilogue::kStore, BLayout::kNK>(args, params, num_sms, stream)
                                     : launch<Epilogue::kStore, BLayout::kKN>(args, params, num_sms, stream);
-}
-
-megamoe_status_t launch_m_grouped_gemm_sm90_f32_kn(const cuda::MGroupedGemmArgs& args, float* out, int64_t ldo,
-                                                   int num_sms, cudaStream_t stream) {
-    if (!cuda::is_aligned(out, 16) || ldo % kChunkElems != 0) {
-        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
-                         "m_grouped_gemm_sm90: out must be 16-byte aligned, ldo % 8 == 0");
-    }
-    KernelParams params = make_params(args);
-    params.out = out;
-    params.ldo = ldo;
-    return launch<Epilogue::kStoreF32, BLayout::kKN>(args, params, num_sms, stream);
 }
 
 }  // namespace megamoe::sm90

@@ -1,7 +1,7 @@
 // The fused Hopper (sm_90a) M-grouped GEMMs (grouped_gemm_sm90.cu): the same math as the portable
 // launch_m_grouped_gemm_* of cuda/grouped_gemm.h, run by a persistent warp-specialized wgmma kernel. Forward: B =
 // w13 or w2 read [N, K] (BLayout::kNK), outputs in the element type. Backward: the recomputed up projection (h),
-// dH (B = w2[e] read [K = H, N = I], BLayout::kKN, f32 out) and dX (B = w13[e] read [K = 2I, N = H], kKN, element
+// dH (B = w2[e] read [K = H, N = I], BLayout::kKN, with the dSwiGLU epilogue) and dX (B = w13[e] read [K = 2I, N = H], kKN, element
 // type out).
 //
 // Requirements (m_grouped_gemm_sm90_supported checks them; the caller falls back to the portable kernels):
@@ -25,18 +25,35 @@ bool m_grouped_gemm_sm90_supported(const cuda::MGroupedGemmArgs& args, bool swig
                                    cuda::BLayout b_layout = cuda::BLayout::kNK);
 
 // Up projection with SwiGLU (B = w13 [E, 2I, H], args.n = I): h = [g, u] ([rows, 2I]) and a = silu(g) * u
-// ([rows, I]) in the element type; either may be NULL. `num_sms`: bound on the persistent kernel's grid (the
-// number of co-resident clusters of the device is asked of the runtime).
-megamoe_status_t launch_m_grouped_gemm_sm90_swiglu(const cuda::MGroupedGemmArgs& args, void* h, void* act, int num_sms,
-                                                   cudaStream_t stream);
+// ([rows, I]) in the element type; either may be NULL. Sorted row r goes to h row r, or, with h_in_slot_order, to
+// h row args.a_gather_slots[r] (its slot: the layout of saved_h). `num_sms`: bound on the persistent kernel's grid
+// (the number of co-resident clusters of the device is asked of the runtime).
+megamoe_status_t launch_m_grouped_gemm_sm90_swiglu(const cuda::MGroupedGemmArgs& args, void* h, bool h_in_slot_order,
+                                                   void* act, int num_sms, cudaStream_t stream);
+
+// What the dH GEMM's dSwiGLU epilogue reads and writes besides its accumulators p = W2[e]^T dy.
+struct DSwiGLUEpilogueArgs {
+    const void* h;                  // [g, u]: sorted row r at h row r, or at h row a_gather_slots[r] (slot order)
+    bool h_in_slot_order;           // h is the forward's saved_h
+    void* dh;                       // [rows, 2I] out: [dg, du] by sorted row (may alias h in sorted order)
+    void* act;                      // [rows, I] out: s * silu(g) * u, the dW2 operand
+    float* ds_parts;                // [rows, dswiglu_sm90_num_ds_parts(I)] out: ds per row and n-tile
+    const void* weights;            // topk_weights [T * topk]; s of row r = weights[a_gather_slots[r]]
+    megamoe_dtype_t weights_dtype;  // f32 or the element type
+};
+
+// Partial sums of ds per row that launch_m_grouped_gemm_sm90_dswiglu writes (one per 256-column n-tile of I).
+int64_t dswiglu_sm90_num_ds_parts(int64_t intermediate);
+
+// dH with dSwiGLU fused (A = dy gathered by sorted slot, B = w2[e] read [K = H, N = I] (kKN), args.n = I): p never
+// leaves registers; writes dh, s * a and the ds partial sums of `epilogue` (math of cuda::launch_dswiglu_rows).
+megamoe_status_t launch_m_grouped_gemm_sm90_dswiglu(const cuda::MGroupedGemmArgs& args,
+                                                    const DSwiGLUEpilogueArgs& epilogue, int num_sms,
+                                                    cudaStream_t stream);
 
 // out[r, n] = sum_k A[a_row(r), k] B_e(n, k) in the element type, row stride ldo (a multiple of 8); B_e stored
 // [N, K] (kNK) or [K, N] (kKN).
 megamoe_status_t launch_m_grouped_gemm_sm90_store(const cuda::MGroupedGemmArgs& args, cuda::BLayout b_layout, void* out,
                                                   int64_t ldo, int num_sms, cudaStream_t stream);
-
-// As launch_m_grouped_gemm_sm90_store with B_e stored [K, N] (kKN), out in f32.
-megamoe_status_t launch_m_grouped_gemm_sm90_f32_kn(const cuda::MGroupedGemmArgs& args, float* out, int64_t ldo,
-                                                   int num_sms, cudaStream_t stream);
 
 }  // namespace megamoe::sm90

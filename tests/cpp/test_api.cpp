@@ -80,6 +80,25 @@ TEST(Api, BadForwardInputsNameTheArgument) {
          MEGAMOE_STATUS_INVALID_ARGUMENT, "y:"},
         {"y aliases x", [](Problem&, megamoe_forward_params_t& p, HostTensor&) { p.y.data = p.x.data; },
          MEGAMOE_STATUS_INVALID_ARGUMENT, "y: overlaps the memory of x"},
+        {"saved_h wrong shape",
+         [](Problem& pr, megamoe_forward_params_t& p, HostTensor& scratch) {
+             scratch = HostTensor(pr.dtype, {pr.num_tokens * pr.topk, pr.intermediate});
+             p.saved_h = scratch.view;
+         },
+         MEGAMOE_STATUS_INVALID_ARGUMENT, "saved_h: expected shape"},
+        {"saved_h wrong dtype",
+         [](Problem& pr, megamoe_forward_params_t& p, HostTensor& scratch) {
+             scratch = HostTensor(MEGAMOE_DTYPE_F64, {pr.num_tokens * pr.topk, 2 * pr.intermediate});
+             p.saved_h = scratch.view;
+         },
+         MEGAMOE_STATUS_INVALID_ARGUMENT, "saved_h: dtype"},
+        {"saved_h aliases x",
+         [](Problem& pr, megamoe_forward_params_t& p, HostTensor& scratch) {
+             scratch = HostTensor(pr.dtype, {pr.num_tokens * pr.topk, 2 * pr.intermediate});
+             p.saved_h = scratch.view;
+             p.saved_h.data = p.x.data;
+         },
+         MEGAMOE_STATUS_INVALID_ARGUMENT, "saved_h: overlaps the memory of x"},
         {"mixed devices",
          [](Problem&, megamoe_forward_params_t& p, HostTensor&) { p.w2.device_type = MEGAMOE_DEVICE_CUDA; },
          MEGAMOE_STATUS_INVALID_ARGUMENT, "w2: on cuda"},
@@ -132,6 +151,20 @@ TEST(Api, BadBackwardInputsNameTheArgument) {
     expect_bad([](megamoe_backward_params_t& p) { p.dw2.dtype = MEGAMOE_DTYPE_I32; }, "dw2:");
     expect_bad([](megamoe_backward_params_t& p) { p.dw2.data = p.dw13.data; }, "dw2: overlaps the memory of dw13");
     expect_bad([](megamoe_backward_params_t& p) { p.dx.data = p.dy.data; }, "dx: overlaps the memory of dy");
+    HostTensor saved_h(problem.dtype, {12, 8}), bad_h(problem.dtype, {12, 4});
+    expect_bad([&](megamoe_backward_params_t& p) { p.saved_h = bad_h.view; }, "saved_h: expected shape");
+    expect_bad(
+        [&](megamoe_backward_params_t& p) {
+            p.saved_h = saved_h.view;
+            p.saved_h.dtype = MEGAMOE_DTYPE_F16;
+        },
+        "saved_h: dtype");
+    expect_bad(
+        [&](megamoe_backward_params_t& p) {
+            p.saved_h = saved_h.view;
+            p.dx.data = saved_h.view.data;
+        },
+        "dx: overlaps the memory of saved_h");
 
     // Optional outputs may be absent.
     megamoe_backward_params_t params = problem.backward_params(dx, dw, dw13, dw2);

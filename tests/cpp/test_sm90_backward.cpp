@@ -8,6 +8,8 @@
 //     within bf16 error (dx and d topk_weights whole, dW13 / dW2 on their first and last experts);
 //   - the sm_90a K-grouped weight-gradient kernel (the default; MEGAMOE_SM90_WEIGHT_GRADS=0 opts out) on the
 //     ragged set and on cases aimed at its TMA k-blocks and cluster pairs;
+//   - the keep-h memory mode (the forward's saved_h read by the backward) against the recompute mode, bitwise, on
+//     the sm_90a and the portable path, with saved_h itself against the CPU reference's h;
 //   - the dispatch: misaligned views fall back to the portable path.
 // Skips, with the reason, without a compute capability 9.0 device.
 #include <cuda_runtime.h>
@@ -165,6 +167,67 @@ TEST(Sm90Backward, WeightGradKernelMatchesReference) {
     cases.push_back({"odd n-tile pairs, long experts", 600, 712, 392, 2, 2});
     cases.push_back({"more cluster tiles than clusters, half empty", 768, 528, 264, 40, 4, Routing::kHalfEmpty});
     for (const Sm90Case& c : cases) check_against_reference(c, true);
+}
+
+// Keep-h mode: the forward writes saved_h (poisoned first), the backward reads it instead of recomputing h. The
+// gradients must equal the recompute mode's bitwise (h comes from the same kernel either way), and the routed rows
+// of saved_h must match the CPU reference's h (rows of dropped slots are not written, so not compared).
+void check_keep_h(const Sm90Case& c, bool expect_sm90) {
+    SCOPED_TRACE(::testing::PrintToString(c));
+    const Problem problem = make_problem(c);
+    const int64_t num_slots = problem.num_tokens * problem.topk, I = problem.intermediate;
+    DeviceBackward device = upload(problem);
+    ASSERT_EQ(cuda::backward_uses_sm90(device.params, shape_of(device.params)), expect_sm90);
+    device.run();
+    const Grads recompute = device.download();
+
+    DeviceTensor y(problem.x.view), saved_h(HostTensor(problem.dtype, {num_slots, 2 * I}).view);
+    megamoe_forward_params_t forward{};
+    forward.x = device.x.view();
+    forward.topk_ids = device.ids.view();
+    forward.topk_weights = device.weights.view();
+    forward.w13 = device.w13.view();
+    forward.w2 = device.w2.view();
+    forward.y = y.view();
+    forward.saved_h = saved_h.view();
+    size_t bytes = 0;
+    ASSERT_EQ(megamoe_forward_workspace_size(&forward, &bytes), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
+    DeviceTensor forward_workspace = device_workspace(bytes);
+    forward.workspace = forward_workspace.view().data;
+    forward.workspace_bytes = bytes;
+    saved_h.poison();
+    ASSERT_EQ(megamoe_forward(&forward), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
+    device.params.saved_h = saved_h.view();
+    device.run();
+    expect_bitwise_equal(recompute, device.download());
+
+    HostTensor y_want(problem.dtype, {problem.num_tokens, problem.hidden}), h_want(problem.dtype, {num_slots, 2 * I});
+    megamoe_forward_params_t reference = problem.forward_params(y_want);
+    reference.saved_h = h_want.view;
+    ASSERT_EQ(megamoe_forward(&reference), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
+    const HostTensor h_got = saved_h.download();
+    double diff = 0.0, norm = 0.0;
+    for (int64_t slot_idx = 0; slot_idx < num_slots; ++slot_idx) {
+        if (problem.ids.get(slot_idx) < 0) continue;
+        for (int64_t col = 0; col < 2 * I; ++col) {
+            const double want = h_want.get(slot_idx * 2 * I + col), got = h_got.get(slot_idx * 2 * I + col);
+            diff += (got - want) * (got - want);
+            norm += want * want;
+        }
+    }
+    const double tolerance = c.dtype == MEGAMOE_DTYPE_F16 ? kF16Tolerance : kBf16Tolerance;
+    EXPECT_LT(std::sqrt(diff) / std::max(std::sqrt(norm), 1e-300), tolerance) << "saved_h vs the CPU reference";
+}
+
+TEST(Sm90Backward, KeepHMatchesRecompute) {
+    SKIP_WITHOUT_SM90();
+    for (const Sm90Case& c : ragged_cases()) check_keep_h(c, true);
+}
+
+TEST(Sm90Backward, KeepHMatchesRecomputeOnPortablePath) {
+    SKIP_WITHOUT_SM90();
+    const ScopedEnv portable("MEGAMOE_DISABLE_SM90", "1");
+    for (const Sm90Case& c : ragged_cases()) check_keep_h(c, false);
 }
 
 TEST(Sm90Backward, MisalignedViewsFallBackToPortable) {

@@ -37,9 +37,26 @@ def test_gradcheck_float64(gen):
 
 def test_opcheck(gen):
     x, ids, s, w13, w2, dy = make_problem(5, 8, 6, 4, 2, gen=gen)
-    torch.library.opcheck(torch.ops.megamoe.moe_forward.default, (x, ids, s, w13, w2))
+    for keep_h in (False, True):
+        torch.library.opcheck(torch.ops.megamoe.moe_forward.default, (x, ids, s, w13, w2, keep_h))
     with torch.no_grad():
-        torch.library.opcheck(torch.ops.megamoe.moe_backward.default, (dy, x, ids, s, w13, w2))
+        _, h = torch.ops.megamoe.moe_forward(x, ids, s, w13, w2, True)
+        for saved_h, wgrad_f32 in ((None, False), (h, False), (h, True)):
+            torch.library.opcheck(torch.ops.megamoe.moe_backward.default,
+                                  (dy, x, ids, s, w13, w2, saved_h, wgrad_f32))
+
+
+@pytest.mark.parametrize("dtype,bound", [(torch.float64, 1e-12), (torch.bfloat16, 2e-2)])
+def test_memory_modes_give_the_same_gradients(dtype, bound, gen):
+    """Keep-h (default) and recompute: the CPU reads the saved h as given (rounded to dtype) or recomputes it."""
+    x, ids, s, w13, w2, dy = make_problem(9, 16, 8, 4, 3, "dropped", dtype=dtype, gen=gen)
+    kept = grads_of(megamoe.moe, x, ids, s, w13, w2, dy)
+    recomputed = grads_of(lambda *args: megamoe.moe(*args, recompute=True), x, ids, s, w13, w2, dy)
+    for name, a, b in zip(("y", "dx", "dtopk_weights", "dw13", "dw2"), kept, recomputed):
+        assert rel_err(a, b) < bound, f"{name}: {rel_err(a, b):.3e}"
+    with torch.no_grad():
+        y, h = torch.ops.megamoe.moe_forward(x, ids, s, w13, w2, True)
+    assert h.shape == (9 * 3, 16) and h.dtype == dtype
 
 
 def test_torch_compile_fullgraph(gen):

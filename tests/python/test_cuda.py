@@ -17,16 +17,17 @@ pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA d
 OUTPUTS = ("y", "dx", "dtopk_weights", "dw13", "dw2")
 
 
-def poisoned_run(x, ids, s, w13, w2, dy):
+def poisoned_run(x, ids, s, w13, w2, dy, keep_h=False):
     """Forward and backward through the C API into outputs filled with NaN first, so an element the
-    kernels never write shows up as NaN."""
+    kernels never write shows up as NaN. keep_h: the forward writes saved_h (NaN first), the backward reads it."""
     y = torch.full_like(x, float("nan"))
     dx = torch.full_like(x, float("nan"))
     ds = torch.full_like(s, float("nan"))
     dw13 = torch.full_like(w13, float("nan"))
     dw2 = torch.full_like(w2, float("nan"))
-    _lib.forward_into(x, ids, s, w13, w2, y)
-    _lib.backward_into(dy, x, ids, s, w13, w2, dx, ds, dw13, dw2)
+    saved_h = x.new_full((ids.numel(), 2 * w2.shape[2]), float("nan")) if keep_h else None  # [T*topk, 2I]
+    _lib.forward_into(x, ids, s, w13, w2, y, saved_h)
+    _lib.backward_into(dy, x, ids, s, w13, w2, dx, ds, dw13, dw2, saved_h)
     torch.cuda.synchronize()
     return [y, dx, ds, dw13, dw2]
 
@@ -56,6 +57,9 @@ def test_matches_reference_on_ragged_set(case, dtype, gen):
     again = poisoned_run(*detached(*[t.cuda() for t in (x, ids, s, w13, w2, dy)]))
     for name, first, second in zip(OUTPUTS, ours, again):
         assert torch.equal(first, second), f"{name}: two runs differ"
+    kept = poisoned_run(*detached(*[t.cuda() for t in (x, ids, s, w13, w2, dy)]), keep_h=True)
+    for name, recomputed, kept_h in zip(OUTPUTS, ours, kept):
+        assert torch.equal(recomputed, kept_h), f"{name}: keep-h and recompute modes differ"
 
 
 def test_skewed_routing_is_deterministic(gen):
@@ -73,14 +77,14 @@ def test_cuda_graph_replays_forward_and_backward(gen):
     torch.ops.megamoe.moe_backward(dy, x, ids, s, w13, w2)  # warm-up outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
-        y = torch.ops.megamoe.moe_forward(x, ids, s, w13, w2)
-        grads = torch.ops.megamoe.moe_backward(dy, x, ids, s, w13, w2)
+        y, h = torch.ops.megamoe.moe_forward(x, ids, s, w13, w2, True)
+        grads = torch.ops.megamoe.moe_backward(dy, x, ids, s, w13, w2, h)
     fresh = make_problem(64, 96, 40, 8, 2, "dropped", dtype=torch.bfloat16, gen=gen)
     for dst, src in zip((x, ids, s, w13, w2, dy), fresh):
         dst.copy_(src.detach())  # new values in the captured buffers
     graph.replay()
     torch.cuda.synchronize()
-    eager = [torch.ops.megamoe.moe_forward(x, ids, s, w13, w2), *torch.ops.megamoe.moe_backward(dy, x, ids, s, w13, w2)]
+    eager = [torch.ops.megamoe.moe_forward(x, ids, s, w13, w2)[0], *torch.ops.megamoe.moe_backward(dy, x, ids, s, w13, w2)]
     for name, replayed, expected in zip(OUTPUTS, [y, *grads], eager):
         assert torch.equal(replayed, expected), f"{name}: replay differs from eager"
 
@@ -88,10 +92,20 @@ def test_cuda_graph_replays_forward_and_backward(gen):
 def test_autograd_through_the_op(gen):
     x, ids, s, w13, w2, dy = [t.detach().cuda().requires_grad_(t.requires_grad)
                               for t in make_problem(20, 32, 24, 4, 2, dtype=torch.bfloat16, gen=gen)]
-    got = grads_of(megamoe.moe, x, ids, s, w13, w2, dy)
     want = poisoned_run(*detached(x, ids, s, w13, w2, dy))
-    for name, a, b in zip(OUTPUTS, got, want):
-        assert a.dtype == b.dtype and torch.equal(a, b), name
+    for recompute in (False, True):
+        got = grads_of(lambda *args: megamoe.moe(*args, recompute=recompute), x, ids, s, w13, w2, dy)
+        for name, a, b in zip(OUTPUTS, got, want):
+            assert a.dtype == b.dtype and torch.equal(a, b), f"{name} (recompute={recompute})"
+
+
+def test_weight_gradients_in_f32(gen):
+    x, ids, s, w13, w2, dy = detached(*[t.cuda() for t in make_problem(40, 64, 48, 4, 2, "dropped",
+                                                                       dtype=torch.bfloat16, gen=gen)])
+    _, _, dw13, dw2 = torch.ops.megamoe.moe_backward(dy, x, ids, s, w13, w2)
+    _, _, dw13_f32, dw2_f32 = torch.ops.megamoe.moe_backward(dy, x, ids, s, w13, w2, None, True)
+    assert dw13_f32.dtype == dw2_f32.dtype == torch.float32
+    assert torch.equal(dw13_f32.bfloat16(), dw13) and torch.equal(dw2_f32.bfloat16(), dw2)
 
 
 def test_bad_ids_give_nan_rows_not_a_crash(gen):
