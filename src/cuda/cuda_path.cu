@@ -190,8 +190,8 @@ megamoe_status_t forward_on_device(const megamoe_forward_params_t& params, const
     const ForwardGemms gemms = ForwardGemms::make(params, shape, plan, workspace);
     if (gemms.sm90_ok(device_index)) {
         const int num_sms = device_info(device_index).num_sms;
-        MEGAMOE_CUDA_RETURN_IF_ERROR(
-            sm90::launch_m_grouped_gemm_sm90_swiglu(gemms.up, params.saved_h.data, true, workspace.act, num_sms, stream));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(sm90::launch_m_grouped_gemm_sm90_swiglu(gemms.up, params.saved_h.data, true,
+                                                                             workspace.act, num_sms, stream));
         MEGAMOE_CUDA_RETURN_IF_ERROR(sm90::launch_m_grouped_gemm_sm90_store(gemms.down, BLayout::kNK, workspace.out,
                                                                             shape.hidden, num_sms, stream));
     } else {

@@ -201,9 +201,9 @@ struct MGroupedParams {
     int64_t num_experts;
     void* out;  // kStoreF32 (f32) or kStoreElem (element type)
     int64_t ldo;
-    void* h;                  // kSwiGLU, may be NULL
-    bool h_in_slot_order;     // kSwiGLU: h row of sorted row r is its slot a_gather_slots[r] (saved_h), else r
-    void* act;                // kSwiGLU, may be NULL
+    void* h;               // kSwiGLU, may be NULL
+    bool h_in_slot_order;  // kSwiGLU: h row of sorted row r is its slot a_gather_slots[r] (saved_h), else r
+    void* act;             // kSwiGLU, may be NULL
     bool paired_stores;
 };
 

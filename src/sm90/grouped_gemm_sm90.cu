@@ -392,7 +392,8 @@ __device__ __forceinline__ void store_tile_dswiglu(const KernelParams& params, c
         const int64_t row_idx = tile.row_begin + local_row;
         const int64_t slot_idx = row_valid ? params.a_gather_slots[row_idx] : 0;
         const float weight = row_valid ? cuda::load_scalar(params.weights, params.weights_dtype, slot_idx) : 0.0f;
-        const T* h_row = static_cast<const T*>(params.h) + (params.h_in_slot_order ? slot_idx : row_idx) * 2 * intermediate;
+        const T* h_row =
+            static_cast<const T*>(params.h) + (params.h_in_slot_order ? slot_idx : row_idx) * 2 * intermediate;
         T* dh_row = static_cast<T*>(params.out) + row_idx * 2 * intermediate;
         T* act_row = static_cast<T*>(params.act) + row_idx * intermediate;
         float ds = 0.0f;

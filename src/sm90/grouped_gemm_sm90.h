@@ -1,8 +1,8 @@
 // The fused Hopper (sm_90a) M-grouped GEMMs (grouped_gemm_sm90.cu): the same math as the portable
 // launch_m_grouped_gemm_* of cuda/grouped_gemm.h, run by a persistent warp-specialized wgmma kernel. Forward: B =
 // w13 or w2 read [N, K] (BLayout::kNK), outputs in the element type. Backward: the recomputed up projection (h),
-// dH (B = w2[e] read [K = H, N = I], BLayout::kKN, with the dSwiGLU epilogue) and dX (B = w13[e] read [K = 2I, N = H], kKN, element
-// type out).
+// dH (B = w2[e] read [K = H, N = I], BLayout::kKN, with the dSwiGLU epilogue) and dX (B = w13[e] read [K = 2I, N = H],
+// kKN, element type out).
 //
 // Requirements (m_grouped_gemm_sm90_supported checks them; the caller falls back to the portable kernels):
 // a device of compute capability 9.0, bf16 or f16, K % 8 == 0 and N % 8 == 0, every A / B row start 16-byte
