@@ -240,11 +240,19 @@ megamoe_status_t check_output(const char* name, const megamoe_tensor_t& out, con
     return MEGAMOE_STATUS_SUCCESS;
 }
 
+// The CUDA path lays buffers out at 256-byte offsets and picks kernels on their alignment: the base must be aligned
+// too, so that the workspace size query (which sees no pointer) and the call agree.
+constexpr uintptr_t kWorkspaceAlignment = 256;
+
 megamoe_status_t check_workspace(const void* workspace, size_t have, size_t need) {
     if (have < need) {
         return set_error(MEGAMOE_STATUS_WORKSPACE_TOO_SMALL, "workspace_bytes: %zu given, %zu needed", have, need);
     }
     if (need > 0 && workspace == nullptr) return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "workspace: NULL");
+    if (need > 0 && reinterpret_cast<uintptr_t>(workspace) % kWorkspaceAlignment != 0) {
+        return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "workspace: must be %zu-byte aligned",
+                         static_cast<size_t>(kWorkspaceAlignment));
+    }
     return MEGAMOE_STATUS_SUCCESS;
 }
 

@@ -93,7 +93,7 @@ typedef struct {
     megamoe_tensor_t y;             // [T, H] output, written in full
     megamoe_tensor_t saved_h;       // [T*topk, 2I] optional output for the backward (rows of dropped slots untouched)
     megamoe_accum_t accum;          // accumulation precision
-    void* workspace;                // device (CUDA) or host (CPU) scratch of workspace_bytes
+    void* workspace;                // device (CUDA) or host (CPU) scratch of workspace_bytes, 256-byte aligned
     size_t workspace_bytes;         // at least megamoe_forward_workspace_size()
     void* stream;                   // cudaStream_t for CUDA tensors (NULL = legacy default); ignored on CPU
 } megamoe_forward_params_t;
@@ -112,8 +112,8 @@ typedef struct {
     megamoe_tensor_t dw13;   // [E, 2I, H] output, dtype of w13 or f32; zero for experts with no tokens; optional
     megamoe_tensor_t dw2;    // [E, H, I] output, dtype of w2 or f32; optional
     megamoe_accum_t accum;   // accumulation precision
-    void* workspace;         // device (CUDA) or host (CPU) scratch of workspace_bytes
-    size_t workspace_bytes;  // at least megamoe_backward_workspace_size()
+    void* workspace;         // device (CUDA) or host (CPU) scratch of workspace_bytes, 256-byte aligned
+    size_t workspace_bytes;  // at least megamoe_backward_workspace_size() (it depends on the kernels the call runs)
     void* stream;            // cudaStream_t for CUDA tensors (NULL = legacy default); ignored on CPU
 } megamoe_backward_params_t;
 

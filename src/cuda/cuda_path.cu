@@ -58,19 +58,22 @@ struct BackwardWorkspace {
     RoutingBuffers routing;
     uint16_t* h;      // [S, 2I] element type: [g, u], then [dg, du]
     uint16_t* act;    // [S, I] element type: s * a
-    float* p_then_q;  // [S, max(I, H)]: p [S, I] of the dH GEMM, later q [S, H] of the dX GEMM
     float* ds_parts;  // [S, num_ds_parts]: partial sums of ds per row (sm_90a: one per n-tile of I)
     int64_t num_ds_parts;
+    // Last, so that the buffers above do not move with its size. Portable path: [S, max(I, H)] f32, p [S, I] of the
+    // dH GEMM, later q [S, H] of the dX GEMM. sm_90a path: q [S, H] in the element type only (p stays in registers).
+    float* p_then_q;
 
-    static BackwardWorkspace carve(WorkspaceCarver& carver, const RoutingPlan& plan, const Shape& shape) {
+    static BackwardWorkspace carve(WorkspaceCarver& carver, const RoutingPlan& plan, const Shape& shape, bool sm90) {
         BackwardWorkspace workspace;
         const int64_t num_slots = shape.num_slots();
         workspace.routing = RoutingBuffers::carve(carver, plan);
         workspace.h = carver.take<uint16_t>(num_slots * 2 * shape.intermediate);
         workspace.act = carver.take<uint16_t>(num_slots * shape.intermediate);
-        workspace.p_then_q = carver.take<float>(num_slots * std::max(shape.intermediate, shape.hidden));
         workspace.num_ds_parts = sm90::dswiglu_sm90_num_ds_parts(shape.intermediate);
         workspace.ds_parts = carver.take<float>(num_slots * workspace.num_ds_parts);
+        workspace.p_then_q = sm90 ? reinterpret_cast<float*>(carver.take<uint16_t>(num_slots * shape.hidden))
+                                  : carver.take<float>(num_slots * std::max(shape.intermediate, shape.hidden));
         return workspace;
     }
 };
@@ -295,6 +298,36 @@ megamoe_status_t launch_weight_grad(const KGroupedGemmArgs& args, const megamoe_
     return launch_k_grouped_gemm(args, grad.data, grad.dtype, stream);
 }
 
+// The backward's workspace, GEMM arguments and kernel choices for one call. The path is chosen on the layout of the
+// portable path (the larger one; the buffers the choice depends on come first and do not move), then the workspace
+// is laid out for it. The workspace size query runs the same function, and the call checks the workspace it gets
+// against it again (an environment switch flipped in between gives WORKSPACE_TOO_SMALL, never an overrun).
+struct BackwardPlan {
+    RoutingPlan routing_plan;
+    BackwardWorkspace workspace;
+    BackwardGemms gemms;
+    bool use_sm90;
+    bool weight_grads_sm90;
+    size_t workspace_bytes;
+
+    static BackwardPlan make(const megamoe_backward_params_t& params, const Shape& shape) {
+        BackwardPlan plan;
+        plan.routing_plan = RoutingPlan::make(shape, kGemmBlockM);
+        WorkspaceCarver portable_carver(params.workspace);
+        plan.workspace = BackwardWorkspace::carve(portable_carver, plan.routing_plan, shape, false);
+        plan.gemms = BackwardGemms::make(params, shape, plan.routing_plan, plan.workspace);
+        plan.use_sm90 = shape.num_slots() > 0 && plan.gemms.sm90_ok(params.x.device_index);
+        plan.weight_grads_sm90 = plan.use_sm90 && plan.gemms.weight_grads_sm90_ok(params.x.device_index);
+        plan.workspace_bytes = portable_carver.bytes_used();
+        if (plan.use_sm90) {
+            WorkspaceCarver carver(params.workspace);
+            plan.workspace = BackwardWorkspace::carve(carver, plan.routing_plan, shape, true);
+            plan.workspace_bytes = carver.bytes_used();
+        }
+        return plan;
+    }
+};
+
 megamoe_status_t backward_on_device(const megamoe_backward_params_t& params, const Shape& shape) {
     const auto stream = static_cast<cudaStream_t>(params.stream);
     const megamoe_dtype_t dtype = params.x.dtype;
@@ -306,16 +339,16 @@ megamoe_status_t backward_on_device(const megamoe_backward_params_t& params, con
             zero_if_wanted(params.dw13, output_element_bytes(params.dw13.dtype), stream, "cudaMemsetAsync(dw13)"));
         return zero_if_wanted(params.dw2, output_element_bytes(params.dw2.dtype), stream, "cudaMemsetAsync(dw2)");
     }
-    const RoutingPlan plan = RoutingPlan::make(shape, kGemmBlockM);
-    WorkspaceCarver carver(params.workspace);
-    const BackwardWorkspace workspace = BackwardWorkspace::carve(carver, plan, shape);
+    const BackwardPlan backward_plan = BackwardPlan::make(params, shape);
+    const BackwardWorkspace& workspace = backward_plan.workspace;
     const RoutingBuffers& routing = workspace.routing;
+    const BackwardGemms& gemms = backward_plan.gemms;
+    const bool use_sm90 = backward_plan.use_sm90;
+    const bool weight_grads_sm90 = backward_plan.weight_grads_sm90;
 
-    MEGAMOE_CUDA_RETURN_IF_ERROR(launch_routing(params.topk_ids.data, params.topk_ids.dtype, plan, routing, stream));
+    MEGAMOE_CUDA_RETURN_IF_ERROR(
+        launch_routing(params.topk_ids.data, params.topk_ids.dtype, backward_plan.routing_plan, routing, stream));
 
-    const BackwardGemms gemms = BackwardGemms::make(params, shape, plan, workspace);
-    const bool use_sm90 = gemms.sm90_ok(params.x.device_index);
-    const bool weight_grads_sm90 = gemms.weight_grads_sm90_ok(params.x.device_index);
     const int num_sms = use_sm90 ? device_info(params.x.device_index).num_sms : 0;
     // h = [g, u]: kept by the forward (slot order), or recomputed here by sorted row; dh goes to workspace.h.
     const bool keep_h = params.saved_h.data != nullptr;
@@ -432,26 +465,16 @@ bool forward_uses_sm90(const megamoe_forward_params_t& params, const Shape& shap
     return ForwardGemms::make(params, shape, plan, workspace).sm90_ok(params.x.device_index);
 }
 
-size_t backward_workspace_size(const megamoe_backward_params_t& /*params*/, const Shape& shape) {
-    WorkspaceCarver carver(nullptr);
-    BackwardWorkspace::carve(carver, RoutingPlan::make(shape, kGemmBlockM), shape);
-    return carver.bytes_used();
+size_t backward_workspace_size(const megamoe_backward_params_t& params, const Shape& shape) {
+    return BackwardPlan::make(params, shape).workspace_bytes;
 }
 
 bool backward_uses_sm90(const megamoe_backward_params_t& params, const Shape& shape) {
-    if (shape.num_slots() == 0) return false;
-    const RoutingPlan plan = RoutingPlan::make(shape, kGemmBlockM);
-    WorkspaceCarver carver(params.workspace);
-    const BackwardWorkspace workspace = BackwardWorkspace::carve(carver, plan, shape);
-    return BackwardGemms::make(params, shape, plan, workspace).sm90_ok(params.x.device_index);
+    return BackwardPlan::make(params, shape).use_sm90;
 }
 
 bool backward_weight_grads_use_sm90(const megamoe_backward_params_t& params, const Shape& shape) {
-    if (shape.num_slots() == 0) return false;
-    const RoutingPlan plan = RoutingPlan::make(shape, kGemmBlockM);
-    WorkspaceCarver carver(params.workspace);
-    const BackwardWorkspace workspace = BackwardWorkspace::carve(carver, plan, shape);
-    return BackwardGemms::make(params, shape, plan, workspace).weight_grads_sm90_ok(params.x.device_index);
+    return BackwardPlan::make(params, shape).weight_grads_sm90;
 }
 
 megamoe_status_t backward(const megamoe_backward_params_t& params, const Shape& shape) {

@@ -230,6 +230,28 @@ TEST(Sm90Backward, KeepHMatchesRecomputeOnPortablePath) {
     for (const Sm90Case& c : ragged_cases()) check_keep_h(c, false);
 }
 
+// The sm_90a backward needs less workspace than the portable one (q in the element type, no p); a workspace that is
+// not 256-byte aligned is refused by name (the size query cannot see it).
+TEST(Sm90Backward, WorkspaceFitsThePathAndMustBeAligned) {
+    SKIP_WITHOUT_SM90();
+    const Sm90Case c{"workspace", 64, 136, 72, 5, 2};
+    const Problem problem = make_problem(c);
+    DeviceBackward device = upload(problem);
+    size_t sm90_bytes = 0, portable_bytes = 0;
+    ASSERT_EQ(megamoe_backward_workspace_size(&device.params, &sm90_bytes), MEGAMOE_STATUS_SUCCESS);
+    {
+        const ScopedEnv portable("MEGAMOE_DISABLE_SM90", "1");
+        ASSERT_EQ(megamoe_backward_workspace_size(&device.params, &portable_bytes), MEGAMOE_STATUS_SUCCESS);
+        EXPECT_EQ(megamoe_backward(&device.params), MEGAMOE_STATUS_WORKSPACE_TOO_SMALL) << "sized for sm_90a";
+    }
+    EXPECT_LT(sm90_bytes, portable_bytes);
+    DeviceTensor big = device_workspace(sm90_bytes + 256);
+    device.params.workspace = static_cast<char*>(big.view().data) + 16;
+    EXPECT_EQ(megamoe_backward(&device.params), MEGAMOE_STATUS_INVALID_ARGUMENT);
+    EXPECT_NE(std::string(megamoe_last_error()).find("workspace: must be 256-byte aligned"), std::string::npos)
+        << megamoe_last_error();
+}
+
 TEST(Sm90Backward, MisalignedViewsFallBackToPortable) {
     SKIP_WITHOUT_SM90();
     const Sm90Case c{"misaligned views", 150, 136, 72, 5, 2, Routing::kSomeDropped};
