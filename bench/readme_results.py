@@ -1,0 +1,218 @@
+"""Regenerates the README's "## Results" block (between <!-- results:begin --> and <!-- results:end -->) from
+bench/results/: a kernel table per shape (balanced routing), a sentence on skewed routing, the bench plot, and
+optionally an end-to-end training-step table from two `examples/train_qwen3_moe.py --log-json` logs.
+
+    python bench/readme_results.py                      # newest bench JSON and training logs in bench/results/
+    python bench/readme_results.py --bench bench/results/<date>-<gpu>-<commit>.json \\
+        --train-megamoe <...>-megamoe.json --train-baseline <...>-grouped_mm.json --losses-png <...>-losses.png
+    python bench/readme_results.py --check              # exit 1 (and print a diff) if README.md is out of date
+
+"Newest" is by the date and the commit in the content (a later commit in git history wins; training logs, which
+carry neither, by the <date>-<gpu>-<commit>- prefix of their name), not by file mtime. Only the text between the
+markers changes; everything else in the README stays byte-identical. Missing values print as "—".
+"""
+import argparse
+import difflib
+import glob
+import json
+import os
+import re
+import subprocess
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import report  # noqa: E402  (bench/report.py: derive() and the table helpers)
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RESULTS = os.path.join(ROOT, "bench", "results")
+BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
+TARGETS = ("Targets: forward >= 3.11x and forward+backward >= 2.2x the torch path at qwen3-30b-a3b, >= 80% / 70% of"
+           " the dense rate on every shape, a training step >= 1.34x faster.")
+
+
+def _commit_rank(commit):
+    """How many commits the (first hex word of the) commit has in this repo's history; -1 when unknown."""
+    m = re.match(r"[0-9a-f]{7,40}", str(commit or ""))
+    try:
+        out = m and subprocess.run(["git", "-C", ROOT, "rev-list", "--count", m[0]], capture_output=True, text=True)
+        return int(out.stdout) if out and out.returncode == 0 else -1
+    except (OSError, ValueError):
+        return -1
+
+
+def _load(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def newest_bench(results_dir=RESULTS):
+    """The bench JSON (one with "cases") of the latest date, then the latest commit, in results_dir."""
+    found = [(p, _load(p)) for p in glob.glob(os.path.join(results_dir, "*.json"))]
+    found = [(r.get("date", ""), _commit_rank(r.get("commit")), p) for p, r in found
+             if isinstance(r, dict) and "cases" in r]
+    return max(found)[2] if found else None
+
+
+def newest_train(results_dir=RESULTS):
+    """(megamoe log, baseline log, losses png or None) sharing the newest <date>-<gpu>-<commit>-... prefix."""
+    groups = {}
+    for p in glob.glob(os.path.join(results_dir, "*.json")):
+        r = _load(p)
+        if isinstance(r, dict) and "experts_impl" in r and "losses" in r:
+            prefix = p[: -len(f"-{r['experts_impl']}.json")] if p.endswith(f"-{r['experts_impl']}.json") else p[:-5]
+            groups.setdefault(prefix, {})["megamoe" if r["experts_impl"] == "megamoe" else "base"] = p
+    pairs = []
+    for prefix, g in groups.items():
+        if len(g) == 2:
+            m = re.match(r"(\d{4}-\d{2}-\d{2})-.*?-([0-9a-f]{7,40})-", os.path.basename(prefix) + "-")
+            pairs.append((m.group(1) if m else "", _commit_rank(m and m.group(2)), prefix))
+    if not pairs:
+        return None, None, None
+    prefix = max(pairs)[2]
+    png = prefix + "-losses.png"
+    return groups[prefix]["megamoe"], groups[prefix]["base"], png if os.path.exists(png) else None
+
+
+def _link(path, readme_dir):
+    return os.path.relpath(path, readme_dir).replace(os.sep, "/")
+
+
+def _pair(a, b, extra):
+    return "—" if a == b == "—" else f"{a} / {b}" + ("" if extra == "—" else f" ({extra})")
+
+
+def _pct(tf, pct):
+    return tf if pct == "—" else f"{tf} ({pct}%)"
+
+
+def kernel_section(results, bench_path, readme_dir):
+    """Lines: the provenance line, the balanced-routing table, the skewed sentence and the plot."""
+    for case in results["cases"]:
+        report.derive(case)
+    rows = {(r[0], r[1], r[2]): dict(zip(report.HEADER, r)) for r in report.table_rows(results)}
+    base = os.path.splitext(bench_path)[0]
+    commit = str(results.get("commit", "—")) + (" (uncommitted changes)" if results.get("git_dirty") else "")
+    md = _link(base + ".md", readme_dir)
+    full = f"; full table with errors: [`{md}`]({md})" if os.path.exists(base + ".md") else ""
+    lines = [f"One {results.get('gpu', '—')}, bf16, {results.get('date', '—')}, commit `{commit}`, command"
+             f" `{results.get('command', '—')}`{full}. \"torch\" is the `_grouped_mm` path of"
+             " `bench/torch_moe_baseline.py`; \"dense\" is a bf16 GEMM of the same FLOPs (fwd+bwd: 3x its time).", "",
+             "| shape | fwd ms megamoe / torch | fwd TFLOP/s (% dense) | fwd+bwd ms megamoe / torch |"
+             " fwd+bwd TFLOP/s (% dense) | fwd+bwd recompute-mode ms | fwd+bwd extra peak GiB m / m-rc / t |"
+             " fwd+bwd activation GiB m / m-rc / t |", "|---|---|---|---|---|---|---|---|"]
+    empty = dict.fromkeys(report.HEADER, "—")
+    for case in results["cases"]:
+        if case.get("routing") != "balanced":
+            continue
+        f, b = (rows.get((case["shape"], "balanced", label), empty) for label in ("fwd", "fwd+bwd"))
+        lines.append("| " + " | ".join([
+            case["shape"],
+            _pair(f["megamoe ms"], f["torch ms"], f["speed-up"]), _pct(f["megamoe TFLOP/s"], f["megamoe % dense"]),
+            _pair(b["megamoe ms"], b["torch ms"], b["speed-up"]), _pct(b["megamoe TFLOP/s"], b["megamoe % dense"]),
+            b["recompute-mode ms"], b["extra peak GiB m / m-rc / t"], b["activation GiB m / m-rc / t"]]) + " |")
+    by = {(c["shape"], c.get("routing")): c for c in results["cases"]}
+    skew = []
+    for case in results["cases"]:
+        bal = by.get((case["shape"], "balanced"))
+        if case.get("routing") != "skewed" or bal is None:
+            continue
+        parts = []
+        for p, label in report.PASSES:
+            s, t = report._num(case, p, "megamoe", "tflops"), report._num(bal, p, "megamoe", "tflops")
+            parts.append(f"{label} " + (f"{s / t:.2f}x" if s and t else "—"))
+        skew.append(f"{case['shape']} " + ", ".join(parts))
+    lines += ["", "Skewed routing (megamoe TFLOP/s skewed / balanced): " + "; ".join(skew) + "." if skew
+              else "Skewed routing: not measured in this run."]
+    if os.path.exists(base + ".png"):
+        lines += ["", f"![TFLOP/s per shape]({_link(base + '.png', readme_dir)})"]
+    return lines
+
+
+def train_section(mega, baseline, losses_png, readme_dir, paths=()):
+    """Lines: the setup sentence, the end-to-end table (megamoe, baseline) and the loss-plot link."""
+    a = mega.get("args", {})
+    steps = list(zip(mega.get("losses") or [], baseline.get("losses") or []))
+    max_diff = max((abs(x - y) for x, y in steps), default=None)
+    base_s = report._num(baseline, "median_step_s")
+    model = "a tiny Qwen3-MoE config" if a.get("tiny") else "Qwen3-30B-A3B shapes"
+    logs = ", ".join(f"[`{os.path.basename(p)}`]({_link(p, readme_dir)})" for p in paths)
+    logs = f"; logs {logs}" if logs else ""
+    lines = [f"Training step (`examples/train_qwen3_moe.py`, {model} with {a.get('layers', '—')} layers, batch"
+             f" {a.get('batch', '—')} x {a.get('seq', '—')} tokens, {a.get('dtype', '—')} AdamW, same seed and data,"
+             f" {a.get('steps', '—')} steps, median step time after {a.get('warmup', '—')} warm-up steps,"
+             f" {mega.get('device', '—')}{logs}):", "",
+             "| experts implementation | layers | tokens per step | median step s | tokens/s | peak GiB |"
+             " speed-up vs baseline | max \\|loss difference\\| |", "|---|---|---|---|---|---|---|---|"]
+    for rec, is_mega in ((mega, True), (baseline, False)):
+        ra = rec.get("args", {})
+        tokens = rec.get("tokens_per_step") or (ra["batch"] * ra["seq"] if "batch" in ra and "seq" in ra else None)
+        step, tps = report._num(rec, "median_step_s"), report._num(rec, "tokens_per_s")
+        speedup = base_s / step if base_s and step else None
+        lines.append("| " + " | ".join([
+            f"`{rec.get('experts_impl', '—')}`" + ("" if is_mega else " (baseline)"), str(ra.get("layers", "—")),
+            report._f(tokens, "d"), report._f(step, ".3f"), "—" if tps is None else f"{tps / 1e3:.1f}k",
+            report._f(report._num(rec, "peak_memory_gib"), ".1f"), "—" if speedup is None else f"{speedup:.2f}x",
+            f"{max_diff:.1e} over {len(steps)} steps" if is_mega and steps else "—"]) + " |")
+    if losses_png:
+        lines += ["", f"Loss curves: [plot]({_link(losses_png, readme_dir)})."]
+    return lines
+
+
+def generate(bench_path, readme_dir, train=None):
+    """The markdown between the markers (no trailing newline); train = (megamoe, baseline, losses png) or None."""
+    lines = kernel_section(_load(bench_path), bench_path, readme_dir)
+    if train and train[0] and train[1]:
+        lines += [""] + train_section(_load(train[0]), _load(train[1]), train[2], readme_dir, train[:2])
+    return "\n".join(lines + ["", TARGETS])
+
+
+def replace_block(text, block):
+    """text with everything between the markers replaced by block (blank lines around it); ValueError if absent."""
+    i, j = text.find(BEGIN), text.find(END)
+    if i < 0 or j < 0 or j < i:
+        raise ValueError(f"README markers not found: put `{BEGIN}` and `{END}` (in that order, each on its own line)"
+                         " around the body of the '## Results' section")
+    return text[: i + len(BEGIN)] + "\n\n" + block + "\n\n" + text[j:]
+
+
+def main(argv=None):
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--bench", help="bench JSON (default: the newest in bench/results/)")
+    p.add_argument("--train-megamoe", help="train_qwen3_moe.py --log-json of the megamoe run")
+    p.add_argument("--train-baseline", help="the same for the baseline run (e.g. grouped_mm)")
+    p.add_argument("--losses-png", help="loss plot of examples/compare_losses.py")
+    p.add_argument("--no-train", action="store_true", help="no end-to-end table (default: the newest logs)")
+    p.add_argument("--readme", default=os.path.join(ROOT, "README.md"))
+    p.add_argument("--check", action="store_true", help="exit 1 with a diff if the README is out of date")
+    args = p.parse_args(argv)
+    if bool(args.train_megamoe) != bool(args.train_baseline):
+        p.error("give both --train-megamoe and --train-baseline, or neither")
+    bench = args.bench or newest_bench()
+    if not bench:
+        p.error(f"no bench JSON in {RESULTS}; give --bench")
+    train = None if args.no_train else (
+        (args.train_megamoe, args.train_baseline, args.losses_png) if args.train_megamoe else newest_train())
+    with open(args.readme, encoding="utf-8", newline="") as f:
+        old = f.read()
+    try:
+        new = replace_block(old, generate(bench, os.path.dirname(os.path.abspath(args.readme)), train))
+    except ValueError as e:
+        print(f"error: {args.readme}: {e}", file=sys.stderr)
+        return 2
+    if args.check:
+        if new == old:
+            print(f"{args.readme} is up to date")
+            return 0
+        sys.stdout.writelines(difflib.unified_diff(old.splitlines(True), new.splitlines(True), args.readme,
+                                                   args.readme + " (regenerated)"))
+        print(f"{args.readme} is out of date: run python bench/readme_results.py", file=sys.stderr)
+        return 1
+    if new != old:
+        with open(args.readme, "w", encoding="utf-8", newline="") as f:
+            f.write(new)
+    print(f"{'updated' if new != old else 'unchanged'} {args.readme} from {bench}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
