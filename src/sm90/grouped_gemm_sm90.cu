@@ -30,13 +30,21 @@
 //     cp.async.mbarrier.arrive.noinc on the stage's full barrier and moves on: the stage is published when all
 //     copies have landed (128 such arrivals + thread 0's arrive.expect_tx of the B bytes), with no waiting in
 //     the producer. Consumers issue fence.proxy.async after the wait (cp.async writes are generic-proxy,
-//     wgmma reads through the async proxy).
+//     wgmma reads through the async proxy). For kDSwiGLU it also starts, when it begins a tile, a bulk L2
+//     prefetch of the tile's g, u row segments (two per thread), so the epilogue, a whole mainloop later, finds
+//     them in L2 instead of DRAM.
 //   warpgroups 1, 2, consumers (setmaxnreg up to kConsumerRegs): rows [64 (w - 1), 64 w) of the CTA's M tile,
 //     with m64 x kBlockN x k16 wgmmas (both operands from shared memory, K-major); one wgmma batch stays in
 //     flight, and the stage it read is released when the next batch has been issued: one arrive per warp on
 //     the empty barrier of both CTAs (the next fill lands in both). A warpgroup without valid rows skips its
 //     wgmmas but keeps the pipeline going. The epilogue transposes accumulator pairs across each quad of lanes
-//     and stores 16-byte chunks (64 contiguous bytes per row per warp store).
+//     and stores 16-byte chunks (64 contiguous bytes per row per warp store); kDSwiGLU loads its g, u chunks 4
+//     groups at a time before using them (8 loads in flight per lane).
+// Measured (H200): the consumers cannot overlap one tile's epilogue with the next tile's wgmmas here without
+// raising the shared-memory fill per FLOP: ping-pong consumers on 64 x 256 sub-tiles (B loaded per sub-tile,
+// 40 KiB per 64 x 256 x 64 stage instead of 48 KiB per 128 x 256 x 64) took up / down / dX from 555 / 537 / 551
+// to 499 / 460 / 381 TFLOP/s; 4-CTA clusters (B multicast four ways) gave 478 / 504 / 566 with these consumers
+// and 368 / 358 / 395 with ping-pong ones.
 // Tile schedule: cluster tiles t = p * num_n_tiles + n_tile over the pairs p of the routing's device-side M-tile
 // schedule (m_tile_offsets; its total m_tile_offsets[E] is read on the device, the host only knows a bound);
 // cluster c takes t = c, c + num_clusters, ...: the n-tiles of one pair run side by side on neighbouring
@@ -237,17 +245,38 @@ __device__ __forceinline__ float silu(float value) {
     return value / (1.0f + __expf(-value));
 }
 
+// kDSwiGLU: starts the L2 prefetch of the g, u row segments that `tile` reads in its epilogue (thread t: rows t / 2
+// and t / 2 + 64, g or u by t % 2; kBlockN columns, fewer at the end of I).
+__device__ __forceinline__ void prefetch_h_rows(const KernelParams& params, const Tile& tile, int thread_idx) {
+    constexpr int kRowsPerPass = kWarpgroupThreads / 2;  // two threads (g, u) per row
+    static_assert(kBlockM % kRowsPerPass == 0, "the producer prefetches the tile's rows in whole passes");
+    const int64_t first_col = tile.n_tile_idx * kBlockN;
+    if (first_col >= params.n) return;
+    const auto num_bytes = static_cast<uint32_t>(min(static_cast<int64_t>(kBlockN), params.n - first_col) * kElemBytes);
+#pragma unroll
+    for (int pass = 0; pass < kBlockM / kRowsPerPass; ++pass) {
+        const int local_row = pass * kRowsPerPass + thread_idx / 2;
+        if (local_row >= tile.num_rows) break;
+        const int64_t row_idx = tile.row_begin + local_row;
+        const int64_t h_row_idx = params.h_in_slot_order ? params.a_gather_slots[row_idx] : row_idx;
+        const auto* h_row = static_cast<const uint16_t*>(params.h) + h_row_idx * 2 * params.n;
+        prefetch_l2_bulk(h_row + (thread_idx % 2) * params.n + first_col, num_bytes);
+    }
+}
+
 // Producer warpgroup: B by TMA, A gathered by cp.async, stage by stage, for every tile of this CTA.
-template <bool kSwiGLU, BLayout kBLayout>
+template <Epilogue kEpilogue, BLayout kBLayout>
 __device__ __forceinline__ void produce(const CUtensorMap* b_map, const KernelParams& params, uint8_t* smem_a,
                                         uint8_t* smem_b, uint64_t* full, uint64_t* empty, int num_m_tiles,
                                         int64_t num_tiles, int num_k_blocks, uint32_t cta_rank, int thread_idx) {
+    constexpr bool kSwiGLU = kEpilogue == Epilogue::kSwiGLU;
     const int chunk_idx = thread_idx % kChunksPerRow;
     const int first_row = thread_idx / kChunksPerRow;
     int stage_idx = 0;
     uint32_t phase = 0;
     for (int64_t tile_idx = blockIdx.x / kClusterSize; tile_idx < num_tiles; tile_idx += gridDim.x / kClusterSize) {
         const Tile tile = decode_tile(params, tile_idx, num_m_tiles, cta_rank);
+        if constexpr (kEpilogue == Epilogue::kDSwiGLU) prefetch_h_rows(params, tile, thread_idx);
         const uint16_t* src_rows[kProducerPasses];
 #pragma unroll
         for (int pass = 0; pass < kProducerPasses; ++pass) {
@@ -371,7 +400,8 @@ __device__ __forceinline__ void store_tile(const KernelParams& params, const Til
 }
 
 // kDSwiGLU epilogue of one consumer warpgroup (rows and fragments as in store_tile): acc = p = W2[e]^T dy of the
-// tile's I columns. Each lane loads its 16-byte chunks of g and u and quad-transposes them into the accumulator
+// tile's I columns. Each lane loads its 16-byte chunks of g and u, kLoadBatch groups at a time (the loads of a
+// batch in flight together; the producer prefetched them into L2), and quad-transposes them into the accumulator
 // layout, computes ds += p a, da = s p, dg = da u sigmoid(g) (1 + g (1 - sigmoid(g))), du = da silu(g), and s a,
 // transposes those back into chunks and stores them. The quad's partial sums of ds (a fixed shuffle order) give
 // the row's sum over the tile's columns. Columns past I hold p = 0 (B zero-filled) and read no h.
@@ -379,8 +409,10 @@ template <typename T, int kNumRegs>
 __device__ __forceinline__ void store_tile_dswiglu(const KernelParams& params, const Tile& tile,
                                                    const float (&acc)[kNumRegs], int consumer_idx, int warp_idx,
                                                    int lane_idx) {
-    constexpr int kNumFrags = kBlockN / 8;
     constexpr int kFragsPerChunk = 4;
+    constexpr int kNumGroups = kBlockN / 8 / kFragsPerChunk;  // 16-byte chunks per lane and row
+    constexpr int kLoadBatch = 4;
+    static_assert(kNumGroups % kLoadBatch == 0, "g, u chunks are loaded in whole batches");
     const int quad_lane = lane_idx % 4;
     const int first_row = consumer_idx * kConsumerRows + warp_idx * 16 + lane_idx / 4;
     const int64_t first_col = tile.n_tile_idx * kBlockN;
@@ -398,46 +430,57 @@ __device__ __forceinline__ void store_tile_dswiglu(const KernelParams& params, c
         T* act_row = static_cast<T*>(params.act) + row_idx * intermediate;
         float ds = 0.0f;
 #pragma unroll
-        for (int group_idx = 0; group_idx < kNumFrags / kFragsPerChunk; ++group_idx) {
-            const int64_t col = first_col + (group_idx * kFragsPerChunk + quad_lane) * 8;
-            const bool valid = row_valid && col < intermediate;
-            uint32_t gate_words[kFragsPerChunk] = {}, up_words[kFragsPerChunk] = {};
-            if (valid) {
-                load_chunk(h_row, col, gate_words);
-                load_chunk(h_row + intermediate, col, up_words);
-            }
-            quad_transpose(gate_words, quad_lane);
-            quad_transpose(up_words, quad_lane);
-            uint32_t dgate_words[kFragsPerChunk], dup_words[kFragsPerChunk], act_words[kFragsPerChunk];
+        for (int batch_idx = 0; batch_idx < kNumGroups / kLoadBatch; ++batch_idx) {
+            uint32_t gate_batch[kLoadBatch][kFragsPerChunk] = {}, up_batch[kLoadBatch][kFragsPerChunk] = {};
 #pragma unroll
-            for (int word_idx = 0; word_idx < kFragsPerChunk; ++word_idx) {
-                const int reg_idx = (group_idx * kFragsPerChunk + word_idx) * 4 + half * 2;
-                float gate[2], up[2], d_gate[2], d_up[2], scaled_act[2];
-                cuda::unpack_pair<T>(gate_words[word_idx], gate[0], gate[1]);
-                cuda::unpack_pair<T>(up_words[word_idx], up[0], up[1]);
-#pragma unroll
-                for (int item_idx = 0; item_idx < 2; ++item_idx) {
-                    const float p = acc[reg_idx + item_idx];
-                    const float sigmoid = 1.0f / (1.0f + __expf(-gate[item_idx]));
-                    const float silu_gate = gate[item_idx] * sigmoid;
-                    const float act = silu_gate * up[item_idx];
-                    ds = fmaf(p, act, ds);
-                    const float d_act = weight * p;
-                    d_gate[item_idx] = d_act * up[item_idx] * sigmoid * (1.0f + gate[item_idx] * (1.0f - sigmoid));
-                    d_up[item_idx] = d_act * silu_gate;
-                    scaled_act[item_idx] = weight * act;
+            for (int batch_group = 0; batch_group < kLoadBatch; ++batch_group) {
+                const int64_t col =
+                    first_col + ((batch_idx * kLoadBatch + batch_group) * kFragsPerChunk + quad_lane) * 8;
+                if (row_valid && col < intermediate) {
+                    load_chunk(h_row, col, gate_batch[batch_group]);
+                    load_chunk(h_row + intermediate, col, up_batch[batch_group]);
                 }
-                dgate_words[word_idx] = cuda::pack_pair<T>(d_gate[0], d_gate[1]);
-                dup_words[word_idx] = cuda::pack_pair<T>(d_up[0], d_up[1]);
-                act_words[word_idx] = cuda::pack_pair<T>(scaled_act[0], scaled_act[1]);
             }
-            quad_transpose(dgate_words, quad_lane);
-            quad_transpose(dup_words, quad_lane);
-            quad_transpose(act_words, quad_lane);
-            if (valid) {
-                store_chunk(dh_row, col, dgate_words);
-                store_chunk(dh_row + intermediate, col, dup_words);
-                store_chunk(act_row, col, act_words);
+#pragma unroll
+            for (int batch_group = 0; batch_group < kLoadBatch; ++batch_group) {
+                const int group_idx = batch_idx * kLoadBatch + batch_group;
+                const int64_t col = first_col + (group_idx * kFragsPerChunk + quad_lane) * 8;
+                const bool valid = row_valid && col < intermediate;
+                uint32_t(&gate_words)[kFragsPerChunk] = gate_batch[batch_group];
+                uint32_t(&up_words)[kFragsPerChunk] = up_batch[batch_group];
+                quad_transpose(gate_words, quad_lane);
+                quad_transpose(up_words, quad_lane);
+                uint32_t dgate_words[kFragsPerChunk], dup_words[kFragsPerChunk], act_words[kFragsPerChunk];
+#pragma unroll
+                for (int word_idx = 0; word_idx < kFragsPerChunk; ++word_idx) {
+                    const int reg_idx = (group_idx * kFragsPerChunk + word_idx) * 4 + half * 2;
+                    float gate[2], up[2], d_gate[2], d_up[2], scaled_act[2];
+                    cuda::unpack_pair<T>(gate_words[word_idx], gate[0], gate[1]);
+                    cuda::unpack_pair<T>(up_words[word_idx], up[0], up[1]);
+#pragma unroll
+                    for (int item_idx = 0; item_idx < 2; ++item_idx) {
+                        const float p = acc[reg_idx + item_idx];
+                        const float sigmoid = 1.0f / (1.0f + __expf(-gate[item_idx]));
+                        const float silu_gate = gate[item_idx] * sigmoid;
+                        const float act = silu_gate * up[item_idx];
+                        ds = fmaf(p, act, ds);
+                        const float d_act = weight * p;
+                        d_gate[item_idx] = d_act * up[item_idx] * sigmoid * (1.0f + gate[item_idx] * (1.0f - sigmoid));
+                        d_up[item_idx] = d_act * silu_gate;
+                        scaled_act[item_idx] = weight * act;
+                    }
+                    dgate_words[word_idx] = cuda::pack_pair<T>(d_gate[0], d_gate[1]);
+                    dup_words[word_idx] = cuda::pack_pair<T>(d_up[0], d_up[1]);
+                    act_words[word_idx] = cuda::pack_pair<T>(scaled_act[0], scaled_act[1]);
+                }
+                quad_transpose(dgate_words, quad_lane);
+                quad_transpose(dup_words, quad_lane);
+                quad_transpose(act_words, quad_lane);
+                if (valid) {
+                    store_chunk(dh_row, col, dgate_words);
+                    store_chunk(dh_row + intermediate, col, dup_words);
+                    store_chunk(act_row, col, act_words);
+                }
             }
         }
         ds += __shfl_xor_sync(0xffffffffu, ds, 1);
@@ -526,8 +569,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const int warpgroup_idx = __shfl_sync(0xffffffffu, thread_idx / kWarpgroupThreads, 0);
     if (warpgroup_idx == 0) {
         setmaxnreg_dec<kProducerRegs>();
-        produce<kEpilogue == Epilogue::kSwiGLU, kBLayout>(&b_map, params, smem_a, smem_b, full, empty, num_m_tiles,
-                                                          num_tiles, num_k_blocks, cta_rank, thread_idx);
+        produce<kEpilogue, kBLayout>(&b_map, params, smem_a, smem_b, full, empty, num_m_tiles, num_tiles, num_k_blocks,
+                                     cta_rank, thread_idx);
     } else {
         setmaxnreg_inc<kConsumerRegs>();
         consume<T, kEpilogue, kBLayout>(params, smem_a, smem_b, full, empty, num_m_tiles, num_tiles, num_k_blocks,
