@@ -8,8 +8,8 @@ and the backward reads it; recompute: the backward recomputes h).
         [--shapes qwen3-30b-a3b,...] [--routing balanced] [--runs 10] [--paths sm90,sm90-portable-wgrad,portable] \
         [--modes keep-h,recompute]
 
-The backward's grouped GEMMs run in a fixed order: up (recompute mode only), dH (with dSwiGLU), dX (M-grouped),
-then dW13, dW2 (K-grouped); they are labelled by that order and their TFLOP/s counted from section 1's FLOPs.
+The backward's grouped GEMMs run in a fixed order: up (recompute mode only), dH (with dSwiGLU), dW2 (K-grouped),
+dX (M-grouped), dW13 (K-grouped); they are labelled by that order and their TFLOP/s counted from section 1's FLOPs.
 """
 import argparse
 import os
@@ -23,7 +23,7 @@ from torch.profiler import ProfilerActivity, profile
 import megamoe
 import workloads
 
-GEMM_LABELS = [("dH", 2.0), ("dX", 4.0), ("dW13", 4.0), ("dW2", 2.0)]  # x T topk H I
+GEMM_LABELS = [("dH", 2.0), ("dW2", 2.0), ("dX", 4.0), ("dW13", 4.0)]  # x T topk H I
 RECOMPUTE_LABEL = ("up (recompute)", 4.0)
 
 

@@ -13,14 +13,15 @@
 //           -> dH GEMM (dy gathered x w2[e]) with the dSwiGLU epilogue: dh = [dg, du] [S, 2I] by sorted row (over
 //              the recomputed h in place), s * a [S, I] and ds partial sums per 256-column n-tile
 //              (portable: p f32 [S, I], then dswiglu_rows) -> finalize d topk_weights (parts added in order)
-//           -> dX GEMM (dh x w13[e]) -> q [S, H] (reuses p's buffer) -> gather_sum -> dx
-//           -> dW13 = K-grouped(dh, x gathered) -> dW2 = K-grouped(dy gathered, s * a).
+//           -> dW2 = K-grouped(dy gathered, s * a)
+//           -> dX GEMM (dh x w13[e]) -> q [S, H] (sm_90a: over s * a; portable: over p) -> gather_sum -> dx
+//           -> dW13 = K-grouped(dh, x gathered).
 //           Up, dH and dX run on the sm_90a kernels under the forward's conditions (all three must suit them);
 //           there q is in the element type, like the forward's o rows: gather_sum still adds the topk rows in
 //           f32, so the one extra rounding per row is of the size of dx's own output rounding. The portable
-//           kernels write p and q in f32. The buffers are sized for the portable path, so the workspace does not
-//           depend on the device. The K-grouped weight gradients run on sm90/k_grouped_gemm_sm90.h with the rest of the
-//           sm_90a backward, unless MEGAMOE_SM90_WEIGHT_GRADS=0 keeps them on the portable kernel.
+//           kernels write p and q in f32, so the portable path needs the larger workspace (BackwardPlan sizes it
+//           for the path the call takes). The K-grouped weight gradients run on sm90/k_grouped_gemm_sm90.h with
+//           the rest of the sm_90a backward, unless MEGAMOE_SM90_WEIGHT_GRADS=0 keeps them on the portable kernel.
 #include "cuda/cuda_path.h"
 
 #include <algorithm>
@@ -57,23 +58,24 @@ struct ForwardWorkspace {
 struct BackwardWorkspace {
     RoutingBuffers routing;
     uint16_t* h;      // [S, 2I] element type: [g, u], then [dg, du]
-    uint16_t* act;    // [S, I] element type: s * a
+    uint16_t* act;    // [S, I] element type: s * a (sm_90a path: [S, max(I, H)], later q [S, H] over it)
     float* ds_parts;  // [S, num_ds_parts]: partial sums of ds per row (sm_90a: one per n-tile of I)
     int64_t num_ds_parts;
-    // Last, so that the buffers above do not move with its size. Portable path: [S, max(I, H)] f32, p [S, I] of the
-    // dH GEMM, later q [S, H] of the dX GEMM. sm_90a path: q [S, H] in the element type only (p stays in registers).
+    // Portable path: [S, max(I, H)] f32, p [S, I] of the dH GEMM (read together with h by the row kernel that writes
+    // s * a, so it cannot share act's buffer), later q [S, H] of the dX GEMM. sm_90a path: q [S, H] in the element type
+    // over act (dW2, the only reader of s * a, runs before dX), p stays in registers.
     float* p_then_q;
 
     static BackwardWorkspace carve(WorkspaceCarver& carver, const RoutingPlan& plan, const Shape& shape, bool sm90) {
         BackwardWorkspace workspace;
         const int64_t num_slots = shape.num_slots();
         workspace.routing = RoutingBuffers::carve(carver, plan);
+        const int64_t max_cols = std::max(shape.intermediate, shape.hidden);
         workspace.h = carver.take<uint16_t>(num_slots * 2 * shape.intermediate);
-        workspace.act = carver.take<uint16_t>(num_slots * shape.intermediate);
+        workspace.act = carver.take<uint16_t>(num_slots * (sm90 ? max_cols : shape.intermediate));
         workspace.num_ds_parts = sm90::dswiglu_sm90_num_ds_parts(shape.intermediate);
         workspace.ds_parts = carver.take<float>(num_slots * workspace.num_ds_parts);
-        workspace.p_then_q = sm90 ? reinterpret_cast<float*>(carver.take<uint16_t>(num_slots * shape.hidden))
-                                  : carver.take<float>(num_slots * std::max(shape.intermediate, shape.hidden));
+        workspace.p_then_q = sm90 ? reinterpret_cast<float*>(workspace.act) : carver.take<float>(num_slots * max_cols);
         return workspace;
     }
 };
@@ -299,9 +301,10 @@ megamoe_status_t launch_weight_grad(const KGroupedGemmArgs& args, const megamoe_
 }
 
 // The backward's workspace, GEMM arguments and kernel choices for one call. The path is chosen on the layout of the
-// portable path (the larger one; the buffers the choice depends on come first and do not move), then the workspace
-// is laid out for it. The workspace size query runs the same function, and the call checks the workspace it gets
-// against it again (an environment switch flipped in between gives WORKSPACE_TOO_SMALL, never an overrun).
+// portable path (the larger one; every buffer starts 256-byte aligned in both layouts, and the choice depends only on
+// alignment), then the workspace is laid out for it. The workspace size query runs the same function, and the call
+// checks the workspace it gets against it again (an environment switch flipped in between gives WORKSPACE_TOO_SMALL,
+// never an overrun).
 struct BackwardPlan {
     RoutingPlan routing_plan;
     BackwardWorkspace workspace;
@@ -407,6 +410,11 @@ megamoe_status_t backward_on_device(const megamoe_backward_params_t& params, con
         MEGAMOE_CUDA_RETURN_IF_ERROR(launch_finalize_dtopk(finalize, stream));
     }
 
+    // dW2 first: on the sm_90a path q is written over s * a, which only dW2 reads.
+    if (params.dw2.data != nullptr) {  // dW2[e] = sum dy (s a)^T
+        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_weight_grad(gemms.dw2, params.dw2, weight_grads_sm90, num_sms, stream));
+    }
+
     if (params.dx.data != nullptr) {
         // q = dh x w13[e]; then dx_t = sum_j q[row of (t, j)].
         if (use_sm90) {
@@ -432,9 +440,6 @@ megamoe_status_t backward_on_device(const megamoe_backward_params_t& params, con
 
     if (params.dw13.data != nullptr) {  // dW13[e] = sum dh x^T
         MEGAMOE_CUDA_RETURN_IF_ERROR(launch_weight_grad(gemms.dw13, params.dw13, weight_grads_sm90, num_sms, stream));
-    }
-    if (params.dw2.data != nullptr) {  // dW2[e] = sum dy (s a)^T
-        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_weight_grad(gemms.dw2, params.dw2, weight_grads_sm90, num_sms, stream));
     }
     return MEGAMOE_STATUS_SUCCESS;
 }
