@@ -197,8 +197,8 @@ megamoe_status_t forward_on_device(const megamoe_forward_params_t& params, const
         const int num_sms = device_info(device_index).num_sms;
         MEGAMOE_CUDA_RETURN_IF_ERROR(sm90::launch_m_grouped_gemm_sm90_swiglu(gemms.up, params.saved_h.data, true,
                                                                              workspace.act, num_sms, stream));
-        MEGAMOE_CUDA_RETURN_IF_ERROR(sm90::launch_m_grouped_gemm_sm90_store(gemms.down, BLayout::kNK, workspace.out,
-                                                                            shape.hidden, num_sms, stream));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(sm90::launch_m_grouped_gemm_sm90_store(
+            gemms.down, BLayout::kNK, workspace.out, shape.hidden, shape.num_slots(), num_sms, stream));
     } else {
         MEGAMOE_CUDA_RETURN_IF_ERROR(
             launch_m_grouped_gemm_swiglu(gemms.up, params.saved_h.data, true, workspace.act, stream));
@@ -419,7 +419,7 @@ megamoe_status_t backward_on_device(const megamoe_backward_params_t& params, con
         // q = dh x w13[e]; then dx_t = sum_j q[row of (t, j)].
         if (use_sm90) {
             MEGAMOE_CUDA_RETURN_IF_ERROR(sm90::launch_m_grouped_gemm_sm90_store(
-                gemms.d_input, BLayout::kKN, workspace.p_then_q, hidden, num_sms, stream));
+                gemms.d_input, BLayout::kKN, workspace.p_then_q, hidden, num_slots, num_sms, stream));
         } else {
             MEGAMOE_CUDA_RETURN_IF_ERROR(
                 launch_m_grouped_gemm_f32(gemms.d_input, BLayout::kKN, workspace.p_then_q, hidden, stream));

@@ -1,12 +1,32 @@
-// Register-to-global epilogue helpers shared by the sm_90a GEMM kernels: wgmma m64nNk16 accumulators (lane l of
-// warp w of the warpgroup holds rows 16 w + l / 4 (+ 8) and, in 8-column fragment f, columns 8 f + 2 (l % 4) + {0,
-// 1}) rearranged across each quad of lanes into 16-byte chunks (and back: the transpose is its own inverse), and the
-// vector loads and stores.
+// Epilogue helpers shared by the sm_90a GEMM kernels, for wgmma m64nNk16 accumulators (lane l of warp w of the
+// warpgroup holds rows 16 w + l / 4 (+ 8) and, in 8-column fragment f, columns 8 f + 2 (l % 4) + {0, 1}):
+//   from registers: accumulator pairs rearranged across each quad of lanes into 16-byte chunks (and back: the
+//     transpose is its own inverse), and the vector loads and stores;
+//   through shared memory: a warp's 16 rows staged 64 columns at a time with stmatrix in 128-byte swizzled boxes
+//     and written by TMA stores (store_warp_rows_tma), so the warp need not wait for its global writes.
 #pragma once
 
 #include <cstdint>
 
+#include "cuda/cuda_utils.h"
+#include "sm90/ptx.h"
+
 namespace megamoe::sm90 {
+
+// A TMA store box: one warp's kTmaStoreRows accumulator rows x kTmaStoreCols 16-bit columns (one 128-byte swizzled
+// row each, as the store's tensor map reads it); each warp owns kTmaStoreBuffers of them.
+constexpr int kTmaStoreElemBytes = 2;  // bf16 / f16
+constexpr int kTmaStoreRows = 16;
+constexpr int kTmaStoreCols = kSwizzleBytes / kTmaStoreElemBytes;
+constexpr int kTmaStoreBuffers = 2;
+constexpr int kTmaStoreBoxBytes = kTmaStoreRows * kSwizzleBytes;
+static_assert(kTmaStoreBoxBytes % kSwizzleAtomBytes == 0, "store boxes start on a swizzle atom");
+static_assert(kTmaStoreBuffers >= 2, "a warp stages one chunk while the store of the previous one reads its box");
+
+// silu(x) = x sigmoid(x), with the fast exponential.
+__device__ __forceinline__ float silu(float value) {
+    return value / (1.0f + __expf(-value));
+}
 
 // Turns the 2-column pairs that the 4 lanes of a quad hold for 4 consecutive 8-column fragments (lane q: word f =
 // columns 8 f + 2 q, + 1) into one 8-column chunk per lane (lane q: columns 8 q .. 8 q + 7): a 4 x 4 transpose
@@ -44,6 +64,46 @@ __device__ __forceinline__ void load_chunk(const T* row, int64_t col, uint32_t (
                  : "=r"(words[0]), "=r"(words[1]), "=r"(words[2]), "=r"(words[3])
                  : "l"(row + col)
                  : "memory");
+}
+
+// One warp's kTmaStoreRows accumulator rows (element type T) by TMA stores of kNumChunks chunks of kTmaStoreCols
+// columns (fragments 8 c .. 8 c + 7 of chunk c): the warp packs a chunk's accumulators and writes them with stmatrix
+// into box c % kTmaStoreBuffers at shared address `staging` (kTmaStoreBuffers boxes, 1024-byte aligned), in the
+// 128-byte swizzle of the store's tensor map (16-byte unit u of row r at u ^ r % 8); every lane fences its writes for
+// the async proxy, and lane 0, once the stores issued before the previous chunk's have read their boxes (the next
+// chunk's box among them), calls store_box(box, c) to issue the chunk's TMA store and commits it as a bulk
+// async-group. The warp returns as soon as its last store is issued; the caller waits for the stores
+// (bulk_wait_group<0, false>) before the CTA exits.
+template <typename T, int kNumChunks, int kNumRegs, typename StoreBox>
+__device__ __forceinline__ void store_warp_rows_tma(const float (&acc)[kNumRegs], uint32_t staging, int lane_idx,
+                                                    const StoreBox& store_box) {
+    constexpr int kFragsPerChunk = kTmaStoreCols / 8;
+    constexpr int kMatrixRows = 8;
+    static_assert(kNumChunks * kFragsPerChunk * 4 <= kNumRegs, "the chunks lie inside the accumulator fragments");
+    static_assert(kNumChunks % kTmaStoreBuffers == 0, "the next call's first chunk starts again at box 0");
+    const int box_row = lane_idx / kMatrixRows % 2 * kMatrixRows + lane_idx % kMatrixRows;  // matrix l / 8: rows
+    const int unit_offset = lane_idx / (2 * kMatrixRows);  // matrices 2, 3: the next fragment's 8 columns
+#pragma unroll
+    for (int chunk = 0; chunk < kNumChunks; ++chunk) {
+        const uint32_t box = staging + static_cast<uint32_t>(chunk % kTmaStoreBuffers * kTmaStoreBoxBytes);
+#pragma unroll
+        for (int pair = 0; pair < kFragsPerChunk / 2; ++pair) {
+            const int frag_idx = chunk * kFragsPerChunk + pair * 2;
+            uint32_t regs[4];
+#pragma unroll
+            for (int matrix = 0; matrix < 4; ++matrix) {
+                regs[matrix] = cuda::pack_pair<T>(acc[frag_idx * 4 + matrix * 2], acc[frag_idx * 4 + matrix * 2 + 1]);
+            }
+            stmatrix_x4(box + swizzle_128b_offset(box_row, pair * 2 + unit_offset), regs);
+        }
+        fence_proxy_async_shared();  // stmatrix wrote the box (generic proxy), the store reads it (async proxy)
+        if (lane_idx == 0) bulk_wait_group<kTmaStoreBuffers - 2, true>();  // the next chunk's box has been read
+        __syncwarp();
+        if (lane_idx == 0) {
+            store_box(box, chunk);
+            bulk_commit_group();
+        }
+    }
 }
 
 // Two f32 values at row + col (8-byte aligned), as one vector store.

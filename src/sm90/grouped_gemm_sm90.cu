@@ -7,7 +7,7 @@
 //   for down) or [K, N] N-contiguous (BLayout::kKN: w2[e] read as [K = H, N = I] for the backward's dH,
 //   w13[e] read as [K = 2I, N = H] for its dX).
 // Epilogues (templated): kSwiGLU writes h = [g, u] (sorted rows, or the slot order of saved_h) and / or
-// a = silu(g) * u; kStore writes acc in the element type (bf16 / f16); kDSwiGLU (the
+// a = silu(g) * u; kStore writes acc in the element type (bf16 / f16), by TMA stores where it can; kDSwiGLU (the
 // backward's dH, acc = p = W2[e]^T dy) reads the row's g, u, s and writes dh = [dg, du], s * a and the tile's
 // partial sum of ds = <p, a> (one per row and n-tile, added in n-tile order later: deterministic). f32
 // accumulation. No atomics: every output element is written once.
@@ -39,7 +39,11 @@
 //     the empty barrier of both CTAs (the next fill lands in both). A warpgroup without valid rows skips its
 //     wgmmas but keeps the pipeline going. The epilogue transposes accumulator pairs across each quad of lanes
 //     and stores 16-byte chunks (64 contiguous bytes per row per warp store); kDSwiGLU loads its g, u chunks 4
-//     groups at a time before using them (8 loads in flight per lane).
+//     groups at a time before using them (8 loads in flight per lane). kStore: a warp whose 16 rows all lie in
+//     the expert stages them 64 columns at a time with stmatrix in one of its two 2 KiB boxes (128-byte swizzle)
+//     and lane 0 stores each box by TMA (2-D map over [num_out_rows, n], clipped at n), so the warp is back at
+//     its MMAs once its last store is issued; a TMA store cannot stop at the expert's end (the rows after it
+//     are the next expert's first tile, another CTA's), so a warp whose rows cross it stores from registers.
 // Measured (H200): the consumers cannot overlap one tile's epilogue with the next tile's wgmmas here without
 // raising the shared-memory fill per FLOP: ping-pong consumers on 64 x 256 sub-tiles (B loaded per sub-tile,
 // 40 KiB per 64 x 256 x 64 stage instead of 48 KiB per 128 x 256 x 64) took up / down / dX from 555 / 537 / 551
@@ -56,8 +60,9 @@
 // rows, 8 KiB each, box i holding columns n0 + 64 i; wgmma reads B through an MN-major descriptor (transpose bit
 // of the atom), 8-row K atoms 1024 bytes apart, N blocks one box apart; a shared tile is multicast as half the
 // boxes from each CTA.
-// Shared memory (dynamic, 1024-byte aligned): kNumStages x (A tile 16 KiB + B tile kBlockN x 128 B), then
-// kNumStages full and kNumStages empty mbarriers.
+// Shared memory (dynamic, 1024-byte aligned): kNumStages x (A tile 16 KiB + B tile kBlockN x 128 B), for kStore
+// the staging boxes (kStagingBytes: 2 x 2 KiB per consumer warp, 32 KiB), then kNumStages full and kNumStages
+// empty mbarriers: 192 KiB + 64 B (224 KiB + 64 B for kStore) + 1 KiB alignment slack, of 227 KiB.
 #include "sm90/grouped_gemm_sm90.h"
 
 #include <algorithm>
@@ -85,6 +90,7 @@ constexpr int kBlockK = 64;
 constexpr int kElemBytes = 2;
 constexpr int kWarpSize = 32;
 constexpr int kWarpgroupThreads = 128;
+constexpr int kWarpsPerWarpgroup = kWarpgroupThreads / kWarpSize;
 constexpr int kNumConsumers = 2;  // consumer warpgroups
 constexpr int kNumThreads = (1 + kNumConsumers) * kWarpgroupThreads;
 constexpr int kConsumerRows = kBlockM / kNumConsumers;  // one wgmma M (64)
@@ -112,16 +118,24 @@ static_assert(kConsumerATileBytes % kSwizzleAtomBytes == 0, "consumer A sub-tile
 static_assert(kProducerRegs * kWarpgroupThreads + kConsumerRegs * kNumConsumers * kWarpgroupThreads <= kRegisterFile,
               "setmaxnreg budgets exceed the register file");
 
-// Pipeline and shared memory: 4 stages of 48 KiB (A 16 KiB + B 32 KiB).
+// Pipeline and shared memory: 4 stages of 48 KiB (A 16 KiB + B 32 KiB); kStore adds 32 KiB of staging boxes.
 constexpr int kNumStages = 4;
 constexpr int kBBoxRows = kBlockN / kNumBBoxes;
 constexpr int kBBoxBytes = kBBoxRows * kBlockK * kElemBytes;
 constexpr int kBTileBytes = kBlockN * kBlockK * kElemBytes;
 constexpr int kNumAccRegs = kConsumerRows * kBlockN / kWarpgroupThreads;
+constexpr int kPipelineBytes = kNumStages * (kATileBytes + kBTileBytes);
 constexpr int kBarrierBytes = 2 * kNumStages * static_cast<int>(sizeof(uint64_t));
-constexpr int kSmemBytes = kNumStages * (kATileBytes + kBTileBytes) + kBarrierBytes + kSwizzleAtomBytes;
+// kStore's epilogue by TMA stores: kStoreChunks chunks of 64 columns per warp and tile, each staged in one of the
+// warp's kTmaStoreBuffers boxes of 16 rows x 128 bytes (epilogue.cuh).
+constexpr int kStoreChunks = kBlockN / kTmaStoreCols;
+constexpr int kWarpStagingBytes = kTmaStoreBuffers * kTmaStoreBoxBytes;
+constexpr int kStagingBytes = kNumConsumers * kWarpsPerWarpgroup * kWarpStagingBytes;
 
 static_assert(kBBoxBytes % kSwizzleAtomBytes == 0, "TMA boxes start on a swizzle atom");
+static_assert(kPipelineBytes % kSwizzleAtomBytes == 0, "the staging boxes after the stages start on a swizzle atom");
+static_assert(kConsumerRows / kWarpsPerWarpgroup == kTmaStoreRows && kTmaStoreCols * kElemBytes == kSwizzleBytes,
+              "a store box is a warp's 16 accumulator rows x one 128-byte swizzled row");
 
 // kKN: boxes of 64 N columns (one 128-byte swizzled row) x kBlockK rows of K.
 constexpr int kKNBoxCols = kSwizzleBytes / kElemBytes;
@@ -132,7 +146,6 @@ static_assert(kKNNumBoxes * kKNBoxBytes == kBTileBytes, "kKN boxes cover the B t
 static_assert(kKNBoxesPerCta * kClusterSize == kKNNumBoxes, "the CTAs of a pair split the kKN boxes evenly");
 static_assert(kKNBoxBytes % kSwizzleAtomBytes == 0, "kKN boxes start on a swizzle atom");
 static_assert(kBlockK % kWgmmaK == 0 && kBlockK % 8 == 0, "K blocks hold whole k16 steps and 8-row atoms");
-static_assert(kSmemBytes <= kMaxSmemBytes, "stages exceed the shared memory of an SM");
 static_assert(kNumStages >= 2, "the producer publishes a stage one stage late");
 
 using cuda::BLayout;
@@ -179,6 +192,15 @@ constexpr uint64_t kBDescK16Step = kBLayout == BLayout::kNK ? kDescK16Step : kDe
 
 enum class Epilogue { kSwiGLU, kStore, kDSwiGLU };
 
+// Dynamic shared memory: the stages, kStore's staging boxes, the barriers, and the slack for 1024-byte alignment.
+constexpr int smem_bytes(Epilogue epilogue) {
+    return kPipelineBytes + (epilogue == Epilogue::kStore ? kStagingBytes : 0) + kBarrierBytes + kSwizzleAtomBytes;
+}
+static_assert(smem_bytes(Epilogue::kStore) <= kMaxSmemBytes,
+              "stages and kStore's staging boxes exceed the shared memory of an SM");
+static_assert(smem_bytes(Epilogue::kSwiGLU) == smem_bytes(Epilogue::kDSwiGLU),
+              "only kStore stages its output in shared memory");
+
 struct KernelParams {
     const uint16_t* a;  // A rows, row stride lda
     int64_t lda;
@@ -199,6 +221,7 @@ struct KernelParams {
     float* ds_parts;       // kDSwiGLU: [rows, num_n_tiles] partial sums of ds
     const void* weights;   // kDSwiGLU: topk_weights [T * topk] (s of row r: weights[a_gather_slots[r]])
     megamoe_dtype_t weights_dtype;
+    bool tma_store;  // kStore with the output's tensor map made: a warp's rows inside the expert go out by TMA
 };
 
 struct Tile {
@@ -231,18 +254,6 @@ __device__ __forceinline__ Tile decode_tile(const KernelParams& params, int64_t 
             min(static_cast<int64_t>(kBlockM), params.expert_offsets[tile.expert_idx + 1] - tile.row_begin));
     }
     return tile;
-}
-
-// Releases a stage in every CTA of the cluster (the next fill of the stage is multicast to all of them).
-__device__ __forceinline__ void release_stage(uint64_t* empty, int stage_idx) {
-#pragma unroll
-    for (uint32_t cta_rank = 0; cta_rank < kClusterSize; ++cta_rank) {
-        mbarrier_arrive_cluster(&empty[stage_idx], cta_rank);
-    }
-}
-
-__device__ __forceinline__ float silu(float value) {
-    return value / (1.0f + __expf(-value));
 }
 
 // kDSwiGLU: starts the L2 prefetch of the g, u row segments that `tile` reads in its epilogue (thread t: rows t / 2
@@ -399,6 +410,20 @@ __device__ __forceinline__ void store_tile(const KernelParams& params, const Til
     }
 }
 
+// kStore, one consumer warp's 16 rows (local rows [warp_first_row, warp_first_row + 16), all inside the expert) by
+// TMA stores of 16 x 64 boxes through the warp's staging boxes at `staging` (store_warp_rows_tma); the output's
+// tensor map clips the columns at n. The warp returns to its MMAs as soon as its last store is issued.
+template <typename T, int kNumRegs>
+__device__ __forceinline__ void store_tile_tma(const CUtensorMap* out_map, const Tile& tile,
+                                               const float (&acc)[kNumRegs], uint32_t staging, int warp_first_row,
+                                               int lane_idx) {
+    const auto row = static_cast<int32_t>(tile.row_begin + warp_first_row);
+    const auto first_col = static_cast<int32_t>(tile.n_tile_idx * kBlockN);
+    store_warp_rows_tma<T, kStoreChunks>(acc, staging, lane_idx, [&](uint32_t box, int chunk) {
+        tma_store_2d(out_map, box, first_col + chunk * kTmaStoreCols, row);
+    });
+}
+
 // kDSwiGLU epilogue of one consumer warpgroup (rows and fragments as in store_tile): acc = p = W2[e]^T dy of the
 // tile's I columns. Each lane loads its 16-byte chunks of g and u, kLoadBatch groups at a time (the loads of a
 // batch in flight together; the producer prefetched them into L2), and quad-transposes them into the accumulator
@@ -491,11 +516,21 @@ __device__ __forceinline__ void store_tile_dswiglu(const KernelParams& params, c
 
 // Consumer warpgroup `consumer_idx`: wgmma over the stages of every tile of this CTA, then the epilogue.
 template <typename T, Epilogue kEpilogue, BLayout kBLayout>
-__device__ __forceinline__ void consume(const KernelParams& params, uint8_t* smem_a, uint8_t* smem_b, uint64_t* full,
-                                        uint64_t* empty, int num_m_tiles, int64_t num_tiles, int num_k_blocks,
-                                        uint32_t cta_rank, int consumer_idx, int thread_idx) {
+__device__ __forceinline__ void consume(const CUtensorMap* out_map, const KernelParams& params, uint8_t* smem_a,
+                                        uint8_t* smem_b, uint8_t* staging, uint64_t* full, uint64_t* empty,
+                                        int num_m_tiles, int64_t num_tiles, int num_k_blocks, uint32_t cta_rank,
+                                        int consumer_idx, int thread_idx) {
     const int lane_idx = thread_idx % kWarpSize;
     const int warp_idx = (thread_idx % kWarpgroupThreads) / kWarpSize;
+    // kStore: the warp's first row of the M tile, warp-uniform to the compiler (taken from lane 0), so the choice
+    // between TMA and register stores needs no divergence handling around the register path's shuffles.
+    const int warp_first_row =
+        kEpilogue != Epilogue::kStore
+            ? 0
+            : __shfl_sync(0xffffffffu, consumer_idx * kConsumerRows + warp_idx * kTmaStoreRows, 0);
+    const uint32_t warp_staging =
+        shared_address(staging) +
+        static_cast<uint32_t>((consumer_idx * kWarpsPerWarpgroup + warp_idx) * kWarpStagingBytes);
     int stage_idx = 0;
     uint32_t phase = 0;
     float acc[kNumAccRegs];
@@ -522,7 +557,7 @@ __device__ __forceinline__ void consume(const KernelParams& params, uint8_t* sme
             }
             wgmma_wait_group<1>();  // the previous batch is done: its stage can be refilled
             fence_accumulators(acc);
-            if (in_flight_stage >= 0 && lane_idx == 0) release_stage(empty, in_flight_stage);
+            if (in_flight_stage >= 0 && lane_idx == 0) release_stage<kClusterSize>(&empty[in_flight_stage]);
             in_flight_stage = stage_idx;
             if (++stage_idx == kNumStages) {
                 stage_idx = 0;
@@ -531,24 +566,32 @@ __device__ __forceinline__ void consume(const KernelParams& params, uint8_t* sme
         }
         wgmma_wait_group<0>();
         fence_accumulators(acc);
-        if (in_flight_stage >= 0 && lane_idx == 0) release_stage(empty, in_flight_stage);
+        if (in_flight_stage >= 0 && lane_idx == 0) release_stage<kClusterSize>(&empty[in_flight_stage]);
         if constexpr (kEpilogue == Epilogue::kDSwiGLU) {
             store_tile_dswiglu<T>(params, tile, acc, consumer_idx, warp_idx, lane_idx);
-        } else {
+        } else if (kEpilogue == Epilogue::kStore && params.tma_store &&
+                   warp_first_row + kTmaStoreRows <= tile.num_rows) {
+            store_tile_tma<T>(out_map, tile, acc, warp_staging, warp_first_row, lane_idx);
+        } else {  // from registers, masked: rows past the expert's end are the next expert's (another CTA's)
             store_tile<T, kEpilogue>(params, tile, acc, consumer_idx, warp_idx, lane_idx);
         }
+    }
+    if constexpr (kEpilogue == Epilogue::kStore) {
+        if (lane_idx == 0) bulk_wait_group<0, false>();  // every TMA store complete before the CTA exits
     }
 }
 
 template <typename T, Epilogue kEpilogue, BLayout kBLayout>
 __global__ void __launch_bounds__(kNumThreads, 1)
-    m_grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap b_map, const KernelParams params) {
+    m_grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap b_map, const __grid_constant__ CUtensorMap out_map,
+                               const KernelParams params) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ uint8_t smem_raw[];
     const uint32_t misalignment = shared_address(smem_raw) % kSwizzleAtomBytes;
     uint8_t* smem_a = smem_raw + (misalignment == 0 ? 0 : kSwizzleAtomBytes - misalignment);
     uint8_t* smem_b = smem_a + kNumStages * kATileBytes;
-    auto* full = reinterpret_cast<uint64_t*>(smem_b + kNumStages * kBTileBytes);
+    uint8_t* staging = smem_b + kNumStages * kBTileBytes;  // kStore only
+    auto* full = reinterpret_cast<uint64_t*>(staging + (kEpilogue == Epilogue::kStore ? kStagingBytes : 0));
     uint64_t* empty = full + kNumStages;
 
     const int thread_idx = static_cast<int>(threadIdx.x);
@@ -559,6 +602,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         }
         fence_barrier_init();
         prefetch_tensor_map(&b_map);
+        if (kEpilogue == Epilogue::kStore && params.tma_store) prefetch_tensor_map(&out_map);
     }
     cluster_sync();  // barriers initialised in both CTAs before any multicast or remote arrive
     const uint32_t cta_rank = cluster_cta_rank();
@@ -573,15 +617,15 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                                      cta_rank, thread_idx);
     } else {
         setmaxnreg_inc<kConsumerRegs>();
-        consume<T, kEpilogue, kBLayout>(params, smem_a, smem_b, full, empty, num_m_tiles, num_tiles, num_k_blocks,
-                                        cta_rank, warpgroup_idx - 1, thread_idx);
+        consume<T, kEpilogue, kBLayout>(&out_map, params, smem_a, smem_b, staging, full, empty, num_m_tiles, num_tiles,
+                                        num_k_blocks, cta_rank, warpgroup_idx - 1, thread_idx);
     }
     cluster_sync();  // no CTA leaves while the other may still arrive on its barriers
 #endif
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Host side: the TMA descriptor of B, the launch.
+// Host side: the TMA descriptors of B and of kStore's output, the launch.
 
 // B as a 3-D tensor [E, rows_per_expert, cols] (cols innermost, 128-byte swizzle): kNK rows of B_e are the N
 // rows, cols K, boxes of kBBoxRows x kBlockK; kKN rows are K, cols N, boxes of kBlockK x kKNBoxCols.
@@ -611,14 +655,15 @@ constexpr const char* kernel_name(Epilogue epilogue, BLayout b_layout) {
 }
 
 template <typename T, Epilogue kEpilogue, BLayout kBLayout>
-megamoe_status_t launch_typed(const cuda::MGroupedGemmArgs& args, const KernelParams& params, int64_t rows_per_expert,
-                              int num_sms, cudaStream_t stream) {
+megamoe_status_t launch_typed(const cuda::MGroupedGemmArgs& args, const KernelParams& params,
+                              const CUtensorMap& out_map, int64_t rows_per_expert, int num_sms, cudaStream_t stream) {
     CUtensorMap b_map;
     if (!encode_b_tensor_map(args, kBLayout, rows_per_expert, &b_map)) {
         return set_error(MEGAMOE_STATUS_CUDA_ERROR, "m_grouped_gemm_sm90: cuTensorMapEncodeTiled failed");
     }
     const auto kernel = m_grouped_gemm_sm90_kernel<T, kEpilogue, kBLayout>;
     const char* name = kernel_name(kEpilogue, kBLayout);
+    constexpr int kSmemBytes = smem_bytes(kEpilogue);
     MEGAMOE_CUDA_RETURN_IF_ERROR(
         cuda::check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes), name));
 
@@ -641,12 +686,14 @@ megamoe_status_t launch_typed(const cuda::MGroupedGemmArgs& args, const KernelPa
         return set_error(MEGAMOE_STATUS_CUDA_ERROR, "%s: no cluster of %d CTAs fits on the device", name, kClusterSize);
     }
     config.gridDim = dim3(static_cast<unsigned>(num_clusters * kClusterSize));
-    MEGAMOE_CUDA_RETURN_IF_ERROR(cuda::check_cuda(cudaLaunchKernelEx(&config, kernel, b_map, params), name));
+    MEGAMOE_CUDA_RETURN_IF_ERROR(cuda::check_cuda(cudaLaunchKernelEx(&config, kernel, b_map, out_map, params), name));
     return cuda::check_launch(name);
 }
 
+// `out_map`: kStore's output tensor map when params.tma_store, else unused.
 template <Epilogue kEpilogue, BLayout kBLayout>
-megamoe_status_t launch(const cuda::MGroupedGemmArgs& args, KernelParams params, int num_sms, cudaStream_t stream) {
+megamoe_status_t launch(const cuda::MGroupedGemmArgs& args, KernelParams params, int num_sms, cudaStream_t stream,
+                        const CUtensorMap& out_map = CUtensorMap{}) {
     static_assert(kEpilogue != Epilogue::kSwiGLU || kBLayout == BLayout::kNK, "SwiGLU pairs gate and up rows of w13");
     const bool swiglu = kEpilogue == Epilogue::kSwiGLU;
     params.num_n_tiles = ceil_div(args.n, swiglu ? kBlockN / 2 : kBlockN);
@@ -654,8 +701,9 @@ megamoe_status_t launch(const cuda::MGroupedGemmArgs& args, KernelParams params,
     if (args.max_m_tiles == 0 || params.num_n_tiles == 0) return MEGAMOE_STATUS_SUCCESS;
     const int64_t rows_per_expert = kBLayout == BLayout::kKN ? args.k : (swiglu ? 2 * args.n : args.n);
     return args.dtype == MEGAMOE_DTYPE_BF16
-               ? launch_typed<__nv_bfloat16, kEpilogue, kBLayout>(args, params, rows_per_expert, num_sms, stream)
-               : launch_typed<__half, kEpilogue, kBLayout>(args, params, rows_per_expert, num_sms, stream);
+               ? launch_typed<__nv_bfloat16, kEpilogue, kBLayout>(args, params, out_map, rows_per_expert, num_sms,
+                                                                  stream)
+               : launch_typed<__half, kEpilogue, kBLayout>(args, params, out_map, rows_per_expert, num_sms, stream);
 }
 
 KernelParams make_params(const cuda::MGroupedGemmArgs& args) {
@@ -730,7 +778,7 @@ megamoe_status_t launch_m_grouped_gemm_sm90_dswiglu(const cuda::MGroupedGemmArgs
 }
 
 megamoe_status_t launch_m_grouped_gemm_sm90_store(const cuda::MGroupedGemmArgs& args, BLayout b_layout, void* out,
-                                                  int64_t ldo, int num_sms, cudaStream_t stream) {
+                                                  int64_t ldo, int64_t num_out_rows, int num_sms, cudaStream_t stream) {
     if (!cuda::is_aligned(out, 16) || ldo % kChunkElems != 0) {
         return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
                          "m_grouped_gemm_sm90: out must be 16-byte aligned, ldo % 8 == 0");
@@ -738,8 +786,16 @@ megamoe_status_t launch_m_grouped_gemm_sm90_store(const cuda::MGroupedGemmArgs& 
     KernelParams params = make_params(args);
     params.out = out;
     params.ldo = ldo;
-    return b_layout == BLayout::kNK ? launch<Epilogue::kStore, BLayout::kNK>(args, params, num_sms, stream)
-                                    : launch<Epilogue::kStore, BLayout::kKN>(args, params, num_sms, stream);
+    // The output's tensor map: boxes of kTmaStoreRows x kTmaStoreCols, clipped at n; only whole boxes inside an
+    // expert's rows are stored, so the row extent (the caller's buffer) is a bound. Store coordinates are int32
+    // (rows below num_out_rows, columns below n + kBlockN). Without the map every row goes out from registers.
+    CUtensorMap out_map{};
+    params.tma_store = out != nullptr && num_out_rows > 0 && num_out_rows <= INT32_MAX &&
+                       args.n <= INT32_MAX - kBlockN && ldo >= args.n &&
+                       encode_2d_sw128_map(args.dtype, out, num_out_rows, args.n, ldo, kTmaStoreRows, kTmaStoreCols,
+                                           CU_TENSOR_MAP_L2_PROMOTION_NONE, &out_map);
+    return b_layout == BLayout::kNK ? launch<Epilogue::kStore, BLayout::kNK>(args, params, num_sms, stream, out_map)
+                                    : launch<Epilogue::kStore, BLayout::kKN>(args, params, num_sms, stream, out_map);
 }
 
 }  // namespace megamoe::sm90

@@ -52,8 +52,9 @@ megamoe_status_t launch_m_grouped_gemm_sm90_dswiglu(const cuda::MGroupedGemmArgs
                                                     cudaStream_t stream);
 
 // out[r, n] = sum_k A[a_row(r), k] B_e(n, k) in the element type, row stride ldo (a multiple of 8); B_e stored
-// [N, K] (kNK) or [K, N] (kKN).
+// [N, K] (kNK) or [K, N] (kKN). `out` holds num_out_rows rows (at least the sorted rows, expert_offsets[E]; the
+// extent of the TMA stores' tensor map).
 megamoe_status_t launch_m_grouped_gemm_sm90_store(const cuda::MGroupedGemmArgs& args, cuda::BLayout b_layout, void* out,
-                                                  int64_t ldo, int num_sms, cudaStream_t stream);
+                                                  int64_t ldo, int64_t num_out_rows, int num_sms, cudaStream_t stream);
 
 }  // namespace megamoe::sm90

@@ -112,13 +112,9 @@ using BTile = OperandTile<kBlockN>;
 
 constexpr int kNumStages = 4;
 // Element-type epilogue by TMA stores: each consumer warp stages its 16 rows of a 64-column chunk (one 128-byte
-// swizzled row each, as the store's tensor map reads them) in one of its kStoreBuffers boxes.
-constexpr int kStoreCols = kMnBlockElems;
-constexpr int kStoreChunks = kBlockN / kStoreCols;
-constexpr int kStoreRows = kConsumerRows / kWarpsPerWarpgroup;  // a warp's rows of the accumulator
-constexpr int kStoreBuffers = 2;
-constexpr int kStoreBoxBytes = kStoreRows * kStoreCols * kElemBytes;
-constexpr int kStagingBytes = kNumConsumers * kWarpsPerWarpgroup * kStoreBuffers * kStoreBoxBytes;
+// swizzled row each, as the store's tensor map reads them) in one of its kTmaStoreBuffers boxes (epilogue.cuh).
+constexpr int kStoreChunks = kBlockN / kTmaStoreCols;
+constexpr int kStagingBytes = kNumConsumers * kWarpsPerWarpgroup * kTmaStoreBuffers * kTmaStoreBoxBytes;
 constexpr int kBarrierBytes = 2 * kNumStages * static_cast<int>(sizeof(uint64_t));
 constexpr int kSmemBytes =
     kNumStages * (ATile::kBytes + BTile::kBytes) + kStagingBytes + kBarrierBytes + kSwizzleAtomBytes;
@@ -129,9 +125,8 @@ static_assert(kMnBlockBytes % kSwizzleAtomBytes == 0, "MN blocks start on a swiz
 static_assert(kIndexLanes <= kWarpSize, "a producer warp loads its gather indices in one instruction");
 static_assert(kBlockK % kWgmmaK == 0 && kBlockK % 8 == 0, "a stage holds whole k16 steps and 8-row atoms");
 static_assert(kSmemBytes <= kMaxSmemBytes, "stages and store staging exceed the shared memory of an SM");
-static_assert(kStoreRows == 16 && kStoreCols * kElemBytes == kSwizzleBytes,
+static_assert(kConsumerRows / kWarpsPerWarpgroup == kTmaStoreRows && kTmaStoreCols * kElemBytes == kSwizzleBytes,
               "a store box is a warp's 16 accumulator rows x one 128-byte swizzled row");
-static_assert(kStoreBoxBytes % kSwizzleAtomBytes == 0, "store boxes start on a swizzle atom");
 static_assert(kProducerRegs * kWarpgroupThreads + kConsumerRegs * kNumConsumers * kWarpgroupThreads <= kRegisterFile,
               "setmaxnreg budgets exceed the register file");
 
@@ -250,39 +245,6 @@ __device__ __forceinline__ void cp_async_16_global(uint32_t shared_addr, uint64_
     asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_addr), "l"(global_addr),
                  "r"(valid ? 16 : 0)
                  : "memory");
-}
-
-// Four 8 x 8 b16 matrices from the mma accumulator fragment layout (register i of lane l: row l / 4, columns 2 (l % 4)
-// and + 1 of matrix i) to shared memory, lane l giving the address of row l % 8 of matrix l / 8 (16 bytes).
-__device__ __forceinline__ void stmatrix_x4(uint32_t shared_addr, const uint32_t (&regs)[4]) {
-    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(shared_addr), "r"(regs[0]),
-                 "r"(regs[1]), "r"(regs[2]), "r"(regs[3])
-                 : "memory");
-}
-
-// One box of a 3-D tensor map from this CTA's shared memory to global memory (elements out of bounds are not written),
-// in this thread's current bulk async-group.
-__device__ __forceinline__ void tma_store_3d(const CUtensorMap* tensor_map, uint32_t shared_src, int32_t coord0,
-                                             int32_t coord1, int32_t coord2) {
-    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
-                     reinterpret_cast<uint64_t>(tensor_map)),
-                 "r"(shared_src), "r"(coord0), "r"(coord1), "r"(coord2)
-                 : "memory");
-}
-
-__device__ __forceinline__ void bulk_commit_group() {
-    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
-}
-
-// Waits until at most kNumPending of this thread's bulk async-groups still read their shared memory (kRead) or are
-// still incomplete.
-template <int kNumPending, bool kRead>
-__device__ __forceinline__ void bulk_wait_group() {
-    if constexpr (kRead) {
-        asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kNumPending) : "memory");
-    } else {
-        asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kNumPending) : "memory");
-    }
 }
 
 // A gather slot (below 2^31) divided by topk: umulhi(2 slot, magic) >> shift, with shift = ceil(log2 topk) and magic =
@@ -478,49 +440,16 @@ __device__ __forceinline__ void store_tile(const KernelParams& params, const Til
     }
 }
 
-// One consumer warp's 16 rows of the output tile (element type) by TMA stores, 64 columns at a time: the warp packs
-// the chunk's accumulators, writes them with stmatrix into one of its kStoreBuffers staging boxes at `staging` (the
-// 128-byte swizzle of the store's tensor map: 16-byte unit u of row r at u ^ r % 8), fences them for the async proxy,
-// and lane 0 stores the box. A box is rewritten two chunks later, after lane 0 has seen the store issued from it finish
-// reading it. The warp returns to its MMAs as soon as its last store is issued.
+// One consumer warp's 16 rows of the output tile (element type) by TMA stores, 64 columns at a time, through its
+// staging boxes at `staging` (store_warp_rows_tma); the warp returns to its MMAs as soon as its last store is issued.
 template <typename T, int kNumRegs>
 __device__ __forceinline__ void store_tile_tma(const CUtensorMap* out_map, const Tile& tile,
                                                const float (&acc)[kNumRegs], uint32_t staging, int consumer_idx,
                                                int warp_idx, int lane_idx) {
-    constexpr int kFragsPerChunk = kStoreCols / 8;
-    constexpr int kMatrixRows = 8;
-    const int box_row = lane_idx / kMatrixRows % 2 * kMatrixRows + lane_idx % kMatrixRows;  // matrix l / 8: rows
-    const int unit_offset = lane_idx / (2 * kMatrixRows);  // matrices 2, 3: the next fragment's 8 columns
-    const int row = tile.m_begin + consumer_idx * kConsumerRows + warp_idx * kStoreRows;
-#pragma unroll
-    for (int chunk = 0; chunk < kStoreChunks; ++chunk) {
-        const uint32_t box = staging + static_cast<uint32_t>(chunk % kStoreBuffers * kStoreBoxBytes);
-#pragma unroll
-        for (int pair = 0; pair < kFragsPerChunk / 2; ++pair) {
-            const int frag_idx = chunk * kFragsPerChunk + pair * 2;
-            uint32_t regs[4];
-#pragma unroll
-            for (int matrix = 0; matrix < 4; ++matrix) {
-                regs[matrix] = cuda::pack_pair<T>(acc[frag_idx * 4 + matrix * 2], acc[frag_idx * 4 + matrix * 2 + 1]);
-            }
-            stmatrix_x4(box + swizzle_128b_offset(box_row, pair * 2 + unit_offset), regs);
-        }
-        fence_proxy_async_shared();  // stmatrix wrote the box (generic proxy), the store reads it (async proxy)
-        if (lane_idx == 0) bulk_wait_group<0, true>();  // the previous chunk's store has read the next chunk's box
-        __syncwarp();
-        if (lane_idx == 0) {
-            tma_store_3d(out_map, box, tile.n_begin + chunk * kStoreCols, row, tile.expert_idx);
-            bulk_commit_group();
-        }
-    }
-}
-
-// Releases a stage in both CTAs of the cluster (the next fill of the stage may be multicast into both).
-__device__ __forceinline__ void release_stage(uint64_t* empty, int stage_idx) {
-#pragma unroll
-    for (uint32_t cta_rank = 0; cta_rank < kClusterSize; ++cta_rank) {
-        mbarrier_arrive_cluster(&empty[stage_idx], cta_rank);
-    }
+    const int row = tile.m_begin + consumer_idx * kConsumerRows + warp_idx * kTmaStoreRows;
+    store_warp_rows_tma<T, kStoreChunks>(acc, staging, lane_idx, [&](uint32_t box, int chunk) {
+        tma_store_3d(out_map, box, tile.n_begin + chunk * kTmaStoreCols, row, tile.expert_idx);
+    });
 }
 
 template <typename T, typename OutT>
@@ -529,7 +458,8 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Kernel
                                         int cta_rank, int consumer_idx, int thread_idx) {
     const int lane_idx = thread_idx % kWarpSize;
     const int warp_idx = (thread_idx % kWarpgroupThreads) / kWarpSize;
-    uint8_t* warp_staging = staging + (consumer_idx * kWarpsPerWarpgroup + warp_idx) * kStoreBuffers * kStoreBoxBytes;
+    uint8_t* warp_staging =
+        staging + (consumer_idx * kWarpsPerWarpgroup + warp_idx) * kTmaStoreBuffers * kTmaStoreBoxBytes;
     int stage_idx = 0;
     uint32_t phase = 0;
     float acc[kNumAccRegs];
@@ -558,7 +488,7 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Kernel
             wgmma_commit_group();
             wgmma_wait_group<1>();  // the previous batch is done: its stage can be refilled
             fence_accumulators(acc);
-            if (in_flight_stage >= 0 && lane_idx == 0) release_stage(empty, in_flight_stage);
+            if (in_flight_stage >= 0 && lane_idx == 0) release_stage<kClusterSize>(&empty[in_flight_stage]);
             in_flight_stage = stage_idx;
             if (++stage_idx == kNumStages) {
                 stage_idx = 0;
@@ -567,7 +497,7 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Kernel
         }
         wgmma_wait_group<0>();
         fence_accumulators(acc);
-        if (in_flight_stage >= 0 && lane_idx == 0) release_stage(empty, in_flight_stage);
+        if (in_flight_stage >= 0 && lane_idx == 0) release_stage<kClusterSize>(&empty[in_flight_stage]);
         if (tile.store) {
             if (!std::is_same_v<OutT, float> && params.tma_store) {
                 store_tile_tma<T>(out_map, tile, acc, shared_address(warp_staging), consumer_idx, warp_idx, lane_idx);
@@ -626,21 +556,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 // kMnBlockElems columns x kBlockK rows. Only whole k-blocks inside an expert's rows are loaded, so the row extent
 // is a bound, never reached; columns past `cols` are zero-filled.
 bool encode_operand_map(megamoe_dtype_t dtype, const void* data, int64_t ld, int64_t cols, CUtensorMap* map) {
-    const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
-    if (encode == nullptr) return false;
-    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(kMaxTmaRows)};
-    const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld * kElemBytes)};
-    const cuuint32_t box[2] = {static_cast<cuuint32_t>(kMnBlockElems), static_cast<cuuint32_t>(kBlockK)};
-    const cuuint32_t element_strides[2] = {1, 1};
-    const CUtensorMapDataType data_type =
-        dtype == MEGAMOE_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-    return encode(map, data_type, 2, const_cast<void*>(data), dims, strides, box, element_strides,
-                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+    return encode_2d_sw128_map(dtype, data, kMaxTmaRows, cols, ld, kBlockK, kMnBlockElems,
+                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, map);
 }
 
-// The element-type output [E, M, N] as a 3-D tensor map (N innermost, 128-byte swizzle), boxes of kStoreCols columns
-// x kStoreRows rows of one expert: the epilogue's TMA stores, clipped at M and N.
+// The element-type output [E, M, N] as a 3-D tensor map (N innermost, 128-byte swizzle), boxes of kTmaStoreCols
+// columns x kTmaStoreRows rows of one expert: the epilogue's TMA stores, clipped at M and N.
 bool encode_out_map(megamoe_dtype_t dtype, void* out, int64_t num_experts, int64_t m, int64_t n, CUtensorMap* map) {
     const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
     if (encode == nullptr) return false;
@@ -648,7 +569,7 @@ bool encode_out_map(megamoe_dtype_t dtype, void* out, int64_t num_experts, int64
                                 static_cast<cuuint64_t>(num_experts)};
     const cuuint64_t strides[2] = {static_cast<cuuint64_t>(n * kElemBytes),
                                    static_cast<cuuint64_t>(m * n * kElemBytes)};
-    const cuuint32_t box[3] = {static_cast<cuuint32_t>(kStoreCols), static_cast<cuuint32_t>(kStoreRows), 1};
+    const cuuint32_t box[3] = {static_cast<cuuint32_t>(kTmaStoreCols), static_cast<cuuint32_t>(kTmaStoreRows), 1};
     const cuuint32_t element_strides[3] = {1, 1, 1};
     const CUtensorMapDataType data_type =
         dtype == MEGAMOE_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;

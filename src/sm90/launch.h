@@ -1,14 +1,18 @@
 // Host-side helpers shared by the sm_90a launchers: the driver's tensor-map encoder (fetched through the runtime,
-// so the library never links libcuda) and the cluster occupancy that bounds a persistent grid.
+// so the library never links libcuda), 2-D tensor maps of 16-bit matrices, and the cluster occupancy that bounds a
+// persistent grid.
 #pragma once
 
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
+#include <cstdint>
 #include <map>
 #include <mutex>
 #include <utility>
+
+#include "megamoe/megamoe.h"
 
 namespace megamoe::sm90 {
 
@@ -27,6 +31,26 @@ inline PFN_cuTensorMapEncodeTiled_v12000 tensor_map_encoder() {
         return reinterpret_cast<PFN_cuTensorMapEncodeTiled_v12000>(fn);
     }();
     return encoder;
+}
+
+// A 2-D tensor map over a [rows, cols] matrix of bf16 or f16 (`dtype`; cols innermost, row stride ld elements, a
+// multiple of 8), boxes of box_cols x box_rows with 128-byte swizzle (box_cols: one 128-byte row); elements out of
+// bounds are zero-filled by loads and not written by stores. False when the encoder is missing or refuses.
+inline bool encode_2d_sw128_map(megamoe_dtype_t dtype, const void* data, int64_t rows, int64_t cols, int64_t ld,
+                                uint32_t box_rows, uint32_t box_cols, CUtensorMapL2promotion l2_promotion,
+                                CUtensorMap* map) {
+    const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+    if (encode == nullptr) return false;
+    constexpr int64_t kElemBytes = 2;
+    const cuuint64_t dims[2] = {static_cast<cuuint64_t>(cols), static_cast<cuuint64_t>(rows)};
+    const cuuint64_t strides[1] = {static_cast<cuuint64_t>(ld * kElemBytes)};
+    const cuuint32_t box[2] = {box_cols, box_rows};
+    const cuuint32_t element_strides[2] = {1, 1};
+    const CUtensorMapDataType data_type =
+        dtype == MEGAMOE_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    return encode(map, data_type, 2, const_cast<void*>(data), dims, strides, box, element_strides,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, l2_promotion,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
 // Clusters of `kernel` that fit on the device at once (asked once per device and kernel): the persistent grid

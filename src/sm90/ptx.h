@@ -1,12 +1,14 @@
 // Raw PTX of the Hopper (sm_90a) kernels, one thin wrapper per instruction:
 //   mbarrier   init, arrive (this CTA, or a CTA of the cluster), arrive + expect_tx, parity wait (the stage pipelines'
-//              full / empty barriers);
+//              full / empty barriers), a stage's release in every CTA of the cluster;
 //   cluster    CTA rank, cluster-wide barrier;
 //   TMA        cp.async.bulk.tensor 2-D and 3-D loads, plain or multicast to CTAs of the cluster, completing
-//              on an mbarrier;
+//              on an mbarrier; 2-D and 3-D stores from shared memory in bulk async-groups, commit_group and
+//              wait_group (.read: until the stores have read their shared memory);
 //   cp.async   16-byte copy to a shared-memory address; arrival on an mbarrier once a thread's copies landed;
-//   proxies    fence.proxy.async: generic-proxy writes to shared memory (cp.async, st.shared) before the
-//              async proxy (wgmma, TMA) reads them;
+//   stmatrix   four 8 x 8 b16 matrices from the mma fragment layout to shared memory;
+//   proxies    fence.proxy.async: generic-proxy writes to shared memory (cp.async, st.shared, stmatrix) before
+//              the async proxy (wgmma, TMA) reads them;
 //   wgmma      shared-memory matrix descriptors (K-major and MN-major, 128-byte swizzle), fence / commit / wait, and
 //              the accumulator register fence that keeps the compiler from moving accumulator accesses
 //              across an in-flight wgmma;
@@ -71,6 +73,14 @@ __device__ __forceinline__ void mbarrier_arrive_cluster(uint64_t* barrier, uint3
         "}\n" ::"r"(shared_address(barrier)),
         "r"(cta_rank)
         : "memory");
+}
+
+// Releases a stage of a pipeline whose fills may be multicast into the kClusterSize CTAs of the cluster: one arrival
+// on the stage's empty barrier (at `empty_barrier`'s offset) in each of them, this CTA included.
+template <int kClusterSize>
+__device__ __forceinline__ void release_stage(uint64_t* empty_barrier) {
+#pragma unroll
+    for (uint32_t cta_rank = 0; cta_rank < kClusterSize; ++cta_rank) mbarrier_arrive_cluster(empty_barrier, cta_rank);
 }
 
 // Blocks until the phase of parity `parity` has completed (a fresh barrier counts its phase "1" as done).
@@ -170,6 +180,49 @@ __device__ __forceinline__ void tma_load_2d_multicast(void* shared_dst, const CU
         "l"(reinterpret_cast<uint64_t>(tensor_map)), "r"(shared_address(barrier)), "r"(coord0), "r"(coord1),
         "h"(cta_mask)
         : "memory");
+}
+
+// One box of a 2-D tensor map from this CTA's shared memory to global memory (elements out of bounds are not
+// written), in this thread's current bulk async-group.
+__device__ __forceinline__ void tma_store_2d(const CUtensorMap* tensor_map, uint32_t shared_src, int32_t coord0,
+                                             int32_t coord1) {
+    asm volatile("cp.async.bulk.tensor.2d.global.shared::cta.bulk_group [%0, {%2, %3}], [%1];\n" ::"l"(
+                     reinterpret_cast<uint64_t>(tensor_map)),
+                 "r"(shared_src), "r"(coord0), "r"(coord1)
+                 : "memory");
+}
+
+// As tma_store_2d, one box of a 3-D tensor map.
+__device__ __forceinline__ void tma_store_3d(const CUtensorMap* tensor_map, uint32_t shared_src, int32_t coord0,
+                                             int32_t coord1, int32_t coord2) {
+    asm volatile("cp.async.bulk.tensor.3d.global.shared::cta.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+                     reinterpret_cast<uint64_t>(tensor_map)),
+                 "r"(shared_src), "r"(coord0), "r"(coord1), "r"(coord2)
+                 : "memory");
+}
+
+// Closes this thread's current bulk async-group (the TMA stores issued since the previous commit).
+__device__ __forceinline__ void bulk_commit_group() {
+    asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
+}
+
+// Waits until at most kNumPending of this thread's bulk async-groups still read their shared memory (kRead) or are
+// still incomplete.
+template <int kNumPending, bool kRead>
+__device__ __forceinline__ void bulk_wait_group() {
+    if constexpr (kRead) {
+        asm volatile("cp.async.bulk.wait_group.read %0;\n" ::"n"(kNumPending) : "memory");
+    } else {
+        asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kNumPending) : "memory");
+    }
+}
+
+// Four 8 x 8 b16 matrices from the mma accumulator fragment layout (register i of lane l: row l / 4, columns 2 (l % 4)
+// and + 1 of matrix i) to shared memory, lane l giving the address of row l % 8 of matrix l / 8 (16 bytes).
+__device__ __forceinline__ void stmatrix_x4(uint32_t shared_addr, const uint32_t (&regs)[4]) {
+    asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(shared_addr), "r"(regs[0]),
+                 "r"(regs[1]), "r"(regs[2]), "r"(regs[3])
+                 : "memory");
 }
 
 __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* tensor_map) {
