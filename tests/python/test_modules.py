@@ -1,6 +1,8 @@
-"""megamoe.MoEExperts / megamoe.MoEBlock (CPU reference; one CUDA test): against a plain-PyTorch block built
-on conftest's `torch_moe`, in float64, with every gradient."""
+"""megamoe.MoEExperts / megamoe.MoEBlock (CPU reference; CUDA where present): against a plain-PyTorch block built
+on conftest's `torch_moe`, in float64, with every gradient; and 50 training steps against the plain-PyTorch block in
+bf16 and fp32 (both memory modes)."""
 
+import copy
 import os
 import subprocess
 import sys
@@ -141,3 +143,55 @@ def test_block_cuda_bf16(gen):
     y.float().square().sum().backward()
     for p in (x, block.router.weight, block.experts.w13, block.experts.w2):
         assert p.grad is not None and torch.isfinite(p.grad.float()).all()
+
+
+DEVICES = ["cpu"] + (["cuda"] if torch.cuda.is_available() else [])
+
+
+def train_block(initial, data, targets, dtype, use_megamoe, recompute=False, lr=1e-2):
+    """Per-step losses of AdamW training of a copy of `initial` (router + experts) in `dtype`: a regression loss on
+    the block's output plus the load-balancing loss on its router logits. use_megamoe: the block as is; else the same
+    parameters through `torch_block` (plain PyTorch)."""
+    block = copy.deepcopy(initial).to(dtype)
+    block.experts.recompute = recompute
+    params = [block.router.weight, block.experts.w13, block.experts.w2]
+    optimizer = torch.optim.AdamW(params, lr=lr, betas=(0.9, 0.95), weight_decay=0.0)
+    losses = []
+    for x, target in zip(data, targets):
+        x = x.to(dtype)
+        if use_megamoe:
+            y, logits = block(x)
+        else:
+            y, logits = torch_block(x, *params, block.topk, block.norm_topk_prob)
+        loss = (y.float() - target).square().mean() + 0.01 * megamoe.load_balancing_loss(logits.float(), block.topk)
+        loss.backward()
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        losses.append(loss.item())
+    return torch.tensor(losses, dtype=torch.float64)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep_h", "recompute"])
+def test_block_training_tracks_torch_path(device, recompute, gen):
+    """50 AdamW steps of a router + experts block from the same init on the same data: bf16 megamoe (either memory
+    mode), bf16 plain PyTorch and an fp32 plain-PyTorch reference. megamoe must drift from the reference no more than
+    the bf16 PyTorch block does (1.5x + 1% of the initial loss on the mean), and the two bf16 curves must be no
+    further apart than bf16 is from fp32 (or 5% of the initial loss)."""
+    H, I, E, topk, T, steps = 64, 96, 8, 2, 256, 50
+    torch.manual_seed(int(torch.randint(0, 2**31, (1,), generator=gen)))
+    initial = megamoe.MoEBlock(H, I, E, topk, dtype=torch.float32, device=device, init_std=0.1)
+    teacher = torch.randn(H, H, generator=gen).to(device) / H**0.5
+    data = [torch.randn(T, H, generator=gen).to(device) for _ in range(steps)]
+    targets = [torch.tanh(x @ teacher) for x in data]
+    reference = train_block(initial, data, targets, torch.float32, use_megamoe=False)
+    plain = train_block(initial, data, targets, torch.bfloat16, use_megamoe=False)
+    ours = train_block(initial, data, targets, torch.bfloat16, use_megamoe=True, recompute=recompute)
+
+    assert torch.isfinite(ours).all()
+    assert reference[-10:].mean() < 0.8 * reference[0], "the loss should fall (else the comparison says little)"
+    drift_ours, drift_plain = (ours - reference).abs(), (plain - reference).abs()
+    scale = reference[0].item()
+    assert drift_ours.mean() <= 1.5 * drift_plain.mean() + 0.01 * scale, (drift_ours.mean(), drift_plain.mean())
+    gap = (ours - plain).abs().max()
+    assert gap <= max(0.05 * scale, drift_plain.max()), (gap, drift_plain.max())
