@@ -12,8 +12,8 @@ The backward's grouped GEMMs run in a fixed order: up (recompute mode only), dH 
 dX (M-grouped), dW13 (K-grouped); they are labelled by that order and their TFLOP/s counted from section 1's FLOPs.
 """
 import argparse
+import math
 import os
-import re
 import statistics
 
 import torch
@@ -22,32 +22,11 @@ from torch.profiler import ProfilerActivity, profile
 
 import megamoe
 import workloads
+from bench import cuda_time
+from profile_forward import short_name
 
 GEMM_LABELS = [("dH", 2.0), ("dW2", 2.0), ("dX", 4.0), ("dW13", 4.0)]  # x T topk H I
 RECOMPUTE_LABEL = ("up (recompute)", 4.0)
-
-
-def short_name(name):
-    name = name.replace("(anonymous namespace)::", "").replace("megamoe::", "")
-    name = re.sub(r"^void ", "", name)
-    cut = name.rfind(">(")
-    name = name[:cut + 1] if cut >= 0 else name.split("(")[0]
-    return name[:100]
-
-
-def median_ms(fn, runs):
-    for _ in range(3):
-        fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def backward_kernels(backward, runs, labels):
@@ -98,8 +77,7 @@ def main():
                     _, h = forward()
                     megamoe.moe_backward(dy, *inputs, h if keep_h else None)
 
-                fwd, bwd, both = median_ms(forward, args.runs), median_ms(backward, args.runs), median_ms(
-                    step, args.runs)
+                fwd, bwd, both = (cuda_time(fn, 3, args.runs, math.inf)["ms"] for fn in (forward, backward, step))
                 print(f"\n{name} [{args.routing}] {path} {mode}: forward {fwd:.3f} ms, backward {bwd:.3f} ms "
                       f"({12 * unit / bwd / 1e9:.0f} TFLOP/s), forward+backward {both:.3f} ms "
                       f"({18 * unit / both / 1e9:.0f} TFLOP/s)")

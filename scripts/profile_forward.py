@@ -8,15 +8,16 @@ A path named portable* runs with MEGAMOE_DISABLE_SM90=1, any other with 0; one e
 path can be given as name=VAR:value.
 """
 import argparse
+import math
 import os
 import re
-import statistics
 
 import torch
 from torch.profiler import ProfilerActivity, profile
 
 import megamoe
 import workloads
+from bench import cuda_time
 
 
 def short_name(name):
@@ -47,17 +48,7 @@ def parse_path(spec):
 
 def time_forward(case, runs):
     args = (case.x, case.ids, case.s, case.w13, case.w2)
-    for _ in range(3):
-        megamoe.moe_forward(*args)
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(runs):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        megamoe.moe_forward(*args)
-        end.record()
-        end.synchronize()
-        times.append(start.elapsed_time(end))
+    median = cuda_time(lambda: megamoe.moe_forward(*args), 3, runs, math.inf)["ms"]
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(runs):
             megamoe.moe_forward(*args)
@@ -67,7 +58,7 @@ def time_forward(case, runs):
         total = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
         if total > 0 and evt.count > 0:
             kernels.append((short_name(evt.key), total / evt.count / 1000.0, evt.count))
-    return statistics.median(times), sorted(kernels, key=lambda k: -k[1])
+    return median, sorted(kernels, key=lambda k: -k[1])
 
 
 def main():

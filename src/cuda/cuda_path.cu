@@ -34,6 +34,7 @@
 #include "cuda/elementwise.h"
 #include "cuda/grouped_gemm.h"
 #include "cuda/routing.h"
+#include "dtype.h"
 #include "sm90/grouped_gemm_sm90.h"
 #include "sm90/k_grouped_gemm_sm90.h"
 
@@ -103,10 +104,8 @@ MGroupedGemmArgs up_gemm_args(megamoe_dtype_t dtype, const void* x, const void* 
 
 megamoe_status_t zero_if_wanted(const megamoe_tensor_t& tensor, size_t element_bytes, cudaStream_t stream,
                                 const char* name) {
-    if (tensor.data == nullptr) return MEGAMOE_STATUS_SUCCESS;
-    int64_t count = 1;
-    for (int32_t dim = 0; dim < tensor.ndim; ++dim) count *= tensor.shape[dim];
-    if (count == 0) return MEGAMOE_STATUS_SUCCESS;
+    const int64_t count = numel(tensor);
+    if (tensor.data == nullptr || count == 0) return MEGAMOE_STATUS_SUCCESS;
     return check_cuda(cudaMemsetAsync(tensor.data, 0, static_cast<size_t>(count) * element_bytes, stream), name);
 }
 

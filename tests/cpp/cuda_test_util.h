@@ -193,4 +193,46 @@ inline Problem make_problem(const Sm90Case& c) {
     return problem;
 }
 
+// A forward problem on the device: inputs, y, workspace, and the C API params that point at them.
+struct DeviceForward {
+    DeviceTensor x, ids, weights, w13, w2, y, workspace;
+    megamoe_forward_params_t params{};
+
+    void bind() {
+        params.x = x.view();
+        params.topk_ids = ids.view();
+        params.topk_weights = weights.view();
+        params.w13 = w13.view();
+        params.w2 = w2.view();
+        params.y = y.view();
+        size_t bytes = 0;
+        EXPECT_EQ(megamoe_forward_workspace_size(&params, &bytes), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
+        workspace = device_workspace(bytes);
+        params.workspace = workspace.view().data;
+        params.workspace_bytes = bytes;
+    }
+
+    // Poisons y and the workspace, runs the forward, returns y.
+    HostTensor run() {
+        y.poison();
+        workspace.poison();
+        expect_cuda(cudaDeviceSynchronize(), "poison");
+        EXPECT_EQ(megamoe_forward(&params), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
+        expect_cuda(cudaDeviceSynchronize(), "forward");
+        return y.download();
+    }
+};
+
+inline DeviceForward upload_forward(const Problem& problem, int64_t offset = 0) {
+    DeviceForward device{DeviceTensor::upload(problem.x, offset),
+                         DeviceTensor::upload(problem.ids, offset),
+                         DeviceTensor::upload(problem.weights, offset),
+                         DeviceTensor::upload(problem.w13, offset),
+                         DeviceTensor::upload(problem.w2, offset),
+                         DeviceTensor(problem.x.view, offset),
+                         {}};
+    device.bind();
+    return device;
+}
+
 }  // namespace megamoe::test

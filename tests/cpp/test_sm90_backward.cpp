@@ -181,22 +181,12 @@ void check_keep_h(const Sm90Case& c, bool expect_sm90) {
     device.run();
     const Grads recompute = device.download();
 
-    DeviceTensor y(problem.x.view), saved_h(HostTensor(problem.dtype, {num_slots, 2 * I}).view);
-    megamoe_forward_params_t forward{};
-    forward.x = device.x.view();
-    forward.topk_ids = device.ids.view();
-    forward.topk_weights = device.weights.view();
-    forward.w13 = device.w13.view();
-    forward.w2 = device.w2.view();
-    forward.y = y.view();
-    forward.saved_h = saved_h.view();
-    size_t bytes = 0;
-    ASSERT_EQ(megamoe_forward_workspace_size(&forward, &bytes), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
-    DeviceTensor forward_workspace = device_workspace(bytes);
-    forward.workspace = forward_workspace.view().data;
-    forward.workspace_bytes = bytes;
+    DeviceForward forward = upload_forward(problem);
+    DeviceTensor saved_h(HostTensor(problem.dtype, {num_slots, 2 * I}).view);
+    forward.params.saved_h = saved_h.view();
+    forward.bind();
     saved_h.poison();
-    ASSERT_EQ(megamoe_forward(&forward), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
+    forward.run();
     device.params.saved_h = saved_h.view();
     device.run();
     expect_bitwise_equal(recompute, device.download());

@@ -25,48 +25,6 @@
 namespace megamoe::test {
 namespace {
 
-// A forward problem on the device: inputs, y, workspace, and the C API params that point at them.
-struct DeviceForward {
-    DeviceTensor x, ids, weights, w13, w2, y, workspace;
-    megamoe_forward_params_t params{};
-
-    void bind() {
-        params.x = x.view();
-        params.topk_ids = ids.view();
-        params.topk_weights = weights.view();
-        params.w13 = w13.view();
-        params.w2 = w2.view();
-        params.y = y.view();
-        size_t bytes = 0;
-        EXPECT_EQ(megamoe_forward_workspace_size(&params, &bytes), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
-        workspace = device_workspace(bytes);
-        params.workspace = workspace.view().data;
-        params.workspace_bytes = bytes;
-    }
-
-    // Poisons y and the workspace, runs the forward, returns y.
-    HostTensor run() {
-        y.poison();
-        workspace.poison();
-        expect_cuda(cudaDeviceSynchronize(), "poison");
-        EXPECT_EQ(megamoe_forward(&params), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
-        expect_cuda(cudaDeviceSynchronize(), "forward");
-        return y.download();
-    }
-};
-
-DeviceForward upload(const Problem& problem, int64_t offset = 0) {
-    DeviceForward device{DeviceTensor::upload(problem.x, offset),
-                         DeviceTensor::upload(problem.ids, offset),
-                         DeviceTensor::upload(problem.weights, offset),
-                         DeviceTensor::upload(problem.w13, offset),
-                         DeviceTensor::upload(problem.w2, offset),
-                         DeviceTensor(problem.x.view, offset),
-                         {}};
-    device.bind();
-    return device;
-}
-
 HostTensor reference_y(const Problem& problem) {
     HostTensor y(problem.dtype, {problem.num_tokens, problem.hidden});
     megamoe_forward_params_t params = problem.forward_params(y);
@@ -78,7 +36,7 @@ void check_against_reference(const Sm90Case& c) {
     SCOPED_TRACE(::testing::PrintToString(c));
     const Problem problem = make_problem(c);
     const HostTensor want = reference_y(problem);
-    DeviceForward device = upload(problem);
+    DeviceForward device = upload_forward(problem);
     ASSERT_TRUE(cuda::forward_uses_sm90(device.params, shape_of(device.params))) << "sm_90a path not taken";
     const HostTensor got = device.run();
     EXPECT_EQ(got.bytes, device.run().bytes) << "y differs between runs";
@@ -109,7 +67,7 @@ TEST(Sm90Forward, MisalignedViewsFallBackToPortable) {
     const Sm90Case c{"misaligned views", 150, 136, 72, 5, 2, Routing::kSomeDropped};
     SCOPED_TRACE(::testing::PrintToString(c));
     const Problem problem = make_problem(c);
-    DeviceForward device = upload(problem, 1);
+    DeviceForward device = upload_forward(problem, 1);
     EXPECT_FALSE(cuda::forward_uses_sm90(device.params, shape_of(device.params)));
     EXPECT_LT(relative_error(device.run(), reference_y(problem)), kBf16Tolerance);
 }
