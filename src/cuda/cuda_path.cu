@@ -89,6 +89,7 @@ MGroupedGemmArgs up_gemm_args(megamoe_dtype_t dtype, const void* x, const void* 
     args.a = x;
     args.lda = shape.hidden;
     args.a_gather_slots = routing.sorted_slot;
+    args.num_a_rows = shape.num_tokens;
     args.topk = shape.topk;
     args.b = w13;
     args.b_expert_stride = 2 * shape.intermediate * shape.hidden;
@@ -165,6 +166,7 @@ struct ForwardGemms {
         gemms.down.a = workspace.act;
         gemms.down.lda = shape.intermediate;
         gemms.down.a_gather_slots = nullptr;
+        gemms.down.num_a_rows = shape.num_slots();
         gemms.down.b = params.w2.data;
         gemms.down.b_expert_stride = shape.hidden * shape.intermediate;
         gemms.down.ldb = shape.intermediate;
@@ -245,6 +247,7 @@ struct BackwardGemms {
         gemms.d_input.a = workspace.h;
         gemms.d_input.lda = 2 * shape.intermediate;
         gemms.d_input.a_gather_slots = nullptr;
+        gemms.d_input.num_a_rows = shape.num_slots();
         gemms.d_input.n = shape.hidden;
         gemms.d_input.k = 2 * shape.intermediate;
 

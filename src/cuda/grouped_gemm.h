@@ -37,6 +37,7 @@ struct MGroupedGemmArgs {
     const void* a;          // A rows, row stride lda elements
     int64_t lda;
     const int* a_gather_slots;  // NULL: a_row(r) = r; else a_row(r) = a_gather_slots[r] / topk
+    int64_t num_a_rows;         // rows of A: every a_row(r) is below it (the extent of the sm_90a kernel's A map)
     int64_t topk;
     const void* b;  // B_0; B_e = b + e * b_expert_stride
     int64_t b_expert_stride;

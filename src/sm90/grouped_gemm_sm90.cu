@@ -24,9 +24,12 @@
 //
 // Warp roles (3 warpgroups, 384 threads, 1 CTA per SM, as many clusters as fit on the device at once):
 //   warpgroup 0, producer (setmaxnreg down to kProducerRegs): thread 0 issues this CTA's B boxes (3-D tensor map
-//     over [E, rows of B_e, K], 128-byte swizzle, zero fill out of bounds, multicast when shared); all 128
-//     threads gather the A tile with 16-byte cp.async into the same swizzled layout (8 threads per row, 16 rows
-//     per pass, 8 passes), zero-filling rows past the expert's end and K past the end. Each thread then arms
+//     over [E, rows of B_e, K], 128-byte swizzle, zero fill out of bounds, multicast when shared). kStore's A
+//     (down: a, dX: dh) is the sorted rows themselves: thread 0 loads it too, one 2-D TMA box of kBlockM rows
+//     per stage (rows past the expert's end are the next expert's; their results are not stored). For kSwiGLU
+//     and kDSwiGLU (rows of x / dy gathered by slot) all 128 threads gather the A tile with 16-byte cp.async into
+//     the same swizzled layout (8 threads per row, 16 rows per pass, 8 passes), zero-filling rows past the
+//     expert's end and K past the end (one-row TMA boxes measured 30-50% slower). Each thread then arms
 //     cp.async.mbarrier.arrive.noinc on the stage's full barrier and moves on: the stage is published when all
 //     copies have landed (128 such arrivals + thread 0's arrive.expect_tx of the B bytes), with no waiting in
 //     the producer. Consumers issue fence.proxy.async after the wait (cp.async writes are generic-proxy,
@@ -101,7 +104,6 @@ constexpr int kProducerRowsPerPass = kWarpgroupThreads / kChunksPerRow;
 constexpr int kProducerPasses = kBlockM / kProducerRowsPerPass;
 constexpr int kATileBytes = kBlockM * kBlockK * kElemBytes;
 constexpr int kConsumerATileBytes = kConsumerRows * kBlockK * kElemBytes;
-constexpr int kFullArrivals = kWarpgroupThreads + 1;  // producer threads + the TMA thread's expect_tx
 // Per CTA of the cluster, one per consumer warp: a stage is refilled (by multicast) in all of them at once.
 constexpr int kEmptyArrivalsPerCta = kNumConsumers * kWarpgroupThreads / kWarpSize;
 constexpr int kProducerRegs = 56;
@@ -275,12 +277,23 @@ __device__ __forceinline__ void prefetch_h_rows(const KernelParams& params, cons
     }
 }
 
-// Producer warpgroup: B by TMA, A gathered by cp.async, stage by stage, for every tile of this CTA.
+// How the producer loads A: kStore's A (down: a, dX: dh) holds the sorted rows themselves, one TMA box of kBlockM rows
+// per stage (thread 0); the others gather rows of x / dy with cp.async by all 128 threads (one-row TMA boxes, 128
+// per stage, measured 30-50% slower on an H200: the TMA unit is slow on small boxes).
+template <Epilogue kEpilogue>
+constexpr bool kTmaA = kEpilogue == Epilogue::kStore;
+template <Epilogue kEpilogue>
+constexpr int kFullArrivals = kTmaA<kEpilogue> ? 2 : kWarpgroupThreads + 1;  // expect_tx of A and of B, or the
+                                                                             // copies' arrivals and B's expect_tx
+
+// Producer warpgroup: B by TMA, A by TMA or gathered by cp.async, stage by stage, for every tile of this CTA.
 template <Epilogue kEpilogue, BLayout kBLayout>
-__device__ __forceinline__ void produce(const CUtensorMap* b_map, const KernelParams& params, uint8_t* smem_a,
-                                        uint8_t* smem_b, uint64_t* full, uint64_t* empty, int num_m_tiles,
-                                        int64_t num_tiles, int num_k_blocks, uint32_t cta_rank, int thread_idx) {
+__device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensorMap* b_map, const KernelParams& params,
+                                        uint8_t* smem_a, uint8_t* smem_b, uint64_t* full, uint64_t* empty,
+                                        int num_m_tiles, int64_t num_tiles, int num_k_blocks, uint32_t cta_rank,
+                                        int thread_idx) {
     constexpr bool kSwiGLU = kEpilogue == Epilogue::kSwiGLU;
+    if (kTmaA<kEpilogue> && thread_idx != 0) return;  // thread 0 loads both tiles
     const int chunk_idx = thread_idx % kChunksPerRow;
     const int first_row = thread_idx / kChunksPerRow;
     int stage_idx = 0;
@@ -293,7 +306,7 @@ __device__ __forceinline__ void produce(const CUtensorMap* b_map, const KernelPa
         for (int pass = 0; pass < kProducerPasses; ++pass) {
             const int local_row = first_row + pass * kProducerRowsPerPass;
             src_rows[pass] = nullptr;
-            if (local_row < tile.num_rows) {
+            if (!kTmaA<kEpilogue> && local_row < tile.num_rows) {
                 const int64_t row_idx = tile.row_begin + local_row;
                 const int64_t a_row =
                     params.a_gather_slots != nullptr ? params.a_gather_slots[row_idx] / params.topk : row_idx;
@@ -306,6 +319,10 @@ __device__ __forceinline__ void produce(const CUtensorMap* b_map, const KernelPa
             uint8_t* tile_a = smem_a + stage_idx * kATileBytes;
             uint8_t* tile_b = smem_b + stage_idx * kBTileBytes;
             const int32_t k_begin = k_block_idx * kBlockK;
+            if constexpr (kTmaA<kEpilogue>) {  // rows past the expert's end: the next expert's, results not stored
+                mbarrier_arrive_expect_tx(&full[stage_idx], kATileBytes);
+                tma_load_2d(tile_a, a_map, &full[stage_idx], k_begin, static_cast<int32_t>(tile.row_begin));
+            }
             if (thread_idx == 0 && kBLayout == BLayout::kKN) {
                 mbarrier_arrive_expect_tx(&full[stage_idx], kBTileBytes);
                 // A shared B tile: boxes [cta_rank, cta_rank + 1) x kKNBoxesPerCta, multicast to both CTAs.
@@ -336,14 +353,17 @@ __device__ __forceinline__ void produce(const CUtensorMap* b_map, const KernelPa
                     }
                 }
             }
-            const bool col_valid = k_begin + chunk_idx * kChunkElems < params.k;
+            if constexpr (!kTmaA<kEpilogue>) {
+                const bool col_valid = k_begin + chunk_idx * kChunkElems < params.k;
 #pragma unroll
-            for (int pass = 0; pass < kProducerPasses; ++pass) {
-                const bool valid = col_valid && src_rows[pass] != nullptr;
-                cuda::cp_async_16(tile_a + swizzle_128b_offset(first_row + pass * kProducerRowsPerPass, chunk_idx),
-                                  valid ? src_rows[pass] + k_begin : params.a, valid);
+                for (int pass = 0; pass < kProducerPasses; ++pass) {
+                    const bool valid = col_valid && src_rows[pass] != nullptr;
+                    cp_async_16_to(shared_address(tile_a) +
+                                       swizzle_128b_offset(first_row + pass * kProducerRowsPerPass, chunk_idx),
+                                   valid ? src_rows[pass] + k_begin : params.a, valid);
+                }
+                cp_async_mbarrier_arrive_noinc(&full[stage_idx]);  // the stage is published once the copies land
             }
-            cp_async_mbarrier_arrive_noinc(&full[stage_idx]);  // the stage is published once the copies land
             if (++stage_idx == kNumStages) {
                 stage_idx = 0;
                 phase ^= 1;
@@ -583,8 +603,8 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Kernel
 
 template <typename T, Epilogue kEpilogue, BLayout kBLayout>
 __global__ void __launch_bounds__(kNumThreads, 1)
-    m_grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap b_map, const __grid_constant__ CUtensorMap out_map,
-                               const KernelParams params) {
+    m_grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
+                               const __grid_constant__ CUtensorMap out_map, const KernelParams params) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     extern __shared__ uint8_t smem_raw[];
     const uint32_t misalignment = shared_address(smem_raw) % kSwizzleAtomBytes;
@@ -597,11 +617,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const int thread_idx = static_cast<int>(threadIdx.x);
     if (thread_idx == 0) {
         for (int stage_idx = 0; stage_idx < kNumStages; ++stage_idx) {
-            mbarrier_init(&full[stage_idx], kFullArrivals);
+            mbarrier_init(&full[stage_idx], kFullArrivals<kEpilogue>);
             mbarrier_init(&empty[stage_idx], kClusterSize * kEmptyArrivalsPerCta);
         }
         fence_barrier_init();
         prefetch_tensor_map(&b_map);
+        if (kTmaA<kEpilogue>) prefetch_tensor_map(&a_map);
         if (kEpilogue == Epilogue::kStore && params.tma_store) prefetch_tensor_map(&out_map);
     }
     cluster_sync();  // barriers initialised in both CTAs before any multicast or remote arrive
@@ -613,8 +634,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const int warpgroup_idx = __shfl_sync(0xffffffffu, thread_idx / kWarpgroupThreads, 0);
     if (warpgroup_idx == 0) {
         setmaxnreg_dec<kProducerRegs>();
-        produce<kEpilogue, kBLayout>(&b_map, params, smem_a, smem_b, full, empty, num_m_tiles, num_tiles, num_k_blocks,
-                                     cta_rank, thread_idx);
+        produce<kEpilogue, kBLayout>(&a_map, &b_map, params, smem_a, smem_b, full, empty, num_m_tiles, num_tiles,
+                                     num_k_blocks, cta_rank, thread_idx);
     } else {
         setmaxnreg_inc<kConsumerRegs>();
         consume<T, kEpilogue, kBLayout>(&out_map, params, smem_a, smem_b, staging, full, empty, num_m_tiles, num_tiles,
@@ -655,7 +676,7 @@ constexpr const char* kernel_name(Epilogue epilogue, BLayout b_layout) {
 }
 
 template <typename T, Epilogue kEpilogue, BLayout kBLayout>
-megamoe_status_t launch_typed(const cuda::MGroupedGemmArgs& args, const KernelParams& params,
+megamoe_status_t launch_typed(const cuda::MGroupedGemmArgs& args, const KernelParams& params, const CUtensorMap& a_map,
                               const CUtensorMap& out_map, int64_t rows_per_expert, int num_sms, cudaStream_t stream) {
     CUtensorMap b_map;
     if (!encode_b_tensor_map(args, kBLayout, rows_per_expert, &b_map)) {
@@ -686,24 +707,25 @@ megamoe_status_t launch_typed(const cuda::MGroupedGemmArgs& args, const KernelPa
         return set_error(MEGAMOE_STATUS_CUDA_ERROR, "%s: no cluster of %d CTAs fits on the device", name, kClusterSize);
     }
     config.gridDim = dim3(static_cast<unsigned>(num_clusters * kClusterSize));
-    MEGAMOE_CUDA_RETURN_IF_ERROR(cuda::check_cuda(cudaLaunchKernelEx(&config, kernel, b_map, out_map, params), name));
+    MEGAMOE_CUDA_RETURN_IF_ERROR(
+        cuda::check_cuda(cudaLaunchKernelEx(&config, kernel, a_map, b_map, out_map, params), name));
     return cuda::check_launch(name);
 }
 
-// `out_map`: kStore's output tensor map when params.tma_store, else unused.
+// `a_map`: A's tensor map for kTmaA; `out_map`: kStore's output tensor map when params.tma_store; else unused.
 template <Epilogue kEpilogue, BLayout kBLayout>
 megamoe_status_t launch(const cuda::MGroupedGemmArgs& args, KernelParams params, int num_sms, cudaStream_t stream,
-                        const CUtensorMap& out_map = CUtensorMap{}) {
+                        const CUtensorMap& a_map = CUtensorMap{}, const CUtensorMap& out_map = CUtensorMap{}) {
     static_assert(kEpilogue != Epilogue::kSwiGLU || kBLayout == BLayout::kNK, "SwiGLU pairs gate and up rows of w13");
     const bool swiglu = kEpilogue == Epilogue::kSwiGLU;
     params.num_n_tiles = ceil_div(args.n, swiglu ? kBlockN / 2 : kBlockN);
     params.second_box_row_offset = swiglu ? args.n : kBBoxRows;
     if (args.max_m_tiles == 0 || params.num_n_tiles == 0) return MEGAMOE_STATUS_SUCCESS;
     const int64_t rows_per_expert = kBLayout == BLayout::kKN ? args.k : (swiglu ? 2 * args.n : args.n);
-    return args.dtype == MEGAMOE_DTYPE_BF16
-               ? launch_typed<__nv_bfloat16, kEpilogue, kBLayout>(args, params, out_map, rows_per_expert, num_sms,
-                                                                  stream)
-               : launch_typed<__half, kEpilogue, kBLayout>(args, params, out_map, rows_per_expert, num_sms, stream);
+    return args.dtype == MEGAMOE_DTYPE_BF16 ? launch_typed<__nv_bfloat16, kEpilogue, kBLayout>(
+                                                  args, params, a_map, out_map, rows_per_expert, num_sms, stream)
+                                            : launch_typed<__half, kEpilogue, kBLayout>(
+                                                  args, params, a_map, out_map, rows_per_expert, num_sms, stream);
 }
 
 KernelParams make_params(const cuda::MGroupedGemmArgs& args) {
@@ -728,7 +750,9 @@ bool m_grouped_gemm_sm90_supported(const cuda::MGroupedGemmArgs& args, bool swig
     const bool sizes_ok = args.n > 0 && args.k > 0 && args.k % kChunkElems == 0 && args.n % kChunkElems == 0 &&
                           args.k <= kMaxTmaCoord && (swiglu ? 2 * args.n : args.n) <= kMaxTmaCoord &&
                           args.num_experts <= kMaxTmaCoord;
-    const bool a_ok = cuda::is_aligned(args.a, 16) && args.lda % kChunkElems == 0;
+    // Unpermuted A goes by TMA (kStore): its rows are TMA coordinates.
+    const bool a_ok = cuda::is_aligned(args.a, 16) && args.lda % kChunkElems == 0 &&
+                      (args.a_gather_slots != nullptr || (args.num_a_rows > 0 && args.num_a_rows <= kMaxTmaCoord));
     const bool b_ok =
         cuda::is_aligned(args.b, 16) && args.ldb % kChunkElems == 0 && args.b_expert_stride % kChunkElems == 0;
     const bool layout_ok = !swiglu || b_layout == BLayout::kNK;
@@ -794,8 +818,19 @@ megamoe_status_t launch_m_grouped_gemm_sm90_store(const cuda::MGroupedGemmArgs& 
                        args.n <= INT32_MAX - kBlockN && ldo >= args.n &&
                        encode_2d_sw128_map(args.dtype, out, num_out_rows, args.n, ldo, kTmaStoreRows, kTmaStoreCols,
                                            CU_TENSOR_MAP_L2_PROMOTION_NONE, &out_map);
-    return b_layout == BLayout::kNK ? launch<Epilogue::kStore, BLayout::kNK>(args, params, num_sms, stream, out_map)
-                                    : launch<Epilogue::kStore, BLayout::kKN>(args, params, num_sms, stream, out_map);
+    // A (not gathered: the caller checked m_grouped_gemm_sm90_supported) by TMA boxes of kBlockM rows x kBlockK, zero
+    // fill past num_a_rows and K.
+    if (args.a_gather_slots != nullptr) {
+        return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "m_grouped_gemm_sm90: the store epilogue takes A unpermuted");
+    }
+    CUtensorMap a_map{};
+    if (!encode_2d_sw128_map(args.dtype, args.a, args.num_a_rows, args.k, args.lda, kBlockM, kBlockK,
+                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, &a_map)) {
+        return set_error(MEGAMOE_STATUS_CUDA_ERROR, "m_grouped_gemm_sm90: cuTensorMapEncodeTiled failed for A");
+    }
+    return b_layout == BLayout::kNK
+               ? launch<Epilogue::kStore, BLayout::kNK>(args, params, num_sms, stream, a_map, out_map)
+               : launch<Epilogue::kStore, BLayout::kKN>(args, params, num_sms, stream, a_map, out_map);
 }
 
 }  // namespace megamoe::sm90
