@@ -40,14 +40,18 @@ def _commit_rank(commit):
         return -1
 
 
+SKEWED_SUFFIX = "-skewed.json"
+
+
 def _load(path):
     with open(path) as f:
         return json.load(f)
 
 
 def newest_bench(results_dir=RESULTS):
-    """The bench JSON (one with "cases") of the latest date, then the latest commit, in results_dir."""
-    found = [(p, _load(p)) for p in glob.glob(os.path.join(results_dir, "*.json"))]
+    """The bench JSON (one with "cases") of the latest date, then the latest commit, in results_dir. A companion
+    <name>-skewed.json (skewed routing run separately, same commit) is read along with it, never chosen itself."""
+    found = [(p, _load(p)) for p in glob.glob(os.path.join(results_dir, "*.json")) if not p.endswith(SKEWED_SUFFIX)]
     found = [(r.get("date", ""), _commit_rank(r.get("commit")), p) for p, r in found
              if isinstance(r, dict) and "cases" in r]
     return max(found)[2] if found else None
@@ -111,8 +115,16 @@ def kernel_section(results, bench_path, readme_dir):
             _pair(b["megamoe ms"], b["torch ms"], b["speed-up"]), _pct(b["megamoe TFLOP/s"], b["megamoe % dense"]),
             b["recompute-mode ms"], b["extra peak GiB m / m-rc / t"], b["activation GiB m / m-rc / t"]]) + " |")
     by = {(c["shape"], c.get("routing")): c for c in results["cases"]}
+    skewed_cases, source = [c for c in results["cases"] if c.get("routing") == "skewed"], ""
+    if not skewed_cases and os.path.exists(base + SKEWED_SUFFIX):
+        companion = _load(base + SKEWED_SUFFIX)
+        skewed_cases = [c for c in companion.get("cases", []) if c.get("routing") == "skewed"]
+        for case in skewed_cases:
+            report.derive(case)
+        link = _link(base + SKEWED_SUFFIX[:-5] + ".md", readme_dir)
+        source = f" (a separate run, commit `{companion.get('commit', '—')}`: [`{link}`]({link}))"
     skew = []
-    for case in results["cases"]:
+    for case in skewed_cases:
         bal = by.get((case["shape"], "balanced"))
         if case.get("routing") != "skewed" or bal is None:
             continue
@@ -121,7 +133,7 @@ def kernel_section(results, bench_path, readme_dir):
             s, t = report._num(case, p, "megamoe", "tflops"), report._num(bal, p, "megamoe", "tflops")
             parts.append(f"{label} " + (f"{s / t:.2f}x" if s and t else "—"))
         skew.append(f"{case['shape']} " + ", ".join(parts))
-    lines += ["", "Skewed routing (megamoe TFLOP/s skewed / balanced): " + "; ".join(skew) + "." if skew
+    lines += ["", f"Skewed routing{source} (megamoe TFLOP/s skewed / balanced): " + "; ".join(skew) + "." if skew
               else "Skewed routing: not measured in this run."]
     if os.path.exists(base + ".png"):
         lines += ["", f"![TFLOP/s per shape]({_link(base + '.png', readme_dir)})"]

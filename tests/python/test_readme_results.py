@@ -163,3 +163,20 @@ def test_newest_by_commit_order():
     assert rr._commit_rank("df891ad") > rr._commit_rank("31a8a6c")  # same date: the later commit wins
     m, b, png = rr.newest_train()
     assert m.endswith("-megamoe.json") and b and png.endswith("-losses.png")
+
+
+def test_skewed_companion_file(tmp_path):
+    path = synthetic(tmp_path)
+    rec = json.loads(open(path).read())
+    skewed = dict(rec, cases=[c for c in rec["cases"] if c["routing"] == "skewed"], commit="abc1234")
+    rec["cases"] = [c for c in rec["cases"] if c["routing"] == "balanced"]
+    open(path, "w").write(json.dumps(rec))
+    companion = path[:-5] + rr.SKEWED_SUFFIX
+    open(companion, "w").write(json.dumps(skewed))
+    assert rr.newest_bench(os.path.dirname(path)) == path  # the companion is never chosen itself
+    block = rr.generate(path, str(tmp_path))
+    assert ("Skewed routing (a separate run, commit `abc1234`: [`results/2027-01-02-test-gpu-abc1234-skewed.md`]"
+            "(results/2027-01-02-test-gpu-abc1234-skewed.md)) (megamoe TFLOP/s skewed / balanced): toy-a fwd 0.90x,"
+            " fwd+bwd 0.90x." in block)
+    os.remove(companion)
+    assert "Skewed routing: not measured in this run." in rr.generate(path, str(tmp_path))
