@@ -23,9 +23,13 @@ constexpr int kTmaStoreBoxBytes = kTmaStoreRows * kSwizzleBytes;
 static_assert(kTmaStoreBoxBytes % kSwizzleAtomBytes == 0, "store boxes start on a swizzle atom");
 static_assert(kTmaStoreBuffers >= 2, "a warp stages one chunk while the store of the previous one reads its box");
 
-// silu(x) = x sigmoid(x), with the fast exponential.
+// sigmoid(x) and silu(x) = x sigmoid(x) with the fast exponential and the fast division (about 2 ulp; for x below
+// about -87 exp(-x) is inf and both give 0, the limit).
+__device__ __forceinline__ float sigmoid(float value) {
+    return __fdividef(1.0f, 1.0f + __expf(-value));
+}
 __device__ __forceinline__ float silu(float value) {
-    return value / (1.0f + __expf(-value));
+    return __fdividef(value, 1.0f + __expf(-value));
 }
 
 // Turns the 2-column pairs that the 4 lanes of a quad hold for 4 consecutive 8-column fragments (lane q: word f =

@@ -505,12 +505,13 @@ __device__ __forceinline__ void store_tile_dswiglu(const KernelParams& params, c
 #pragma unroll
                     for (int item_idx = 0; item_idx < 2; ++item_idx) {
                         const float p = acc[reg_idx + item_idx];
-                        const float sigmoid = 1.0f / (1.0f + __expf(-gate[item_idx]));
-                        const float silu_gate = gate[item_idx] * sigmoid;
+                        const float gate_sigmoid = sigmoid(gate[item_idx]);
+                        const float silu_gate = gate[item_idx] * gate_sigmoid;
                         const float act = silu_gate * up[item_idx];
                         ds = fmaf(p, act, ds);
                         const float d_act = weight * p;
-                        d_gate[item_idx] = d_act * up[item_idx] * sigmoid * (1.0f + gate[item_idx] * (1.0f - sigmoid));
+                        d_gate[item_idx] =
+                            d_act * up[item_idx] * gate_sigmoid * (1.0f + gate[item_idx] * (1.0f - gate_sigmoid));
                         d_up[item_idx] = d_act * silu_gate;
                         scaled_act[item_idx] = weight * act;
                     }
