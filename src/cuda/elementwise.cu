@@ -2,9 +2,7 @@
 //
 // gather_sum: block (token t, column tile); each of 256 threads owns 4 consecutive columns (one float4
 //   or 8-byte load of every source row when aligned) and adds the token's rows in j order: the sum order
-//   is fixed, so results are bitwise reproducible. The aligned path reads kGatherBatch choices' row indices,
-//   then issues their loads together before adding them (in j order): the kernel is bound by the bytes in
-//   flight, not by arithmetic. No shared memory.
+//   is fixed, so results are bitwise reproducible. No shared memory.
 // dswiglu_rows: one block of 256 threads per sorted row; thread i handles columns i, i + 256, ... of
 //   the row in order, then a fixed shuffle tree and the 8 warp sums in warp order give ds
 //   (deterministic). Shared memory: 8 floats. Blocks past the device-side row count exit at once.
@@ -21,7 +19,6 @@ constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kGatherThreads = 256;
 constexpr int kGatherColsPerThread = 4;
 constexpr int kGatherColsPerBlock = kGatherThreads * kGatherColsPerThread;
-constexpr int kGatherBatch = 8;  // choices whose loads are in flight together (topk of the reference shapes)
 constexpr int kRowThreads = 256;
 constexpr int kSlotThreads = 256;
 constexpr int64_t kMaxGridY = 65535;
@@ -63,36 +60,6 @@ __global__ void __launch_bounds__(kGatherThreads) gather_sum_kernel(const Gather
     float acc[kGatherColsPerThread] = {};
     if (args.token_invalid[token_idx] != 0) {
         for (int item_idx = 0; item_idx < kGatherColsPerThread; ++item_idx) acc[item_idx] = __int_as_float(0x7fc00000);
-    } else if (vec) {
-        for (int64_t first_choice = 0; first_choice < args.topk; first_choice += kGatherBatch) {
-            int row_idx[kGatherBatch];
-            float weight[kGatherBatch];
-            float values[kGatherBatch][kGatherColsPerThread];
-#pragma unroll
-            for (int batch_idx = 0; batch_idx < kGatherBatch; ++batch_idx) {
-                const int64_t choice_idx = first_choice + batch_idx;
-                const int64_t slot_idx = token_idx * args.topk + choice_idx;
-                row_idx[batch_idx] = choice_idx < args.topk ? args.slot_to_row[slot_idx] : -1;
-                weight[batch_idx] = args.weights != nullptr && row_idx[batch_idx] >= 0
-                                        ? load_scalar(args.weights, args.weights_dtype, slot_idx)
-                                        : 1.0f;
-            }
-#pragma unroll
-            for (int batch_idx = 0; batch_idx < kGatherBatch; ++batch_idx) {
-                if (row_idx[batch_idx] >= 0) {
-                    load4(static_cast<const RowT*>(args.rows) + row_idx[batch_idx] * args.num_cols + col,
-                          values[batch_idx]);
-                }
-            }
-#pragma unroll
-            for (int batch_idx = 0; batch_idx < kGatherBatch; ++batch_idx) {
-                if (row_idx[batch_idx] < 0) continue;
-#pragma unroll
-                for (int item_idx = 0; item_idx < kGatherColsPerThread; ++item_idx) {
-                    acc[item_idx] = fmaf(weight[batch_idx], values[batch_idx][item_idx], acc[item_idx]);
-                }
-            }
-        }
     } else {
         for (int64_t choice_idx = 0; choice_idx < args.topk; ++choice_idx) {
             const int64_t slot_idx = token_idx * args.topk + choice_idx;
@@ -101,8 +68,16 @@ __global__ void __launch_bounds__(kGatherThreads) gather_sum_kernel(const Gather
             const float weight =
                 args.weights != nullptr ? load_scalar(args.weights, args.weights_dtype, slot_idx) : 1.0f;
             const RowT* src = static_cast<const RowT*>(args.rows) + row_idx * args.num_cols + col;
-            for (int item_idx = 0; item_idx < num_valid; ++item_idx) {
-                acc[item_idx] = fmaf(weight, load_value(src + item_idx), acc[item_idx]);
+            if (vec) {
+                float values[kGatherColsPerThread];
+                load4(src, values);
+                for (int item_idx = 0; item_idx < kGatherColsPerThread; ++item_idx) {
+                    acc[item_idx] = fmaf(weight, values[item_idx], acc[item_idx]);
+                }
+            } else {
+                for (int item_idx = 0; item_idx < num_valid; ++item_idx) {
+                    acc[item_idx] = fmaf(weight, load_value(src + item_idx), acc[item_idx]);
+                }
             }
         }
     }

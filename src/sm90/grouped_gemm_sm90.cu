@@ -505,7 +505,7 @@ __device__ __forceinline__ void store_tile_dswiglu(const KernelParams& params, c
 #pragma unroll
                     for (int item_idx = 0; item_idx < 2; ++item_idx) {
                         const float p = acc[reg_idx + item_idx];
-                        const float gate_sigmoid = sigmoid(gate[item_idx]);
+                        const float gate_sigmoid = 1.0f / (1.0f + __expf(-gate[item_idx]));
                         const float silu_gate = gate[item_idx] * gate_sigmoid;
                         const float act = silu_gate * up[item_idx];
                         ds = fmaf(p, act, ds);
