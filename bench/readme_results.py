@@ -57,6 +57,18 @@ def newest_bench(results_dir=RESULTS):
     return max(found)[2] if found else None
 
 
+def newest_skewed(results_dir, results):
+    """The newest <name>-skewed.json of the GPU of `results` no newer than it (by date, then commit), or None."""
+    limit = (results.get("date", ""), _commit_rank(results.get("commit")))
+    found = []
+    for p in glob.glob(os.path.join(results_dir, "*" + SKEWED_SUFFIX)):
+        r = _load(p)
+        key = (r.get("date", ""), _commit_rank(r.get("commit"))) if isinstance(r, dict) else None
+        if key and "cases" in r and r.get("gpu") == results.get("gpu") and key <= limit:
+            found.append(key + (p,))
+    return max(found)[2] if found else None
+
+
 def newest_train(results_dir=RESULTS):
     """(megamoe log, baseline log, losses png or None) sharing the newest <date>-<gpu>-<commit>-... prefix."""
     groups = {}
@@ -116,13 +128,21 @@ def kernel_section(results, bench_path, readme_dir):
             b["recompute-mode ms"], b["extra peak GiB m / m-rc / t"], b["activation GiB m / m-rc / t"]]) + " |")
     by = {(c["shape"], c.get("routing")): c for c in results["cases"]}
     skewed_cases, source = [c for c in results["cases"] if c.get("routing") == "skewed"], ""
-    if not skewed_cases and os.path.exists(base + SKEWED_SUFFIX):
-        companion = _load(base + SKEWED_SUFFIX)
+    companion_path = base + SKEWED_SUFFIX if os.path.exists(base + SKEWED_SUFFIX) else newest_skewed(
+        os.path.dirname(bench_path), results)
+    if not skewed_cases and companion_path:
+        companion = _load(companion_path)
+        sibling = companion_path[: -len(SKEWED_SUFFIX)] + ".json"  # balanced run of the companion's commit
+        if companion.get("commit") != results.get("commit") and os.path.exists(sibling):
+            by = {(c["shape"], c.get("routing")): report.derive(c) for c in _load(sibling).get("cases", [])}
+            against = ", against that commit's balanced run"
+        else:
+            against = ""
         skewed_cases = [c for c in companion.get("cases", []) if c.get("routing") == "skewed"]
         for case in skewed_cases:
             report.derive(case)
-        link = _link(base + SKEWED_SUFFIX[:-5] + ".md", readme_dir)
-        source = f" (a separate run, commit `{companion.get('commit', '—')}`: [`{link}`]({link}))"
+        link = _link(companion_path[:-5] + ".md", readme_dir)
+        source = f" (a separate run, commit `{companion.get('commit', '—')}`{against}: [`{link}`]({link}))"
     skew = []
     for case in skewed_cases:
         bal = by.get((case["shape"], "balanced"))

@@ -180,3 +180,24 @@ def test_skewed_companion_file(tmp_path):
             " fwd+bwd 0.90x." in block)
     os.remove(companion)
     assert "Skewed routing: not measured in this run." in rr.generate(path, str(tmp_path))
+
+
+def test_skewed_run_of_an_earlier_commit(tmp_path):
+    path = synthetic(tmp_path)
+    rec = json.loads(open(path).read())
+    skewed = dict(rec, cases=[c for c in rec["cases"] if c["routing"] == "skewed"], commit="0000001",
+                  date="2027-01-01")
+    older_balanced = dict(rec, cases=[dict(c, fwd=dict(c["fwd"], megamoe=dict(c["fwd"]["megamoe"], tflops=270.0)))
+                                      for c in rec["cases"] if c["routing"] == "balanced"], commit="0000001",
+                          date="2027-01-01")
+    rec["cases"] = [c for c in rec["cases"] if c["routing"] == "balanced"]
+    open(path, "w").write(json.dumps(rec))
+    results_dir = os.path.dirname(path)
+    open(os.path.join(results_dir, "2027-01-01-test-gpu-0000001" + rr.SKEWED_SUFFIX), "w").write(json.dumps(skewed))
+    open(os.path.join(results_dir, "2027-01-01-test-gpu-0000001.json"), "w").write(json.dumps(older_balanced))
+    newer = dict(skewed, date="2027-02-01")  # newer than the bench run: never used for it
+    open(os.path.join(results_dir, "2027-02-01-test-gpu-0000002" + rr.SKEWED_SUFFIX), "w").write(json.dumps(newer))
+    block = rr.generate(path, str(tmp_path))
+    assert ("Skewed routing (a separate run, commit `0000001`, against that commit's balanced run:"
+            " [`results/2027-01-01-test-gpu-0000001-skewed.md`]" in block)
+    assert "toy-a fwd 2.00x, fwd+bwd 0.90x." in block  # 540 / 270 from the older balanced run
