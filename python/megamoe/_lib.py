@@ -137,14 +137,17 @@ def view(name, tensor):
     if tensor is None:
         return out
     check_arg(name, tensor)
+    ndim = tensor.dim()
     out.data = tensor.data_ptr() or None
     out.dtype = _DTYPE_CODES[tensor.dtype]
-    out.ndim = tensor.dim()
-    for dim in range(tensor.dim()):
-        out.shape[dim] = tensor.shape[dim]
-        out.strides[dim] = tensor.stride(dim)
-    out.device_type = DEVICE_CUDA if tensor.is_cuda else DEVICE_CPU
-    out.device_index = (tensor.device.index or 0) if tensor.is_cuda else 0
+    out.ndim = ndim
+    out.shape[:ndim] = tensor.shape  # one slice assignment each: this runs for every tensor of every call
+    out.strides[:ndim] = tensor.stride()
+    if tensor.is_cuda:
+        out.device_type = DEVICE_CUDA
+        out.device_index = tensor.device.index or 0
+    else:
+        out.device_type = DEVICE_CPU
     return out
 
 
