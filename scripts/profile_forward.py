@@ -1,5 +1,6 @@
 """Per-kernel GPU times of megamoe's forward at the reference shapes (torch.profiler), on the fused sm_90a path
-and on the portable one (MEGAMOE_DISABLE_SM90=1), with the forward's median time by CUDA events.
+and on the portable one (MEGAMOE_DISABLE_SM90=1), with the forward's median time by CUDA events, its CUDA-graph
+replay time (no host-side launch work), the host time of one call and the sum of its kernels' times.
 
     MEGAMOE_LIBRARY=build/libmegamoe.so PYTHONPATH=python:bench python3 scripts/profile_forward.py \
         [--shapes qwen3-30b-a3b,...] [--routing balanced] [--runs 10] [--paths sm90,portable]
@@ -11,6 +12,8 @@ import argparse
 import math
 import os
 import re
+import statistics
+import time
 
 import torch
 from torch.profiler import ProfilerActivity, profile
@@ -46,9 +49,30 @@ def parse_path(spec):
     return name, settings
 
 
+def host_and_graph_times(fn, runs):
+    """(median host time of one call in us, not waiting for the GPU; median CUDA-graph replay time in ms): the
+    forward's CUDA-event time minus the graph replay's is what the host-side launch work costs."""
+    host = []
+    for _ in range(runs):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        host.append(1e6 * (time.perf_counter() - start))
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return statistics.median(host), cuda_time(graph.replay, 3, runs, math.inf)["ms"]
+
+
 def time_forward(case, runs):
     args = (case.x, case.ids, case.s, case.w13, case.w2)
     median = cuda_time(lambda: megamoe.moe_forward(*args), 3, runs, math.inf)["ms"]
+    host_us, graph_ms = host_and_graph_times(lambda: megamoe.moe_forward(*args), runs)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(runs):
             megamoe.moe_forward(*args)
@@ -58,7 +82,7 @@ def time_forward(case, runs):
         total = getattr(evt, "device_time_total", None) or getattr(evt, "cuda_time_total", 0.0)
         if total > 0 and evt.count > 0:
             kernels.append((short_name(evt.key), total / evt.count / 1000.0, evt.count))
-    return median, sorted(kernels, key=lambda k: -k[1])
+    return median, host_us, graph_ms, sorted(kernels, key=lambda k: -k[1])
 
 
 def main():
@@ -76,9 +100,11 @@ def main():
         with torch.no_grad():
             for path, settings in paths:
                 os.environ.update(settings)
-                ms, kernels = time_forward(case, args.runs)
+                ms, host_us, graph_ms, kernels = time_forward(case, args.runs)
+                kernels_ms = sum(kms * count / args.runs for _, kms, count in kernels)
                 print(f"\n{name} [{args.routing}] {path}: forward {ms:.3f} ms "
-                      f"({(up_flops + down_flops) / ms / 1e9:.0f} TFLOP/s)")
+                      f"({(up_flops + down_flops) / ms / 1e9:.0f} TFLOP/s); CUDA-graph replay {graph_ms:.3f} ms; "
+                      f"host {host_us:.0f} us per call; kernels' sum {kernels_ms:.3f} ms")
                 for kname, kms, count in kernels:
                     kind = gemm_kind(kname)
                     flops = {"up": up_flops, "down": down_flops}.get(kind, 0.0)
