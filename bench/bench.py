@@ -64,7 +64,11 @@ def import_megamoe():
 
 
 def git_commit():
-    """(short commit, dirty?) from git; else ($MEGAMOE_COMMIT or 'unknown', None)."""
+    """($MEGAMOE_COMMIT, None) when set (a copy of the tree whose .git is stale, as on a lent GPU machine); else
+    (short commit, dirty?) from git; else ('unknown', None)."""
+    if os.environ.get("MEGAMOE_COMMIT"):
+        return os.environ["MEGAMOE_COMMIT"], None
+
     def git(*cmd):
         return subprocess.run(["git", "-C", REPO, *cmd], capture_output=True, text=True, timeout=20)
 
@@ -75,7 +79,7 @@ def git_commit():
             return head.stdout.strip(), bool(dirty.stdout.strip()) if dirty.returncode == 0 else None
     except (OSError, subprocess.SubprocessError):
         pass
-    return os.environ.get("MEGAMOE_COMMIT", "unknown"), None
+    return "unknown", None
 
 
 def short(ex):
