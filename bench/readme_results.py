@@ -48,25 +48,54 @@ def _load(path):
         return json.load(f)
 
 
+def _bench_runs(results_dir, skewed):
+    """(date, commit rank, path, record) of each bench JSON (a record with "cases") in results_dir: the skewed-routing
+    runs kept as <name>-skewed.json when `skewed`, else the others."""
+    runs = []
+    for p in glob.glob(os.path.join(results_dir, "*.json")):
+        if p.endswith(SKEWED_SUFFIX) == skewed:
+            r = _load(p)
+            if isinstance(r, dict) and "cases" in r:
+                runs.append((r.get("date", ""), _commit_rank(r.get("commit")), p, r))
+    return runs
+
+
 def newest_bench(results_dir=RESULTS):
-    """The bench JSON (one with "cases") of the latest date, then the latest commit, in results_dir. A companion
-    <name>-skewed.json (skewed routing run separately, same commit) is read along with it, never chosen itself."""
-    found = [(p, _load(p)) for p in glob.glob(os.path.join(results_dir, "*.json")) if not p.endswith(SKEWED_SUFFIX)]
-    found = [(r.get("date", ""), _commit_rank(r.get("commit")), p) for p, r in found
-             if isinstance(r, dict) and "cases" in r]
-    return max(found)[2] if found else None
+    """The bench JSON of the latest date, then the latest commit, in results_dir. A companion <name>-skewed.json
+    (skewed routing run separately) is read along with it, never chosen itself."""
+    runs = _bench_runs(results_dir, skewed=False)
+    return max(runs)[2] if runs else None
 
 
 def newest_skewed(results_dir, results):
     """The newest <name>-skewed.json of the GPU of `results` no newer than it (by date, then commit), or None."""
     limit = (results.get("date", ""), _commit_rank(results.get("commit")))
-    found = []
-    for p in glob.glob(os.path.join(results_dir, "*" + SKEWED_SUFFIX)):
-        r = _load(p)
-        key = (r.get("date", ""), _commit_rank(r.get("commit"))) if isinstance(r, dict) else None
-        if key and "cases" in r and r.get("gpu") == results.get("gpu") and key <= limit:
-            found.append(key + (p,))
-    return max(found)[2] if found else None
+    runs = [run for run in _bench_runs(results_dir, skewed=True)
+            if run[3].get("gpu") == results.get("gpu") and run[:2] <= limit]
+    return max(runs)[2] if runs else None
+
+
+def skewed_runs(results, base, readme_dir):
+    """(skewed cases, balanced cases by (shape, routing) to set them against, source note for the sentence): the
+    skewed cases of `results` itself; else those of its companion <base>-skewed.json or of the newest earlier one of
+    the same GPU (set against that commit's own balanced run when it differs and is there)."""
+    by = {(c["shape"], c.get("routing")): c for c in results["cases"]}
+    skewed = [c for c in results["cases"] if c.get("routing") == "skewed"]
+    if skewed:
+        return skewed, by, ""
+    path = base + SKEWED_SUFFIX if os.path.exists(base + SKEWED_SUFFIX) else newest_skewed(os.path.dirname(base),
+                                                                                          results)
+    if path is None:
+        return [], by, ""
+    companion = _load(path)
+    stem = path[: -len(SKEWED_SUFFIX)]  # its balanced run is <stem>.json
+    against = ""
+    if companion.get("commit") != results.get("commit") and os.path.exists(stem + ".json"):
+        by = {(c["shape"], c.get("routing")): report.derive(c) for c in _load(stem + ".json").get("cases", [])}
+        against = ", against that commit's balanced run"
+    skewed = [report.derive(c) for c in companion.get("cases", []) if c.get("routing") == "skewed"]
+    link = _link(stem + "-skewed.md", readme_dir)
+    return skewed, by, f" (a separate run, commit `{companion.get('commit', '—')}`{against}: [`{link}`]({link}))"
 
 
 def newest_train(results_dir=RESULTS):
@@ -126,27 +155,11 @@ def kernel_section(results, bench_path, readme_dir):
             _pair(f["megamoe ms"], f["torch ms"], f["speed-up"]), _pct(f["megamoe TFLOP/s"], f["megamoe % dense"]),
             _pair(b["megamoe ms"], b["torch ms"], b["speed-up"]), _pct(b["megamoe TFLOP/s"], b["megamoe % dense"]),
             b["recompute-mode ms"], b["extra peak GiB m / m-rc / t"], b["activation GiB m / m-rc / t"]]) + " |")
-    by = {(c["shape"], c.get("routing")): c for c in results["cases"]}
-    skewed_cases, source = [c for c in results["cases"] if c.get("routing") == "skewed"], ""
-    companion_path = base + SKEWED_SUFFIX if os.path.exists(base + SKEWED_SUFFIX) else newest_skewed(
-        os.path.dirname(bench_path), results)
-    if not skewed_cases and companion_path:
-        companion = _load(companion_path)
-        sibling = companion_path[: -len(SKEWED_SUFFIX)] + ".json"  # balanced run of the companion's commit
-        if companion.get("commit") != results.get("commit") and os.path.exists(sibling):
-            by = {(c["shape"], c.get("routing")): report.derive(c) for c in _load(sibling).get("cases", [])}
-            against = ", against that commit's balanced run"
-        else:
-            against = ""
-        skewed_cases = [c for c in companion.get("cases", []) if c.get("routing") == "skewed"]
-        for case in skewed_cases:
-            report.derive(case)
-        link = _link(companion_path[:-5] + ".md", readme_dir)
-        source = f" (a separate run, commit `{companion.get('commit', '—')}`{against}: [`{link}`]({link}))"
+    skewed_cases, by, source = skewed_runs(results, base, readme_dir)
     skew = []
     for case in skewed_cases:
         bal = by.get((case["shape"], "balanced"))
-        if case.get("routing") != "skewed" or bal is None:
+        if bal is None:
             continue
         parts = []
         for p, label in report.PASSES:
