@@ -70,12 +70,14 @@ def host_and_graph_times(fn, runs):
 
 
 def time_forward(case, runs):
-    args = (case.x, case.ids, case.s, case.w13, case.w2)
-    median = cuda_time(lambda: megamoe.moe_forward(*args), 3, runs, math.inf)["ms"]
-    host_us, graph_ms = host_and_graph_times(lambda: megamoe.moe_forward(*args), runs)
+    def forward():
+        return megamoe.moe_forward(case.x, case.ids, case.s, case.w13, case.w2)
+
+    median = cuda_time(forward, 3, runs, math.inf)["ms"]
+    host_us, graph_ms = host_and_graph_times(forward, runs)
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(runs):
-            megamoe.moe_forward(*args)
+            forward()
         torch.cuda.synchronize()
     kernels = []
     for evt in prof.key_averages():

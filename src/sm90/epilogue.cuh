@@ -25,7 +25,8 @@ static_assert(kTmaStoreBuffers >= 2, "a warp stages one chunk while the store of
 
 // silu(x) = x sigmoid(x) with the fast exponential and the fast division (about 2 ulp; for x below about -87
 // exp(-x) is inf and silu gives 0, the limit). The dSwiGLU epilogue keeps the IEEE division: with the fast one the
-// recompute mode's dH measured 1.73-1.75 ms against 1.17 in keep-h mode (twice, unexplained; TODO(#4)).
+// recompute mode's dH (dh written over h) measured 1.73-1.75 ms against 1.30 with the IEEE one, keep-h mode's
+// unchanged (H200, three runs; unexplained, TODO(#4)).
 __device__ __forceinline__ float silu(float value) {
     return __fdividef(value, 1.0f + __expf(-value));
 }
