@@ -392,34 +392,11 @@ megamoe_status_t launch_typed(const cuda::MGroupedGemmArgs& args, const KernelPa
     if (!encode_b_tensor_map(args, kBLayout, rows_per_expert, &b_map)) {
         return set_error(MEGAMOE_STATUS_CUDA_ERROR, "m_grouped_gemm_sm90: cuTensorMapEncodeTiled failed");
     }
-    const auto kernel = m_grouped_gemm_sm90_kernel<T, kEpilogue, kBLayout>;
-    const char* name = kernel_name(kEpilogue, kBLayout);
-    constexpr int kSmemBytes = smem_bytes(kEpilogue);
-    MEGAMOE_CUDA_RETURN_IF_ERROR(
-        cuda::check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes), name));
-
-    cudaLaunchAttribute attribute{};
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = kClusterSize;
-    attribute.val.clusterDim.y = 1;
-    attribute.val.clusterDim.z = 1;
-    cudaLaunchConfig_t config{};
-    config.blockDim = dim3(kNumThreads);
-    config.dynamicSmemBytes = kSmemBytes;
-    config.stream = stream;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
-    config.gridDim = dim3(kClusterSize);                                                      // for the occupancy query
     const int64_t max_tiles = ceil_div(args.max_m_tiles, kClusterSize) * params.num_n_tiles;  // cluster tiles
-    const int64_t num_clusters = std::min<int64_t>({max_active_clusters(reinterpret_cast<const void*>(kernel), config),
-                                                    std::max(num_sms, kClusterSize) / kClusterSize, max_tiles});
-    if (num_clusters <= 0) {
-        return set_error(MEGAMOE_STATUS_CUDA_ERROR, "%s: no cluster of %d CTAs fits on the device", name, kClusterSize);
-    }
-    config.gridDim = dim3(static_cast<unsigned>(num_clusters * kClusterSize));
-    MEGAMOE_CUDA_RETURN_IF_ERROR(
-        cuda::check_cuda(cudaLaunchKernelEx(&config, kernel, a_map, b_map, out_map, params), name));
-    return cuda::check_launch(name);
+    const int64_t max_clusters = std::min<int64_t>(std::max(num_sms, kClusterSize) / kClusterSize, max_tiles);
+    return launch_cluster_kernel<kClusterSize>(m_grouped_gemm_sm90_kernel<T, kEpilogue, kBLayout>,
+                                               kernel_name(kEpilogue, kBLayout), kNumThreads, smem_bytes(kEpilogue),
+                                               max_clusters, stream, a_map, b_map, out_map, params);
 }
 
 // `a_map`: A's tensor map for kTmaA; `out_map`: kStore's output tensor map when params.tma_store; else unused.

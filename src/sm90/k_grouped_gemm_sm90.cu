@@ -581,31 +581,9 @@ bool encode_out_map(megamoe_dtype_t dtype, void* out, int64_t num_experts, int64
 template <typename T, typename OutT>
 megamoe_status_t launch_typed(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUtensorMap& out_map,
                               const KernelParams& params, int num_sms, cudaStream_t stream) {
-    const auto kernel = k_grouped_gemm_sm90_kernel<T, OutT>;
-    const char* name = "k_grouped_gemm_sm90";
-    MEGAMOE_CUDA_RETURN_IF_ERROR(
-        cuda::check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes), name));
-    cudaLaunchAttribute attribute{};
-    attribute.id = cudaLaunchAttributeClusterDimension;
-    attribute.val.clusterDim.x = kClusterSize;
-    attribute.val.clusterDim.y = 1;
-    attribute.val.clusterDim.z = 1;
-    cudaLaunchConfig_t config{};
-    config.blockDim = dim3(kNumThreads);
-    config.dynamicSmemBytes = kSmemBytes;
-    config.stream = stream;
-    config.attrs = &attribute;
-    config.numAttrs = 1;
-    config.gridDim = dim3(kClusterSize);  // for the occupancy query
-    const int64_t num_clusters = std::min<int64_t>({max_active_clusters(reinterpret_cast<const void*>(kernel), config),
-                                                    std::max(num_sms, kClusterSize) / kClusterSize, params.num_tiles});
-    if (num_clusters <= 0) {
-        return set_error(MEGAMOE_STATUS_CUDA_ERROR, "%s: no cluster of %d CTAs fits on the device", name, kClusterSize);
-    }
-    config.gridDim = dim3(static_cast<unsigned>(num_clusters * kClusterSize));
-    MEGAMOE_CUDA_RETURN_IF_ERROR(
-        cuda::check_cuda(cudaLaunchKernelEx(&config, kernel, a_map, b_map, out_map, params), name));
-    return cuda::check_launch(name);
+    const int64_t max_clusters = std::min<int64_t>(std::max(num_sms, kClusterSize) / kClusterSize, params.num_tiles);
+    return launch_cluster_kernel<kClusterSize>(k_grouped_gemm_sm90_kernel<T, OutT>, "k_grouped_gemm_sm90", kNumThreads,
+                                               kSmemBytes, max_clusters, stream, a_map, b_map, out_map, params);
 }
 
 // The operand, by TMA when it is not gathered and its tensor map can be made (else by cp.async, zeroed map).

@@ -1,17 +1,20 @@
 // Host-side helpers shared by the sm_90a launchers: the driver's tensor-map encoder (fetched through the runtime,
-// so the library never links libcuda), 2-D tensor maps of 16-bit matrices, and the cluster occupancy that bounds a
-// persistent grid.
+// so the library never links libcuda), 2-D tensor maps of 16-bit matrices, and the launch of a persistent kernel in
+// clusters (grid bounded by the clusters that fit on the device at once).
 #pragma once
 
 #include <cuda.h>
 #include <cudaTypedefs.h>
 #include <cuda_runtime.h>
 
+#include <algorithm>
 #include <cstdint>
 #include <map>
 #include <mutex>
 #include <utility>
 
+#include "common.h"
+#include "cuda/cuda_utils.h"
 #include "megamoe/megamoe.h"
 
 namespace megamoe::sm90 {
@@ -53,24 +56,58 @@ inline bool encode_2d_sw128_map(megamoe_dtype_t dtype, const void* data, int64_t
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-// Clusters of `kernel` that fit on the device at once (asked once per device and kernel): the persistent grid
-// must not exceed it, or the clusters left over would run a second wave of tiles.
-inline int max_active_clusters(const void* kernel, const cudaLaunchConfig_t& config) {
+// Clusters of `kernel` that fit on the device at once, for a launch `config` with its dynamic shared memory (asked,
+// and the kernel's shared-memory limit raised to it, once per device and kernel): a persistent grid must not exceed
+// it, or the clusters left over would run a second wave of tiles.
+inline megamoe_status_t prepare_cluster_kernel(const void* kernel, const cudaLaunchConfig_t& config, const char* name,
+                                               int* num_clusters) {
     static std::mutex mutex;
     static std::map<std::pair<int, const void*>, int> cache;
     int device_idx = 0;
-    if (cudaGetDevice(&device_idx) != cudaSuccess) return 0;
+    MEGAMOE_CUDA_RETURN_IF_ERROR(cuda::check_cuda(cudaGetDevice(&device_idx), name));
     const std::lock_guard<std::mutex> lock(mutex);
     const auto key = std::make_pair(device_idx, kernel);
     const auto found = cache.find(key);
-    if (found != cache.end()) return found->second;
-    int num_clusters = 0;
-    if (cudaOccupancyMaxActiveClusters(&num_clusters, kernel, &config) != cudaSuccess) {
-        cudaGetLastError();
-        num_clusters = 0;
+    if (found != cache.end()) {
+        *num_clusters = found->second;
+        return MEGAMOE_STATUS_SUCCESS;
     }
-    cache.emplace(key, num_clusters);
-    return num_clusters;
+    const auto smem_bytes = static_cast<int>(config.dynamicSmemBytes);
+    MEGAMOE_CUDA_RETURN_IF_ERROR(
+        cuda::check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, smem_bytes), name));
+    if (cudaOccupancyMaxActiveClusters(num_clusters, kernel, &config) != cudaSuccess || *num_clusters <= 0) {
+        cudaGetLastError();
+        return set_error(MEGAMOE_STATUS_CUDA_ERROR, "%s: no cluster of %u CTAs fits on the device", name,
+                         config.attrs[0].val.clusterDim.x);
+    }
+    cache.emplace(key, *num_clusters);
+    return MEGAMOE_STATUS_SUCCESS;
+}
+
+// Launches the persistent `kernel` on `stream` in clusters of kClusterSize CTAs of num_threads threads and
+// smem_bytes of dynamic shared memory: as many clusters as fit on the device at once, at most max_clusters.
+template <int kClusterSize, typename... KernelArgs, typename... Args>
+megamoe_status_t launch_cluster_kernel(void (*kernel)(KernelArgs...), const char* name, int num_threads, int smem_bytes,
+                                       int64_t max_clusters, cudaStream_t stream, Args&&... args) {
+    if (max_clusters <= 0) return MEGAMOE_STATUS_SUCCESS;  // no tiles
+    cudaLaunchAttribute attribute{};
+    attribute.id = cudaLaunchAttributeClusterDimension;
+    attribute.val.clusterDim.x = kClusterSize;
+    attribute.val.clusterDim.y = 1;
+    attribute.val.clusterDim.z = 1;
+    cudaLaunchConfig_t config{};
+    config.blockDim = dim3(num_threads);
+    config.dynamicSmemBytes = smem_bytes;
+    config.stream = stream;
+    config.attrs = &attribute;
+    config.numAttrs = 1;
+    config.gridDim = dim3(kClusterSize);  // for the occupancy query
+    int fitting = 0;
+    MEGAMOE_CUDA_RETURN_IF_ERROR(prepare_cluster_kernel(reinterpret_cast<const void*>(kernel), config, name, &fitting));
+    config.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(fitting, max_clusters) * kClusterSize));
+    MEGAMOE_CUDA_RETURN_IF_ERROR(
+        cuda::check_cuda(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), name));
+    return cuda::check_launch(name);
 }
 
 }  // namespace megamoe::sm90
