@@ -43,6 +43,13 @@ def parse_args(argv=None):
     p.add_argument("--dtype", choices=("bf16", "fp32"), default="bf16", help="weights, gradients and AdamW states")
     p.add_argument("--attn-impl", default="sdpa", help="Hugging Face attn_implementation")
     p.add_argument("--grad-ckpt", action="store_true", help="gradient checkpointing of the decoder layers")
+    p.add_argument(
+        "--loss", choices=("auto", "hf", "compiled"), default="auto",
+        help="hf: the model's own loss (copies the [tokens, vocab] logits to fp32, then log-softmax); compiled: the "
+        "same fp32 cross-entropy as one torch.compile'd function over the bf16 logits (no fp32 copies); "
+        "auto: compiled on CUDA, hf on the CPU",
+    )
+    p.add_argument("--compile-layers", action="store_true", help="torch.compile each decoder layer (experts included)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--tiny", action="store_true", help="a tiny config of the same family (CPU smoke test)")
     p.add_argument("--log-json", default=None, metavar="PATH", help="write the per-step losses and timings here")
@@ -51,6 +58,8 @@ def parse_args(argv=None):
     args.batch = args.batch or (2 if args.tiny else 4)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.warmup = min(args.warmup, max(args.steps - 1, 0))
+    if args.loss == "auto":
+        args.loss = "compiled" if args.device.startswith("cuda") else "hf"
     return args
 
 
@@ -97,8 +106,27 @@ def build_model(cfg, args, dtype):
         )
     if args.grad_ckpt:
         model.gradient_checkpointing_enable()
+    if args.compile_layers:
+        for layer in model.model.layers:
+            layer.compile()
     model.train()
     return model
+
+
+def causal_lm_cross_entropy(logits, input_ids):
+    """The model's own loss (transformers' ForCausalLMLoss: position t predicts token t + 1, mean over the
+    predicted positions, softmax in fp32) as one function for torch.compile, which fuses the fp32 upcast into the
+    softmax instead of materialising fp32 copies of the [batch * seq, vocab] logits. logits [B, S, V]; input_ids [B, S]."""
+    labels = torch.nn.functional.pad(input_ids, (0, 1), value=-100)[..., 1:]  # [B, S]: the next token, -100 at the end
+    return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), labels.flatten(), ignore_index=-100)
+
+
+def loss_function(kind):
+    """loss(model, input_ids) for --loss hf / compiled."""
+    if kind == "hf":
+        return lambda model, input_ids: model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+    cross_entropy = torch.compile(causal_lm_cross_entropy, fullgraph=True)
+    return lambda model, input_ids: cross_entropy(model(input_ids=input_ids, use_cache=False).logits, input_ids)
 
 
 def param_counts(model, cfg):
@@ -138,13 +166,14 @@ def train(model, data, args, device):
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    compute_loss = loss_function(args.loss)
     losses, times = [], []
     steps, bar = progress(args.steps)
     for step in steps:
         input_ids = data[step].to(device, non_blocking=True)  # [batch, seq]
         synchronize(device)
         start = time.perf_counter()
-        loss = model(input_ids=input_ids, labels=input_ids, use_cache=False).loss
+        loss = compute_loss(model, input_ids)
         loss.backward()
         if args.clip > 0:
             torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
@@ -180,7 +209,7 @@ def main(argv=None):
         f"{cfg.hidden_size}, experts {cfg.num_experts} x top-{cfg.num_experts_per_tok} of intermediate "
         f"{cfg.moe_intermediate_size}, vocab {cfg.vocab_size}; {total / 1e6:,.1f} M parameters ({active / 1e6:,.1f} M "
         f"active); experts_implementation={model.config._experts_implementation}, attn={args.attn_impl}, "
-        f"{args.dtype}, batch {args.batch} x seq {args.seq} = {tokens_per_step} tokens/step on {device}",
+        f"loss={args.loss}{', compiled layers' if args.compile_layers else ''}, {args.dtype}, batch {args.batch} x seq {args.seq} = {tokens_per_step} tokens/step on {device}",
         flush=True,
     )
     data = synthetic_batches(cfg.vocab_size, args.steps, args.batch, args.seq, args.seed)

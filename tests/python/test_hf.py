@@ -301,3 +301,16 @@ def test_example_script_smoke(tmp_path):
     cmd = [sys.executable, str(EXAMPLES / "compare_losses.py"), str(log), str(log), "--out", str(png)]
     done = subprocess.run(cmd, env=os.environ.copy(), capture_output=True, text=True, timeout=120)
     assert done.returncode == 0 and png.stat().st_size > 0, done.stdout + done.stderr
+
+
+def test_example_loss_matches_model_loss():
+    """The example's --loss compiled function is the model's own loss (next-token cross-entropy, mean over the
+    predicted positions) on the same logits: checked eagerly in fp64 (torch.compile only fuses its kernels)."""
+    example = load_example()
+    cfg = tiny_config()
+    model = make_model(cfg, torch.float64, device="cpu", experts="eager")
+    ids = example.synthetic_batches(cfg.vocab_size, 1, batch=3, seq=17, seed=1)[0]  # [3, 17]
+    out = model(input_ids=ids, labels=ids, use_cache=False)
+    ours = example.causal_lm_cross_entropy(out.logits, ids)
+    assert torch.allclose(ours, out.loss, rtol=1e-12, atol=1e-12), (ours.item(), out.loss.item())
+    assert ours.item() > 0.5 * math.log(cfg.vocab_size)  # random weights: near ln(vocab), a real loss
