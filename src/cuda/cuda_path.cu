@@ -66,6 +66,7 @@ struct BackwardWorkspace {
     // s * a, so it cannot share act's buffer), later q [S, H] of the dX GEMM. sm_90a path: q [S, H] in the element type
     // over act (dW2, the only reader of s * a, runs before dX), p stays in registers.
     float* p_then_q;
+    int* k_schedule;  // sm_90a path: the K-grouped kernel's tile schedule scratch (k_grouped_schedule_ints), else NULL
 
     static BackwardWorkspace carve(WorkspaceCarver& carver, const RoutingPlan& plan, const Shape& shape, bool sm90) {
         BackwardWorkspace workspace;
@@ -77,6 +78,7 @@ struct BackwardWorkspace {
         workspace.num_ds_parts = sm90::dswiglu_sm90_num_ds_parts(shape.intermediate);
         workspace.ds_parts = carver.take<float>(num_slots * workspace.num_ds_parts);
         workspace.p_then_q = sm90 ? reinterpret_cast<float*>(workspace.act) : carver.take<float>(num_slots * max_cols);
+        workspace.k_schedule = sm90 ? carver.take<int>(k_grouped_schedule_ints(shape.num_experts)) : nullptr;
         return workspace;
     }
 };
@@ -256,6 +258,7 @@ struct BackwardGemms {
         weight_grad.topk = shape.topk;
         weight_grad.expert_offsets = workspace.routing.expert_offsets;
         weight_grad.num_experts = shape.num_experts;
+        weight_grad.schedule = workspace.k_schedule;
         gemms.dw13 = weight_grad;
         gemms.dw13.a = workspace.h;
         gemms.dw13.lda = 2 * shape.intermediate;
@@ -327,6 +330,7 @@ struct BackwardPlan {
         if (plan.use_sm90) {
             WorkspaceCarver carver(params.workspace);
             plan.workspace = BackwardWorkspace::carve(carver, plan.routing_plan, shape, true);
+            plan.gemms = BackwardGemms::make(params, shape, plan.routing_plan, plan.workspace);
             plan.workspace_bytes = carver.bytes_used();
         }
         return plan;

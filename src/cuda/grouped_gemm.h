@@ -76,7 +76,15 @@ struct KGroupedGemmArgs {
     int64_t n;
     const int* expert_offsets;  // [E + 1]
     int64_t num_experts;
+    int* schedule;  // sm_90a kernel: k_grouped_schedule_ints(E) ints, 16-byte aligned (NULL: static order; portable:
+                    // unused)
 };
+
+// Device ints the sm_90a K-grouped kernel's tile schedule needs in KGroupedGemmArgs::schedule: a 4-int entry per
+// expert, the tile counter and the claiming flag.
+inline int64_t k_grouped_schedule_ints(int64_t num_experts) {
+    return 4 * num_experts + 2;
+}
 
 // C_e into out [E, M, N] (contiguous), dtype out_dtype: the element type or f32.
 megamoe_status_t launch_k_grouped_gemm(const KGroupedGemmArgs& args, void* out, megamoe_dtype_t out_dtype,

@@ -75,6 +75,36 @@ __device__ __forceinline__ void mbarrier_arrive_cluster(uint64_t* barrier, uint3
         : "memory");
 }
 
+// One arrival on the barrier at `barrier`'s offset in CTA `cta_rank` of the cluster that also expects `num_bytes`
+// more of asynchronous writes (st_async_u32) before its phase completes.
+__device__ __forceinline__ void mbarrier_arrive_expect_tx_cluster(uint64_t* barrier, uint32_t cta_rank,
+                                                                  uint32_t num_bytes) {
+    asm volatile(
+        "{\n"
+        ".reg .b32 remote;\n"
+        "mapa.shared::cluster.u32 remote, %0, %1;\n"
+        "mbarrier.arrive.expect_tx.shared::cluster.b64 _, [remote], %2;\n"
+        "}\n" ::"r"(shared_address(barrier)),
+        "r"(cta_rank), "r"(num_bytes)
+        : "memory");
+}
+
+// Stores `value` at `shared_ptr`'s offset in (another) CTA `cta_rank` of the cluster as an asynchronous write that
+// completes 4 bytes of the transaction count of the barrier at `barrier`'s offset there: the readers wait on that
+// barrier as on a TMA load, with no fence on either side.
+__device__ __forceinline__ void st_async_u32(const void* shared_ptr, uint32_t cta_rank, uint32_t value,
+                                             uint64_t* barrier) {
+    asm volatile(
+        "{\n"
+        ".reg .b32 remote_dst, remote_bar;\n"
+        "mapa.shared::cluster.u32 remote_dst, %0, %2;\n"
+        "mapa.shared::cluster.u32 remote_bar, %1, %2;\n"
+        "st.async.shared::cluster.mbarrier::complete_tx::bytes.b32 [remote_dst], %3, [remote_bar];\n"
+        "}\n" ::"r"(shared_address(shared_ptr)),
+        "r"(shared_address(barrier)), "r"(cta_rank), "r"(value)
+        : "memory");
+}
+
 // Releases a stage of a pipeline whose fills may be multicast into the kClusterSize CTAs of the cluster: one arrival
 // on the stage's empty barrier (at `empty_barrier`'s offset) in each of them, this CTA included.
 template <int kClusterSize>

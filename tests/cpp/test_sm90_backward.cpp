@@ -158,7 +158,8 @@ TEST(Sm90Backward, RaggedShapesMatchReference) {  // sm_90a M-grouped GEMMs, por
 // The sm_90a K-grouped weight-gradient kernel (the default, set explicitly here) on the same ragged set, and on
 // cases aimed at it: experts of whole 64-row k-blocks only (all by TMA), odd numbers of the tiles a cluster pairs
 // (the second CTA recomputes the first one's tile) with M / N tails, and more cluster tiles than clusters with empty
-// experts between full ones (CTAs walk experts of different lengths).
+// experts between full ones (CTAs walk experts of different lengths), and more claimed tiles per cluster than the
+// tile ring holds, heaviest expert first.
 TEST(Sm90Backward, WeightGradKernelMatchesReference) {
     SKIP_WITHOUT_SM90();
     const ScopedEnv enable("MEGAMOE_SM90_WEIGHT_GRADS", "1");
@@ -166,6 +167,7 @@ TEST(Sm90Backward, WeightGradKernelMatchesReference) {
     cases.push_back({"whole k-blocks only, odd m-tile pairs", 256, 264, 136, 1, 1});
     cases.push_back({"odd n-tile pairs, long experts", 600, 712, 392, 2, 2});
     cases.push_back({"more cluster tiles than clusters, half empty", 768, 528, 264, 40, 4, Routing::kHalfEmpty});
+    cases.push_back({"claimed tiles wrap the ring, one hot expert", 1500, 528, 264, 96, 3, Routing::kOneExpert});
     for (const Sm90Case& c : cases) check_against_reference(c, true);
 }
 
