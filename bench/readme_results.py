@@ -182,8 +182,9 @@ def train_section(mega, baseline, losses_png, readme_dir, paths=()):
     model = "a tiny Qwen3-MoE config" if a.get("tiny") else "Qwen3-30B-A3B shapes"
     logs = ", ".join(f"[`{os.path.basename(p)}`]({_link(p, readme_dir)})" for p in paths)
     logs = f"; logs {logs}" if logs else ""
+    setup = f"loss `{a.get('loss', 'hf')}`" + (", compiled layers" if a.get("compile_layers") else ", eager layers")
     lines = [f"Training step (`examples/train_qwen3_moe.py`, {model} with {a.get('layers', '—')} layers, batch"
-             f" {a.get('batch', '—')} x {a.get('seq', '—')} tokens, {a.get('dtype', '—')} AdamW, same seed and data,"
+             f" {a.get('batch', '—')} x {a.get('seq', '—')} tokens, {a.get('dtype', '—')} AdamW, {setup}, same seed and data,"
              f" {a.get('steps', '—')} steps, median step time after {a.get('warmup', '—')} warm-up steps,"
              f" {mega.get('device', '—')}{logs}):", "",
              "| experts implementation | layers | tokens per step | median step s | tokens/s | peak GiB |"
