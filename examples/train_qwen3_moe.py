@@ -160,12 +160,28 @@ def progress(steps):
     return bar, bar
 
 
-def train(model, data, args, device):
-    """Run the steps; returns (losses, step seconds)."""
+def make_optimizer(model, args, device):
+    """AdamW (fused on CUDA) with weight decay on the matrices only."""
     decay = [p for p in model.parameters() if p.dim() >= 2]
     no_decay = [p for p in model.parameters() if p.dim() < 2]
     groups = [{"params": decay, "weight_decay": args.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
-    optimizer = torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+    return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
+
+
+def train_step(model, optimizer, compute_loss, input_ids, clip):
+    """One optimizer step on input_ids [batch, seq]; returns the loss (a Python float: waits for the step)."""
+    loss = compute_loss(model, input_ids)
+    loss.backward()
+    if clip > 0:
+        torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
+    optimizer.step()
+    optimizer.zero_grad(set_to_none=True)
+    return loss.item()
+
+
+def train(model, data, args, device):
+    """Run the steps; returns (losses, step seconds)."""
+    optimizer = make_optimizer(model, args, device)
     compute_loss = loss_function(args.loss)
     losses, times = [], []
     steps, bar = progress(args.steps)
@@ -173,13 +189,7 @@ def train(model, data, args, device):
         input_ids = data[step].to(device, non_blocking=True)  # [batch, seq]
         synchronize(device)
         start = time.perf_counter()
-        loss = compute_loss(model, input_ids)
-        loss.backward()
-        if args.clip > 0:
-            torch.nn.utils.clip_grad_norm_(model.parameters(), args.clip)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        loss_value = loss.item()
+        loss_value = train_step(model, optimizer, compute_loss, input_ids, args.clip)
         synchronize(device)
         times.append(time.perf_counter() - start)
         losses.append(loss_value)

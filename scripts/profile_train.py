@@ -104,19 +104,11 @@ def profile_impl(impl, args):
     cfg = example.model_config(targs.layers, False)
     model = example.build_model(cfg, targs, torch.bfloat16)
     data = example.synthetic_batches(cfg.vocab_size, args.warmup + args.steps + 1, targs.batch, targs.seq, 0)
-    decay = [p for p in model.parameters() if p.dim() >= 2]
-    optimizer = torch.optim.AdamW(decay, lr=1e-4, betas=(0.9, 0.95), fused=True)
-
+    optimizer = example.make_optimizer(model, targs, device)
     compute_loss = example.loss_function(targs.loss)
 
-    def step(i):
-        input_ids = data[i].to(device)
-        loss = compute_loss(model, input_ids)
-        loss.backward()
-        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        return loss.item()
+    def step(i):  # the example's training step, with its optimizer, loss and clip
+        return example.train_step(model, optimizer, compute_loss, data[i].to(device), targs.clip)
 
     for i in range(args.warmup):
         step(i)
