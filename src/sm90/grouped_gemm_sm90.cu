@@ -234,10 +234,7 @@ __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensor
                 }
                 cp_async_mbarrier_arrive_noinc(&full[stage_idx]);  // the stage is published once the copies land
             }
-            if (++stage_idx == kNumStages) {
-                stage_idx = 0;
-                phase ^= 1;
-            }
+            advance_stage<kNumStages>(stage_idx, phase);
         }
     }
     cuda::cp_async_commit();
@@ -289,10 +286,7 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Kernel
             fence_accumulators(acc);
             if (in_flight_stage >= 0 && lane_idx == 0) release_stage<kClusterSize>(&empty[in_flight_stage]);
             in_flight_stage = stage_idx;
-            if (++stage_idx == kNumStages) {
-                stage_idx = 0;
-                phase ^= 1;
-            }
+            advance_stage<kNumStages>(stage_idx, phase);
         }
         wgmma_wait_group<0>();
         fence_accumulators(acc);

@@ -276,10 +276,7 @@ __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensor
                                           b_col < params.n);
             }
             cp_async_mbarrier_arrive_noinc(&full[stage_idx]);
-            if (++stage_idx == kNumStages) {
-                stage_idx = 0;
-                phase ^= 1;
-            }
+            advance_stage<kNumStages>(stage_idx, phase);
         }
         tile_idx = next_idx;
         tile = next;
@@ -377,10 +374,7 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Kernel
             fence_accumulators(acc);
             if (in_flight_stage >= 0 && lane_idx == 0) release_stage<kClusterSize>(&empty[in_flight_stage]);
             in_flight_stage = stage_idx;
-            if (++stage_idx == kNumStages) {
-                stage_idx = 0;
-                phase ^= 1;
-            }
+            advance_stage<kNumStages>(stage_idx, phase);
         }
         wgmma_wait_group<0>();
         fence_accumulators(acc);

@@ -113,6 +113,16 @@ __device__ __forceinline__ void release_stage(uint64_t* empty_barrier) {
     for (uint32_t cta_rank = 0; cta_rank < kClusterSize; ++cta_rank) mbarrier_arrive_cluster(empty_barrier, cta_rank);
 }
 
+// Moves a pipeline's stage cursor to the next of kNumStages stages, flipping the barrier parity it waits for when it
+// wraps around.
+template <int kNumStages>
+__device__ __forceinline__ void advance_stage(int& stage_idx, uint32_t& phase) {
+    if (++stage_idx == kNumStages) {
+        stage_idx = 0;
+        phase ^= 1;
+    }
+}
+
 // Blocks until the phase of parity `parity` has completed (a fresh barrier counts its phase "1" as done).
 __device__ __forceinline__ void mbarrier_wait(uint64_t* barrier, uint32_t parity) {
     const uint32_t address = shared_address(barrier);
