@@ -282,15 +282,9 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Kernel
                 }
                 wgmma_commit_group();
             }
-            wgmma_wait_group<1>();  // the previous batch is done: its stage can be refilled
-            fence_accumulators(acc);
-            if (in_flight_stage >= 0 && lane_idx == 0) release_stage<kClusterSize>(&empty[in_flight_stage]);
-            in_flight_stage = stage_idx;
-            advance_stage<kNumStages>(stage_idx, phase);
+            retire_previous_batch<kClusterSize, kNumStages>(acc, empty, in_flight_stage, stage_idx, phase, lane_idx);
         }
-        wgmma_wait_group<0>();
-        fence_accumulators(acc);
-        if (in_flight_stage >= 0 && lane_idx == 0) release_stage<kClusterSize>(&empty[in_flight_stage]);
+        retire_last_batch<kClusterSize>(acc, empty, in_flight_stage, lane_idx);
         if constexpr (kEpilogue == Epilogue::kDSwiGLU) {
             store_tile_dswiglu<T>(params, tile, acc, consumer_idx, warp_idx, lane_idx);
         } else if (kEpilogue == Epilogue::kStore && params.tma_store &&

@@ -318,6 +318,27 @@ __device__ __forceinline__ void fence_accumulators(float (&acc)[kNumRegs]) {
     for (int reg_idx = 0; reg_idx < kNumRegs; ++reg_idx) asm volatile("" : "+f"(acc[reg_idx])::"memory");
 }
 
+// A consumer after issuing a stage's wgmma batch: waits for the previous batch, releases that batch's stage (in every
+// CTA of the cluster: release_stage), and moves the cursor to the next stage; in_flight_stage becomes this one.
+template <int kClusterSize, int kNumStages, int kNumRegs>
+__device__ __forceinline__ void retire_previous_batch(float (&acc)[kNumRegs], uint64_t* empty, int& in_flight_stage,
+                                                      int& stage_idx, uint32_t& phase, int lane_idx) {
+    wgmma_wait_group<1>();
+    fence_accumulators(acc);
+    if (in_flight_stage >= 0 && lane_idx == 0) release_stage<kClusterSize>(&empty[in_flight_stage]);
+    in_flight_stage = stage_idx;
+    advance_stage<kNumStages>(stage_idx, phase);
+}
+
+// A consumer at the end of a tile: waits for its last batch and releases that batch's stage.
+template <int kClusterSize, int kNumRegs>
+__device__ __forceinline__ void retire_last_batch(float (&acc)[kNumRegs], uint64_t* empty, int in_flight_stage,
+                                                  int lane_idx) {
+    wgmma_wait_group<0>();
+    fence_accumulators(acc);
+    if (in_flight_stage >= 0 && lane_idx == 0) release_stage<kClusterSize>(&empty[in_flight_stage]);
+}
+
 template <int kNumRegs>
 __device__ __forceinline__ void setmaxnreg_dec() {
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;\n" ::"n"(kNumRegs));
