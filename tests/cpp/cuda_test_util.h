@@ -184,6 +184,22 @@ inline std::ostream& operator<<(std::ostream& os, const Sm90Case& c) {
               << " E=" << c.num_experts << " topk=" << c.topk << ", seed " << fresh_seed() << ")";
 }
 
+// The ragged shapes every sm_90a test runs (forward and backward): T = 1, one hot expert, empty experts, dropped
+// slots, sizes off every tile, more tiles than SMs, f16.
+inline std::vector<Sm90Case> sm90_ragged_cases() {
+    std::vector<Sm90Case> cases;
+    cases.push_back({"T = 1, topk = 1, E = 1", 1, 64, 32, 1, 1});
+    cases.push_back({"one expert takes every slot", 300, 136, 72, 4, 1, Routing::kOneExpert});
+    cases.push_back({"hot expert, topk 3", 301, 136, 72, 16, 3, Routing::kOneExpert});
+    cases.push_back({"most experts empty", 5, 64, 40, 64, 2, Routing::kHalfEmpty});
+    cases.push_back({"dropped slots, N and K tails", 37, 200, 72, 5, 2, Routing::kSomeDropped});
+    cases.push_back({"E = 1, several M tiles", 700, 128, 256, 1, 1});
+    cases.push_back({"K tails on every GEMM, N tails", 260, 520, 200, 8, 2});
+    cases.push_back({"more tiles than SMs", 2048, 64, 1024, 2, 2});
+    cases.push_back({"f16, dropped slots", 97, 72, 48, 7, 2, Routing::kSomeDropped, MEGAMOE_DTYPE_F16});
+    return cases;
+}
+
 inline Problem make_problem(const Sm90Case& c) {
     std::mt19937_64 rng(fresh_seed() ^ std::hash<std::string>{}(c.name));
     Problem problem{c.num_tokens, c.hidden, c.intermediate, c.num_experts, c.topk};

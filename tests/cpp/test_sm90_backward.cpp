@@ -135,24 +135,10 @@ void check_against_reference(const Sm90Case& c, bool sm90_weight_grads) {
     EXPECT_LT(relative_error(got.dw2, want.dw2), tolerance) << "dw2 vs the CPU reference";
 }
 
-std::vector<Sm90Case> ragged_cases() {
-    std::vector<Sm90Case> cases;
-    cases.push_back({"T = 1, topk = 1, E = 1", 1, 64, 32, 1, 1});
-    cases.push_back({"one expert takes every slot", 300, 136, 72, 4, 1, Routing::kOneExpert});
-    cases.push_back({"hot expert, topk 3", 301, 136, 72, 16, 3, Routing::kOneExpert});
-    cases.push_back({"most experts empty", 5, 64, 40, 64, 2, Routing::kHalfEmpty});
-    cases.push_back({"dropped slots, N and K tails", 37, 200, 72, 5, 2, Routing::kSomeDropped});
-    cases.push_back({"E = 1, several M tiles", 700, 128, 256, 1, 1});
-    cases.push_back({"K tails on every GEMM, N tails", 260, 520, 200, 8, 2});
-    cases.push_back({"more tiles than SMs", 2048, 64, 1024, 2, 2});
-    cases.push_back({"f16, dropped slots", 97, 72, 48, 7, 2, Routing::kSomeDropped, MEGAMOE_DTYPE_F16});
-    return cases;
-}
-
 TEST(Sm90Backward, RaggedShapesMatchReference) {  // sm_90a M-grouped GEMMs, portable weight gradients
     SKIP_WITHOUT_SM90();
     const ScopedEnv portable_weight_grads("MEGAMOE_SM90_WEIGHT_GRADS", "0");
-    for (const Sm90Case& c : ragged_cases()) check_against_reference(c, false);
+    for (const Sm90Case& c : sm90_ragged_cases()) check_against_reference(c, false);
 }
 
 // The sm_90a K-grouped weight-gradient kernel (the default, set explicitly here) on the same ragged set, and on
@@ -163,7 +149,7 @@ TEST(Sm90Backward, RaggedShapesMatchReference) {  // sm_90a M-grouped GEMMs, por
 TEST(Sm90Backward, WeightGradKernelMatchesReference) {
     SKIP_WITHOUT_SM90();
     const ScopedEnv enable("MEGAMOE_SM90_WEIGHT_GRADS", "1");
-    std::vector<Sm90Case> cases = ragged_cases();
+    std::vector<Sm90Case> cases = sm90_ragged_cases();
     cases.push_back({"whole k-blocks only, odd m-tile pairs", 256, 264, 136, 1, 1});
     cases.push_back({"odd n-tile pairs, long experts", 600, 712, 392, 2, 2});
     cases.push_back({"more cluster tiles than clusters, half empty", 768, 528, 264, 40, 4, Routing::kHalfEmpty});
@@ -213,13 +199,13 @@ void check_keep_h(const Sm90Case& c, bool expect_sm90) {
 
 TEST(Sm90Backward, KeepHMatchesRecompute) {
     SKIP_WITHOUT_SM90();
-    for (const Sm90Case& c : ragged_cases()) check_keep_h(c, true);
+    for (const Sm90Case& c : sm90_ragged_cases()) check_keep_h(c, true);
 }
 
 TEST(Sm90Backward, KeepHMatchesRecomputeOnPortablePath) {
     SKIP_WITHOUT_SM90();
     const ScopedEnv portable("MEGAMOE_DISABLE_SM90", "1");
-    for (const Sm90Case& c : ragged_cases()) check_keep_h(c, false);
+    for (const Sm90Case& c : sm90_ragged_cases()) check_keep_h(c, false);
 }
 
 // The sm_90a backward needs less workspace than the portable one (q in the element type, no p); a workspace that is

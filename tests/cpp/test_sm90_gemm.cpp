@@ -46,17 +46,8 @@ void check_against_reference(const Sm90Case& c) {
 
 TEST(Sm90Forward, RaggedShapesMatchReference) {
     SKIP_WITHOUT_SM90();
-    std::vector<Sm90Case> cases;
-    cases.push_back({"T = 1, topk = 1, E = 1", 1, 64, 32, 1, 1});
-    cases.push_back({"one expert takes every slot", 300, 136, 72, 4, 1, Routing::kOneExpert});
-    cases.push_back({"hot expert, topk 3", 301, 136, 72, 16, 3, Routing::kOneExpert});
-    cases.push_back({"most experts empty", 5, 64, 40, 64, 2, Routing::kHalfEmpty});
-    cases.push_back({"dropped slots, N and K tails", 37, 200, 72, 5, 2, Routing::kSomeDropped});
-    cases.push_back({"E = 1, several M tiles", 700, 128, 256, 1, 1});
-    cases.push_back({"K tails on both GEMMs, N tails", 260, 520, 200, 8, 2});
-    cases.push_back({"more tiles than SMs", 2048, 64, 1024, 2, 2});
+    std::vector<Sm90Case> cases = sm90_ragged_cases();
     cases.push_back({"thousands of experts", 50, 24, 16, 3000, 3});
-    cases.push_back({"f16, dropped slots", 97, 72, 48, 7, 2, Routing::kSomeDropped, MEGAMOE_DTYPE_F16});
     for (const Sm90Case& c : cases) check_against_reference(c);
 }
 
