@@ -15,12 +15,16 @@
  *   w13          [E, 2I, H]    dtype of x; rows [0, I) gate, rows [I, 2I) up
  *   w2           [E, H, I]     dtype of x
  *   y            [T, H]        dtype of x
- *   saved_h      [T*topk, 2I]  dtype of x; h = [g, u] = W13[e] x_t of slot (t, j) in row t * topk + j (optional)
+ *   saved_h      [T*topk, 2I]  dtype of x; h = [g, u] = W13[e] x_t per slot, by sorted row: the slots (t, j) with
+ *                              e >= 0 sorted stably by expert (ties in slot order t * topk + j), the rows of dropped
+ *                              slots at the end untouched (optional). The backward consumes it: afterwards its
+ *                              contents are unspecified (the CUDA path writes [dg, du] over it).
  *
  * Memory modes of training: the forward may write saved_h (keep h: the backward then skips recomputing the up
  * projection, the fastest mode) or not (recompute: the backward recomputes h from x; only the inputs need to be
  * kept between forward and backward). On CUDA both modes give the same gradients (h comes from the same kernel and is
  * rounded to the dtype of x either way); the CPU reference reads a given saved_h as is, else recomputes h unrounded.
+ * A saved_h serves one backward: a second backward of the same forward needs it written again (or recompute mode).
  */
 #ifndef MEGAMOE_MEGAMOE_H_
 #define MEGAMOE_MEGAMOE_H_
@@ -39,7 +43,7 @@ extern "C" {
 #endif
 
 #define MEGAMOE_VERSION_MAJOR 0
-#define MEGAMOE_VERSION_MINOR 2
+#define MEGAMOE_VERSION_MINOR 3
 #define MEGAMOE_VERSION_PATCH 0
 #define MEGAMOE_MAX_DIMS 4
 
@@ -91,7 +95,7 @@ typedef struct {
     megamoe_tensor_t w13;           // [E, 2I, H] gate rows then up rows
     megamoe_tensor_t w2;            // [E, H, I] down projection
     megamoe_tensor_t y;             // [T, H] output, written in full
-    megamoe_tensor_t saved_h;       // [T*topk, 2I] optional output for the backward (rows of dropped slots untouched)
+    megamoe_tensor_t saved_h;       // [T*topk, 2I] optional output for the backward (sorted rows; see above)
     megamoe_accum_t accum;          // accumulation precision
     void* workspace;                // device (CUDA) or host (CPU) scratch of workspace_bytes, 256-byte aligned
     size_t workspace_bytes;         // at least megamoe_forward_workspace_size()
@@ -106,7 +110,7 @@ typedef struct {
     megamoe_tensor_t topk_weights;   // [T, topk] forward input
     megamoe_tensor_t w13;            // [E, 2I, H] forward input
     megamoe_tensor_t w2;             // [E, H, I] forward input
-    megamoe_tensor_t saved_h;        // [T*topk, 2I] optional: the forward's saved_h of these inputs (no recompute)
+    megamoe_tensor_t saved_h;        // [T*topk, 2I] optional, consumed: the forward's saved_h of these inputs
     megamoe_tensor_t dx;             // [T, H] output, dtype of x; optional (data NULL = not wanted)
     megamoe_tensor_t dtopk_weights;  // [T, topk] output, f32 or dtype of topk_weights; 0 for dropped slots; optional
     megamoe_tensor_t dw13;   // [E, 2I, H] output, dtype of w13 or f32; zero for experts with no tokens; optional

@@ -41,7 +41,7 @@ def moe_forward(
     w2: torch.Tensor,
     keep_h: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """y [T, H], and h = [g, u] [T*topk, 2I] per slot when keep_h (for moe_backward), else an empty tensor."""
+    """y [T, H], and h = [g, u] [T*topk, 2I] by sorted row when keep_h (for one moe_backward), else an empty tensor."""
     x, topk_ids, topk_weights, w13, w2 = _inputs(x, topk_ids, topk_weights, w13, w2)
     y = torch.empty_like(x, memory_format=torch.contiguous_format)  # [T, H]
     h = x.new_empty(_saved_h_shape(x, topk_ids, w2) if keep_h else (0,))  # [T*topk, 2I] or [0]
@@ -59,7 +59,7 @@ def _saved_h_or_none(saved_h):
     return saved_h if saved_h is not None and saved_h.dim() == 2 else None  # the empty [0] means "recompute"
 
 
-@torch.library.custom_op("megamoe::moe_backward", mutates_args=())
+@torch.library.custom_op("megamoe::moe_backward", mutates_args=("saved_h",))
 def moe_backward(
     dy: torch.Tensor,
     x: torch.Tensor,
@@ -70,8 +70,8 @@ def moe_backward(
     saved_h: Optional[torch.Tensor] = None,
     wgrad_f32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, d topk_weights, dw13, dw2). saved_h: moe_forward's h (keep-h mode) or None / empty (recompute h).
-    wgrad_f32: dw13 and dw2 in f32 (main-grad style) instead of the parameters' dtype."""
+    """(dx, d topk_weights, dw13, dw2). saved_h: moe_forward's h (keep-h mode; consumed: dh is written over it) or
+    None / empty (recompute h). wgrad_f32: dw13 and dw2 in f32 (main-grad style) instead of the parameters' dtype."""
     dy = _contiguous("dy", dy)
     saved_h = _saved_h_or_none(saved_h)
     if saved_h is not None:
@@ -101,12 +101,29 @@ def _setup_context(ctx, inputs, output):
     x, topk_ids, topk_weights, w13, w2, _keep_h = inputs
     _y, h = output
     ctx.mark_non_differentiable(h)
+    ctx.set_materialize_grads(False)  # h's gradient stays None: no [T*topk, 2I] of zeros per backward
     ctx.save_for_backward(x, topk_ids, topk_weights, w13, w2, h)
 
 
+def _saved_tensors(ctx):
+    try:
+        return ctx.saved_tensors
+    except RuntimeError as ex:  # the saved h's version moved: an earlier backward of this graph consumed it
+        if "inplace operation" not in str(ex):
+            raise
+        raise RuntimeError(
+            "megamoe: a second backward through the same megamoe.moe call (retain_graph=True) needs the saved h, "
+            "which the first backward consumed (keep-h mode writes dh over it); use megamoe.moe(..., "
+            "recompute=True) for graphs that are backpropagated more than once"
+        ) from ex
+
+
 def _backward(ctx, dy, _dh):
-    x, topk_ids, topk_weights, w13, w2, h = ctx.saved_tensors
-    dx, dtopk_weights, dw13, dw2 = moe_backward(dy, x, topk_ids, topk_weights, w13, w2, h)
+    if dy is None:  # y unused by the loss: nothing flows back
+        return None, None, None, None, None, None
+    x, topk_ids, topk_weights, w13, w2, h = _saved_tensors(ctx)
+    saved_h = _saved_h_or_none(h)  # recompute mode's empty h is not passed: the op would count it as mutated
+    dx, dtopk_weights, dw13, dw2 = moe_backward(dy, x, topk_ids, topk_weights, w13, w2, saved_h)
     return dx, None, dtopk_weights, dw13, dw2, None
 
 
@@ -121,7 +138,8 @@ def moe(x, topk_ids, topk_weights, w13, w2, recompute=False):
     y_t = sum_j topk_weights[t, j] * w2[e] (silu(w13[e, :I] x_t) * (w13[e, I:] x_t)), e = topk_ids[t, j].
 
     Memory mode when gradients are wanted: by default the forward keeps h = [g, u] ([T*topk, 2I], the fastest
-    backward); recompute=True keeps only the inputs and recomputes h in the backward (same gradients).
+    backward, which writes dh over it: one backward per forward); recompute=True keeps only the inputs and recomputes
+    h in the backward (same gradients; also for graphs backpropagated more than once).
     """
     for name, tensor in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w13", w13), ("w2", w2)):
         _lib.check_arg(name, tensor)

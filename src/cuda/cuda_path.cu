@@ -7,11 +7,13 @@
 //           The GEMMs run on the fused sm_90a kernels (sm90/grouped_gemm_sm90.h) on a compute capability 9.0
 //           device when the operands suit them, else on the portable kernels; MEGAMOE_DISABLE_SM90=1 forces
 //           the portable ones. Both write the same buffers, so the workspace is the same.
-//           With saved_h, the up GEMM also writes h = [g, u] into it, row by slot (t * topk + j).
+//           With saved_h, the up GEMM also writes h = [g, u] into it, by sorted row (the routing is deterministic, so
+//           the backward's routing finds the same rows).
 // Backward: routing -> h = [g, u]: the forward's saved_h (keep-h mode), or recomputed by the up GEMM into the
-//           workspace by sorted row (recompute mode)
-//           -> dH GEMM (dy gathered x w2[e]) with the dSwiGLU epilogue: dh = [dg, du] [S, 2I] by sorted row (over
-//              the recomputed h in place), s * a [S, I] and ds partial sums per 256-column n-tile
+//           workspace (recompute mode), by sorted row either way
+//           -> dH GEMM (dy gathered x w2[e]) with the dSwiGLU epilogue: dh = [dg, du] [S, 2I] by sorted row written
+//              over h in place (keep-h mode: saved_h is consumed), s * a [S, I] and ds partial sums per 256-column
+//              n-tile
 //              (portable: p f32 [S, I], then dswiglu_rows) -> finalize d topk_weights (parts added in order)
 //           -> dW2 = K-grouped(dy gathered, s * a)
 //           -> dX GEMM (dh x w13[e]) -> q [S, H] (sm_90a: over s * a; portable: over p) -> gather_sum -> dx
@@ -58,7 +60,7 @@ struct ForwardWorkspace {
 
 struct BackwardWorkspace {
     RoutingBuffers routing;
-    uint16_t* h;      // [S, 2I] element type: [g, u], then [dg, du]
+    uint16_t* h;      // [S, 2I] element type: [g, u], then [dg, du]; keep-h mode: saved_h itself (not carved)
     uint16_t* act;    // [S, I] element type: s * a (sm_90a path: [S, max(I, H)], later q [S, H] over it)
     float* ds_parts;  // [S, num_ds_parts]: partial sums of ds per row (sm_90a: one per n-tile of I)
     int64_t num_ds_parts;
@@ -68,12 +70,14 @@ struct BackwardWorkspace {
     float* p_then_q;
     int* k_schedule;  // sm_90a path: the K-grouped kernel's tile schedule scratch (k_grouped_schedule_ints), else NULL
 
-    static BackwardWorkspace carve(WorkspaceCarver& carver, const RoutingPlan& plan, const Shape& shape, bool sm90) {
+    static BackwardWorkspace carve(WorkspaceCarver& carver, const RoutingPlan& plan, const Shape& shape, bool sm90,
+                                   void* saved_h) {
         BackwardWorkspace workspace;
         const int64_t num_slots = shape.num_slots();
         workspace.routing = RoutingBuffers::carve(carver, plan);
         const int64_t max_cols = std::max(shape.intermediate, shape.hidden);
-        workspace.h = carver.take<uint16_t>(num_slots * 2 * shape.intermediate);
+        workspace.h = saved_h != nullptr ? static_cast<uint16_t*>(saved_h)
+                                         : carver.take<uint16_t>(num_slots * 2 * shape.intermediate);
         workspace.act = carver.take<uint16_t>(num_slots * (sm90 ? max_cols : shape.intermediate));
         workspace.num_ds_parts = sm90::dswiglu_sm90_num_ds_parts(shape.intermediate);
         workspace.ds_parts = carver.take<float>(num_slots * workspace.num_ds_parts);
@@ -198,13 +202,13 @@ megamoe_status_t forward_on_device(const megamoe_forward_params_t& params, const
     const ForwardGemms gemms = ForwardGemms::make(params, shape, plan, workspace);
     if (gemms.sm90_ok(device_index)) {
         const int num_sms = device_info(device_index).num_sms;
-        MEGAMOE_CUDA_RETURN_IF_ERROR(sm90::launch_m_grouped_gemm_sm90_swiglu(gemms.up, params.saved_h.data, true,
-                                                                             workspace.act, num_sms, stream));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(
+            sm90::launch_m_grouped_gemm_sm90_swiglu(gemms.up, params.saved_h.data, workspace.act, num_sms, stream));
         MEGAMOE_CUDA_RETURN_IF_ERROR(sm90::launch_m_grouped_gemm_sm90_store(
             gemms.down, BLayout::kNK, workspace.out, shape.hidden, shape.num_slots(), num_sms, stream));
     } else {
         MEGAMOE_CUDA_RETURN_IF_ERROR(
-            launch_m_grouped_gemm_swiglu(gemms.up, params.saved_h.data, true, workspace.act, stream));
+            launch_m_grouped_gemm_swiglu(gemms.up, params.saved_h.data, workspace.act, stream));
         MEGAMOE_CUDA_RETURN_IF_ERROR(launch_m_grouped_gemm_elem(gemms.down, workspace.out, shape.hidden, stream));
     }
 
@@ -322,14 +326,14 @@ struct BackwardPlan {
         BackwardPlan plan;
         plan.routing_plan = RoutingPlan::make(shape, kGemmBlockM);
         WorkspaceCarver portable_carver(params.workspace);
-        plan.workspace = BackwardWorkspace::carve(portable_carver, plan.routing_plan, shape, false);
+        plan.workspace = BackwardWorkspace::carve(portable_carver, plan.routing_plan, shape, false, params.saved_h.data);
         plan.gemms = BackwardGemms::make(params, shape, plan.routing_plan, plan.workspace);
         plan.use_sm90 = shape.num_slots() > 0 && plan.gemms.sm90_ok(params.x.device_index);
         plan.weight_grads_sm90 = plan.use_sm90 && plan.gemms.weight_grads_sm90_ok(params.x.device_index);
         plan.workspace_bytes = portable_carver.bytes_used();
         if (plan.use_sm90) {
             WorkspaceCarver carver(params.workspace);
-            plan.workspace = BackwardWorkspace::carve(carver, plan.routing_plan, shape, true);
+            plan.workspace = BackwardWorkspace::carve(carver, plan.routing_plan, shape, true, params.saved_h.data);
             plan.gemms = BackwardGemms::make(params, shape, plan.routing_plan, plan.workspace);
             plan.workspace_bytes = carver.bytes_used();
         }
@@ -359,21 +363,20 @@ megamoe_status_t backward_on_device(const megamoe_backward_params_t& params, con
         launch_routing(params.topk_ids.data, params.topk_ids.dtype, backward_plan.routing_plan, routing, stream));
 
     const int num_sms = use_sm90 ? device_info(params.x.device_index).num_sms : 0;
-    // h = [g, u]: kept by the forward (slot order), or recomputed here by sorted row; dh goes to workspace.h.
+    // h = [g, u] by sorted row in workspace.h: kept by the forward (saved_h), or recomputed here; dh goes over it.
     const bool keep_h = params.saved_h.data != nullptr;
-    const void* h = keep_h ? params.saved_h.data : workspace.h;
+    const void* h = workspace.h;
     if (!keep_h && use_sm90) {
         MEGAMOE_CUDA_RETURN_IF_ERROR(
-            sm90::launch_m_grouped_gemm_sm90_swiglu(gemms.up, workspace.h, false, nullptr, num_sms, stream));
+            sm90::launch_m_grouped_gemm_sm90_swiglu(gemms.up, workspace.h, nullptr, num_sms, stream));
     } else if (!keep_h) {
-        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_m_grouped_gemm_swiglu(gemms.up, workspace.h, false, nullptr, stream));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_m_grouped_gemm_swiglu(gemms.up, workspace.h, nullptr, stream));
     }
 
     int64_t num_ds_parts = 1;
     if (use_sm90) {  // p = dy gathered x w2[e] stays in registers: dh, s * a and ds parts from the epilogue
         sm90::DSwiGLUEpilogueArgs epilogue{};
         epilogue.h = h;
-        epilogue.h_in_slot_order = keep_h;
         epilogue.dh = workspace.h;
         epilogue.act = workspace.act;
         epilogue.ds_parts = workspace.ds_parts;
@@ -388,7 +391,6 @@ megamoe_status_t backward_on_device(const megamoe_backward_params_t& params, con
         DSwiGLUArgs dswiglu{};
         dswiglu.dtype = dtype;
         dswiglu.h = h;
-        dswiglu.h_in_slot_order = keep_h;
         dswiglu.dh = workspace.h;
         dswiglu.p = workspace.p_then_q;
         dswiglu.act = workspace.act;

@@ -107,8 +107,7 @@ __global__ void __launch_bounds__(kRowThreads) dswiglu_rows_kernel(const DSwiGLU
     const int64_t slot_idx = args.sorted_slot[row_idx];
     const float weight = load_scalar(args.weights, args.weights_dtype, slot_idx);
     const int64_t intermediate = args.intermediate;
-    const int64_t h_row_idx = args.h_in_slot_order ? slot_idx : row_idx;
-    const T* h_row = static_cast<const T*>(args.h) + h_row_idx * 2 * intermediate;
+    const T* h_row = static_cast<const T*>(args.h) + row_idx * 2 * intermediate;
     T* dh_row = static_cast<T*>(args.dh) + row_idx * 2 * intermediate;
     T* act_row = static_cast<T*>(args.act) + row_idx * intermediate;
     const float* p_row = args.p + row_idx * intermediate;

@@ -35,9 +35,8 @@ megamoe_status_t launch_gather_sum(const GatherSumArgs& args, cudaStream_t strea
 
 struct DSwiGLUArgs {
     megamoe_dtype_t dtype;      // element type of h, dh and act
-    const void* h;              // [g, u] rows: sorted row r at h row r, or at h row sorted_slot[r] (slot order)
-    bool h_in_slot_order;       // h is the forward's saved_h (slot order) rather than sorted rows
-    void* dh;                   // [rows, 2I] out: [dg, du] (may be h itself when h is in sorted order)
+    const void* h;              // [rows, 2I]: [g, u] by sorted row
+    void* dh;                   // [rows, 2I] out: [dg, du] by sorted row (may be h itself)
     const float* p;             // [rows, I]
     void* act;                  // [rows, I] out: s * silu(g) * u
     float* ds_rows;             // [rows] out

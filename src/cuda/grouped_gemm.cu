@@ -201,9 +201,8 @@ struct MGroupedParams {
     int64_t num_experts;
     void* out;  // kStoreF32 (f32) or kStoreElem (element type)
     int64_t ldo;
-    void* h;               // kSwiGLU, may be NULL
-    bool h_in_slot_order;  // kSwiGLU: h row of sorted row r is its slot a_gather_slots[r] (saved_h), else r
-    void* act;             // kSwiGLU, may be NULL
+    void* h;    // kSwiGLU, may be NULL
+    void* act;  // kSwiGLU, may be NULL
     bool paired_stores;
 };
 
@@ -327,7 +326,6 @@ __global__ void __launch_bounds__(kNumThreads, kVec ? kMinBlocksPerSmVec : 1)
                 }
             } else {
                 const int64_t intermediate = params.n;
-                const int64_t h_row_idx = params.h_in_slot_order ? params.a_gather_slots[row_idx] : row_idx;
 #pragma unroll
                 for (int pair_idx = 0; pair_idx < kNumFragsN / 2; ++pair_idx) {
                     const int64_t col = n_tile_idx * (kBlockN / 2) + (warp_n_idx * (kNumFragsN / 2) + pair_idx) * 8 +
@@ -335,7 +333,7 @@ __global__ void __launch_bounds__(kNumThreads, kVec ? kMinBlocksPerSmVec : 1)
                     const float* gate = &acc[frag_m][2 * pair_idx][half * 2];
                     const float* up = &acc[frag_m][2 * pair_idx + 1][half * 2];
                     if (params.h != nullptr) {
-                        T* h_row = static_cast<T*>(params.h) + h_row_idx * 2 * intermediate;
+                        T* h_row = static_cast<T*>(params.h) + row_idx * 2 * intermediate;
                         store_pair(h_row, col, intermediate, gate[0], gate[1], params.paired_stores);
                         store_pair(h_row + intermediate, col, intermediate, up[0], up[1], params.paired_stores);
                     }
@@ -551,8 +549,7 @@ megamoe_status_t launch_m_grouped_gemm_elem(const MGroupedGemmArgs& args, void* 
     return dispatch_m_grouped<BLayout::kNK, Epilogue::kStoreElem>(args, params, grid, stream, "m_grouped_gemm_elem");
 }
 
-megamoe_status_t launch_m_grouped_gemm_swiglu(const MGroupedGemmArgs& args, void* h, bool h_in_slot_order, void* act,
-                                              cudaStream_t stream) {
+megamoe_status_t launch_m_grouped_gemm_swiglu(const MGroupedGemmArgs& args, void* h, void* act, cudaStream_t stream) {
     const int64_t num_n_tiles = ceil_div(args.n, kBlockN / 2);
     if (args.max_m_tiles == 0 || num_n_tiles == 0) return MEGAMOE_STATUS_SUCCESS;
     if (args.max_m_tiles > kMaxGridX || num_n_tiles > kMaxGridY) {
@@ -561,7 +558,6 @@ megamoe_status_t launch_m_grouped_gemm_swiglu(const MGroupedGemmArgs& args, void
     }
     MGroupedParams params = make_m_grouped_params(args);
     params.h = h;
-    params.h_in_slot_order = h_in_slot_order;
     params.act = act;
     params.paired_stores = args.n % 2 == 0 && is_aligned(h, 4) && is_aligned(act, 4);
     const dim3 grid(static_cast<unsigned>(args.max_m_tiles), static_cast<unsigned>(num_n_tiles));

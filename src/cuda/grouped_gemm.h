@@ -57,11 +57,9 @@ megamoe_status_t launch_m_grouped_gemm_f32(const MGroupedGemmArgs& args, BLayout
 // out[r, n] in the element type, row stride ldo; B_e is [N, K] (kNK).
 megamoe_status_t launch_m_grouped_gemm_elem(const MGroupedGemmArgs& args, void* out, int64_t ldo, cudaStream_t stream);
 
-// Up projection with SwiGLU: B = w13 [E, 2I, H] (kNK), args.n = I. Writes h = [g, u] ([rows, 2I]; sorted row r goes
-// to h row r, or with h_in_slot_order to h row args.a_gather_slots[r], its slot: the layout of saved_h) and
-// a = silu(g) * u ([rows, I]) in the element type; h and act may be NULL (not written).
-megamoe_status_t launch_m_grouped_gemm_swiglu(const MGroupedGemmArgs& args, void* h, bool h_in_slot_order, void* act,
-                                              cudaStream_t stream);
+// Up projection with SwiGLU: B = w13 [E, 2I, H] (kNK), args.n = I. Writes h = [g, u] ([rows, 2I] by sorted row: the
+// layout of saved_h) and a = silu(g) * u ([rows, I]) in the element type; h and act may be NULL (not written).
+megamoe_status_t launch_m_grouped_gemm_swiglu(const MGroupedGemmArgs& args, void* h, void* act, cudaStream_t stream);
 
 struct KGroupedGemmArgs {
     megamoe_dtype_t dtype;  // element type of A and B: bf16 or f16

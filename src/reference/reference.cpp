@@ -2,8 +2,9 @@
 // in the accumulation type Acc (double or float), with no rounding of intermediates. Inputs are first
 // widened into Acc arrays; outputs are rounded once, at the end, into their own dtypes.
 //
-// Memory modes: the forward writes h = [g, u] per slot into saved_h when asked (rounded to its dtype); the backward
-// reads a given saved_h instead of recomputing h.
+// Memory modes: the forward writes h = [g, u] into saved_h when asked (rounded to its dtype), row by sorted row (the
+// slots in the stable expert order, as the CUDA path keeps it: megamoe.h); the backward reads a given saved_h instead
+// of recomputing h.
 //
 // Determinism: y and dx sum over j = 0..topk-1 in order; dW13[e] and dW2[e] sum over the slots routed
 // to e in increasing slot order (t * topk + j). Threads split tokens (y, dx) or experts (dW), never a
@@ -41,6 +42,7 @@ struct Inputs {
     std::vector<Acc> weight;      // [T * topk]
     std::vector<Acc> w13;         // [E, 2I, H]
     std::vector<Acc> w2;          // [E, H, I]
+    std::vector<int64_t> h_row;   // [T * topk]: the slot's row of saved_h (stable sort by expert), -1 = dropped
 
     Inputs(const Shape& problem, const megamoe_tensor_t& x_t, const megamoe_tensor_t& ids_t,
            const megamoe_tensor_t& weights_t, const megamoe_tensor_t& w13_t, const megamoe_tensor_t& w2_t)
@@ -52,6 +54,21 @@ struct Inputs {
           w2(widen<Acc>(w2_t)) {
         for (int64_t slot = 0; slot < problem.num_slots(); ++slot)
             expert[slot] = load_index(ids_t.data, ids_t.dtype, slot);
+        h_row = sorted_rows(expert, problem.num_experts);
+    }
+
+    // Row of each slot when the slots are sorted stably by expert (dropped slots get -1).
+    static std::vector<int64_t> sorted_rows(const std::vector<int64_t>& expert, int64_t num_experts) {
+        std::vector<int64_t> expert_begin(static_cast<size_t>(num_experts) + 1, 0);
+        for (const int64_t e : expert) {
+            if (e >= 0) ++expert_begin[e + 1];
+        }
+        for (int64_t e = 0; e < num_experts; ++e) expert_begin[e + 1] += expert_begin[e];
+        std::vector<int64_t> rows(expert.size(), -1);
+        for (size_t slot = 0; slot < expert.size(); ++slot) {
+            if (expert[slot] >= 0) rows[slot] = expert_begin[expert[slot]]++;
+        }
+        return rows;
     }
 
     // g, u = W13[e] x_t and a = silu(g) * u, each [I].
@@ -84,9 +101,10 @@ megamoe_status_t forward_impl(const megamoe_forward_params_t& p, const Shape& sh
             if (e < 0) continue;
             in.up(t, e, gate.data(), up.data(), act.data());
             if (p.saved_h.data) {
+                const int64_t h_base = in.h_row[slot] * 2 * I;
                 for (int64_t i = 0; i < I; ++i) {
-                    store_element(p.saved_h.data, p.saved_h.dtype, slot * 2 * I + i, static_cast<double>(gate[i]));
-                    store_element(p.saved_h.data, p.saved_h.dtype, slot * 2 * I + I + i, static_cast<double>(up[i]));
+                    store_element(p.saved_h.data, p.saved_h.dtype, h_base + i, static_cast<double>(gate[i]));
+                    store_element(p.saved_h.data, p.saved_h.dtype, h_base + I + i, static_cast<double>(up[i]));
                 }
             }
             const Acc* w = &in.w2[e * H * I];
@@ -120,9 +138,10 @@ megamoe_status_t backward_impl(const megamoe_backward_params_t& p, const Shape& 
             if (e >= 0) {
                 Acc* a = &act[slot * I];
                 if (p.saved_h.data) {  // h as the forward kept it (rounded), else recomputed
+                    const int64_t h_base = in.h_row[slot] * 2 * I;
                     for (int64_t i = 0; i < I; ++i) {
-                        gate[i] = static_cast<Acc>(load_element(p.saved_h.data, p.saved_h.dtype, slot * 2 * I + i));
-                        up[i] = static_cast<Acc>(load_element(p.saved_h.data, p.saved_h.dtype, slot * 2 * I + I + i));
+                        gate[i] = static_cast<Acc>(load_element(p.saved_h.data, p.saved_h.dtype, h_base + i));
+                        up[i] = static_cast<Acc>(load_element(p.saved_h.data, p.saved_h.dtype, h_base + I + i));
                         a[i] = gate[i] * sigmoid(gate[i]) * up[i];
                     }
                 } else {

@@ -6,7 +6,7 @@
 //   B_e = b + e * b_expert_stride, either [N, K] K-contiguous (BLayout::kNK: w13[e] [2I, H] for up, w2[e] [H, I]
 //   for down) or [K, N] N-contiguous (BLayout::kKN: w2[e] read as [K = H, N = I] for the backward's dH,
 //   w13[e] read as [K = 2I, N = H] for its dX).
-// Epilogues (templated): kSwiGLU writes h = [g, u] (sorted rows, or the slot order of saved_h) and / or
+// Epilogues (templated): kSwiGLU writes h = [g, u] (by sorted row, as saved_h keeps it) and / or
 // a = silu(g) * u; kStore writes acc in the element type (bf16 / f16), by TMA stores where it can; kDSwiGLU (the
 // backward's dH, acc = p = W2[e]^T dy) reads the row's g, u, s and writes dh = [dg, du], s * a and the tile's
 // partial sum of ds = <p, a> (one per row and n-tile, added in n-tile order later: deterministic). f32
@@ -141,8 +141,7 @@ __device__ __forceinline__ void prefetch_h_rows(const KernelParams& params, cons
         const int local_row = pass * kRowsPerPass + thread_idx / 2;
         if (local_row >= tile.num_rows) break;
         const int64_t row_idx = tile.row_begin + local_row;
-        const int64_t h_row_idx = params.h_in_slot_order ? params.a_gather_slots[row_idx] : row_idx;
-        const auto* h_row = static_cast<const uint16_t*>(params.h) + h_row_idx * 2 * params.n;
+        const auto* h_row = static_cast<const uint16_t*>(params.h) + row_idx * 2 * params.n;
         prefetch_l2_bulk(h_row + (thread_idx % 2) * params.n + first_col, num_bytes);
     }
 }
@@ -434,19 +433,15 @@ bool m_grouped_gemm_sm90_supported(const cuda::MGroupedGemmArgs& args, bool swig
     return dtype_ok && sizes_ok && a_ok && b_ok && layout_ok && tensor_map_encoder() != nullptr;
 }
 
-megamoe_status_t launch_m_grouped_gemm_sm90_swiglu(const cuda::MGroupedGemmArgs& args, void* h, bool h_in_slot_order,
-                                                   void* act, int num_sms, cudaStream_t stream) {
+megamoe_status_t launch_m_grouped_gemm_sm90_swiglu(const cuda::MGroupedGemmArgs& args, void* h, void* act, int num_sms,
+                                                   cudaStream_t stream) {
     if (!cuda::is_aligned(h, 16) || !cuda::is_aligned(act, 16)) {
         return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "m_grouped_gemm_sm90: outputs must be 16-byte aligned");
-    }
-    if (h_in_slot_order && args.a_gather_slots == nullptr) {
-        return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "m_grouped_gemm_sm90: h in slot order needs the gather slots");
     }
     KernelParams params = make_params(args);
     params.out = act;
     params.ldo = args.n;
     params.h = h;
-    params.h_in_slot_order = h_in_slot_order;
     return launch<Epilogue::kSwiGLU, BLayout::kNK>(args, params, num_sms, stream);
 }
 
@@ -468,7 +463,6 @@ megamoe_status_t launch_m_grouped_gemm_sm90_dswiglu(const cuda::MGroupedGemmArgs
     params.out = epilogue.dh;
     params.ldo = 2 * args.n;
     params.h = const_cast<void*>(epilogue.h);
-    params.h_in_slot_order = epilogue.h_in_slot_order;
     params.act = epilogue.act;
     params.ds_parts = epilogue.ds_parts;
     params.weights = epilogue.weights;

@@ -24,18 +24,16 @@ namespace megamoe::sm90 {
 bool m_grouped_gemm_sm90_supported(const cuda::MGroupedGemmArgs& args, bool swiglu,
                                    cuda::BLayout b_layout = cuda::BLayout::kNK);
 
-// Up projection with SwiGLU (B = w13 [E, 2I, H], args.n = I): h = [g, u] ([rows, 2I]) and a = silu(g) * u
-// ([rows, I]) in the element type; either may be NULL. Sorted row r goes to h row r, or, with h_in_slot_order, to
-// h row args.a_gather_slots[r] (its slot: the layout of saved_h). `num_sms`: bound on the persistent kernel's grid
-// (the number of co-resident clusters of the device is asked of the runtime).
-megamoe_status_t launch_m_grouped_gemm_sm90_swiglu(const cuda::MGroupedGemmArgs& args, void* h, bool h_in_slot_order,
-                                                   void* act, int num_sms, cudaStream_t stream);
+// Up projection with SwiGLU (B = w13 [E, 2I, H], args.n = I): h = [g, u] ([rows, 2I] by sorted row, the layout of
+// saved_h) and a = silu(g) * u ([rows, I]) in the element type; either may be NULL. `num_sms`: bound on the
+// persistent kernel's grid (the number of co-resident clusters of the device is asked of the runtime).
+megamoe_status_t launch_m_grouped_gemm_sm90_swiglu(const cuda::MGroupedGemmArgs& args, void* h, void* act, int num_sms,
+                                                   cudaStream_t stream);
 
 // What the dH GEMM's dSwiGLU epilogue reads and writes besides its accumulators p = W2[e]^T dy.
 struct DSwiGLUEpilogueArgs {
-    const void* h;                  // [g, u]: sorted row r at h row r, or at h row a_gather_slots[r] (slot order)
-    bool h_in_slot_order;           // h is the forward's saved_h
-    void* dh;                       // [rows, 2I] out: [dg, du] by sorted row (may alias h in sorted order)
+    const void* h;                  // [rows, 2I]: [g, u] by sorted row
+    void* dh;                       // [rows, 2I] out: [dg, du] by sorted row (may be h itself: written in place)
     void* act;                      // [rows, I] out: s * silu(g) * u, the dW2 operand
     float* ds_parts;                // [rows, dswiglu_sm90_num_ds_parts(I)] out: ds per row and n-tile
     const void* weights;            // topk_weights [T * topk]; s of row r = weights[a_gather_slots[r]]

@@ -175,13 +175,15 @@ __device__ __forceinline__ Tile decode_tile_if_any(const KernelParams& params, i
     return tile;
 }
 
-// The cluster's tile sequence (tile ring above). Every thread of every warp of both CTAs calls next() for each tile in
-// the same order, whole warps at a time. The leader CTA's producer thread 0 (claims) keeps the ring kClaimAhead tiles
-// ahead of its own reads, and its atomicAdd for a tile is issued one call before the tile is written into the ring:
-// neither the atomic's round trip nor the remote write is waited for when a tile starts.
+// The cluster's tile sequence. Balanced routing (no counter, or order_experts_kernel chose the static stride): every
+// thread computes the static stride itself (cluster c takes c, c + num_clusters, ...), no ring. Skewed routing: tiles
+// go through the tile ring above; every thread of every warp of both CTAs calls next() for each tile in the same
+// order, whole warps at a time. The leader CTA's producer thread 0 (claims) keeps the ring kClaimAhead tiles ahead of
+// its own reads, and its atomicAdd for a tile is issued one call before the tile is written into the ring: neither
+// the atomic's round trip nor the remote write is waited for when a tile starts.
 struct TileSequence {
     TileRing* ring;
-    int* tile_counter;  // claims greedily from it, else NULL: the static stride
+    int* tile_counter;  // claims greedily from it, else NULL: the static stride, computed by every thread
     int cluster_idx;
     int num_clusters;
     bool claims;
@@ -189,16 +191,19 @@ struct TileSequence {
     int pending;  // claims: the tile for sequence number seq_idx + kClaimAhead (atomicAdd in flight)
 
     __device__ __forceinline__ TileSequence(TileRing* ring_, int* tile_counter_, bool claims_)
-        : ring(ring_), tile_counter(nullptr), claims(claims_), seq_idx(0), pending(0) {
+        : ring(ring_), tile_counter(nullptr), claims(false), seq_idx(0), pending(0) {
         cluster_idx = static_cast<int>(blockIdx.x) / kClusterSize;
         num_clusters = static_cast<int>(gridDim.x) / kClusterSize;
-        if (claims && tile_counter_ != nullptr && tile_counter_[1] != 0) tile_counter = tile_counter_;  // read once
+        // Read once, by every thread (the same value in both CTAs: order_experts_kernel wrote it before the launch).
+        if (tile_counter_ != nullptr && tile_counter_[1] != 0) {
+            tile_counter = tile_counter_;
+            claims = claims_;
+        }
     }
 
-    // The cluster tile of sequence number `seq`: the cluster's own index first, then claimed (or, without a
-    // counter, the static stride).
+    // The claimed cluster tile of sequence number `seq`: the cluster's own index first, then the counter's.
     __device__ __forceinline__ int claim(int seq) const {
-        if (tile_counter == nullptr || seq == 0) return cluster_idx + seq * num_clusters;
+        if (seq == 0) return cluster_idx;
         return num_clusters + atomicAdd(tile_counter, 1);
     }
 
@@ -218,6 +223,7 @@ struct TileSequence {
 
     // The next cluster tile (num_tiles or more: none left).
     __device__ __forceinline__ int next(int lane_idx) {
+        if (tile_counter == nullptr) return cluster_idx + (seq_idx++) * num_clusters;  // static stride
         if (claims) {
             if (seq_idx == 0) {
                 for (int seq = 0; seq < kClaimAhead; ++seq) publish(seq, claim(seq));

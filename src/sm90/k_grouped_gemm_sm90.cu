@@ -31,10 +31,9 @@
 // starts with t = c, then claims t = num_clusters + atomicAdd(tile_counter, 1) whenever it starts a tile, so the
 // clusters end within about one light tile of each other; the static stride had left some clusters with several
 // times the work of others (qwen3-30b-a3b dW2 0.81 -> 0.68 ms under the bench's skew; the training example's
-// k-grouped kernels 19.7 -> 17.6 ms per step). The static stride also goes through the tile ring, which costs 3-7%
-// against computing the stride in each thread (qwen3-30b-a3b balanced dW13 1.36 -> 1.46 ms); TODO(#5): run the
-// static stride without the ring (branch pending-static-path, not yet run on a GPU). Without the scratch (NULL
-// tile_counter) the static stride is used. Each CTA loops over every row of the tile's expert in order: no split-K,
+// k-grouped kernels 19.7 -> 17.6 ms per step). The static stride is computed by every thread itself, without the
+// tile ring (through the ring it had cost 3-7%: qwen3-30b-a3b balanced dW13 1.36 -> 1.46 ms); so is it without the
+// scratch (NULL tile_counter). Each CTA loops over every row of the tile's expert in order: no split-K,
 // no atomics on the output, bitwise deterministic; an expert with no rows writes zeros.
 // Tile ring: the leader CTA's producer thread 0 claims each cluster tile kClaimAhead tiles ahead and writes it into
 // slot s % kTileRing of both CTAs' rings (its own: a store and an arrival; the other's: st.async completing the

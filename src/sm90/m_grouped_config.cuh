@@ -108,8 +108,7 @@ struct KernelParams {
     int64_t num_n_tiles;
     void* out;  // kStore: [rows, n], row stride ldo; kSwiGLU: a [rows, I] or NULL; kDSwiGLU: dh [rows, 2I]
     int64_t ldo;
-    void* h;               // kSwiGLU: [g, u] [rows, 2I] out, or NULL; kDSwiGLU: [g, u] in
-    bool h_in_slot_order;  // h row of sorted row r: a_gather_slots[r] (the slot, saved_h's order) instead of r
+    void* h;               // kSwiGLU: [g, u] [rows, 2I] out, or NULL; kDSwiGLU: [g, u] in (by sorted row both)
     void* act;             // kDSwiGLU: s * a [rows, I]
     float* ds_parts;       // kDSwiGLU: [rows, num_n_tiles] partial sums of ds
     const void* weights;   // kDSwiGLU: topk_weights [T * topk] (s of row r: weights[a_gather_slots[r]])

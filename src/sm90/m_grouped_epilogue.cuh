@@ -29,8 +29,6 @@ __device__ __forceinline__ void store_tile(const KernelParams& params, const Til
         const int local_row = first_row + half * 8;
         const bool row_valid = local_row < tile.num_rows;
         const int64_t row_idx = tile.row_begin + local_row;
-        const int64_t h_row_idx =
-            kSwiGLU && params.h_in_slot_order && row_valid ? params.a_gather_slots[row_idx] : row_idx;
 #pragma unroll
         for (int group_idx = 0; group_idx < kNumOutFrags / kFragsPerChunk; ++group_idx) {
             uint32_t out_words[kFragsPerChunk], gate_words[kFragsPerChunk], up_words[kFragsPerChunk];
@@ -57,7 +55,7 @@ __device__ __forceinline__ void store_tile(const KernelParams& params, const Til
             if (kSwiGLU && params.h != nullptr) {
                 quad_transpose(gate_words, quad_lane);
                 quad_transpose(up_words, quad_lane);
-                T* h_row = static_cast<T*>(params.h) + h_row_idx * 2 * params.n;
+                T* h_row = static_cast<T*>(params.h) + row_idx * 2 * params.n;
                 if (valid) store_chunk(h_row, col, gate_words);
                 if (valid) store_chunk(h_row + params.n, col, up_words);
             }
@@ -104,8 +102,7 @@ __device__ __forceinline__ void store_tile_dswiglu(const KernelParams& params, c
         const int64_t row_idx = tile.row_begin + local_row;
         const int64_t slot_idx = row_valid ? params.a_gather_slots[row_idx] : 0;
         const float weight = row_valid ? cuda::load_scalar(params.weights, params.weights_dtype, slot_idx) : 0.0f;
-        const T* h_row =
-            static_cast<const T*>(params.h) + (params.h_in_slot_order ? slot_idx : row_idx) * 2 * intermediate;
+        const T* h_row = static_cast<const T*>(params.h) + row_idx * 2 * intermediate;
         T* dh_row = static_cast<T*>(params.out) + row_idx * 2 * intermediate;
         T* act_row = static_cast<T*>(params.act) + row_idx * intermediate;
         float ds = 0.0f;

@@ -89,6 +89,40 @@ TEST(Reference, SavedHGivesTheRecomputedGradients) {
     EXPECT_GT(relative_error(kept.dx, recomputed.dx), 0.5);
 }
 
+// saved_h's layout (megamoe.h): row r holds [g, u] of the r-th routed slot in the stable expert order (ties in slot
+// order); the rows of dropped slots, at the end, are untouched (poisoned here, so a write there shows).
+TEST(Reference, SavedHRowsAreSortedStablyByExpert) {
+    std::mt19937_64 rng(fresh_seed());
+    Problem problem{9, 6, 4, 5, 3};
+    problem.routing = Routing::kSomeDropped;
+    problem.make(rng);
+    const int64_t H = problem.hidden, I = problem.intermediate, num_slots = problem.num_tokens * problem.topk;
+    HostTensor y(problem.dtype, {problem.num_tokens, H}), saved_h(problem.dtype, {num_slots, 2 * I});
+    saved_h.fill(std::nan(""));
+    megamoe_forward_params_t forward = problem.forward_params(y);
+    forward.saved_h = saved_h.view;
+    ASSERT_EQ(megamoe_forward(&forward), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
+    int64_t row_idx = 0;
+    for (int64_t expert_idx = 0; expert_idx < problem.num_experts; ++expert_idx) {
+        for (int64_t slot_idx = 0; slot_idx < num_slots; ++slot_idx) {
+            if (static_cast<int64_t>(problem.ids.get(slot_idx)) != expert_idx) continue;
+            const int64_t token_idx = slot_idx / problem.topk;
+            for (int64_t col = 0; col < 2 * I; ++col) {
+                double want = 0.0;
+                for (int64_t h = 0; h < H; ++h) {
+                    want += problem.w13.get((expert_idx * 2 * I + col) * H + h) * problem.x.get(token_idx * H + h);
+                }
+                EXPECT_NEAR(saved_h.get(row_idx * 2 * I + col), want, 1e-12) << "row " << row_idx << " col " << col;
+            }
+            ++row_idx;
+        }
+    }
+    ASSERT_LT(row_idx, num_slots) << "the routing should drop some slots";
+    for (int64_t idx = row_idx * 2 * I; idx < num_slots * 2 * I; ++idx) {
+        EXPECT_TRUE(std::isnan(saved_h.get(idx))) << "row of a dropped slot written, element " << idx;
+    }
+}
+
 TEST(Reference, DroppedSlotsAndEmptyExpertsGiveExactZeros) {
     std::mt19937_64 rng(fresh_seed());
     Problem problem{9, 6, 5, 6, 3};

@@ -157,9 +157,10 @@ TEST(Sm90Backward, WeightGradKernelMatchesReference) {
     for (const Sm90Case& c : cases) check_against_reference(c, true);
 }
 
-// Keep-h mode: the forward writes saved_h (poisoned first), the backward reads it instead of recomputing h. The
-// gradients must equal the recompute mode's bitwise (h comes from the same kernel either way), and the routed rows
-// of saved_h must match the CPU reference's h (rows of dropped slots are not written, so not compared).
+// Keep-h mode: the forward writes saved_h (poisoned first), the backward reads it instead of recomputing h (and writes
+// dh over it). The gradients must equal the recompute mode's bitwise (h comes from the same kernel either way), and
+// saved_h's routed rows (sorted rows [0, routed slots)) must match the CPU reference's h row by row, so both keep the
+// same row order (the rows of dropped slots, at the end, are not written, so not compared).
 void check_keep_h(const Sm90Case& c, bool expect_sm90) {
     SCOPED_TRACE(::testing::PrintToString(c));
     const Problem problem = make_problem(c);
@@ -175,6 +176,7 @@ void check_keep_h(const Sm90Case& c, bool expect_sm90) {
     forward.bind();
     saved_h.poison();
     forward.run();
+    const HostTensor h_got = saved_h.download();  // before the backward consumes it
     device.params.saved_h = saved_h.view();
     device.run();
     expect_bitwise_equal(recompute, device.download());
@@ -183,12 +185,12 @@ void check_keep_h(const Sm90Case& c, bool expect_sm90) {
     megamoe_forward_params_t reference = problem.forward_params(y_want);
     reference.saved_h = h_want.view;
     ASSERT_EQ(megamoe_forward(&reference), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
-    const HostTensor h_got = saved_h.download();
+    int64_t num_routed = 0;
+    for (int64_t slot_idx = 0; slot_idx < num_slots; ++slot_idx) num_routed += problem.ids.get(slot_idx) >= 0;
     double diff = 0.0, norm = 0.0;
-    for (int64_t slot_idx = 0; slot_idx < num_slots; ++slot_idx) {
-        if (problem.ids.get(slot_idx) < 0) continue;
+    for (int64_t row_idx = 0; row_idx < num_routed; ++row_idx) {
         for (int64_t col = 0; col < 2 * I; ++col) {
-            const double want = h_want.get(slot_idx * 2 * I + col), got = h_got.get(slot_idx * 2 * I + col);
+            const double want = h_want.get(row_idx * 2 * I + col), got = h_got.get(row_idx * 2 * I + col);
             diff += (got - want) * (got - want);
             norm += want * want;
         }
