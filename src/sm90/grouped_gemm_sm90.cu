@@ -263,6 +263,10 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Kernel
     for (int64_t tile_idx = blockIdx.x / kClusterSize; tile_idx < num_tiles; tile_idx += gridDim.x / kClusterSize) {
         const Tile tile = decode_tile(params, tile_idx, num_m_tiles, cta_rank);
         const bool has_rows = consumer_idx * kConsumerRows < tile.num_rows;  // else only keep the pipeline going
+        RowWeights row_weights{};  // kDSwiGLU: in flight during the mainloop
+        if constexpr (kEpilogue == Epilogue::kDSwiGLU) {
+            row_weights = load_row_weights(params, tile, consumer_idx, warp_idx, lane_idx);
+        }
 #pragma unroll
         for (int reg_idx = 0; reg_idx < kNumAccRegs; ++reg_idx) acc[reg_idx] = 0.0f;
         int in_flight_stage = -1;
@@ -285,7 +289,7 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Kernel
         }
         retire_last_batch<kClusterSize>(acc, empty, in_flight_stage, lane_idx);
         if constexpr (kEpilogue == Epilogue::kDSwiGLU) {
-            store_tile_dswiglu<T>(params, tile, acc, consumer_idx, warp_idx, lane_idx);
+            store_tile_dswiglu<T>(params, tile, acc, row_weights, consumer_idx, warp_idx, lane_idx);
         } else if (kEpilogue == Epilogue::kStore && params.tma_store &&
                    warp_first_row + kTmaStoreRows <= tile.num_rows) {
             store_tile_tma<T>(out_map, tile, acc, warp_staging, warp_first_row, lane_idx);

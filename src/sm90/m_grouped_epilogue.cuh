@@ -77,93 +77,145 @@ __device__ __forceinline__ void store_tile_tma(const CUtensorMap* out_map, const
     });
 }
 
+// kDSwiGLU: the topk weight s of the thread's two accumulator rows (rows 16 w + l / 4 and + 8 of the consumer's 64),
+// 0 for rows past the tile's end. Loaded when the tile starts (slot, then weight: two dependent loads), so the
+// epilogue, a whole mainloop later, does not wait for them.
+struct RowWeights {
+    float weight[2];
+};
+
+__device__ __forceinline__ RowWeights load_row_weights(const KernelParams& params, const Tile& tile, int consumer_idx,
+                                                       int warp_idx, int lane_idx) {
+    RowWeights weights;
+    const int first_row = consumer_idx * kConsumerRows + warp_idx * 16 + lane_idx / 4;
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {
+        const int local_row = first_row + half * 8;
+        weights.weight[half] = 0.0f;
+        if (local_row < tile.num_rows) {
+            const int64_t slot_idx = params.a_gather_slots[tile.row_begin + local_row];
+            weights.weight[half] = cuda::load_scalar(params.weights, params.weights_dtype, slot_idx);
+        }
+    }
+    return weights;
+}
+
 // kDSwiGLU epilogue of one consumer warpgroup (rows and fragments as in store_tile): acc = p = W2[e]^T dy of the
-// tile's I columns. Each lane loads its 16-byte chunks of g and u, kLoadBatch groups at a time (the loads of a
-// batch in flight together; the producer prefetched them into L2), and quad-transposes them into the accumulator
-// layout, computes ds += p a, da = s p, dg = da u sigmoid(g) (1 + g (1 - sigmoid(g))), du = da silu(g), and s a,
-// transposes those back into chunks and stores them. The quad's partial sums of ds (a fixed shuffle order) give
+// tile's I columns. Each lane reads its 16-byte chunks of g and u in batches of kLoadBatch groups, software-pipelined:
+// the next batch's loads are issued before the current batch is computed and stored, so a lane waits for L2 (the
+// producer prefetched the rows there) once per tile instead of once per batch. A batch's chunks are quad-transposed
+// into the accumulator layout; then ds += p a, da = s p, dg = da u sigmoid(g) (1 + g (1 - sigmoid(g))),
+// du = da silu(g), and s a, transposed back into chunks and stored. dh may be h itself (in place): a batch is loaded
+// before it is stored, and batches touch disjoint columns. The quad's partial sums of ds (a fixed shuffle order) give
 // the row's sum over the tile's columns. Columns past I hold p = 0 (B zero-filled) and read no h.
 template <typename T, int kNumRegs>
 __device__ __forceinline__ void store_tile_dswiglu(const KernelParams& params, const Tile& tile,
-                                                   const float (&acc)[kNumRegs], int consumer_idx, int warp_idx,
-                                                   int lane_idx) {
+                                                   const float (&acc)[kNumRegs], const RowWeights& weights,
+                                                   int consumer_idx, int warp_idx, int lane_idx) {
     constexpr int kFragsPerChunk = 4;
     constexpr int kNumGroups = kBlockN / 8 / kFragsPerChunk;  // 16-byte chunks per lane and row
-    constexpr int kLoadBatch = 4;
+    constexpr int kLoadBatch = 2;
+    constexpr int kBatchesPerHalf = kNumGroups / kLoadBatch;
+    constexpr int kNumBatches = 2 * kBatchesPerHalf;  // both rows of the thread, one after the other
     static_assert(kNumGroups % kLoadBatch == 0, "g, u chunks are loaded in whole batches");
     const int quad_lane = lane_idx % 4;
     const int first_row = consumer_idx * kConsumerRows + warp_idx * 16 + lane_idx / 4;
     const int64_t first_col = tile.n_tile_idx * kBlockN;
     const int64_t intermediate = params.n;
+    const T* h = static_cast<const T*>(params.h);
+    T* dh = static_cast<T*>(params.out);
+    T* act = static_cast<T*>(params.act);
+    auto row_valid = [&](int half) { return first_row + half * 8 < tile.num_rows; };  // the same for a quad's lanes
+    auto row_idx = [&](int half) { return tile.row_begin + first_row + half * 8; };
+    auto chunk_col = [&](int batch_idx, int batch_group) {
+        return first_col + (((batch_idx % kBatchesPerHalf) * kLoadBatch + batch_group) * kFragsPerChunk + quad_lane) * 8;
+    };
+    auto load_batch = [&](int batch_idx, uint32_t (&gate)[kLoadBatch][kFragsPerChunk],
+                          uint32_t (&up)[kLoadBatch][kFragsPerChunk]) {
+        const int half = batch_idx / kBatchesPerHalf;
+        const T* h_row = h + row_idx(half) * 2 * intermediate;
 #pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int local_row = first_row + half * 8;
-        const bool row_valid = local_row < tile.num_rows;  // the same for the 4 lanes of a quad
-        const int64_t row_idx = tile.row_begin + local_row;
-        const int64_t slot_idx = row_valid ? params.a_gather_slots[row_idx] : 0;
-        const float weight = row_valid ? cuda::load_scalar(params.weights, params.weights_dtype, slot_idx) : 0.0f;
-        const T* h_row = static_cast<const T*>(params.h) + row_idx * 2 * intermediate;
-        T* dh_row = static_cast<T*>(params.out) + row_idx * 2 * intermediate;
-        T* act_row = static_cast<T*>(params.act) + row_idx * intermediate;
-        float ds = 0.0f;
+        for (int batch_group = 0; batch_group < kLoadBatch; ++batch_group) {
+            const int64_t col = chunk_col(batch_idx, batch_group);
 #pragma unroll
-        for (int batch_idx = 0; batch_idx < kNumGroups / kLoadBatch; ++batch_idx) {
-            uint32_t gate_batch[kLoadBatch][kFragsPerChunk] = {}, up_batch[kLoadBatch][kFragsPerChunk] = {};
+            for (int word_idx = 0; word_idx < kFragsPerChunk; ++word_idx) gate[batch_group][word_idx] = 0;
 #pragma unroll
-            for (int batch_group = 0; batch_group < kLoadBatch; ++batch_group) {
-                const int64_t col =
-                    first_col + ((batch_idx * kLoadBatch + batch_group) * kFragsPerChunk + quad_lane) * 8;
-                if (row_valid && col < intermediate) {
-                    load_chunk(h_row, col, gate_batch[batch_group]);
-                    load_chunk(h_row + intermediate, col, up_batch[batch_group]);
-                }
-            }
-#pragma unroll
-            for (int batch_group = 0; batch_group < kLoadBatch; ++batch_group) {
-                const int group_idx = batch_idx * kLoadBatch + batch_group;
-                const int64_t col = first_col + (group_idx * kFragsPerChunk + quad_lane) * 8;
-                const bool valid = row_valid && col < intermediate;
-                uint32_t(&gate_words)[kFragsPerChunk] = gate_batch[batch_group];
-                uint32_t(&up_words)[kFragsPerChunk] = up_batch[batch_group];
-                quad_transpose(gate_words, quad_lane);
-                quad_transpose(up_words, quad_lane);
-                uint32_t dgate_words[kFragsPerChunk], dup_words[kFragsPerChunk], act_words[kFragsPerChunk];
-#pragma unroll
-                for (int word_idx = 0; word_idx < kFragsPerChunk; ++word_idx) {
-                    const int reg_idx = (group_idx * kFragsPerChunk + word_idx) * 4 + half * 2;
-                    float gate[2], up[2], d_gate[2], d_up[2], scaled_act[2];
-                    cuda::unpack_pair<T>(gate_words[word_idx], gate[0], gate[1]);
-                    cuda::unpack_pair<T>(up_words[word_idx], up[0], up[1]);
-#pragma unroll
-                    for (int item_idx = 0; item_idx < 2; ++item_idx) {
-                        const float p = acc[reg_idx + item_idx];
-                        const float gate_sigmoid = 1.0f / (1.0f + __expf(-gate[item_idx]));
-                        const float silu_gate = gate[item_idx] * gate_sigmoid;
-                        const float act = silu_gate * up[item_idx];
-                        ds = fmaf(p, act, ds);
-                        const float d_act = weight * p;
-                        d_gate[item_idx] =
-                            d_act * up[item_idx] * gate_sigmoid * (1.0f + gate[item_idx] * (1.0f - gate_sigmoid));
-                        d_up[item_idx] = d_act * silu_gate;
-                        scaled_act[item_idx] = weight * act;
-                    }
-                    dgate_words[word_idx] = cuda::pack_pair<T>(d_gate[0], d_gate[1]);
-                    dup_words[word_idx] = cuda::pack_pair<T>(d_up[0], d_up[1]);
-                    act_words[word_idx] = cuda::pack_pair<T>(scaled_act[0], scaled_act[1]);
-                }
-                quad_transpose(dgate_words, quad_lane);
-                quad_transpose(dup_words, quad_lane);
-                quad_transpose(act_words, quad_lane);
-                if (valid) {
-                    store_chunk(dh_row, col, dgate_words);
-                    store_chunk(dh_row + intermediate, col, dup_words);
-                    store_chunk(act_row, col, act_words);
-                }
+            for (int word_idx = 0; word_idx < kFragsPerChunk; ++word_idx) up[batch_group][word_idx] = 0;
+            if (row_valid(half) && col < intermediate) {
+                load_chunk(h_row, col, gate[batch_group]);
+                load_chunk(h_row + intermediate, col, up[batch_group]);
             }
         }
-        ds += __shfl_xor_sync(0xffffffffu, ds, 1);
-        ds += __shfl_xor_sync(0xffffffffu, ds, 2);
-        if (row_valid && quad_lane == 0) params.ds_parts[row_idx * params.num_n_tiles + tile.n_tile_idx] = ds;
+    };
+    uint32_t gate_next[kLoadBatch][kFragsPerChunk], up_next[kLoadBatch][kFragsPerChunk];
+    load_batch(0, gate_next, up_next);
+    float ds = 0.0f;
+#pragma unroll
+    for (int batch_idx = 0; batch_idx < kNumBatches; ++batch_idx) {
+        const int half = batch_idx / kBatchesPerHalf;
+        uint32_t gate_batch[kLoadBatch][kFragsPerChunk], up_batch[kLoadBatch][kFragsPerChunk];
+#pragma unroll
+        for (int batch_group = 0; batch_group < kLoadBatch; ++batch_group) {
+#pragma unroll
+            for (int word_idx = 0; word_idx < kFragsPerChunk; ++word_idx) {
+                gate_batch[batch_group][word_idx] = gate_next[batch_group][word_idx];
+                up_batch[batch_group][word_idx] = up_next[batch_group][word_idx];
+            }
+        }
+        if (batch_idx + 1 < kNumBatches) load_batch(batch_idx + 1, gate_next, up_next);
+        const float weight = weights.weight[half];
+        T* dh_row = dh + row_idx(half) * 2 * intermediate;
+        T* act_row = act + row_idx(half) * intermediate;
+#pragma unroll
+        for (int batch_group = 0; batch_group < kLoadBatch; ++batch_group) {
+            const int group_idx = (batch_idx % kBatchesPerHalf) * kLoadBatch + batch_group;
+            const int64_t col = chunk_col(batch_idx, batch_group);
+            const bool valid = row_valid(half) && col < intermediate;
+            uint32_t(&gate_words)[kFragsPerChunk] = gate_batch[batch_group];
+            uint32_t(&up_words)[kFragsPerChunk] = up_batch[batch_group];
+            quad_transpose(gate_words, quad_lane);
+            quad_transpose(up_words, quad_lane);
+            uint32_t dgate_words[kFragsPerChunk], dup_words[kFragsPerChunk], act_words[kFragsPerChunk];
+#pragma unroll
+            for (int word_idx = 0; word_idx < kFragsPerChunk; ++word_idx) {
+                const int reg_idx = (group_idx * kFragsPerChunk + word_idx) * 4 + half * 2;
+                float gate[2], up[2], d_gate[2], d_up[2], scaled_act[2];
+                cuda::unpack_pair<T>(gate_words[word_idx], gate[0], gate[1]);
+                cuda::unpack_pair<T>(up_words[word_idx], up[0], up[1]);
+#pragma unroll
+                for (int item_idx = 0; item_idx < 2; ++item_idx) {
+                    const float p = acc[reg_idx + item_idx];
+                    const float gate_sigmoid = 1.0f / (1.0f + __expf(-gate[item_idx]));
+                    const float silu_gate = gate[item_idx] * gate_sigmoid;
+                    const float activation = silu_gate * up[item_idx];
+                    ds = fmaf(p, activation, ds);
+                    const float d_act = weight * p;
+                    d_gate[item_idx] =
+                        d_act * up[item_idx] * gate_sigmoid * (1.0f + gate[item_idx] * (1.0f - gate_sigmoid));
+                    d_up[item_idx] = d_act * silu_gate;
+                    scaled_act[item_idx] = weight * activation;
+                }
+                dgate_words[word_idx] = cuda::pack_pair<T>(d_gate[0], d_gate[1]);
+                dup_words[word_idx] = cuda::pack_pair<T>(d_up[0], d_up[1]);
+                act_words[word_idx] = cuda::pack_pair<T>(scaled_act[0], scaled_act[1]);
+            }
+            quad_transpose(dgate_words, quad_lane);
+            quad_transpose(dup_words, quad_lane);
+            quad_transpose(act_words, quad_lane);
+            if (valid) {
+                store_chunk(dh_row, col, dgate_words);
+                store_chunk(dh_row + intermediate, col, dup_words);
+                store_chunk(act_row, col, act_words);
+            }
+        }
+        if (batch_idx % kBatchesPerHalf == kBatchesPerHalf - 1) {  // the half's row is done: its ds part
+            ds += __shfl_xor_sync(0xffffffffu, ds, 1);
+            ds += __shfl_xor_sync(0xffffffffu, ds, 2);
+            if (row_valid(half) && quad_lane == 0) {
+                params.ds_parts[row_idx(half) * params.num_n_tiles + tile.n_tile_idx] = ds;
+            }
+            ds = 0.0f;
+        }
     }
 }
 
