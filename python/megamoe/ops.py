@@ -59,19 +59,20 @@ def _saved_h_or_none(saved_h):
     return saved_h if saved_h is not None and saved_h.dim() == 2 else None  # the empty [0] means "recompute"
 
 
+# saved_h is a required argument of the op (an empty tensor means "recompute"): some torch versions drop a trailing
+# defaulted argument before bumping the version counters of the mutated ones, and then fail to find it.
 @torch.library.custom_op("megamoe::moe_backward", mutates_args=("saved_h",))
-def moe_backward(
+def _moe_backward_op(
     dy: torch.Tensor,
     x: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
-    saved_h: Optional[torch.Tensor] = None,
+    saved_h: torch.Tensor,
     wgrad_f32: bool = False,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """(dx, d topk_weights, dw13, dw2). saved_h: moe_forward's h (keep-h mode; consumed: dh is written over it) or
-    None / empty (recompute h). wgrad_f32: dw13 and dw2 in f32 (main-grad style) instead of the parameters' dtype."""
+    """torch.ops.megamoe.moe_backward: moe_backward below with saved_h always given (empty: recompute h)."""
     dy = _contiguous("dy", dy)
     saved_h = _saved_h_or_none(saved_h)
     if saved_h is not None:
@@ -86,8 +87,8 @@ def moe_backward(
     return dx, dtopk_weights, dw13, dw2
 
 
-@moe_backward.register_fake
-def _(dy, x, topk_ids, topk_weights, w13, w2, saved_h=None, wgrad_f32=False):
+@_moe_backward_op.register_fake
+def _(dy, x, topk_ids, topk_weights, w13, w2, saved_h, wgrad_f32=False):
     wgrad_dtype = torch.float32 if wgrad_f32 else None
     return (
         torch.empty_like(x, memory_format=torch.contiguous_format),
@@ -95,6 +96,15 @@ def _(dy, x, topk_ids, topk_weights, w13, w2, saved_h=None, wgrad_f32=False):
         torch.empty_like(w13, dtype=wgrad_dtype, memory_format=torch.contiguous_format),
         torch.empty_like(w2, dtype=wgrad_dtype, memory_format=torch.contiguous_format),
     )
+
+
+def moe_backward(dy, x, topk_ids, topk_weights, w13, w2, saved_h=None, wgrad_f32=False):
+    """(dx, d topk_weights, dw13, dw2) of moe_forward's inputs given dy [T, H]. saved_h: moe_forward's h (keep-h
+    mode; consumed: dh is written over it, so it serves one backward) or None (recompute h). wgrad_f32: dw13 and dw2
+    in f32 (main-grad style) instead of the parameters' dtype."""
+    if saved_h is None:
+        saved_h = dy.new_empty((0,)) if isinstance(dy, torch.Tensor) else None
+    return _moe_backward_op(dy, x, topk_ids, topk_weights, w13, w2, saved_h, wgrad_f32)
 
 
 def _setup_context(ctx, inputs, output):

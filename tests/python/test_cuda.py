@@ -74,17 +74,17 @@ def test_skewed_routing_is_deterministic(gen):
 def test_cuda_graph_replays_forward_and_backward(gen):
     x, ids, s, w13, w2, dy = detached(*[t.cuda() for t in make_problem(64, 96, 40, 8, 2, "dropped",
                                                                        dtype=torch.bfloat16, gen=gen)])
-    torch.ops.megamoe.moe_backward(dy, x, ids, s, w13, w2)  # warm-up outside the capture
+    megamoe.moe_backward(dy, x, ids, s, w13, w2)  # warm-up outside the capture
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph):
         y, h = torch.ops.megamoe.moe_forward(x, ids, s, w13, w2, True)
-        grads = torch.ops.megamoe.moe_backward(dy, x, ids, s, w13, w2, h)
+        grads = megamoe.moe_backward(dy, x, ids, s, w13, w2, h)
     fresh = make_problem(64, 96, 40, 8, 2, "dropped", dtype=torch.bfloat16, gen=gen)
     for dst, src in zip((x, ids, s, w13, w2, dy), fresh):
         dst.copy_(src.detach())  # new values in the captured buffers
     graph.replay()
     torch.cuda.synchronize()
-    eager = [torch.ops.megamoe.moe_forward(x, ids, s, w13, w2)[0], *torch.ops.megamoe.moe_backward(dy, x, ids, s, w13, w2)]
+    eager = [torch.ops.megamoe.moe_forward(x, ids, s, w13, w2)[0], *megamoe.moe_backward(dy, x, ids, s, w13, w2)]
     for name, replayed, expected in zip(OUTPUTS, [y, *grads], eager):
         assert torch.equal(replayed, expected), f"{name}: replay differs from eager"
 
@@ -102,8 +102,8 @@ def test_autograd_through_the_op(gen):
 def test_weight_gradients_in_f32(gen):
     x, ids, s, w13, w2, dy = detached(*[t.cuda() for t in make_problem(40, 64, 48, 4, 2, "dropped",
                                                                        dtype=torch.bfloat16, gen=gen)])
-    _, _, dw13, dw2 = torch.ops.megamoe.moe_backward(dy, x, ids, s, w13, w2)
-    _, _, dw13_f32, dw2_f32 = torch.ops.megamoe.moe_backward(dy, x, ids, s, w13, w2, None, True)
+    _, _, dw13, dw2 = megamoe.moe_backward(dy, x, ids, s, w13, w2)
+    _, _, dw13_f32, dw2_f32 = megamoe.moe_backward(dy, x, ids, s, w13, w2, None, True)
     assert dw13_f32.dtype == dw2_f32.dtype == torch.float32
     assert torch.equal(dw13_f32.bfloat16(), dw13) and torch.equal(dw2_f32.bfloat16(), dw2)
 
