@@ -88,32 +88,41 @@ using namespace m_grouped;  // NOLINT(google-build-using-namespace): the kernel'
 using cuda::ceil_div;
 namespace gmma = cute::SM90::GMMA;
 
-// The CuTe wgmma atom m64 x kBlockN x k16 from shared memory, f32 accumulators: A K-major, B K-major (kNK) or
-// MN-major (kKN).
+// The CuTe wgmma atom m64 x kN x k16 from shared memory, f32 accumulators: A K-major, B K-major (kNK) or MN-major
+// (kKN).
 template <BLayout kBLayout>
 constexpr gmma::Major kBMajor = kBLayout == BLayout::kNK ? gmma::Major::K : gmma::Major::MN;
-template <typename T, BLayout kBLayout>
+template <typename T, BLayout kBLayout, int kN>
 struct WgmmaAtom;
 template <BLayout kBLayout>
-struct WgmmaAtom<__nv_bfloat16, kBLayout> {
+struct WgmmaAtom<__nv_bfloat16, kBLayout, 256> {
     using Op = gmma::MMA_64x256x16_F32BF16BF16_SS<gmma::Major::K, kBMajor<kBLayout>>;
 };
 template <BLayout kBLayout>
-struct WgmmaAtom<__half, kBLayout> {
+struct WgmmaAtom<__half, kBLayout, 256> {
     using Op = gmma::MMA_64x256x16_F32F16F16_SS<gmma::Major::K, kBMajor<kBLayout>>;
 };
-static_assert(kBlockN == 256, "the wgmma atoms above are n256");
+template <BLayout kBLayout>
+struct WgmmaAtom<__nv_bfloat16, kBLayout, 128> {
+    using Op = gmma::MMA_64x128x16_F32BF16BF16_SS<gmma::Major::K, kBMajor<kBLayout>>;
+};
+template <BLayout kBLayout>
+struct WgmmaAtom<__half, kBLayout, 128> {
+    using Op = gmma::MMA_64x128x16_F32F16F16_SS<gmma::Major::K, kBMajor<kBLayout>>;
+};
 
-template <typename Op, int kNumRegs, size_t... kRegIdx>
+template <typename Op, int kFirstReg, int kNumRegs, size_t... kRegIdx>
 __device__ __forceinline__ void wgmma_unpacked(uint64_t desc_a, uint64_t desc_b, float (&acc)[kNumRegs],
                                                std::index_sequence<kRegIdx...>) {
-    Op::fma(desc_a, desc_b, acc[kRegIdx]..., gmma::ScaleOut::One);
+    Op::fma(desc_a, desc_b, acc[kFirstReg + kRegIdx]..., gmma::ScaleOut::One);
 }
 
-// acc += A (64 x 16) * B (kBlockN x 16)^T, asynchronously.
-template <typename T, BLayout kBLayout, int kNumRegs>
+// acc[kFirstReg, kFirstReg + kBlockRegs) += A (64 x 16) * B (kBlockN x 16)^T, asynchronously: one row block.
+template <typename T, BLayout kBLayout, class Config, int kFirstReg, int kNumRegs>
 __device__ __forceinline__ void wgmma(uint64_t desc_a, uint64_t desc_b, float (&acc)[kNumRegs]) {
-    wgmma_unpacked<typename WgmmaAtom<T, kBLayout>::Op>(desc_a, desc_b, acc, std::make_index_sequence<kNumRegs>{});
+    static_assert(kFirstReg + Config::kBlockRegs <= kNumRegs, "the row block's accumulators are the consumer's");
+    wgmma_unpacked<typename WgmmaAtom<T, kBLayout, Config::kBlockN>::Op, kFirstReg>(
+        desc_a, desc_b, acc, std::make_index_sequence<Config::kBlockRegs>{});
 }
 
 // Descriptor of the B tile of a stage, and its advance per k16 step.
@@ -130,12 +139,14 @@ constexpr uint64_t kBDescK16Step = kBLayout == BLayout::kNK ? kDescK16Step : kDe
 
 // kDSwiGLU: starts the L2 prefetch of the g, u row segments that `tile` reads in its epilogue (thread t: rows t / 2
 // and t / 2 + 64, g or u by t % 2; kBlockN columns, fewer at the end of I).
+template <class Config>
 __device__ __forceinline__ void prefetch_h_rows(const KernelParams& params, const Tile& tile, int thread_idx) {
     constexpr int kRowsPerPass = kWarpgroupThreads / 2;  // two threads (g, u) per row
     static_assert(kBlockM % kRowsPerPass == 0, "the producer prefetches the tile's rows in whole passes");
-    const int64_t first_col = tile.n_tile_idx * kBlockN;
+    const int64_t first_col = tile.n_tile_idx * Config::kBlockN;
     if (first_col >= params.n) return;
-    const auto num_bytes = static_cast<uint32_t>(min(static_cast<int64_t>(kBlockN), params.n - first_col) * kElemBytes);
+    const auto num_bytes =
+        static_cast<uint32_t>(min(static_cast<int64_t>(Config::kBlockN), params.n - first_col) * kElemBytes);
 #pragma unroll
     for (int pass = 0; pass < kBlockM / kRowsPerPass; ++pass) {
         const int local_row = pass * kRowsPerPass + thread_idx / 2;
@@ -155,21 +166,31 @@ template <Epilogue kEpilogue>
 constexpr int kFullArrivals = kTmaA<kEpilogue> ? 2 : kWarpgroupThreads + 1;  // expect_tx of A and of B, or the
                                                                              // copies' arrivals and B's expect_tx
 
+// The CTA's tile sequence: cluster tiles c, c + num_clusters, ... (c: this CTA's cluster). The producer walks all of
+// them; a cooperative consumer too, a ping-pong consumer every other one (the first for consumer 0).
+struct CtaTiles {
+    int64_t first;
+    int64_t stride;
+    __device__ __forceinline__ CtaTiles() : first(blockIdx.x / kClusterSize), stride(gridDim.x / kClusterSize) {}
+    __device__ __forceinline__ int64_t at(int64_t seq_idx) const { return first + seq_idx * stride; }
+};
+
 // Producer warpgroup: B by TMA, A by TMA or gathered by cp.async, stage by stage, for every tile of this CTA.
-template <Epilogue kEpilogue, BLayout kBLayout>
+template <class Config, Epilogue kEpilogue, BLayout kBLayout, class Storage>
 __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensorMap* b_map, const KernelParams& params,
-                                        uint8_t* smem_a, uint8_t* smem_b, uint64_t* full, uint64_t* empty,
-                                        int num_m_tiles, int64_t num_tiles, int num_k_blocks, uint32_t cta_rank,
-                                        int thread_idx) {
+                                        Storage& smem, int num_m_tiles, int64_t num_tiles, int num_k_blocks,
+                                        uint32_t cta_rank, int thread_idx) {
     constexpr bool kSwiGLU = kEpilogue == Epilogue::kSwiGLU;
+    constexpr int kNumStages = num_stages<Config, kEpilogue>();
     if (kTmaA<kEpilogue> && thread_idx != 0) return;  // thread 0 loads both tiles
     const int chunk_idx = thread_idx % kChunksPerRow;
     const int first_row = thread_idx / kChunksPerRow;
+    const CtaTiles tiles;
     int stage_idx = 0;
     uint32_t phase = 0;
-    for (int64_t tile_idx = blockIdx.x / kClusterSize; tile_idx < num_tiles; tile_idx += gridDim.x / kClusterSize) {
+    for (int64_t tile_idx = tiles.first; tile_idx < num_tiles; tile_idx += tiles.stride) {
         const Tile tile = decode_tile(params, tile_idx, num_m_tiles, cta_rank);
-        if constexpr (kEpilogue == Epilogue::kDSwiGLU) prefetch_h_rows(params, tile, thread_idx);
+        if constexpr (kEpilogue == Epilogue::kDSwiGLU) prefetch_h_rows<Config>(params, tile, thread_idx);
         const uint16_t* src_rows[kProducerPasses];
 #pragma unroll
         for (int pass = 0; pass < kProducerPasses; ++pass) {
@@ -182,43 +203,42 @@ __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensor
                 src_rows[pass] = params.a + a_row * params.lda + chunk_idx * kChunkElems;
             }
         }
-        const auto b_first_row = static_cast<int32_t>(tile.n_tile_idx * (kSwiGLU ? kBBoxRows : kBlockN));
+        const auto b_first_row = static_cast<int32_t>(tile.n_tile_idx * (kSwiGLU ? Config::kBBoxRows : Config::kBlockN));
         for (int k_block_idx = 0; k_block_idx < num_k_blocks; ++k_block_idx) {
-            mbarrier_wait(&empty[stage_idx], phase ^ 1);
-            uint8_t* tile_a = smem_a + stage_idx * kATileBytes;
-            uint8_t* tile_b = smem_b + stage_idx * kBTileBytes;
+            mbarrier_wait(&smem.empty[stage_idx], phase ^ 1);
+            uint8_t* tile_a = smem.a[stage_idx];
+            uint8_t* tile_b = smem.b[stage_idx];
+            uint64_t* full = &smem.full[stage_idx];
             const int32_t k_begin = k_block_idx * kBlockK;
             if constexpr (kTmaA<kEpilogue>) {  // rows past the expert's end: the next expert's, results not stored
-                mbarrier_arrive_expect_tx(&full[stage_idx], kATileBytes);
-                tma_load_2d(tile_a, a_map, &full[stage_idx], k_begin, static_cast<int32_t>(tile.row_begin));
+                mbarrier_arrive_expect_tx(full, kATileBytes);
+                tma_load_2d(tile_a, a_map, full, k_begin, static_cast<int32_t>(tile.row_begin));
             }
             if (thread_idx == 0 && kBLayout == BLayout::kKN) {
-                mbarrier_arrive_expect_tx(&full[stage_idx], kBTileBytes);
+                mbarrier_arrive_expect_tx(full, Config::kBTileBytes);
                 // A shared B tile: boxes [cta_rank, cta_rank + 1) x kKNBoxesPerCta, multicast to both CTAs.
 #pragma unroll
-                for (int box_idx = 0; box_idx < kKNNumBoxes; ++box_idx) {
-                    const auto b_col = static_cast<int32_t>(tile.n_tile_idx * kBlockN + box_idx * kKNBoxCols);
+                for (int box_idx = 0; box_idx < Config::kKNNumBoxes; ++box_idx) {
+                    const auto b_col = static_cast<int32_t>(tile.n_tile_idx * Config::kBlockN + box_idx * kKNBoxCols);
                     uint8_t* box = tile_b + box_idx * kKNBoxBytes;
                     if (!tile.shared_b) {
-                        tma_load_3d(box, b_map, &full[stage_idx], b_col, k_begin, tile.expert_idx);
-                    } else if (box_idx / kKNBoxesPerCta == static_cast<int>(cta_rank)) {
-                        tma_load_3d_multicast(box, b_map, &full[stage_idx], b_col, k_begin, tile.expert_idx,
-                                              kClusterMask);
+                        tma_load_3d(box, b_map, full, b_col, k_begin, tile.expert_idx);
+                    } else if (box_idx / Config::kKNBoxesPerCta == static_cast<int>(cta_rank)) {
+                        tma_load_3d_multicast(box, b_map, full, b_col, k_begin, tile.expert_idx, kClusterMask);
                     }
                 }
             } else if (thread_idx == 0) {
-                mbarrier_arrive_expect_tx(&full[stage_idx], kBTileBytes);
+                mbarrier_arrive_expect_tx(full, Config::kBTileBytes);
                 // A shared B tile: box cta_rank, multicast to both CTAs; else both boxes, for this CTA alone.
 #pragma unroll
                 for (int box_idx = 0; box_idx < kNumBBoxes; ++box_idx) {
                     const auto b_row =
                         static_cast<int32_t>(b_first_row + (box_idx == 0 ? 0 : params.second_box_row_offset));
-                    uint8_t* box = tile_b + box_idx * kBBoxBytes;
+                    uint8_t* box = tile_b + box_idx * Config::kBBoxBytes;
                     if (!tile.shared_b) {
-                        tma_load_3d(box, b_map, &full[stage_idx], k_begin, b_row, tile.expert_idx);
+                        tma_load_3d(box, b_map, full, k_begin, b_row, tile.expert_idx);
                     } else if (box_idx == static_cast<int>(cta_rank)) {
-                        tma_load_3d_multicast(box, b_map, &full[stage_idx], k_begin, b_row, tile.expert_idx,
-                                              kClusterMask);
+                        tma_load_3d_multicast(box, b_map, full, k_begin, b_row, tile.expert_idx, kClusterMask);
                     }
                 }
             }
@@ -231,7 +251,7 @@ __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensor
                                        swizzle_128b_offset(first_row + pass * kProducerRowsPerPass, chunk_idx),
                                    valid ? src_rows[pass] + k_begin : params.a, valid);
                 }
-                cp_async_mbarrier_arrive_noinc(&full[stage_idx]);  // the stage is published once the copies land
+                cp_async_mbarrier_arrive_noinc(full);  // the stage is published once the copies land
             }
             advance_stage<kNumStages>(stage_idx, phase);
         }
@@ -240,61 +260,116 @@ __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensor
     cuda::cp_async_wait<0>();  // no copy outlives its thread
 }
 
-// Consumer warpgroup `consumer_idx`: wgmma over the stages of every tile of this CTA, then the epilogue.
-template <typename T, Epilogue kEpilogue, BLayout kBLayout>
-__device__ __forceinline__ void consume(const CUtensorMap* out_map, const KernelParams& params, uint8_t* smem_a,
-                                        uint8_t* smem_b, uint8_t* staging, uint64_t* full, uint64_t* empty,
+// One row block's wgmmas of a stage: kBlockK / 16 k16 steps of m64 x kBlockN x k16 on the block's A rows.
+template <typename T, BLayout kBLayout, class Config, int kRowBlock, int kNumRegs>
+__device__ __forceinline__ void row_block_mma(uint64_t desc_a, uint64_t desc_b, float (&acc)[kNumRegs]) {
+#pragma unroll
+    for (int k_step = 0; k_step < kBlockK / kWgmmaK; ++k_step) {
+        wgmma<T, kBLayout, Config, kRowBlock * Config::kBlockRegs>(desc_a + k_step * kDescK16Step,
+                                                                    desc_b + k_step * kBDescK16Step<kBLayout>, acc);
+    }
+}
+
+// The epilogue of one row block (local_block of the consumer's kRowBlocks; tile rows from 64 row_block).
+template <typename T, class Config, Epilogue kEpilogue, int kLocalBlock, int kNumRegs>
+__device__ __forceinline__ void store_row_block(const CUtensorMap* out_map, const KernelParams& params,
+                                                const Tile& tile, const float (&acc)[kNumRegs],
+                                                const RowWeights& row_weights, uint32_t warp_staging, int row_block,
+                                                int warp_idx, int lane_idx) {
+    constexpr int kFirstReg = kLocalBlock * Config::kBlockRegs;
+    // The warp's first row of the tile, warp-uniform to the compiler (taken from lane 0), so the choice between TMA and
+    // register stores needs no divergence handling around the register path's shuffles.
+    const int warp_first_row =
+        kEpilogue == Epilogue::kStore ? __shfl_sync(0xffffffffu, row_block * kWgmmaM + warp_idx * kTmaStoreRows, 0) : 0;
+    if constexpr (kEpilogue == Epilogue::kDSwiGLU) {
+        store_tile_dswiglu<T, Config, kFirstReg>(params, tile, acc, row_weights, row_block, warp_idx, lane_idx);
+    } else if (kEpilogue == Epilogue::kStore && params.tma_store && warp_first_row + kTmaStoreRows <= tile.num_rows) {
+        store_tile_tma<T, Config, kFirstReg>(out_map, tile, acc, warp_staging, warp_first_row, lane_idx);
+    } else {  // from registers, masked: rows past the expert's end are the next expert's (another CTA's)
+        store_tile<T, kEpilogue, Config, kFirstReg>(params, tile, acc, row_block, warp_idx, lane_idx);
+    }
+}
+
+// Ping-pong consumers take turns on the tensor cores: consumer c starts the mainloop of a tile once the other has
+// finished the mainloop of the CTA's previous tile (named barrier kMainloopDoneBarrier + the other's index: the other
+// arrives, c waits). Besides running the epilogues under the other's mainloop, this keeps every wait on a stage's
+// full barrier at most one phase ahead of the barrier: the fill a consumer waits for is the next one of its stage
+// (the stage's previous fill belongs to a tile whose mainloop has ended), which is all a parity wait can tell apart.
+constexpr uint32_t kMainloopDoneBarrier = 1;  // IDs 1, 2: consumer 0 / 1 has finished a mainloop
+constexpr uint32_t kOrderThreads = kNumConsumers * kWarpgroupThreads;
+
+// Consumer warpgroup `consumer_idx`: wgmma over the stages of its tiles, then the epilogue. Cooperative: every tile of
+// the CTA, rows [64 consumer_idx, + 64); ping-pong: every other tile (consumer_idx first), all 128 rows as two row
+// blocks, the other consumer's stages skipped (every tile has num_k_blocks stages), the mainloops in turn.
+template <typename T, class Config, Epilogue kEpilogue, BLayout kBLayout, class Storage>
+__device__ __forceinline__ void consume(const CUtensorMap* out_map, const KernelParams& params, Storage& smem,
                                         int num_m_tiles, int64_t num_tiles, int num_k_blocks, uint32_t cta_rank,
                                         int consumer_idx, int thread_idx) {
+    constexpr int kNumStages = num_stages<Config, kEpilogue>();
+    constexpr int kTileStep = Config::kPingPong ? kNumConsumers : 1;  // tiles of the CTA's sequence per own tile
     const int lane_idx = thread_idx % kWarpSize;
     const int warp_idx = (thread_idx % kWarpgroupThreads) / kWarpSize;
-    // kStore: the warp's first row of the M tile, warp-uniform to the compiler (taken from lane 0), so the choice
-    // between TMA and register stores needs no divergence handling around the register path's shuffles.
-    const int warp_first_row =
-        kEpilogue != Epilogue::kStore
-            ? 0
-            : __shfl_sync(0xffffffffu, consumer_idx * kConsumerRows + warp_idx * kTmaStoreRows, 0);
-    const uint32_t warp_staging =
-        shared_address(staging) +
-        static_cast<uint32_t>((consumer_idx * kWarpsPerWarpgroup + warp_idx) * kWarpStagingBytes);
+    uint32_t warp_staging = 0;
+    if constexpr (kEpilogue == Epilogue::kStore) {
+        warp_staging = shared_address(smem.staging.boxes) +
+                       static_cast<uint32_t>((consumer_idx * kWarpsPerWarpgroup + warp_idx) * kWarpStagingBytes);
+    }
+    const int first_row_block = Config::kPingPong ? 0 : consumer_idx;  // the consumer's first 64-row block of a tile
+    const CtaTiles tiles;
     int stage_idx = 0;
     uint32_t phase = 0;
-    float acc[kNumAccRegs];
-    for (int64_t tile_idx = blockIdx.x / kClusterSize; tile_idx < num_tiles; tile_idx += gridDim.x / kClusterSize) {
-        const Tile tile = decode_tile(params, tile_idx, num_m_tiles, cta_rank);
-        const bool has_rows = consumer_idx * kConsumerRows < tile.num_rows;  // else only keep the pipeline going
-        RowWeights row_weights{};  // kDSwiGLU: in flight during the mainloop
-        if constexpr (kEpilogue == Epilogue::kDSwiGLU) {
-            row_weights = load_row_weights(params, tile, consumer_idx, warp_idx, lane_idx);
+    const int64_t first_seq = Config::kPingPong ? consumer_idx : 0;
+    if (first_seq > 0) advance_stages<kNumStages>(stage_idx, phase, first_seq * num_k_blocks);
+    float acc[Config::kNumAccRegs];
+    for (int64_t seq_idx = first_seq; tiles.at(seq_idx) < num_tiles; seq_idx += kTileStep) {
+        const Tile tile = decode_tile(params, tiles.at(seq_idx), num_m_tiles, cta_rank);
+        bool block_has_rows[Config::kRowBlocks];  // else only keep the pipeline going
+        RowWeights row_weights[Config::kRowBlocks] = {};  // kDSwiGLU: in flight during the mainloop
+#pragma unroll
+        for (int block = 0; block < Config::kRowBlocks; ++block) {
+            block_has_rows[block] = (first_row_block + block) * kWgmmaM < tile.num_rows;
+            if constexpr (kEpilogue == Epilogue::kDSwiGLU) {
+                row_weights[block] = load_row_weights(params, tile, first_row_block + block, warp_idx, lane_idx);
+            }
         }
 #pragma unroll
-        for (int reg_idx = 0; reg_idx < kNumAccRegs; ++reg_idx) acc[reg_idx] = 0.0f;
+        for (int reg_idx = 0; reg_idx < Config::kNumAccRegs; ++reg_idx) acc[reg_idx] = 0.0f;
+        if (Config::kPingPong && seq_idx > 0) {  // the CTA's previous tile is the other consumer's
+            named_barrier_sync(kMainloopDoneBarrier + (consumer_idx ^ 1), kOrderThreads);
+        }
         int in_flight_stage = -1;
         for (int k_block_idx = 0; k_block_idx < num_k_blocks; ++k_block_idx) {
-            mbarrier_wait(&full[stage_idx], phase);
+            mbarrier_wait(&smem.full[stage_idx], phase);
             fence_proxy_async_shared();  // the A tile was written by cp.async (generic proxy), wgmma reads it async
-            const uint64_t desc_a =
-                make_smem_desc_k_major_sw128(smem_a + stage_idx * kATileBytes + consumer_idx * kConsumerATileBytes);
-            const uint64_t desc_b = make_b_desc<kBLayout>(smem_b + stage_idx * kBTileBytes);
-            if (has_rows) {
+            const uint8_t* tile_a = smem.a[stage_idx] + first_row_block * kRowBlockATileBytes;
+            const uint64_t desc_b = make_b_desc<kBLayout>(smem.b[stage_idx]);
+            if (block_has_rows[0]) {
                 fence_accumulators(acc);
                 wgmma_fence();
-#pragma unroll
-                for (int k_step = 0; k_step < kBlockK / kWgmmaK; ++k_step) {
-                    wgmma<T, kBLayout>(desc_a + k_step * kDescK16Step, desc_b + k_step * kBDescK16Step<kBLayout>, acc);
+                row_block_mma<T, kBLayout, Config, 0>(make_smem_desc_k_major_sw128(tile_a), desc_b, acc);
+                if constexpr (Config::kRowBlocks > 1) {
+                    if (block_has_rows[1]) {
+                        row_block_mma<T, kBLayout, Config, 1>(
+                            make_smem_desc_k_major_sw128(tile_a + kRowBlockATileBytes), desc_b, acc);
+                    }
                 }
                 wgmma_commit_group();
             }
-            retire_previous_batch<kClusterSize, kNumStages>(acc, empty, in_flight_stage, stage_idx, phase, lane_idx);
+            retire_previous_batch<kClusterSize, kNumStages>(acc, smem.empty, in_flight_stage, stage_idx, phase,
+                                                            lane_idx);
         }
-        retire_last_batch<kClusterSize>(acc, empty, in_flight_stage, lane_idx);
-        if constexpr (kEpilogue == Epilogue::kDSwiGLU) {
-            store_tile_dswiglu<T>(params, tile, acc, row_weights, consumer_idx, warp_idx, lane_idx);
-        } else if (kEpilogue == Epilogue::kStore && params.tma_store &&
-                   warp_first_row + kTmaStoreRows <= tile.num_rows) {
-            store_tile_tma<T>(out_map, tile, acc, warp_staging, warp_first_row, lane_idx);
-        } else {  // from registers, masked: rows past the expert's end are the next expert's (another CTA's)
-            store_tile<T, kEpilogue>(params, tile, acc, consumer_idx, warp_idx, lane_idx);
+        retire_last_batch<kClusterSize>(acc, smem.empty, in_flight_stage, lane_idx);
+        if (Config::kPingPong && tiles.at(seq_idx + 1) < num_tiles) {  // the next tile is the other consumer's
+            named_barrier_arrive(kMainloopDoneBarrier + consumer_idx, kOrderThreads);
+        }
+        store_row_block<T, Config, kEpilogue, 0>(out_map, params, tile, acc, row_weights[0], warp_staging,
+                                                 first_row_block, warp_idx, lane_idx);
+        if constexpr (Config::kRowBlocks > 1) {
+            store_row_block<T, Config, kEpilogue, 1>(out_map, params, tile, acc, row_weights[1], warp_staging,
+                                                     first_row_block + 1, warp_idx, lane_idx);
+        }
+        if constexpr (Config::kPingPong) {  // the other consumer's next tile
+            advance_stages<kNumStages>(stage_idx, phase, static_cast<int64_t>(kTileStep - 1) * num_k_blocks);
         }
     }
     if constexpr (kEpilogue == Epilogue::kStore) {
@@ -307,19 +382,18 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     m_grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                                const __grid_constant__ CUtensorMap out_map, const KernelParams params) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using Config = ConfigOf<kEpilogue>;
+    using Storage = SharedStorage<Config, kEpilogue>;
+    constexpr int kNumStages = num_stages<Config, kEpilogue>();
     extern __shared__ uint8_t smem_raw[];
     const uint32_t misalignment = shared_address(smem_raw) % kSwizzleAtomBytes;
-    uint8_t* smem_a = smem_raw + (misalignment == 0 ? 0 : kSwizzleAtomBytes - misalignment);
-    uint8_t* smem_b = smem_a + kNumStages * kATileBytes;
-    uint8_t* staging = smem_b + kNumStages * kBTileBytes;  // kStore only
-    auto* full = reinterpret_cast<uint64_t*>(staging + (kEpilogue == Epilogue::kStore ? kStagingBytes : 0));
-    uint64_t* empty = full + kNumStages;
+    Storage& smem = *reinterpret_cast<Storage*>(smem_raw + (misalignment == 0 ? 0 : kSwizzleAtomBytes - misalignment));
 
     const int thread_idx = static_cast<int>(threadIdx.x);
     if (thread_idx == 0) {
         for (int stage_idx = 0; stage_idx < kNumStages; ++stage_idx) {
-            mbarrier_init(&full[stage_idx], kFullArrivals<kEpilogue>);
-            mbarrier_init(&empty[stage_idx], kClusterSize * kEmptyArrivalsPerCta);
+            mbarrier_init(&smem.full[stage_idx], kFullArrivals<kEpilogue>);
+            mbarrier_init(&smem.empty[stage_idx], kClusterSize * Config::kEmptyArrivalsPerCta);
         }
         fence_barrier_init();
         prefetch_tensor_map(&b_map);
@@ -335,12 +409,12 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const int warpgroup_idx = __shfl_sync(0xffffffffu, thread_idx / kWarpgroupThreads, 0);
     if (warpgroup_idx == 0) {
         setmaxnreg_dec<kProducerRegs>();
-        produce<kEpilogue, kBLayout>(&a_map, &b_map, params, smem_a, smem_b, full, empty, num_m_tiles, num_tiles,
-                                     num_k_blocks, cta_rank, thread_idx);
+        produce<Config, kEpilogue, kBLayout>(&a_map, &b_map, params, smem, num_m_tiles, num_tiles, num_k_blocks,
+                                             cta_rank, thread_idx);
     } else {
         setmaxnreg_inc<kConsumerRegs>();
-        consume<T, kEpilogue, kBLayout>(&out_map, params, smem_a, smem_b, staging, full, empty, num_m_tiles, num_tiles,
-                                        num_k_blocks, cta_rank, warpgroup_idx - 1, thread_idx);
+        consume<T, Config, kEpilogue, kBLayout>(&out_map, params, smem, num_m_tiles, num_tiles, num_k_blocks, cta_rank,
+                                                warpgroup_idx - 1, thread_idx);
     }
     cluster_sync();  // no CTA leaves while the other may still arrive on its barriers
 #endif
@@ -350,9 +424,9 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 // Host side: the TMA descriptors of B and of kStore's output, the launch.
 
 // B as a 3-D tensor [E, rows_per_expert, cols] (cols innermost, 128-byte swizzle): kNK rows of B_e are the N
-// rows, cols K, boxes of kBBoxRows x kBlockK; kKN rows are K, cols N, boxes of kBlockK x kKNBoxCols.
+// rows, cols K, boxes of b_box_rows x kBlockK; kKN rows are K, cols N, boxes of kBlockK x kKNBoxCols.
 bool encode_b_tensor_map(const cuda::MGroupedGemmArgs& args, BLayout b_layout, int64_t rows_per_expert,
-                         CUtensorMap* map) {
+                         int b_box_rows, CUtensorMap* map) {
     const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
     if (encode == nullptr) return false;
     const bool nk = b_layout == BLayout::kNK;
@@ -361,7 +435,7 @@ bool encode_b_tensor_map(const cuda::MGroupedGemmArgs& args, BLayout b_layout, i
     const cuuint64_t strides[2] = {static_cast<cuuint64_t>(args.ldb * kElemBytes),
                                    static_cast<cuuint64_t>(args.b_expert_stride * kElemBytes)};
     const cuuint32_t box[3] = {nk ? static_cast<cuuint32_t>(kBlockK) : static_cast<cuuint32_t>(kKNBoxCols),
-                               nk ? static_cast<cuuint32_t>(kBBoxRows) : static_cast<cuuint32_t>(kBlockK), 1};
+                               nk ? static_cast<cuuint32_t>(b_box_rows) : static_cast<cuuint32_t>(kBlockK), 1};
     const cuuint32_t element_strides[3] = {1, 1, 1};
     const CUtensorMapDataType data_type =
         args.dtype == MEGAMOE_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
@@ -379,14 +453,16 @@ constexpr const char* kernel_name(Epilogue epilogue, BLayout b_layout) {
 template <typename T, Epilogue kEpilogue, BLayout kBLayout>
 megamoe_status_t launch_typed(const cuda::MGroupedGemmArgs& args, const KernelParams& params, const CUtensorMap& a_map,
                               const CUtensorMap& out_map, int64_t rows_per_expert, int num_sms, cudaStream_t stream) {
+    using Config = ConfigOf<kEpilogue>;
     CUtensorMap b_map;
-    if (!encode_b_tensor_map(args, kBLayout, rows_per_expert, &b_map)) {
+    if (!encode_b_tensor_map(args, kBLayout, rows_per_expert, Config::kBBoxRows, &b_map)) {
         return set_error(MEGAMOE_STATUS_CUDA_ERROR, "m_grouped_gemm_sm90: cuTensorMapEncodeTiled failed");
     }
     const int64_t max_tiles = ceil_div(args.max_m_tiles, kClusterSize) * params.num_n_tiles;  // cluster tiles
     const int64_t max_clusters = std::min<int64_t>(std::max(num_sms, kClusterSize) / kClusterSize, max_tiles);
     return launch_cluster_kernel<kClusterSize>(m_grouped_gemm_sm90_kernel<T, kEpilogue, kBLayout>,
-                                               kernel_name(kEpilogue, kBLayout), kNumThreads, smem_bytes(kEpilogue),
+                                               kernel_name(kEpilogue, kBLayout), kNumThreads,
+                                               smem_bytes<Config, kEpilogue>(),
                                                max_clusters, stream, a_map, b_map, out_map, params);
 }
 
@@ -395,9 +471,10 @@ template <Epilogue kEpilogue, BLayout kBLayout>
 megamoe_status_t launch(const cuda::MGroupedGemmArgs& args, KernelParams params, int num_sms, cudaStream_t stream,
                         const CUtensorMap& a_map = CUtensorMap{}, const CUtensorMap& out_map = CUtensorMap{}) {
     static_assert(kEpilogue != Epilogue::kSwiGLU || kBLayout == BLayout::kNK, "SwiGLU pairs gate and up rows of w13");
+    using Config = ConfigOf<kEpilogue>;
     const bool swiglu = kEpilogue == Epilogue::kSwiGLU;
-    params.num_n_tiles = ceil_div(args.n, swiglu ? kBlockN / 2 : kBlockN);
-    params.second_box_row_offset = swiglu ? args.n : kBBoxRows;
+    params.num_n_tiles = ceil_div(args.n, swiglu ? Config::kBlockN / 2 : Config::kBlockN);
+    params.second_box_row_offset = swiglu ? args.n : Config::kBBoxRows;
     if (args.max_m_tiles == 0 || params.num_n_tiles == 0) return MEGAMOE_STATUS_SUCCESS;
     const int64_t rows_per_expert = kBLayout == BLayout::kKN ? args.k : (swiglu ? 2 * args.n : args.n);
     return args.dtype == MEGAMOE_DTYPE_BF16 ? launch_typed<__nv_bfloat16, kEpilogue, kBLayout>(
@@ -450,7 +527,7 @@ megamoe_status_t launch_m_grouped_gemm_sm90_swiglu(const cuda::MGroupedGemmArgs&
 }
 
 int64_t dswiglu_sm90_num_ds_parts(int64_t intermediate) {
-    return ceil_div(intermediate, kBlockN);
+    return ceil_div(intermediate, ConfigOf<Epilogue::kDSwiGLU>::kBlockN);
 }
 
 megamoe_status_t launch_m_grouped_gemm_sm90_dswiglu(const cuda::MGroupedGemmArgs& args,
@@ -488,7 +565,7 @@ megamoe_status_t launch_m_grouped_gemm_sm90_store(const cuda::MGroupedGemmArgs& 
     // (rows below num_out_rows, columns below n + kBlockN). Without the map every row goes out from registers.
     CUtensorMap out_map{};
     params.tma_store = out != nullptr && num_out_rows > 0 && num_out_rows <= INT32_MAX &&
-                       args.n <= INT32_MAX - kBlockN && ldo >= args.n &&
+                       args.n <= INT32_MAX - ConfigOf<Epilogue::kStore>::kBlockN && ldo >= args.n &&
                        encode_2d_sw128_map(args.dtype, out, num_out_rows, args.n, ldo, kTmaStoreRows, kTmaStoreCols,
                                            CU_TENSOR_MAP_L2_PROMOTION_NONE, &out_map);
     // A (not gathered: the caller checked m_grouped_gemm_sm90_supported) by TMA boxes of kBlockM rows x kBlockK, zero

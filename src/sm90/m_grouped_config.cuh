@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 
 #include <cstdint>
+#include <type_traits>
 
 #include "cuda/grouped_gemm.h"
 #include "cuda/routing.h"
@@ -15,8 +16,8 @@
 
 namespace megamoe::sm90::m_grouped {
 
-constexpr int kBlockM = 128;     // rows per CTA
-constexpr int kBlockN = 256;     // columns of B_e per tile
+// Shared by every tile configuration.
+constexpr int kBlockM = 128;     // rows per CTA tile: one M tile of the routing's schedule
 constexpr int kClusterSize = 2;  // a cluster runs two consecutive M tiles of the schedule, one per CTA
 constexpr uint16_t kClusterMask = (1u << kClusterSize) - 1;
 constexpr int kNumBBoxes = 2;  // kNK: TMA boxes per B tile (the gate and up halves for SwiGLU)
@@ -27,72 +28,134 @@ constexpr int kWarpgroupThreads = 128;
 constexpr int kWarpsPerWarpgroup = kWarpgroupThreads / kWarpSize;
 constexpr int kNumConsumers = 2;  // consumer warpgroups
 constexpr int kNumThreads = (1 + kNumConsumers) * kWarpgroupThreads;
-constexpr int kConsumerRows = kBlockM / kNumConsumers;  // one wgmma M (64)
+constexpr int kWgmmaM = 64;  // rows of one wgmma: a consumer's row block
 constexpr int kWgmmaK = 16;
 constexpr int kChunkElems = 8;  // one 16-byte cp.async
 constexpr int kChunksPerRow = kBlockK / kChunkElems;
 constexpr int kProducerRowsPerPass = kWarpgroupThreads / kChunksPerRow;
 constexpr int kProducerPasses = kBlockM / kProducerRowsPerPass;
 constexpr int kATileBytes = kBlockM * kBlockK * kElemBytes;
-constexpr int kConsumerATileBytes = kConsumerRows * kBlockK * kElemBytes;
-// Per CTA of the cluster, one per consumer warp: a stage is refilled (by multicast) in all of them at once.
-constexpr int kEmptyArrivalsPerCta = kNumConsumers * kWarpgroupThreads / kWarpSize;
+constexpr int kRowBlockATileBytes = kWgmmaM * kBlockK * kElemBytes;  // the A rows of one row block
 constexpr int kProducerRegs = 56;
 constexpr int kConsumerRegs = 224;
 constexpr int kRegisterFile = 64 * 1024;
 constexpr int kMaxSmemBytes = 227 * 1024;  // per block on sm_90
+constexpr int kMaxStages = 8;
+// kKN: boxes of 64 N columns (one 128-byte swizzled row) x kBlockK rows of K.
+constexpr int kKNBoxCols = kSwizzleBytes / kElemBytes;
+constexpr int kKNBoxBytes = kKNBoxCols * kBlockK * kElemBytes;
+// kStore's epilogue by TMA stores: 2 boxes of 16 rows x 128 bytes per consumer warp (epilogue.cuh).
+constexpr int kWarpStagingBytes = kTmaStoreBuffers * kTmaStoreBoxBytes;
+constexpr int kStagingBytes = kNumConsumers * kWarpsPerWarpgroup * kWarpStagingBytes;
 
 static_assert(kBlockK * kElemBytes == kSwizzleBytes, "a K block is one 128-byte swizzled row");
 static_assert(kBlockM == cuda::kGemmBlockM, "the routing's M tile is one CTA's rows");
 static_assert(kNumBBoxes == kClusterSize, "when the pair shares B, each CTA loads one box and multicasts it");
-static_assert(kConsumerRows == 64, "each consumer warpgroup owns one m64 wgmma row block");
 static_assert(kProducerPasses * kProducerRowsPerPass == kBlockM, "the producer covers the A tile");
-static_assert(kConsumerATileBytes % kSwizzleAtomBytes == 0, "consumer A sub-tiles start on a swizzle atom");
+static_assert(kRowBlockATileBytes % kSwizzleAtomBytes == 0, "row-block A sub-tiles start on a swizzle atom");
 static_assert(kProducerRegs * kWarpgroupThreads + kConsumerRegs * kNumConsumers * kWarpgroupThreads <= kRegisterFile,
               "setmaxnreg budgets exceed the register file");
-
-// Pipeline and shared memory: 4 stages of 48 KiB (A 16 KiB + B 32 KiB); kStore adds 32 KiB of staging boxes.
-constexpr int kNumStages = 4;
-constexpr int kBBoxRows = kBlockN / kNumBBoxes;
-constexpr int kBBoxBytes = kBBoxRows * kBlockK * kElemBytes;
-constexpr int kBTileBytes = kBlockN * kBlockK * kElemBytes;
-constexpr int kNumAccRegs = kConsumerRows * kBlockN / kWarpgroupThreads;
-constexpr int kPipelineBytes = kNumStages * (kATileBytes + kBTileBytes);
-constexpr int kBarrierBytes = 2 * kNumStages * static_cast<int>(sizeof(uint64_t));
-// kStore's epilogue by TMA stores: kStoreChunks chunks of 64 columns per warp and tile, each staged in one of the
-// warp's kTmaStoreBuffers boxes of 16 rows x 128 bytes (epilogue.cuh).
-constexpr int kStoreChunks = kBlockN / kTmaStoreCols;
-constexpr int kWarpStagingBytes = kTmaStoreBuffers * kTmaStoreBoxBytes;
-constexpr int kStagingBytes = kNumConsumers * kWarpsPerWarpgroup * kWarpStagingBytes;
-
-static_assert(kBBoxBytes % kSwizzleAtomBytes == 0, "TMA boxes start on a swizzle atom");
-static_assert(kPipelineBytes % kSwizzleAtomBytes == 0, "the staging boxes after the stages start on a swizzle atom");
-static_assert(kConsumerRows / kWarpsPerWarpgroup == kTmaStoreRows && kTmaStoreCols * kElemBytes == kSwizzleBytes,
-              "a store box is a warp's 16 accumulator rows x one 128-byte swizzled row");
-
-// kKN: boxes of 64 N columns (one 128-byte swizzled row) x kBlockK rows of K.
-constexpr int kKNBoxCols = kSwizzleBytes / kElemBytes;
-constexpr int kKNNumBoxes = kBlockN / kKNBoxCols;
-constexpr int kKNBoxBytes = kKNBoxCols * kBlockK * kElemBytes;
-constexpr int kKNBoxesPerCta = kKNNumBoxes / kClusterSize;  // a shared B tile: this many boxes multicast per CTA
-static_assert(kKNNumBoxes * kKNBoxBytes == kBTileBytes, "kKN boxes cover the B tile");
-static_assert(kKNBoxesPerCta * kClusterSize == kKNNumBoxes, "the CTAs of a pair split the kKN boxes evenly");
 static_assert(kKNBoxBytes % kSwizzleAtomBytes == 0, "kKN boxes start on a swizzle atom");
 static_assert(kBlockK % kWgmmaK == 0 && kBlockK % 8 == 0, "K blocks hold whole k16 steps and 8-row atoms");
-static_assert(kNumStages >= 2, "the producer publishes a stage one stage late");
+static_assert(kWgmmaM / kWarpsPerWarpgroup == kTmaStoreRows && kTmaStoreCols * kElemBytes == kSwizzleBytes,
+              "a store box is a warp's 16 accumulator rows of a row block x one 128-byte swizzled row");
 
 using cuda::BLayout;
 
 enum class Epilogue { kSwiGLU, kStore, kDSwiGLU };
 
-// Dynamic shared memory: the stages, kStore's staging boxes, the barriers, and the slack for 1024-byte alignment.
-constexpr int smem_bytes(Epilogue epilogue) {
-    return kPipelineBytes + (epilogue == Epilogue::kStore ? kStagingBytes : 0) + kBarrierBytes + kSwizzleAtomBytes;
+// How the two consumer warpgroups share the work.
+enum class Schedule {
+    kCooperative,  // both on one 128 x 256 tile, 64 rows each, in step: the tensor cores idle during the epilogue
+    kPingPong,     // each on its own 128 x 128 tile, taking the CTA's tiles in turn: one's epilogue runs under the
+                   // other's mainloop (the producer fills the stages in tile order, so the mainloops alternate)
+};
+
+// The tile configuration of a schedule; every size the kernel, its epilogues and the host derive from it.
+template <Schedule kSchedule>
+struct TileConfig {
+    static constexpr bool kPingPong = kSchedule == Schedule::kPingPong;
+    static constexpr int kBlockN = kPingPong ? 128 : 256;  // columns of B_e per tile
+    static constexpr int kConsumerRows = kPingPong ? kBlockM : kBlockM / kNumConsumers;  // rows a consumer computes
+    static constexpr int kRowBlocks = kConsumerRows / kWgmmaM;  // its m64 wgmma row blocks
+    static constexpr int kBlockRegs = kWgmmaM * kBlockN / kWarpgroupThreads;  // accumulators of one row block
+    static constexpr int kNumAccRegs = kRowBlocks * kBlockRegs;
+    static constexpr int kBBoxRows = kBlockN / kNumBBoxes;
+    static constexpr int kBBoxBytes = kBBoxRows * kBlockK * kElemBytes;
+    static constexpr int kBTileBytes = kBlockN * kBlockK * kElemBytes;
+    static constexpr int kStageBytes = kATileBytes + kBTileBytes;
+    static constexpr int kKNNumBoxes = kBlockN / kKNBoxCols;
+    static constexpr int kKNBoxesPerCta = kKNNumBoxes / kClusterSize;  // a shared kKN tile: boxes multicast per CTA
+    static constexpr int kStoreChunks = kBlockN / kTmaStoreCols;        // kStore: TMA store boxes per warp row slice
+    // Per CTA of the cluster, one per warp that reads a stage: a stage is refilled (by multicast) in all at once.
+    static constexpr int kEmptyArrivalsPerCta = (kPingPong ? 1 : kNumConsumers) * kWarpsPerWarpgroup;
+
+    static_assert(kNumAccRegs <= 128, "the accumulators of one consumer thread fit beside the epilogue's registers");
+    static_assert(kBBoxBytes % kSwizzleAtomBytes == 0, "TMA boxes start on a swizzle atom");
+    static_assert(kKNNumBoxes * kKNBoxBytes == kBTileBytes, "kKN boxes cover the B tile");
+    static_assert(kKNBoxesPerCta * kClusterSize == kKNNumBoxes, "the CTAs of a pair split the kKN boxes evenly");
+    static_assert(kBlockN % (2 * kTmaStoreCols) == 0, "SwiGLU halves and store chunks are whole 64-column boxes");
+};
+
+// Shared memory of one CTA (the dynamic allocation, aligned to 1024 bytes by the kernel): the pipeline's stages, for
+// kStore the staging boxes of its TMA stores, then the stages' full and empty barriers. The stage count is what the
+// shared-memory budget holds (at most kMaxStages): its sizeof plus the alignment slack is the launch's request.
+struct NoStaging {};
+struct StoreStaging {
+    alignas(kSwizzleAtomBytes) uint8_t boxes[kStagingBytes];
+};
+
+template <int kNumStages, int kStageBBytes, bool kStaging>
+struct SharedStorageOf {
+    alignas(kSwizzleAtomBytes) uint8_t a[kNumStages][kATileBytes];
+    alignas(kSwizzleAtomBytes) uint8_t b[kNumStages][kStageBBytes];
+    std::conditional_t<kStaging, StoreStaging, NoStaging> staging;
+    uint64_t full[kNumStages];
+    uint64_t empty[kNumStages];
+};
+
+// The most stages (at most kMaxStages, at least 2) whose storage and alignment slack fit in an SM's shared memory.
+template <int kStages, int kStageBBytes, bool kStaging>
+constexpr int fit_stages() {
+    if constexpr (kStages <= 2 ||
+                  sizeof(SharedStorageOf<kStages, kStageBBytes, kStaging>) + kSwizzleAtomBytes <= kMaxSmemBytes) {
+        return kStages;
+    } else {
+        return fit_stages<kStages - 1, kStageBBytes, kStaging>();
+    }
 }
-static_assert(smem_bytes(Epilogue::kStore) <= kMaxSmemBytes,
+
+template <class Config, Epilogue kEpilogue>
+constexpr int num_stages() {
+    return fit_stages<kMaxStages, Config::kBTileBytes, kEpilogue == Epilogue::kStore>();
+}
+
+template <class Config, Epilogue kEpilogue>
+using SharedStorage =
+    SharedStorageOf<num_stages<Config, kEpilogue>(), Config::kBTileBytes, kEpilogue == Epilogue::kStore>;
+
+template <class Config, Epilogue kEpilogue>
+constexpr int smem_bytes() {
+    return static_cast<int>(sizeof(SharedStorage<Config, kEpilogue>)) + kSwizzleAtomBytes;  // + alignment slack
+}
+
+using Cooperative = TileConfig<Schedule::kCooperative>;
+using PingPong = TileConfig<Schedule::kPingPong>;
+static_assert(num_stages<Cooperative, Epilogue::kStore>() == 4 && num_stages<Cooperative, Epilogue::kSwiGLU>() == 4,
+              "the cooperative 128 x 256 tile: 4 stages of 48 KiB (kStore: + 32 KiB of staging)");
+static_assert(num_stages<PingPong, Epilogue::kDSwiGLU>() == 7, "the ping-pong 128 x 128 tile: 7 stages of 32 KiB");
+static_assert(smem_bytes<Cooperative, Epilogue::kStore>() <= kMaxSmemBytes &&
+                  smem_bytes<PingPong, Epilogue::kStore>() <= kMaxSmemBytes,
               "stages and kStore's staging boxes exceed the shared memory of an SM");
-static_assert(smem_bytes(Epilogue::kSwiGLU) == smem_bytes(Epilogue::kDSwiGLU),
-              "only kStore stages its output in shared memory");
+
+// The tile configuration of each of the kernel's GEMMs, and the limit it hits (H200, qwen3-30b-a3b):
+// - kSwiGLU (up), kStore (down, dX): cooperative 128 x 256. Their epilogues are cheap (the up GEMM without its
+//   epilogue: 1.37 -> 1.34 ms), the mainloop is the limit; 256 columns halve A's refills per FLOP against 128.
+// - kDSwiGLU (dH): ping-pong 128 x 128. Its epilogue is as long as a third of the kernel (dH 1.17-1.25 ms, without
+//   the epilogue 0.77 ms: the dSwiGLU math ~0.3 ms, the h loads and the stores ~0.1 ms each), so it runs under the
+//   other consumer's mainloop; 7 stages.
+template <Epilogue kEpilogue>
+using ConfigOf = std::conditional_t<kEpilogue == Epilogue::kDSwiGLU, PingPong, Cooperative>;
 
 struct KernelParams {
     const uint16_t* a;  // A rows, row stride lda
@@ -101,7 +164,7 @@ struct KernelParams {
     int64_t topk;
     int64_t n;                      // output columns: I (kSwiGLU, kDSwiGLU) or N (kStore)
     int64_t k;                      // K
-    int64_t second_box_row_offset;  // rows from the first to the second B box: I (kSwiGLU) or kBlockN / 2
+    int64_t second_box_row_offset;  // rows from the first to the second B box: I (kSwiGLU) or kBBoxRows
     const int* expert_offsets;      // [E + 1]
     const int* m_tile_offsets;      // [E + 1]
     int64_t num_experts;

@@ -1,7 +1,9 @@
-// Epilogues of the fused Hopper M-grouped GEMM (grouped_gemm_sm90.cu), run by each consumer warpgroup after its
-// tile's wgmmas: store_tile (SwiGLU's h / a and the element-type store, from registers, masked), store_tile_tma
-// (the element-type store of whole 16-row warp slices through shared memory and TMA stores) and store_tile_dswiglu
-// (dH's dSwiGLU: reads g, u, writes dh, s * a and the tile's partial sums of ds).
+// Epilogues of the fused Hopper M-grouped GEMM (grouped_gemm_sm90.cu), run by a consumer warpgroup for each 64-row
+// block of its tile after the tile's wgmmas: store_tile (SwiGLU's h / a and the element-type store, from registers,
+// masked), store_tile_tma (the element-type store of whole 16-row warp slices through shared memory and TMA stores)
+// and store_tile_dswiglu (dH's dSwiGLU: reads g, u, writes dh, s * a and the tile's partial sums of ds). Each takes
+// the tile configuration (Config: its columns), the row block (tile rows [64 row_block, 64 row_block + 64)) and, at
+// compile time, where the block's accumulators start in the consumer's registers (kFirstReg).
 #pragma once
 
 #include "cuda/cuda_utils.h"
@@ -9,20 +11,20 @@
 
 namespace megamoe::sm90::m_grouped {
 
-// One consumer warpgroup's epilogue: rows [64 consumer_idx, 64 consumer_idx + 64) of the tile, from the wgmma
-// accumulators (lane l of warp w holds rows 16 w + l / 4 (+ 8) and, in fragment f, columns 8 f + 2 (l % 4) + {0,
-// 1}). Groups of 4 fragments are transposed across each quad, then stored as 16-byte chunks: a warp writes 64
-// contiguous bytes of each of 8 rows per store.
-template <typename T, Epilogue kEpilogue, int kNumRegs>
+// One row block from the wgmma accumulators (lane l of warp w holds rows 16 w + l / 4 (+ 8) of the block and, in
+// fragment f, columns 8 f + 2 (l % 4) + {0, 1}). Groups of 4 fragments are transposed across each quad, then stored
+// as 16-byte chunks: a warp writes 64 contiguous bytes of each of 8 rows per store.
+template <typename T, Epilogue kEpilogue, class Config, int kFirstReg, int kNumRegs>
 __device__ __forceinline__ void store_tile(const KernelParams& params, const Tile& tile, const float (&acc)[kNumRegs],
-                                           int consumer_idx, int warp_idx, int lane_idx) {
+                                           int row_block, int warp_idx, int lane_idx) {
     constexpr bool kSwiGLU = kEpilogue == Epilogue::kSwiGLU;
-    constexpr int kNumFrags = kBlockN / 8;
+    constexpr int kNumFrags = Config::kBlockN / 8;
+    static_assert(kFirstReg + Config::kBlockRegs <= kNumRegs, "the row block's accumulators are the consumer's");
     constexpr int kNumOutFrags = kSwiGLU ? kNumFrags / 2 : kNumFrags;  // 8-column fragments of the output
     constexpr int kFragsPerChunk = 4;
     static_assert(kNumOutFrags % kFragsPerChunk == 0, "output fragments come in quad-transposed groups of 4");
     const int quad_lane = lane_idx % 4;
-    const int first_row = consumer_idx * kConsumerRows + warp_idx * 16 + lane_idx / 4;
+    const int first_row = row_block * kWgmmaM + warp_idx * 16 + lane_idx / 4;
     const int64_t first_col = tile.n_tile_idx * kNumOutFrags * 8;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -34,7 +36,7 @@ __device__ __forceinline__ void store_tile(const KernelParams& params, const Til
             uint32_t out_words[kFragsPerChunk], gate_words[kFragsPerChunk], up_words[kFragsPerChunk];
 #pragma unroll
             for (int word_idx = 0; word_idx < kFragsPerChunk; ++word_idx) {
-                const int reg_idx = (group_idx * kFragsPerChunk + word_idx) * 4 + half * 2;
+                const int reg_idx = kFirstReg + (group_idx * kFragsPerChunk + word_idx) * 4 + half * 2;
                 if constexpr (kSwiGLU) {
                     const int up_reg_idx = reg_idx + kNumFrags / 2 * 4;
                     const float gate0 = acc[reg_idx], gate1 = acc[reg_idx + 1];
@@ -63,31 +65,32 @@ __device__ __forceinline__ void store_tile(const KernelParams& params, const Til
     }
 }
 
-// kStore, one consumer warp's 16 rows (local rows [warp_first_row, warp_first_row + 16), all inside the expert) by
+// kStore, one consumer warp's 16 rows of a row block (tile rows [warp_first_row, warp_first_row + 16), all inside the
+// expert) by
 // TMA stores of 16 x 64 boxes through the warp's staging boxes at `staging` (store_warp_rows_tma); the output's
 // tensor map clips the columns at n. The warp returns to its MMAs as soon as its last store is issued.
-template <typename T, int kNumRegs>
+template <typename T, class Config, int kFirstReg, int kNumRegs>
 __device__ __forceinline__ void store_tile_tma(const CUtensorMap* out_map, const Tile& tile,
                                                const float (&acc)[kNumRegs], uint32_t staging, int warp_first_row,
                                                int lane_idx) {
     const auto row = static_cast<int32_t>(tile.row_begin + warp_first_row);
-    const auto first_col = static_cast<int32_t>(tile.n_tile_idx * kBlockN);
-    store_warp_rows_tma<T, kStoreChunks>(acc, staging, lane_idx, [&](uint32_t box, int chunk) {
+    const auto first_col = static_cast<int32_t>(tile.n_tile_idx * Config::kBlockN);
+    store_warp_rows_tma<T, Config::kStoreChunks, kFirstReg>(acc, staging, lane_idx, [&](uint32_t box, int chunk) {
         tma_store_2d(out_map, box, first_col + chunk * kTmaStoreCols, row);
     });
 }
 
-// kDSwiGLU: the topk weight s of the thread's two accumulator rows (rows 16 w + l / 4 and + 8 of the consumer's 64),
-// 0 for rows past the tile's end. Loaded when the tile starts (slot, then weight: two dependent loads), so the
+// kDSwiGLU: the topk weight s of the thread's two accumulator rows of a row block (rows 16 w + l / 4 and + 8 of its
+// 64), 0 for rows past the tile's end. Loaded when the tile starts (slot, then weight: two dependent loads), so the
 // epilogue, a whole mainloop later, does not wait for them.
 struct RowWeights {
     float weight[2];
 };
 
-__device__ __forceinline__ RowWeights load_row_weights(const KernelParams& params, const Tile& tile, int consumer_idx,
+__device__ __forceinline__ RowWeights load_row_weights(const KernelParams& params, const Tile& tile, int row_block,
                                                        int warp_idx, int lane_idx) {
     RowWeights weights;
-    const int first_row = consumer_idx * kConsumerRows + warp_idx * 16 + lane_idx / 4;
+    const int first_row = row_block * kWgmmaM + warp_idx * 16 + lane_idx / 4;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int local_row = first_row + half * 8;
@@ -108,19 +111,20 @@ __device__ __forceinline__ RowWeights load_row_weights(const KernelParams& param
 // du = da silu(g), and s a, transposed back into chunks and stored. dh may be h itself (in place): a batch is loaded
 // before it is stored, and batches touch disjoint columns. The quad's partial sums of ds (a fixed shuffle order) give
 // the row's sum over the tile's columns. Columns past I hold p = 0 (B zero-filled) and read no h.
-template <typename T, int kNumRegs>
+template <typename T, class Config, int kFirstReg, int kNumRegs>
 __device__ __forceinline__ void store_tile_dswiglu(const KernelParams& params, const Tile& tile,
                                                    const float (&acc)[kNumRegs], const RowWeights& weights,
-                                                   int consumer_idx, int warp_idx, int lane_idx) {
+                                                   int row_block, int warp_idx, int lane_idx) {
     constexpr int kFragsPerChunk = 4;
-    constexpr int kNumGroups = kBlockN / 8 / kFragsPerChunk;  // 16-byte chunks per lane and row
+    constexpr int kNumGroups = Config::kBlockN / 8 / kFragsPerChunk;  // 16-byte chunks per lane and row
     constexpr int kLoadBatch = 2;
     constexpr int kBatchesPerHalf = kNumGroups / kLoadBatch;
     constexpr int kNumBatches = 2 * kBatchesPerHalf;  // both rows of the thread, one after the other
     static_assert(kNumGroups % kLoadBatch == 0, "g, u chunks are loaded in whole batches");
+    static_assert(kFirstReg + Config::kBlockRegs <= kNumRegs, "the row block's accumulators are the consumer's");
     const int quad_lane = lane_idx % 4;
-    const int first_row = consumer_idx * kConsumerRows + warp_idx * 16 + lane_idx / 4;
-    const int64_t first_col = tile.n_tile_idx * kBlockN;
+    const int first_row = row_block * kWgmmaM + warp_idx * 16 + lane_idx / 4;
+    const int64_t first_col = tile.n_tile_idx * Config::kBlockN;
     const int64_t intermediate = params.n;
     const T* h = static_cast<const T*>(params.h);
     T* dh = static_cast<T*>(params.out);
@@ -178,7 +182,7 @@ __device__ __forceinline__ void store_tile_dswiglu(const KernelParams& params, c
             uint32_t dgate_words[kFragsPerChunk], dup_words[kFragsPerChunk], act_words[kFragsPerChunk];
 #pragma unroll
             for (int word_idx = 0; word_idx < kFragsPerChunk; ++word_idx) {
-                const int reg_idx = (group_idx * kFragsPerChunk + word_idx) * 4 + half * 2;
+                const int reg_idx = kFirstReg + (group_idx * kFragsPerChunk + word_idx) * 4 + half * 2;
                 float gate[2], up[2], d_gate[2], d_up[2], scaled_act[2];
                 cuda::unpack_pair<T>(gate_words[word_idx], gate[0], gate[1]);
                 cuda::unpack_pair<T>(up_words[word_idx], up[0], up[1]);

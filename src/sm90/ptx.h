@@ -1,7 +1,7 @@
 // Raw PTX of the Hopper (sm_90a) kernels, one thin wrapper per instruction:
 //   mbarrier   init, arrive (this CTA, or a CTA of the cluster), arrive + expect_tx, parity wait (the stage pipelines'
 //              full / empty barriers), a stage's release in every CTA of the cluster;
-//   cluster    CTA rank, cluster-wide barrier;
+//   cluster    CTA rank, cluster-wide barrier; named CTA barriers (sync, arrive);
 //   TMA        cp.async.bulk.tensor 2-D and 3-D loads, plain or multicast to CTAs of the cluster, completing
 //              on an mbarrier; 2-D and 3-D stores from shared memory in bulk async-groups, commit_group and
 //              wait_group (.read: until the stores have read their shared memory);
@@ -123,6 +123,14 @@ __device__ __forceinline__ void advance_stage(int& stage_idx, uint32_t& phase) {
     }
 }
 
+// Moves the cursor `count` stages on (a ping-pong consumer skipping the stages of the other consumer's tiles).
+template <int kNumStages>
+__device__ __forceinline__ void advance_stages(int& stage_idx, uint32_t& phase, int64_t count) {
+    const int64_t position = stage_idx + count;
+    stage_idx = static_cast<int>(position % kNumStages);
+    phase ^= static_cast<uint32_t>((position / kNumStages) & 1);
+}
+
 // Blocks until the phase of parity `parity` has completed (a fresh barrier counts its phase "1" as done).
 __device__ __forceinline__ void mbarrier_wait(uint64_t* barrier, uint32_t parity) {
     const uint32_t address = shared_address(barrier);
@@ -147,6 +155,16 @@ __device__ __forceinline__ uint32_t cluster_cta_rank() {
 }
 
 // Every thread of every CTA of the cluster: arrive, then wait for all (release / acquire).
+// Named CTA barriers (IDs 1..15; 0 is __syncthreads'): `num_threads` (a multiple of 32) take part, some arriving
+// without waiting. The ping-pong consumers order their mainloops with them.
+__device__ __forceinline__ void named_barrier_sync(uint32_t barrier_id, uint32_t num_threads) {
+    asm volatile("bar.sync %0, %1;\n" ::"r"(barrier_id), "r"(num_threads) : "memory");
+}
+
+__device__ __forceinline__ void named_barrier_arrive(uint32_t barrier_id, uint32_t num_threads) {
+    asm volatile("bar.arrive %0, %1;\n" ::"r"(barrier_id), "r"(num_threads) : "memory");
+}
+
 __device__ __forceinline__ void cluster_sync() {
     asm volatile(
         "barrier.cluster.arrive.release.aligned;\n"
