@@ -10,7 +10,8 @@ cd "$(dirname "$0")/.."
 CARRY=${CARRY:-.carry}
 OUT=${OUT:-/tmp/megamoe-out}
 mkdir -p "$OUT"
-if [ ! -f "$CARRY/libmegamoe.so" ] && [ -f "$CARRY/libmegamoe.so.xz" ]; then xz -dk "$CARRY/libmegamoe.so.xz"; fi
+# a carried .xz always wins over a libmegamoe.so a warm machine kept from an earlier call
+if [ -f "$CARRY/libmegamoe.so.xz" ]; then xz -dkf "$CARRY/libmegamoe.so.xz"; fi
 export PYTHONUNBUFFERED=1 MEGAMOE_LIBRARY=$PWD/$CARRY/libmegamoe.so PYTHONPATH=$PWD/python${PYTHONPATH:+:$PYTHONPATH}
 # JIT caches beside the tree (ignored, so a later call on a warm machine finds them)
 export QUACK_CACHE_DIR=${QUACK_CACHE_DIR:-$PWD/.cache/quack}
