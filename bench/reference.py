@@ -76,26 +76,41 @@ def reference_outputs(case, tokens, experts, dtype, backward=True):
 
 
 def path_outputs(fn, case, tokens, experts, backward):
-    """Runs one MoE implementation fn(x, ids, topk_weights, w13, w2) on the full case and returns its outputs on the
-    check subsets (fp32 copies; the full-size gradients are released)."""
+    """Runs one MoE implementation on the full case and returns its outputs on the check subsets (fp32 copies; the
+    full-size gradients are released). fn is fn(x, ids, topk_weights, w13, w2), or an impls.Impl, which also names
+    the leaves a peer keeps its weights in and maps their gradients back to [E, 2I, H] / [E, H, I]."""
+    impl = fn if hasattr(fn, "weight_grads") else None
+    fn = impl.fn if impl else fn
     tokens = tokens.to(case.x.device)
-    case.clear_grads()
+    leaves = impl.leaves(case) if impl else case.leaves()  # x, topk_weights, w13-like, w2-like
+    _clear(leaves)
     if not backward:
         with torch.no_grad():
             y = fn(case.x, case.ids, case.s, case.w13, case.w2)
         return {"y": y[tokens].float()}
     y = fn(case.x, case.ids, case.s, case.w13, case.w2)
     y.backward(case.dy)
-    grads = {"dx": case.x.grad, "dtopk_weights": case.s.grad, "dw13": case.w13.grad, "dw2": case.w2.grad}
+    grads = dict(zip(("dx", "dtopk_weights", "dw13", "dw2"), (t.grad for t in leaves)))
     missing = [k for k, g in grads.items() if g is None]
     if missing:
+        _clear(leaves)
         raise RuntimeError(f"no gradient for {', '.join(missing)}")
+    dw13, dw2 = (impl.weight_grads if impl else expert_rows)(grads["dw13"], grads["dw2"], experts)
     out = {"y": y.detach()[tokens].float(), "dx": grads["dx"][tokens].float(),
-           "dtopk_weights": grads["dtopk_weights"][tokens].float(),
-           "dw13": grads["dw13"][experts].float(), "dw2": grads["dw2"][experts].float()}
+           "dtopk_weights": grads["dtopk_weights"][tokens].float(), "dw13": dw13.float(), "dw2": dw2.float()}
     del y, grads
-    case.clear_grads()
+    _clear(leaves)
     return out
+
+
+def expert_rows(dw13, dw2, experts):
+    """(dw13 [n, 2I, H], dw2 [n, H, I]) of the experts: megamoe's layout."""
+    return dw13[experts], dw2[experts]
+
+
+def _clear(leaves):
+    for t in leaves:
+        t.grad = None
 
 
 def rel_err(a, ref):
@@ -112,11 +127,11 @@ def passes(err, floor_err):
     return not math.isfinite(floor_err) or err <= 5 * floor_err + 1e-3
 
 
-def compare(outs, floor_outs, ref, floor_label="torch_bf16"):
-    """{key: {"megamoe": err, floor_label: err, "pass": bool}} for every key of ref; floor_outs is the bf16
-    baseline whose error sets the tolerance."""
+def compare(outs, floor_outs, ref, floor_label="torch_bf16", label="megamoe"):
+    """{key: {label: err, floor_label: err, "pass": bool}} for every key of ref; floor_outs is the bf16 baseline
+    whose error sets the tolerance."""
     res = {}
     for k, r in ref.items():
         e_m, e_f = rel_err(outs[k], r), rel_err(floor_outs[k], r)
-        res[k] = {"megamoe": e_m, floor_label: e_f, "pass": passes(e_m, e_f)}
+        res[k] = {label: e_m, floor_label: e_f, "pass": passes(e_m, e_f)}
     return res

@@ -6,6 +6,7 @@ import torch
 import torch_moe_baseline as baseline
 
 SHAPES = baseline.SHAPES  # name: (T, H, I, E, topk)
+TEST_SHAPES = {"tiny": (64, 128, 96, 8, 2)}  # for runs of the benchmark flow on the CPU (bench.py --device cpu)
 ROUTINGS = ("balanced", "skewed")
 L2_BYTES = 60 * 10**6  # H200 L2 cache
 

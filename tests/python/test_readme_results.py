@@ -1,5 +1,6 @@
-"""bench/readme_results.py (CPU only): the README results block from a committed bench JSON and from a synthetic
-one (recompute mode, gradient bytes, skewed routing), training tables, marker replacement and --check."""
+"""bench/readme_results.py and bench/report.py (CPU only): the README results block from committed bench JSONs (no
+peers) and from a synthetic one (peers, a missing peer, recompute mode, gradient bytes, three timings, skewed
+routing), the full tables, training tables, marker replacement and --check."""
 
 import json
 import os
@@ -11,6 +12,7 @@ import pytest
 ROOT = os.path.abspath(os.path.join(os.path.dirname(__file__), "..", ".."))
 sys.path.insert(0, os.path.join(ROOT, "bench"))
 import readme_results as rr  # noqa: E402
+import report  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "bench", "results")
 BENCH = os.path.join(RESULTS, "2026-11-30-nvidia-h200-7296486.json")
@@ -32,22 +34,31 @@ def rows_of(block):
     return out
 
 
-def synthetic(tmp_path):
-    """A bench JSON with recompute mode + grad_gib, a skewed case, and a shape without fwd+bwd; plus its .png."""
-    def run(ms, tflops, peak):
-        return {"ms": ms, "tflops": tflops, "peak_extra_gib": peak}
+SONIC_ABOUT = "sonic-moe 0.1.2.post1 on quack-kernels 0.3.11; QuACK default GEMM configs (tuned=False)"
+PEERS = {"sonicmoe": {"about": SONIC_ABOUT}, "torch_compiled": {"about": "torch.compile(moe_grouped, fullgraph=True)"}}
 
+
+def run(ms, tflops, peak, **more):
+    return {"ms": ms, "tflops": tflops, "peak_extra_gib": peak, **more}
+
+
+def synthetic(tmp_path, peers=PEERS):
+    """A bench JSON with the peers, recompute mode + grad_gib, back-to-back and graph times, a skewed case, and a
+    shape without fwd+bwd; plus its .png."""
     bal = {"shape": "toy-a", "routing": "balanced", "errors": {}, "grad_gib": 1.25,
-           "dense": {"ms": 1.0, "tflops": 800.0},
-           "fwd": {"megamoe": run(2.0, 600.0, 0.5), "torch": run(5.0, 240.0, 1.5)},
-           "fwdbwd": {"megamoe": run(8.0, 450.0, 3.0), "megamoe_recompute": run(9.5, 378.9, 2.0),
-                      "torch": run(12.0, 300.0, 4.5)}}
+           "dense": {"ms": 1.0, "tflops": 800.0, "b2b_ms": 0.9, "graph_ms": 0.95},
+           "fwd": {"megamoe": run(2.0, 600.0, 0.5, b2b_ms=1.8, graph_ms=1.9), "sonicmoe": run(2.4, 500.0, 0.4),
+                   "torch_compiled": run(4.0, 300.0, 1.0), "torch": run(5.0, 240.0, 1.5)},
+           "fwdbwd": {"megamoe": run(8.0, 450.0, 3.0, b2b_ms=7.2, graph_ms=7.6),
+                      "megamoe_recompute": run(9.5, 378.9, 2.0), "sonicmoe": run(9.6, 375.0, 2.25, b2b_ms=9.0),
+                      "torch_compiled": run(10.0, 360.0, 2.5),
+                      "torch": run(12.0, 300.0, 4.5, graph_error="RuntimeError: not captured: the step synchronizes")}}
     skew = {"shape": "toy-a", "routing": "skewed", "errors": {}, "dense": {"ms": 1.0, "tflops": 800.0},
             "fwd": {"megamoe": run(2.2, 540.0, 0.5), "torch": run(6.0, 200.0, 1.5)},
             "fwdbwd": {"megamoe": run(8.9, 405.0, 3.0), "torch": run(13.0, 277.0, 4.5)}}
     fwd_only = {"shape": "toy-b", "routing": "balanced", "errors": {}, "dense": {"ms": 2.0, "tflops": 700.0},
                 "fwd": {"megamoe": run(4.0, 350.0, None), "torch": run(4.2, 333.0, None)}}
-    results = {"date": "2027-01-02", "gpu": "Test GPU", "commit": "abc1234", "git_dirty": True,
+    results = {"date": "2027-01-02", "gpu": "Test GPU", "commit": "abc1234", "git_dirty": True, "peers": peers,
                "command": "python3 bench/bench.py --routing balanced,skewed", "cases": [bal, skew, fwd_only]}
     path = tmp_path / "results" / "2027-01-02-test-gpu-abc1234.json"
     path.parent.mkdir()
@@ -59,9 +70,12 @@ def synthetic(tmp_path):
 def test_committed_bench_and_training():
     block = rr.generate(BENCH, ROOT, (TRAIN_M, TRAIN_B, LOSSES))
     rows = rows_of(block)
-    assert rows["qwen3-30b-a3b"][1:] == ["2.83 / 6.19 (2.19x)", "436 (58%)", "10.91 / 14.11 (1.29x)", "340 (45%)",
-                                         "—", "2.81 / — / 3.31", "— / — / —"]
-    assert rows["qwen3-235b-a22b"][1:5] == ["10.18 / 15.41 (1.51x)", "486 (68%)", "40.37 / 39.24 (0.97x)", "368 (52%)"]
+    assert rows["shape"][1:] == list(report.SUMMARY_HEADER[1:])
+    assert rows["qwen3-30b-a3b"][1:] == ["2.83 / 10.91", "—", "—", "—", "6.19 / 14.11", "1.63", "—",
+                                         "436 / 340 (58% / 45%)"]
+    assert rows["qwen3-235b-a22b"][1:] == ["10.18 / 40.37", "—", "—", "—", "15.41 / 39.24", "6.97", "—",
+                                           "486 / 368 (68% / 52%)"]
+    assert "Peers: SonicMoE and the compiled torch path: not measured (the run predates them)." in block
     assert "NVIDIA H200" in block and "2026-11-30" in block and "commit `7296486" in block
     assert "command `MEGAMOE_SM90_WEIGHT_GRADS=1 python3 bench/bench.py" in block
     assert ("[`bench/results/2026-11-30-nvidia-h200-7296486.md`](bench/results/2026-11-30-nvidia-h200-7296486.md)"
@@ -71,23 +85,62 @@ def test_committed_bench_and_training():
     assert rows["`megamoe`"][1:] == ["4", "16384", "0.220", "74.3k", "50.4", "1.06x", "1.3e-03 over 10 steps"]
     assert rows["`grouped_mm` (baseline)"][1:] == ["4", "16384", "0.233", "70.2k", "57.4", "1.00x", "—"]
     assert "[plot](bench/results/2026-11-30-nvidia-h200-df891ad-train4L-losses.png)" in block
-    assert "forward >= 3.11x" in block and ">= 1.34x" in block
+    assert "forward+backward >= 1.15x and forward >= 1.10x SonicMoE" in block and ">= 1.34x" in block
     assert "nan" not in block.lower() and "none" not in block.lower()
 
 
-def test_synthetic_recompute_grad_gib_skewed(tmp_path):
+def test_committed_activation_memory():
+    rows = rows_of(rr.generate(os.path.join(RESULTS, "2026-11-30-nvidia-h200-fd40bb9.json"), ROOT))
+    assert rows["qwen3-30b-a3b"][1:3] == ["2.76 / 8.01 (1.69)", "9.67 (0.94)"]
+    assert rows["qwen3-30b-a3b"][5] == "6.31 / 14.09 (2.13)"
+
+
+def test_synthetic_peers_recompute_grad_gib_skewed(tmp_path):
     path = synthetic(tmp_path)
     block = rr.generate(path, str(tmp_path))
     rows = rows_of(block)
-    assert rows["toy-a"][1:] == ["2.00 / 5.00 (2.50x)", "600 (75%)", "8.00 / 12.00 (1.50x)", "450 (56%)", "9.50",
-                                 "3.00 / 2.00 / 4.50", "1.75 / 0.75 / 3.25"]
-    assert rows["toy-b"][1:] == ["4.00 / 4.20 (1.05x)", "350 (50%)", "—", "—", "—", "—", "—"]
+    assert rows["toy-a"][1:] == ["2.00 / 8.00 (1.75)", "9.50 (0.75)", "2.40 / 9.60 (1.00)", "4.00 / 10.00 (1.25)",
+                                 "5.00 / 12.00 (3.25)", "1.00", "1.20x / 1.20x", "600 / 450 (75% / 56%)"]
+    assert rows["toy-b"][1:] == ["4.00 / —", "—", "—", "—", "4.20 / —", "2.00", "—", "350 / — (50% / —)"]
     assert sum(1 for r in rows if r.startswith("toy-a")) == 1  # balanced rows only
+    assert f"Peers: SonicMoE: {SONIC_ABOUT}; torch compiled: torch.compile(moe_grouped, fullgraph=True)." in block
     assert "Skewed routing (megamoe TFLOP/s skewed / balanced): toy-a fwd 0.90x, fwd+bwd 0.90x." in block
     assert "commit `abc1234 (uncommitted changes)`" in block
     assert "![TFLOP/s per shape](results/2027-01-02-test-gpu-abc1234.png)" in block
     assert ".md`]" not in block  # no .md beside the JSON: no link
     assert "Training step" not in block
+
+
+def test_missing_peer_says_why(tmp_path):
+    why = "not installed: ModuleNotFoundError: No module named 'sonicmoe'"
+    path = synthetic(tmp_path, peers={"sonicmoe": {"missing": why}})
+    block = rr.generate(path, str(tmp_path))
+    assert f"Peers: SonicMoE: missing ({why}); torch compiled: not run (--peers)." in block
+    results = json.loads(open(path).read())
+    for case in results["cases"]:
+        report.derive(case)
+    sonic = [r for r in report.table_rows(results) if r[3] == "SonicMoE" and r[0] == "toy-b"]
+    assert sonic and all(r[-1] == f"missing: {why}" for r in sonic)
+
+
+def test_report_tables_of_three_timings(tmp_path):
+    results = json.loads(open(synthetic(tmp_path)).read())
+    for case in results["cases"]:
+        report.derive(case)
+    rows = {(r[0], r[1], r[2], r[3]): r[4:] for r in report.table_rows(results)}
+    assert rows[("toy-a", "balanced", "fwd", "megamoe")][:4] == ["2.00 / 1.80 / 1.90", "600 / — / —",
+                                                                  "75 / — / —", "—"]
+    assert rows[("toy-a", "balanced", "fwd+bwd", "SonicMoE")] == ["9.60 / 9.00 / —", "375 / — / —", "47 / — / —",
+                                                                  "1.20x / 1.25x / —", "2.25", "1.00", "—", "ok"]
+    assert rows[("toy-a", "balanced", "fwd+bwd", "torch eager")][-1] == (
+        "graph: RuntimeError: not captured: the step synchronizes")
+    assert rows[("toy-a", "balanced", "fwd+bwd", "dense bf16 GEMM")][0] == "3.00 / 2.70 / 2.85"
+    assert ("toy-a", "balanced", "fwd", "megamoe recompute") not in rows
+    b2b = {r[0]: r for r in report.summary_rows(results, "b2b_")}
+    assert b2b["toy-a (balanced)"][1] == "1.80 / 7.20 (1.75)" and b2b["toy-a (balanced)"][3] == "— / 9.00 (1.00)"
+    assert b2b["toy-a (balanced)"][6:8] == ["0.90", "— / 1.25x"]
+    md = report.markdown(results, "x.png")
+    assert "## Per call" in md and "## Back to back" in md and "## CUDA graph" in md and "## All numbers" in md
 
 
 def test_synthetic_training(tmp_path):
@@ -132,7 +185,7 @@ def test_check_and_write(tmp_path, capsys):
     argv = ["--bench", BENCH, "--train-megamoe", TRAIN_M, "--train-baseline", TRAIN_B, "--readme", str(readme)]
     assert rr.main(argv + ["--check"]) == 1
     out = capsys.readouterr()
-    assert "-stale numbers" in out.out and "+| qwen3-30b-a3b | 2.83 / 6.19 (2.19x)" in out.out
+    assert "-stale numbers" in out.out and "+| qwen3-30b-a3b | 2.83 / 10.91 |" in out.out
     assert "out of date" in out.err
     assert readme.read_bytes() == SAMPLE.encode()  # --check never writes
     assert rr.main(argv) == 0

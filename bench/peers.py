@@ -1,0 +1,175 @@
+"""The peers timed beside megamoe (DESIGN §4): SonicMoE (when `import sonicmoe` works) and the torch path under
+torch.compile. A peer has `about` (what ran) or `missing` (why not), and for_case(case) gives its Impl for a case.
+
+SonicMoE is called as ../shared/tools/peers/README.md says: moe_general_routing_inputs with token-major flat slot
+lists, w1 [2I, H, E] (gate / up rows interleaved, stride order (2, 0, 1)) and w2 [H, I, E], its own weight leaves
+built once per case, QuACK's default GEMM configs (tuned=False: no autotuning).
+"""
+import functools
+import importlib.metadata
+import sys
+from types import SimpleNamespace
+
+import torch
+
+from impls import CompiledTorchPath, Impl
+from timing import short
+
+PEERS = ("sonicmoe", "torch_compiled")
+QUACK_GEMMS = ("gemm", "gemm_gated", "gemm_dgated")  # quack.gemm_interface names sonicmoe.functional imports
+MUST_PATCH = ("sonicmoe.functional.forward.gemm", "sonicmoe.functional.forward.gemm_gated",
+              "sonicmoe.functional.backward.gemm", "sonicmoe.functional.backward.gemm_dgated")
+
+
+class PeerMissing(Exception):
+    """A peer that cannot run here; the message says why."""
+
+
+def use_default_gemm_configs(gemm_interface, modules):
+    """Rebinds every QUACK_GEMMS name that a module in `modules` imported from gemm_interface to the same function
+    with tuned=False (QuACK's default config, no autotuning); returns the 'module.name's rebound."""
+    rebound = []
+    for name in QUACK_GEMMS:
+        original = getattr(gemm_interface, name)
+        for mod in modules:
+            if getattr(mod, name, None) is original:
+                setattr(mod, name, functools.partial(original, tuned=False))
+                rebound.append(f"{mod.__name__}.{name}")
+    return rebound
+
+
+def _version(dist):
+    try:
+        return importlib.metadata.version(dist)
+    except importlib.metadata.PackageNotFoundError:
+        return "unknown"
+
+
+def load_sonicmoe():
+    """SimpleNamespace(moe, swiglu, stream, about) for SonicMoE with QuACK autotuning off; PeerMissing if it cannot
+    be imported or its GEMMs cannot be switched to the default configs."""
+    try:
+        from sonicmoe import moe_general_routing_inputs
+        from sonicmoe.enums import ActivationType
+        import quack.gemm_interface as gemm_interface
+    except ImportError as ex:
+        raise PeerMissing(f"not installed: {short(ex)}") from ex
+    except Exception as ex:  # noqa: BLE001 - any failure to import is a reason, not a crash
+        raise PeerMissing(f"import failed: {short(ex)}") from ex
+    modules = [m for n, m in list(sys.modules.items()) if n == "sonicmoe" or n.startswith("sonicmoe.")]
+    rebound = use_default_gemm_configs(gemm_interface, modules)
+    left = [n for n in MUST_PATCH if n not in rebound]
+    if left:
+        raise PeerMissing(f"cannot switch off QuACK autotuning: {', '.join(left)} not imported from"
+                          " quack.gemm_interface (another sonic-moe version?)")
+    about = (f"sonic-moe {_version('sonic-moe')} on quack-kernels {_version('quack-kernels')}, nvidia-cutlass-dsl"
+             f" {_version('nvidia-cutlass-dsl')}; QuACK default GEMM configs (tuned=False, no autotuning)")
+    return SimpleNamespace(moe=moe_general_routing_inputs, swiglu=ActivationType.SWIGLU,
+                           stream=lambda: torch.cuda.current_stream().cuda_stream, about=about)
+
+
+def flat_routing(ids):
+    """SonicMoE's routing from topk_ids [T, k]: (token_indices, expert_indices) int32 [S] sorted by token, and the
+    flat slot positions kept (None when no slot is dropped; dropped slots, id -1, are left out)."""
+    T, k = ids.shape
+    experts = ids.reshape(-1)  # [T*k]
+    tokens = torch.arange(T, device=ids.device, dtype=torch.int32).repeat_interleave(k)  # [T*k]
+    kept = experts >= 0
+    if bool(kept.all()):  # one host sync per case, outside any timed region
+        return tokens, experts.to(torch.int32), None
+    slots = kept.nonzero().squeeze(1)  # [S]
+    return tokens[slots], experts[slots].to(torch.int32), slots
+
+
+def interleave_gate_up(w13):
+    """w13 [E, 2I, H] (gate rows, then up rows) -> w1 [2I, H, E], rows gate_0, up_0, gate_1, ..., stride order
+    (2, 0, 1): SonicMoE's layout (a copy)."""
+    E, I2, H = w13.shape
+    return torch.stack([w13[:, :I2 // 2], w13[:, I2 // 2:]], 2).reshape(E, I2, H).permute(1, 2, 0)
+
+
+def deinterleave_gate_up(dw1, experts):
+    """Gradient of w1 [2I, H, E] -> dw13 [n, 2I, H] of the experts, in megamoe's gate-then-up row order."""
+    g = dw1.permute(2, 0, 1)[experts]  # [n, 2I, H], rows interleaved
+    n, I2, H = g.shape
+    return g.reshape(n, I2 // 2, 2, H).transpose(1, 2).reshape(n, I2, H)
+
+
+class SonicMoE(Impl):
+    """SonicMoE on one case: its weight leaves w1 [2I, H, E] (a copy) and w2 [H, I, E] (a view of the case's w2),
+    made once; the routing lists made once per topk_ids tensor."""
+
+    def __init__(self, api, case):
+        super().__init__("sonicmoe", self._moe)
+        self.api, self.w13, self.w2 = api, case.w13, case.w2
+        with torch.no_grad():
+            self.w1_sonic = interleave_gate_up(case.w13.detach()).requires_grad_()  # [2I, H, E]
+            self.w2_sonic = case.w2.detach().permute(1, 2, 0).requires_grad_()  # [H, I, E]
+        self.ids, self.routing = None, None
+
+    def _moe(self, x, ids, topk_weights, w13, w2):
+        if w13 is not self.w13 or w2 is not self.w2:
+            raise ValueError("this SonicMoE wrapper holds the weights of another case")
+        if ids is not self.ids:
+            self.ids, self.routing = ids, flat_routing(ids)
+        tokens, experts, slots = self.routing
+        scores = topk_weights.reshape(-1).float()  # [T*k] f32: its gradient is d topk_weights
+        if slots is not None:
+            scores = scores[slots]  # [S]
+        y, _ = self.api.moe(x, scores, tokens, experts, self.w1_sonic, None, self.w2_sonic, None, w2.shape[0],
+                            self.api.stream(), self.api.swiglu, not torch.is_grad_enabled())
+        return y  # [T, H]
+
+    def leaves(self, case):
+        return case.x, case.s, self.w1_sonic, self.w2_sonic
+
+    def weight_grads(self, grad13, grad2, experts):
+        return deinterleave_gate_up(grad13, experts), grad2.permute(2, 0, 1)[experts]
+
+    def close(self):
+        self.w1_sonic = self.w2_sonic = self.ids = self.routing = None
+
+
+class SonicMoEPeer:
+    name = "sonicmoe"
+
+    def __init__(self, loader=load_sonicmoe):
+        try:
+            self.api, self.missing = loader(), None
+        except PeerMissing as ex:
+            self.api, self.missing = None, str(ex)
+
+    @property
+    def about(self):
+        return self.api.about if self.api else None
+
+    def for_case(self, case):
+        return SonicMoE(self.api, case)
+
+
+class TorchCompiledPeer:
+    name, missing = "torch_compiled", None
+
+    def __init__(self, path=None):
+        self.path = path or CompiledTorchPath()
+        self.impl = Impl(self.name, self.path)
+
+    @property
+    def about(self):
+        return self.path.about()
+
+    def for_case(self, case):
+        return self.impl
+
+
+FACTORIES = {"sonicmoe": SonicMoEPeer, "torch_compiled": TorchCompiledPeer}
+
+
+def load_peers(names):
+    """The peers named (in PEERS order), each loaded or with the reason it is missing."""
+    return [FACTORIES[n]() for n in PEERS if n in names]
+
+
+def describe(peers):
+    """{name: {"about": ...} or {"missing": ...}} for the results JSON."""
+    return {p.name: {"missing": p.missing} if p.missing else {"about": p.about} for p in peers}
