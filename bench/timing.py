@@ -125,6 +125,11 @@ def per_call(fn, timer, warmup, iters, max_seconds):
     return {"ms": statistics.median(times), "min_ms": min(times), "max_ms": max(times), "iters": len(times)}
 
 
+def cuda_time(fn, warmup, iters, max_seconds):
+    """per_call on the CUDA timer: the profile scripts' timing of one call."""
+    return per_call(fn, CudaTimer(), warmup, iters, max_seconds)
+
+
 def back_to_back_calls(iters, per_call_ms, max_seconds):
     """N for the back-to-back window: iters, fewer (>= 3) where iters calls would take over max_seconds."""
     if not per_call_ms or per_call_ms <= 0:

@@ -24,7 +24,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import megamoe
 import workloads
-from bench import cuda_time
+from timing import cuda_time
 from profile_forward import short_name
 
 GEMM_LABELS = [("dH", 2.0), ("dW2", 2.0), ("dX", 4.0), ("dW13", 4.0)]  # x T topk H I

@@ -20,7 +20,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import megamoe
 import workloads
-from bench import cuda_time
+from timing import cuda_time
 
 
 def short_name(name):

@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import megamoe
 import workloads
-from bench import cuda_time
+from timing import cuda_time
 from profile_forward import short_name
 
 
