@@ -327,7 +327,8 @@ __global__ void __launch_bounds__(kNumThreads, kVec ? kMinBlocksPerSmVec : 1)
                 }
             } else {
                 const int64_t intermediate = params.n;
-                const int64_t h_row_idx = params.h_in_slot_order ? params.a_gather_slots[row_idx] : row_idx;
+                const int64_t h_row_idx =
+                    params.h_in_slot_order ? slot_of_row(params.a_gather_slots, row_idx) : row_idx;
 #pragma unroll
                 for (int pair_idx = 0; pair_idx < kNumFragsN / 2; ++pair_idx) {
                     const int64_t col = n_tile_idx * (kBlockN / 2) + (warp_n_idx * (kNumFragsN / 2) + pair_idx) * 8 +

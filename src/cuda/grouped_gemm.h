@@ -59,7 +59,8 @@ megamoe_status_t launch_m_grouped_gemm_elem(const MGroupedGemmArgs& args, void* 
 
 // Up projection with SwiGLU: B = w13 [E, 2I, H] (kNK), args.n = I. Writes h = [g, u] ([rows, 2I]; sorted row r goes
 // to h row r, or with h_in_slot_order to h row args.a_gather_slots[r], its slot: the layout of saved_h) and
-// a = silu(g) * u ([rows, I]) in the element type; h and act may be NULL (not written).
+// a = silu(g) * u ([rows, I]) in the element type; h and act may be NULL (not written). Without gather slots (grouped
+// rows) the slot of sorted row r is r, so both orders are the same.
 megamoe_status_t launch_m_grouped_gemm_swiglu(const MGroupedGemmArgs& args, void* h, bool h_in_slot_order, void* act,
                                               cudaStream_t stream);
 

@@ -141,7 +141,7 @@ __device__ __forceinline__ void prefetch_h_rows(const KernelParams& params, cons
         const int local_row = pass * kRowsPerPass + thread_idx / 2;
         if (local_row >= tile.num_rows) break;
         const int64_t row_idx = tile.row_begin + local_row;
-        const int64_t h_row_idx = params.h_in_slot_order ? params.a_gather_slots[row_idx] : row_idx;
+        const int64_t h_row_idx = params.h_in_slot_order ? cuda::slot_of_row(params.a_gather_slots, row_idx) : row_idx;
         const auto* h_row = static_cast<const uint16_t*>(params.h) + h_row_idx * 2 * params.n;
         prefetch_l2_bulk(h_row + (thread_idx % 2) * params.n + first_col, num_bytes);
     }
@@ -439,9 +439,6 @@ megamoe_status_t launch_m_grouped_gemm_sm90_swiglu(const cuda::MGroupedGemmArgs&
     if (!cuda::is_aligned(h, 16) || !cuda::is_aligned(act, 16)) {
         return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "m_grouped_gemm_sm90: outputs must be 16-byte aligned");
     }
-    if (h_in_slot_order && args.a_gather_slots == nullptr) {
-        return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "m_grouped_gemm_sm90: h in slot order needs the gather slots");
-    }
     KernelParams params = make_params(args);
     params.out = act;
     params.ldo = args.n;
@@ -460,9 +457,6 @@ megamoe_status_t launch_m_grouped_gemm_sm90_dswiglu(const cuda::MGroupedGemmArgs
     if (!cuda::is_aligned(epilogue.h, 16) || !cuda::is_aligned(epilogue.dh, 16) ||
         !cuda::is_aligned(epilogue.act, 16)) {
         return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "m_grouped_gemm_sm90: h, dh and act must be 16-byte aligned");
-    }
-    if (args.a_gather_slots == nullptr) {
-        return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "m_grouped_gemm_sm90: dSwiGLU needs the rows' slots");
     }
     KernelParams params = make_params(args);
     params.out = epilogue.dh;

@@ -112,7 +112,7 @@ struct KernelParams {
     bool h_in_slot_order;  // h row of sorted row r: a_gather_slots[r] (the slot, saved_h's order) instead of r
     void* act;             // kDSwiGLU: s * a [rows, I]
     float* ds_parts;       // kDSwiGLU: [rows, num_n_tiles] partial sums of ds
-    const void* weights;   // kDSwiGLU: topk_weights [T * topk] (s of row r: weights[a_gather_slots[r]])
+    const void* weights;   // kDSwiGLU: topk_weights [T * topk] (s of row r: weights[a_gather_slots[r]]), NULL: s = 1
     megamoe_dtype_t weights_dtype;
     bool tma_store;  // kStore with the output's tensor map made: a warp's rows inside the expert go out by TMA
 };

@@ -29,8 +29,9 @@ __device__ __forceinline__ void store_tile(const KernelParams& params, const Til
         const int local_row = first_row + half * 8;
         const bool row_valid = local_row < tile.num_rows;
         const int64_t row_idx = tile.row_begin + local_row;
-        const int64_t h_row_idx =
-            kSwiGLU && params.h_in_slot_order && row_valid ? params.a_gather_slots[row_idx] : row_idx;
+        const int64_t h_row_idx = kSwiGLU && params.h_in_slot_order && row_valid
+                                      ? cuda::slot_of_row(params.a_gather_slots, row_idx)
+                                      : row_idx;
 #pragma unroll
         for (int group_idx = 0; group_idx < kNumOutFrags / kFragsPerChunk; ++group_idx) {
             uint32_t out_words[kFragsPerChunk], gate_words[kFragsPerChunk], up_words[kFragsPerChunk];
@@ -102,8 +103,8 @@ __device__ __forceinline__ void store_tile_dswiglu(const KernelParams& params, c
         const int local_row = first_row + half * 8;
         const bool row_valid = local_row < tile.num_rows;  // the same for the 4 lanes of a quad
         const int64_t row_idx = tile.row_begin + local_row;
-        const int64_t slot_idx = row_valid ? params.a_gather_slots[row_idx] : 0;
-        const float weight = row_valid ? cuda::load_scalar(params.weights, params.weights_dtype, slot_idx) : 0.0f;
+        const int64_t slot_idx = row_valid ? cuda::slot_of_row(params.a_gather_slots, row_idx) : 0;
+        const float weight = row_valid ? cuda::load_weight(params.weights, params.weights_dtype, slot_idx) : 0.0f;
         const T* h_row =
             static_cast<const T*>(params.h) + (params.h_in_slot_order ? slot_idx : row_idx) * 2 * intermediate;
         T* dh_row = static_cast<T*>(params.out) + row_idx * 2 * intermediate;
