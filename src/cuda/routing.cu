@@ -324,6 +324,7 @@ megamoe_status_t launch_routing(const void* experts, megamoe_dtype_t experts_dty
                                 const RoutingBuffers& buffers, cudaStream_t stream) {
     if (plan.rows_sorted) return launch_rows_from_counts(experts, experts_dtype, plan, buffers, stream);
     const void* topk_ids = experts;
+    const megamoe_dtype_t ids_dtype = experts_dtype;
     MEGAMOE_CUDA_RETURN_IF_ERROR(
         check_cuda(cudaMemsetAsync(buffers.counts, 0, static_cast<size_t>(plan.num_counts) * sizeof(int), stream),
                    "routing: cudaMemsetAsync(counts)"));
@@ -331,10 +332,9 @@ megamoe_status_t launch_routing(const void* experts, megamoe_dtype_t experts_dty
         cudaMemsetAsync(buffers.token_invalid, 0, static_cast<size_t>(plan.num_tokens) * sizeof(int), stream),
         "routing: cudaMemsetAsync(token_invalid)"));
 
-    const ChunkArgs chunk_args{topk_ids,        experts_dtype == MEGAMOE_DTYPE_I64,
-                               plan.num_slots,  plan.num_experts,
-                               plan.topk,       plan.num_chunks,
-                               plan.chunk_slots};
+    const ChunkArgs chunk_args{
+        topk_ids,        ids_dtype == MEGAMOE_DTYPE_I64, plan.num_slots, plan.num_experts, plan.topk, plan.num_chunks,
+        plan.chunk_slots};
     const auto num_chunk_blocks = static_cast<unsigned>(ceil_div(plan.num_chunks, kChunkThreads / kWarpSize));
     count_kernel<<<num_chunk_blocks, kChunkThreads, 0, stream>>>(chunk_args, buffers.counts, buffers.token_invalid);
     MEGAMOE_CUDA_RETURN_IF_ERROR(check_launch("routing count_kernel"));
