@@ -1,8 +1,8 @@
 // Grouped rows on the GPU (the CUDA path the whole layer runs, routed by tokens_per_expert with the identity gather):
 //   - against the naive f64 loop of grouped_test_util.h on ragged problems: sizes off every tile (H = 72, I = 40, ...),
 //     empty experts, one expert taking every row, padding rows past the counts' sum, only padding rows, with and
-//     without scores, f16, i64 counts, scores and dscores in the element type, f32 weight gradients; on the default
-//     path (the sm_90a kernels where the device and the sizes allow them: asserted) and on the portable one
+//     without scores, f16, i64 counts, scores and dscores in the element type, f32 weight gradients, 3000 experts; on
+//     the default path (the sm_90a kernels where the device and the sizes allow them: asserted) and on the portable one
 //     (MEGAMOE_DISABLE_SM90=1); every output, saved_h and the workspaces poisoned (NaN bytes) before each run; two
 //     runs bitwise equal; keep-h and recompute bitwise equal; padding rows exactly 0;
 //   - invalid counts (negative, summing past R, huge) give NaN in every output, and no fault; R = 0;
@@ -224,6 +224,8 @@ TEST(GroupedCuda, RaggedShapesMatchNaiveLoop) {
                      true,
                      true});
     cases.push_back({"more tiles than SMs", 2048, 64, 1024, 2, 2000, {}});
+    cases.push_back(
+        {"thousands of experts (the counts scan over several 1024-expert chunks)", 50, 24, 16, 3000, 47, {}});
     for (const GroupedCase& c : cases) check_case(c);
 }
 
