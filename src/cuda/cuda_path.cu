@@ -217,7 +217,9 @@ megamoe_status_t forward_on_device(const ForwardCall& call) {
         MEGAMOE_CUDA_RETURN_IF_ERROR(launch_m_grouped_gemm_elem(gemms.down, workspace.out, shape.hidden, stream));
     }
 
-    GatherSumArgs combine{};  // grouped rows: out_r = score_r o_r, 0 past the counts' sum
+    // Grouped rows: out_r = score_r o_r, 0 past the counts' sum. TODO(#12): without scores the down GEMM could store
+    // straight into out (and the dX GEMM into d x_sorted below), zeroing only the padding rows.
+    GatherSumArgs combine{};
     combine.out_dtype = call.dtype;
     combine.rows = workspace.out;
     combine.rows_dtype = call.dtype;
