@@ -1,7 +1,8 @@
-// The C API: validate every argument (a bad one gives a status and a message naming it, never a
-// crash), then dispatch to the CPU reference or the CUDA path.
-#include <cuda_runtime_api.h>
-
+// The C API: validate every argument (a bad one gives a status and a message naming it, never a crash), then
+// dispatch to the CPU reference or the CUDA path. Two entry points share the checks (validate.h) and one dispatch
+// body (run_entry): the whole layer (topk_ids routed by the library) and grouped rows (rows already sorted by
+// expert, tokens_per_expert counts). Also the version and the ABI guard (megamoe_abi_version, megamoe_struct_size).
+#include <algorithm>
 #include <cinttypes>
 #include <cstdio>
 #include <string>
@@ -11,6 +12,7 @@
 #include "cuda/cuda_path.h"
 #include "dtype.h"
 #include "reference/reference.h"
+#include "validate.h"
 
 namespace megamoe {
 const char* last_error();
@@ -19,126 +21,9 @@ const char* last_error();
 namespace megamoe {
 namespace {
 
-constexpr int64_t kMaxSlots = (int64_t{1} << 31) - 1;  // sorted-row indices are int32 on the device
-
-#define MEGAMOE_CHECK(expr)                                    \
-    do {                                                       \
-        const megamoe_status_t status_ = (expr);               \
-        if (status_ != MEGAMOE_STATUS_SUCCESS) return status_; \
-    } while (0)
-
-std::string shape_string(const megamoe_tensor_t& tensor) {
-    std::string text = "[";
-    for (int32_t dim = 0; dim < tensor.ndim && dim < MEGAMOE_MAX_DIMS; ++dim) {
-        text += (dim ? ", " : "") + std::to_string(tensor.shape[dim]);
-    }
-    return text + "]";
-}
-
-bool is_valid_dtype(megamoe_dtype_t dtype) {
-    return dtype >= MEGAMOE_DTYPE_BF16 && dtype <= MEGAMOE_DTYPE_I64;
-}
-
-// Rank, dtype validity, non-negative extents, data pointer and row-major contiguity of one tensor.
-megamoe_status_t check_tensor(const char* name, const megamoe_tensor_t& tensor, int32_t ndim, const char* dims) {
-    if (tensor.ndim != ndim) {
-        return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "%s: expected %d dimensions %s, got %d", name, ndim, dims,
-                         tensor.ndim);
-    }
-    if (!is_valid_dtype(tensor.dtype)) {
-        return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "%s: unknown dtype code %d", name,
-                         static_cast<int>(tensor.dtype));
-    }
-    if (tensor.device_type != MEGAMOE_DEVICE_CPU && tensor.device_type != MEGAMOE_DEVICE_CUDA) {
-        return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "%s: unknown device type code %d", name,
-                         static_cast<int>(tensor.device_type));
-    }
-    for (int32_t dim = 0; dim < ndim; ++dim) {
-        if (tensor.shape[dim] < 0) {
-            return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "%s: negative extent in shape %s", name,
-                             shape_string(tensor).c_str());
-        }
-    }
-    int64_t expected_stride = 1;
-    for (int32_t dim = ndim - 1; dim >= 0 && numel(tensor) > 0; --dim) {  // an empty tensor has no layout
-        if (tensor.shape[dim] > 1 && tensor.strides[dim] != expected_stride) {
-            return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT,
-                             "%s: must be contiguous row-major; dimension %d of shape %s has stride %" PRId64
-                             ", expected %" PRId64,
-                             name, dim, shape_string(tensor).c_str(), tensor.strides[dim], expected_stride);
-        }
-        expected_stride *= tensor.shape[dim];
-    }
-    if (tensor.data == nullptr && numel(tensor) > 0) {
-        return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "%s: data is NULL", name);
-    }
-    return MEGAMOE_STATUS_SUCCESS;
-}
-
-megamoe_status_t check_shape(const char* name, const megamoe_tensor_t& tensor, std::vector<int64_t> expected,
-                             const char* dims) {
-    for (size_t dim = 0; dim < expected.size(); ++dim) {
-        if (tensor.shape[dim] != expected[dim]) {
-            std::string want = "[";
-            for (size_t d = 0; d < expected.size(); ++d) want += (d ? ", " : "") + std::to_string(expected[d]);
-            want += "]";
-            return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "%s: expected shape %s = %s, got %s", name, dims,
-                             want.c_str(), shape_string(tensor).c_str());
-        }
-    }
-    return MEGAMOE_STATUS_SUCCESS;
-}
-
-megamoe_status_t check_dtype(const char* name, const megamoe_tensor_t& tensor, megamoe_dtype_t want_a,
-                             megamoe_dtype_t want_b, const char* rule) {
-    if (tensor.dtype != want_a && tensor.dtype != want_b) {
-        return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "%s: dtype %s not allowed (%s)", name,
-                         dtype_name(tensor.dtype), rule);
-    }
-    return MEGAMOE_STATUS_SUCCESS;
-}
-
-megamoe_status_t check_same_device(const char* name, const megamoe_tensor_t& tensor, const megamoe_tensor_t& x) {
-    const bool same = tensor.device_type == x.device_type &&
-                      (x.device_type == MEGAMOE_DEVICE_CPU || tensor.device_index == x.device_index);
-    if (!same) {
-        return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT,
-                         "%s: on %s:%d but x is on %s:%d; all tensors must share a device", name,
-                         tensor.device_type == MEGAMOE_DEVICE_CUDA ? "cuda" : "cpu", tensor.device_index,
-                         x.device_type == MEGAMOE_DEVICE_CUDA ? "cuda" : "cpu", x.device_index);
-    }
-    return MEGAMOE_STATUS_SUCCESS;
-}
-
-// A CUDA tensor's pointer must be device (or managed) memory of its device: a host pointer labelled
-// CUDA would otherwise crash a kernel.
-megamoe_status_t check_cuda_pointer(const char* name, const megamoe_tensor_t& tensor) {
-    if (tensor.device_type != MEGAMOE_DEVICE_CUDA || numel(tensor) == 0) return MEGAMOE_STATUS_SUCCESS;
-    cudaPointerAttributes attributes{};
-    const cudaError_t err = cudaPointerGetAttributes(&attributes, tensor.data);
-    if (err != cudaSuccess) {
-        cudaGetLastError();
-        return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "%s: not a CUDA pointer (%s)", name, cudaGetErrorString(err));
-    }
-    const bool on_device = attributes.type == cudaMemoryTypeDevice || attributes.type == cudaMemoryTypeManaged;
-    if (!on_device || attributes.device != tensor.device_index) {
-        return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "%s: data is not device memory of cuda:%d", name,
-                         tensor.device_index);
-    }
-    return MEGAMOE_STATUS_SUCCESS;
-}
-
-bool overlaps(const megamoe_tensor_t& a, const megamoe_tensor_t& b) {
-    if (!a.data || !b.data || numel(a) == 0 || numel(b) == 0) return false;
-    const auto a_begin = reinterpret_cast<uintptr_t>(a.data), b_begin = reinterpret_cast<uintptr_t>(b.data);
-    const auto a_end = a_begin + numel(a) * dtype_size(a.dtype), b_end = b_begin + numel(b) * dtype_size(b.dtype);
-    return a_begin < b_end && b_begin < a_end;
-}
-
 // CPU ids can be read here: every value must be in [-1, E). (CUDA ids are checked on the device:
 // see cuda_path.h.)
 megamoe_status_t check_cpu_ids(const megamoe_tensor_t& ids, const Shape& shape) {
-    if (ids.device_type != MEGAMOE_DEVICE_CPU) return MEGAMOE_STATUS_SUCCESS;
     for (int64_t slot = 0; slot < shape.num_slots(); ++slot) {
         const int64_t value = load_index(ids.data, ids.dtype, slot);
         if (value < -1 || value >= shape.num_experts) {
@@ -151,191 +36,293 @@ megamoe_status_t check_cpu_ids(const megamoe_tensor_t& ids, const Shape& shape) 
     return MEGAMOE_STATUS_SUCCESS;
 }
 
-struct Named {
-    const char* name;
-    const megamoe_tensor_t* tensor;
-};
+// CPU counts can be read here: each must be >= 0 and their sum at most R. (CUDA counts are checked on the device:
+// see cuda_path.h.)
+megamoe_status_t check_cpu_counts(const megamoe_tensor_t& counts, const Shape& shape) {
+    int64_t num_counted = 0;  // at most R before each addition of a count capped at R + 1: no overflow
+    for (int64_t expert_idx = 0; expert_idx < shape.num_experts; ++expert_idx) {
+        const int64_t value = load_index(counts.data, counts.dtype, expert_idx);
+        if (value < 0) {
+            return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT,
+                             "tokens_per_expert: value %" PRId64 " at [%" PRId64 "] is negative", value, expert_idx);
+        }
+        num_counted += std::min(value, shape.num_tokens + 1);
+        if (num_counted > shape.num_tokens) {
+            return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT,
+                             "tokens_per_expert: the counts sum past the R=%" PRId64
+                             " rows of x_sorted (at expert %" PRId64 ")",
+                             shape.num_tokens, expert_idx);
+        }
+    }
+    return MEGAMOE_STATUS_SUCCESS;
+}
 
-// Everything both directions share: the routed inputs, their shapes, dtypes and device.
-megamoe_status_t check_inputs(const megamoe_tensor_t& x, const megamoe_tensor_t& ids, const megamoe_tensor_t& weights,
-                              const megamoe_tensor_t& w13, const megamoe_tensor_t& w2, megamoe_accum_t accum,
-                              Shape* shape) {
-    MEGAMOE_CHECK(check_tensor("x", x, 2, "[T, H]"));
+megamoe_status_t check_cpu_values(const megamoe_forward_params_t& p, const Shape& shape) {
+    return check_cpu_ids(p.topk_ids, shape);
+}
+megamoe_status_t check_cpu_values(const megamoe_backward_params_t& p, const Shape& shape) {
+    return check_cpu_ids(p.topk_ids, shape);
+}
+megamoe_status_t check_cpu_values(const megamoe_grouped_forward_params_t& p, const Shape& shape) {
+    return check_cpu_counts(p.tokens_per_expert, shape);
+}
+megamoe_status_t check_cpu_values(const megamoe_grouped_backward_params_t& p, const Shape& shape) {
+    return check_cpu_counts(p.tokens_per_expert, shape);
+}
+
+// The whole layer's routed inputs: x, w13, w2 (check_rows_and_weights), then topk_ids and topk_weights.
+megamoe_status_t check_routed_inputs(const megamoe_tensor_t& x, const megamoe_tensor_t& ids,
+                                     const megamoe_tensor_t& weights, const megamoe_tensor_t& w13,
+                                     const megamoe_tensor_t& w2, megamoe_accum_t accum, Shape* shape) {
+    MEGAMOE_CHECK(check_rows_and_weights("x", "[T, H]", x, w13, w2, accum, shape));
     MEGAMOE_CHECK(check_tensor("topk_ids", ids, 2, "[T, topk]"));
     MEGAMOE_CHECK(check_tensor("topk_weights", weights, 2, "[T, topk]"));
-    MEGAMOE_CHECK(check_tensor("w13", w13, 3, "[E, 2I, H]"));
-    MEGAMOE_CHECK(check_tensor("w2", w2, 3, "[E, H, I]"));
-
-    if (x.dtype != MEGAMOE_DTYPE_BF16 && x.dtype != MEGAMOE_DTYPE_F16 && x.dtype != MEGAMOE_DTYPE_F32 &&
-        x.dtype != MEGAMOE_DTYPE_F64) {
-        return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "x: dtype %s not allowed (bf16, f16, f32 or f64)",
-                         dtype_name(x.dtype));
-    }
     MEGAMOE_CHECK(check_dtype("topk_ids", ids, MEGAMOE_DTYPE_I32, MEGAMOE_DTYPE_I64, "i32 or i64"));
     MEGAMOE_CHECK(check_dtype("topk_weights", weights, MEGAMOE_DTYPE_F32, x.dtype, "f32 or the dtype of x"));
-    MEGAMOE_CHECK(check_dtype("w13", w13, x.dtype, x.dtype, "must equal the dtype of x"));
-    MEGAMOE_CHECK(check_dtype("w2", w2, x.dtype, x.dtype, "must equal the dtype of x"));
-
-    shape->num_tokens = x.shape[0];
-    shape->hidden = x.shape[1];
     shape->topk = ids.shape[1];
-    shape->num_experts = w13.shape[0];
-    shape->intermediate = w2.shape[2];
-    if (shape->hidden == 0)
-        return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "x: hidden size H must be > 0, got shape %s",
-                         shape_string(x).c_str());
     if (shape->topk == 0)
         return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "topk_ids: topk must be > 0, got shape %s",
                          shape_string(ids).c_str());
-    if (shape->num_experts == 0)
-        return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "w13: number of experts E must be > 0, got shape %s",
-                         shape_string(w13).c_str());
-    if (shape->intermediate == 0)
-        return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "w2: intermediate size I must be > 0, got shape %s",
-                         shape_string(w2).c_str());
-    const int64_t T = shape->num_tokens, H = shape->hidden, I = shape->intermediate, E = shape->num_experts;
-    MEGAMOE_CHECK(check_shape("topk_ids", ids, {T, shape->topk}, "[T, topk] (T from x)"));
-    MEGAMOE_CHECK(check_shape("topk_weights", weights, {T, shape->topk}, "[T, topk] (as topk_ids)"));
-    MEGAMOE_CHECK(check_shape("w13", w13, {E, 2 * I, H}, "[E, 2I, H] (E from w13, I from w2, H from x)"));
-    MEGAMOE_CHECK(check_shape("w2", w2, {E, H, I}, "[E, H, I] (E from w13, H from x)"));
-    if (shape->num_slots() > kMaxSlots) {
+    MEGAMOE_CHECK(check_shape("topk_ids", ids, {shape->num_tokens, shape->topk}, "[T, topk] (T from x)"));
+    MEGAMOE_CHECK(check_shape("topk_weights", weights, {shape->num_tokens, shape->topk}, "[T, topk] (as topk_ids)"));
+    if (shape->num_slots() > kMaxRows) {
         return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "topk_ids: T * topk = %" PRId64 " exceeds 2^31 - 1 slots",
                          shape->num_slots());
     }
+    MEGAMOE_CHECK(check_same_device("topk_ids", ids, x));
+    return check_same_device("topk_weights", weights, x);
+}
 
-    for (const Named& item :
-         {Named{"topk_ids", &ids}, Named{"topk_weights", &weights}, Named{"w13", &w13}, Named{"w2", &w2}}) {
-        MEGAMOE_CHECK(check_same_device(item.name, *item.tensor, x));
+// Grouped rows' inputs: x_sorted, w13, w2 (check_rows_and_weights), then tokens_per_expert and the optional scores.
+// The shape is the whole layer's with T = R rows and topk = 1.
+megamoe_status_t check_grouped_inputs(const megamoe_tensor_t& x, const megamoe_tensor_t& counts,
+                                      const megamoe_tensor_t& scores, const megamoe_tensor_t& w13,
+                                      const megamoe_tensor_t& w2, megamoe_accum_t accum, Shape* shape) {
+    MEGAMOE_CHECK(check_rows_and_weights("x_sorted", "[R, H]", x, w13, w2, accum, shape));
+    shape->topk = 1;
+    if (shape->num_tokens > kMaxRows) {
+        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "x_sorted: R = %" PRId64 " rows exceed 2^31 - 1",
+                         shape->num_tokens);
     }
-    if (x.device_type == MEGAMOE_DEVICE_CUDA) {
-        if (x.dtype != MEGAMOE_DTYPE_BF16 && x.dtype != MEGAMOE_DTYPE_F16) {
-            return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
-                             "x: dtype %s is not supported on CUDA (bf16 or f16); use CPU tensors for f32/f64",
-                             dtype_name(x.dtype));
-        }
-        if (accum == MEGAMOE_ACCUM_F64) {
-            return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "accum: f64 accumulation is CPU-only");
-        }
-    }
-    if (accum != MEGAMOE_ACCUM_DEFAULT && accum != MEGAMOE_ACCUM_F32 && accum != MEGAMOE_ACCUM_F64) {
-        return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "accum: unknown accumulation code %d",
-                         static_cast<int>(accum));
+    MEGAMOE_CHECK(check_input("tokens_per_expert", counts, x, "x_sorted", 1, "[E] (E from w13)", {shape->num_experts},
+                              MEGAMOE_DTYPE_I32, MEGAMOE_DTYPE_I64, "i32 or i64"));
+    if (is_present(scores)) {
+        MEGAMOE_CHECK(check_input("scores", scores, x, "x_sorted", 1, "[R] (R from x_sorted)", {shape->num_tokens},
+                                  MEGAMOE_DTYPE_F32, x.dtype, "f32 or the dtype of x_sorted"));
     }
     return MEGAMOE_STATUS_SUCCESS;
 }
 
-// The output tensors: present, shaped, typed, on x's device, device memory, and not overlapping any input.
-megamoe_status_t check_output(const char* name, const megamoe_tensor_t& out, const megamoe_tensor_t& x, int32_t ndim,
-                              const char* dims, std::vector<int64_t> shape, megamoe_dtype_t want_a,
-                              megamoe_dtype_t want_b, const char* rule, const std::vector<Named>& inputs) {
-    MEGAMOE_CHECK(check_tensor(name, out, ndim, dims));
-    MEGAMOE_CHECK(check_shape(name, out, shape, dims));
-    MEGAMOE_CHECK(check_dtype(name, out, want_a, want_b, rule));
-    MEGAMOE_CHECK(check_same_device(name, out, x));
-    for (const Named& input : inputs) {
-        if (overlaps(out, *input.tensor)) {
-            return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "%s: overlaps the memory of %s", name, input.name);
-        }
-    }
-    return MEGAMOE_STATUS_SUCCESS;
-}
-
-// The CUDA path lays buffers out at 256-byte offsets and picks kernels on their alignment: the base must be aligned
-// too, so that the workspace size query (which sees no pointer) and the call agree.
-constexpr uintptr_t kWorkspaceAlignment = 256;
-
-megamoe_status_t check_workspace(const void* workspace, size_t have, size_t need) {
-    if (have < need) {
-        return set_error(MEGAMOE_STATUS_WORKSPACE_TOO_SMALL, "workspace_bytes: %zu given, %zu needed", have, need);
-    }
-    if (need > 0 && workspace == nullptr) return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "workspace: NULL");
-    if (need > 0 && reinterpret_cast<uintptr_t>(workspace) % kWorkspaceAlignment != 0) {
-        return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "workspace: must be %zu-byte aligned",
-                         static_cast<size_t>(kWorkspaceAlignment));
-    }
-    return MEGAMOE_STATUS_SUCCESS;
-}
-
-megamoe_status_t validate_forward(const megamoe_forward_params_t* params, Shape* shape) {
+megamoe_status_t validate(const megamoe_forward_params_t* params, Shape* shape) {
     if (params == nullptr) return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "params: NULL");
     const megamoe_forward_params_t& p = *params;
-    MEGAMOE_CHECK(check_inputs(p.x, p.topk_ids, p.topk_weights, p.w13, p.w2, p.accum, shape));
+    MEGAMOE_CHECK(check_routed_inputs(p.x, p.topk_ids, p.topk_weights, p.w13, p.w2, p.accum, shape));
     const std::vector<Named> inputs = {
         {"x", &p.x}, {"topk_ids", &p.topk_ids}, {"topk_weights", &p.topk_weights}, {"w13", &p.w13}, {"w2", &p.w2}};
-    MEGAMOE_CHECK(check_output("y", p.y, p.x, 2, "[T, H]", {shape->num_tokens, shape->hidden}, p.x.dtype, p.x.dtype,
+    const megamoe_dtype_t dtype = p.x.dtype;
+    MEGAMOE_CHECK(check_output("y", p.y, p.x, "x", 2, "[T, H]", {shape->num_tokens, shape->hidden}, dtype, dtype,
                                "must equal the dtype of x", inputs));
     if (is_present(p.saved_h)) {
-        MEGAMOE_CHECK(check_output("saved_h", p.saved_h, p.x, 2, "[T*topk, 2I]",
-                                   {shape->num_slots(), 2 * shape->intermediate}, p.x.dtype, p.x.dtype,
+        MEGAMOE_CHECK(check_output("saved_h", p.saved_h, p.x, "x", 2, "[T*topk, 2I]",
+                                   {shape->num_slots(), 2 * shape->intermediate}, dtype, dtype,
                                    "must equal the dtype of x", inputs));
-        if (overlaps(p.saved_h, p.y)) {
-            return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "saved_h: overlaps the memory of y");
-        }
+    }
+    return check_outputs_disjoint({{"y", &p.y}, {"saved_h", &p.saved_h}});
+}
+
+megamoe_status_t validate(const megamoe_grouped_forward_params_t* params, Shape* shape) {
+    if (params == nullptr) return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "params: NULL");
+    const megamoe_grouped_forward_params_t& p = *params;
+    MEGAMOE_CHECK(check_grouped_inputs(p.x_sorted, p.tokens_per_expert, p.scores, p.w13, p.w2, p.accum, shape));
+    const std::vector<Named> inputs = {{"x_sorted", &p.x_sorted},
+                                       {"tokens_per_expert", &p.tokens_per_expert},
+                                       {"scores", &p.scores},
+                                       {"w13", &p.w13},
+                                       {"w2", &p.w2}};
+    const megamoe_dtype_t dtype = p.x_sorted.dtype;
+    MEGAMOE_CHECK(check_output("out", p.out, p.x_sorted, "x_sorted", 2, "[R, H]", {shape->num_tokens, shape->hidden},
+                               dtype, dtype, "must equal the dtype of x_sorted", inputs));
+    if (is_present(p.saved_h)) {
+        MEGAMOE_CHECK(check_output("saved_h", p.saved_h, p.x_sorted, "x_sorted", 2, "[R, 2I]",
+                                   {shape->num_tokens, 2 * shape->intermediate}, dtype, dtype,
+                                   "must equal the dtype of x_sorted", inputs));
+    }
+    return check_outputs_disjoint({{"out", &p.out}, {"saved_h", &p.saved_h}});
+}
+
+// The weight gradients of either backward: optional, [E, 2I, H] / [E, H, I] in the weights' dtype or f32.
+megamoe_status_t check_weight_grads(const megamoe_tensor_t& dw13, const megamoe_tensor_t& dw2,
+                                    const megamoe_tensor_t& x, const char* x_name, const megamoe_tensor_t& w13,
+                                    const megamoe_tensor_t& w2, const Shape& shape, const std::vector<Named>& inputs) {
+    const int64_t H = shape.hidden, I = shape.intermediate, E = shape.num_experts;
+    if (is_present(dw13)) {
+        MEGAMOE_CHECK(check_output("dw13", dw13, x, x_name, 3, "[E, 2I, H]", {E, 2 * I, H}, w13.dtype,
+                                   MEGAMOE_DTYPE_F32, "the dtype of w13 or f32", inputs));
+    }
+    if (is_present(dw2)) {
+        MEGAMOE_CHECK(check_output("dw2", dw2, x, x_name, 3, "[E, H, I]", {E, H, I}, w2.dtype, MEGAMOE_DTYPE_F32,
+                                   "the dtype of w2 or f32", inputs));
     }
     return MEGAMOE_STATUS_SUCCESS;
 }
 
-megamoe_status_t validate_backward(const megamoe_backward_params_t* params, Shape* shape) {
+megamoe_status_t validate(const megamoe_backward_params_t* params, Shape* shape) {
     if (params == nullptr) return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "params: NULL");
     const megamoe_backward_params_t& p = *params;
-    MEGAMOE_CHECK(check_inputs(p.x, p.topk_ids, p.topk_weights, p.w13, p.w2, p.accum, shape));
-    const int64_t T = shape->num_tokens, H = shape->hidden, I = shape->intermediate, E = shape->num_experts;
-    MEGAMOE_CHECK(check_tensor("dy", p.dy, 2, "[T, H]"));
-    MEGAMOE_CHECK(check_shape("dy", p.dy, {T, H}, "[T, H] (as x)"));
-    MEGAMOE_CHECK(check_dtype("dy", p.dy, p.x.dtype, p.x.dtype, "must equal the dtype of x"));
-    MEGAMOE_CHECK(check_same_device("dy", p.dy, p.x));
+    MEGAMOE_CHECK(check_routed_inputs(p.x, p.topk_ids, p.topk_weights, p.w13, p.w2, p.accum, shape));
+    const int64_t T = shape->num_tokens, H = shape->hidden;
+    const megamoe_dtype_t dtype = p.x.dtype;
+    MEGAMOE_CHECK(
+        check_input("dy", p.dy, p.x, "x", 2, "[T, H] (as x)", {T, H}, dtype, dtype, "must equal the dtype of x"));
     std::vector<Named> inputs = {
         {"dy", &p.dy},   {"x", &p.x},  {"topk_ids", &p.topk_ids}, {"topk_weights", &p.topk_weights},
         {"w13", &p.w13}, {"w2", &p.w2}};
     if (is_present(p.saved_h)) {
-        MEGAMOE_CHECK(check_tensor("saved_h", p.saved_h, 2, "[T*topk, 2I]"));
-        MEGAMOE_CHECK(check_shape("saved_h", p.saved_h, {shape->num_slots(), 2 * I}, "[T*topk, 2I]"));
-        MEGAMOE_CHECK(check_dtype("saved_h", p.saved_h, p.x.dtype, p.x.dtype, "must equal the dtype of x"));
-        MEGAMOE_CHECK(check_same_device("saved_h", p.saved_h, p.x));
+        MEGAMOE_CHECK(check_input("saved_h", p.saved_h, p.x, "x", 2, "[T*topk, 2I]",
+                                  {shape->num_slots(), 2 * shape->intermediate}, dtype, dtype,
+                                  "must equal the dtype of x"));
         inputs.push_back({"saved_h", &p.saved_h});
     }
-    const Named outputs[] = {{"dx", &p.dx}, {"dtopk_weights", &p.dtopk_weights}, {"dw13", &p.dw13}, {"dw2", &p.dw2}};
     if (is_present(p.dx)) {
-        MEGAMOE_CHECK(check_output("dx", p.dx, p.x, 2, "[T, H]", {T, H}, p.x.dtype, p.x.dtype,
-                                   "must equal the dtype of x", inputs));
+        MEGAMOE_CHECK(
+            check_output("dx", p.dx, p.x, "x", 2, "[T, H]", {T, H}, dtype, dtype, "must equal the dtype of x", inputs));
     }
     if (is_present(p.dtopk_weights)) {
-        MEGAMOE_CHECK(check_output("dtopk_weights", p.dtopk_weights, p.x, 2, "[T, topk]", {T, shape->topk},
+        MEGAMOE_CHECK(check_output("dtopk_weights", p.dtopk_weights, p.x, "x", 2, "[T, topk]", {T, shape->topk},
                                    MEGAMOE_DTYPE_F32, p.topk_weights.dtype, "f32 or the dtype of topk_weights",
                                    inputs));
     }
-    if (is_present(p.dw13)) {
-        MEGAMOE_CHECK(check_output("dw13", p.dw13, p.x, 3, "[E, 2I, H]", {E, 2 * I, H}, p.w13.dtype, MEGAMOE_DTYPE_F32,
-                                   "the dtype of w13 or f32", inputs));
+    MEGAMOE_CHECK(check_weight_grads(p.dw13, p.dw2, p.x, "x", p.w13, p.w2, *shape, inputs));
+    return check_outputs_disjoint(
+        {{"dx", &p.dx}, {"dtopk_weights", &p.dtopk_weights}, {"dw13", &p.dw13}, {"dw2", &p.dw2}});
+}
+
+megamoe_status_t validate(const megamoe_grouped_backward_params_t* params, Shape* shape) {
+    if (params == nullptr) return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "params: NULL");
+    const megamoe_grouped_backward_params_t& p = *params;
+    MEGAMOE_CHECK(check_grouped_inputs(p.x_sorted, p.tokens_per_expert, p.scores, p.w13, p.w2, p.accum, shape));
+    const int64_t R = shape->num_tokens, H = shape->hidden;
+    const megamoe_dtype_t dtype = p.x_sorted.dtype;
+    const char* same_dtype = "must equal the dtype of x_sorted";
+    MEGAMOE_CHECK(check_input("dout", p.dout, p.x_sorted, "x_sorted", 2, "[R, H] (as x_sorted)", {R, H}, dtype, dtype,
+                              same_dtype));
+    std::vector<Named> inputs = {
+        {"dout", &p.dout},     {"x_sorted", &p.x_sorted}, {"tokens_per_expert", &p.tokens_per_expert},
+        {"scores", &p.scores}, {"w13", &p.w13},           {"w2", &p.w2}};
+    if (is_present(p.saved_h)) {
+        MEGAMOE_CHECK(check_input("saved_h", p.saved_h, p.x_sorted, "x_sorted", 2, "[R, 2I]",
+                                  {R, 2 * shape->intermediate}, dtype, dtype, same_dtype));
+        inputs.push_back({"saved_h", &p.saved_h});
     }
-    if (is_present(p.dw2)) {
-        MEGAMOE_CHECK(check_output("dw2", p.dw2, p.x, 3, "[E, H, I]", {E, H, I}, p.w2.dtype, MEGAMOE_DTYPE_F32,
-                                   "the dtype of w2 or f32", inputs));
+    if (is_present(p.dx_sorted)) {
+        MEGAMOE_CHECK(check_output("dx_sorted", p.dx_sorted, p.x_sorted, "x_sorted", 2, "[R, H]", {R, H}, dtype, dtype,
+                                   same_dtype, inputs));
     }
-    // Outputs must not overlap each other either.
-    for (size_t a = 0; a < 4; ++a) {
-        for (size_t b = a + 1; b < 4; ++b) {
-            if (is_present(*outputs[a].tensor) && is_present(*outputs[b].tensor) &&
-                overlaps(*outputs[a].tensor, *outputs[b].tensor)) {
-                return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "%s: overlaps the memory of %s", outputs[b].name,
-                                 outputs[a].name);
-            }
+    if (is_present(p.dscores)) {
+        if (!is_present(p.scores)) {
+            return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT,
+                             "dscores: given, but scores is absent (no scores, no "
+                             "gradient of them)");
         }
+        MEGAMOE_CHECK(check_output("dscores", p.dscores, p.x_sorted, "x_sorted", 1, "[R]", {R}, MEGAMOE_DTYPE_F32,
+                                   p.scores.dtype, "f32 or the dtype of scores", inputs));
     }
+    MEGAMOE_CHECK(check_weight_grads(p.dw13, p.dw2, p.x_sorted, "x_sorted", p.w13, p.w2, *shape, inputs));
+    return check_outputs_disjoint(
+        {{"dx_sorted", &p.dx_sorted}, {"dscores", &p.dscores}, {"dw13", &p.dw13}, {"dw2", &p.dw2}});
+}
+
+// The device every tensor of the call is on (validated to be one).
+megamoe_device_type_t device_of(const megamoe_forward_params_t& p) {
+    return p.x.device_type;
+}
+megamoe_device_type_t device_of(const megamoe_backward_params_t& p) {
+    return p.x.device_type;
+}
+megamoe_device_type_t device_of(const megamoe_grouped_forward_params_t& p) {
+    return p.x_sorted.device_type;
+}
+megamoe_device_type_t device_of(const megamoe_grouped_backward_params_t& p) {
+    return p.x_sorted.device_type;
+}
+
+megamoe_status_t check_cuda_pointers_of(const megamoe_forward_params_t& p) {
+    return check_cuda_pointers({{"x", &p.x},
+                                {"topk_ids", &p.topk_ids},
+                                {"topk_weights", &p.topk_weights},
+                                {"w13", &p.w13},
+                                {"w2", &p.w2},
+                                {"y", &p.y},
+                                {"saved_h", &p.saved_h}});
+}
+megamoe_status_t check_cuda_pointers_of(const megamoe_backward_params_t& p) {
+    return check_cuda_pointers({{"dy", &p.dy},
+                                {"x", &p.x},
+                                {"topk_ids", &p.topk_ids},
+                                {"topk_weights", &p.topk_weights},
+                                {"w13", &p.w13},
+                                {"w2", &p.w2},
+                                {"saved_h", &p.saved_h},
+                                {"dx", &p.dx},
+                                {"dtopk_weights", &p.dtopk_weights},
+                                {"dw13", &p.dw13},
+                                {"dw2", &p.dw2}});
+}
+megamoe_status_t check_cuda_pointers_of(const megamoe_grouped_forward_params_t& p) {
+    return check_cuda_pointers({{"x_sorted", &p.x_sorted},
+                                {"tokens_per_expert", &p.tokens_per_expert},
+                                {"scores", &p.scores},
+                                {"w13", &p.w13},
+                                {"w2", &p.w2},
+                                {"out", &p.out},
+                                {"saved_h", &p.saved_h}});
+}
+megamoe_status_t check_cuda_pointers_of(const megamoe_grouped_backward_params_t& p) {
+    return check_cuda_pointers({{"dout", &p.dout},
+                                {"x_sorted", &p.x_sorted},
+                                {"tokens_per_expert", &p.tokens_per_expert},
+                                {"scores", &p.scores},
+                                {"w13", &p.w13},
+                                {"w2", &p.w2},
+                                {"saved_h", &p.saved_h},
+                                {"dx_sorted", &p.dx_sorted},
+                                {"dscores", &p.dscores},
+                                {"dw13", &p.dw13},
+                                {"dw2", &p.dw2}});
+}
+
+// megamoe_*_workspace_size of every entry point: validate, then ask the path the call would take.
+template <typename Params>
+megamoe_status_t query_workspace(const Params* params, size_t* bytes) {
+    clear_error();
+    if (bytes == nullptr) return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "bytes: NULL");
+    Shape shape{};
+    MEGAMOE_CHECK(validate(params, &shape));
+    *bytes = device_of(*params) == MEGAMOE_DEVICE_CUDA ? cuda::workspace_size(*params, shape)
+                                                       : reference::workspace_size(*params, shape);
     return MEGAMOE_STATUS_SUCCESS;
 }
 
-megamoe_status_t check_cuda_pointers(std::initializer_list<Named> tensors) {
-    for (const Named& item : tensors) {
-        if (is_present(*item.tensor)) MEGAMOE_CHECK(check_cuda_pointer(item.name, *item.tensor));
+// megamoe_forward, megamoe_backward and their grouped-rows forms: validate; on the CPU read the values (ids, counts)
+// and run the reference; on CUDA check the pointers and run the CUDA path; each with its workspace checked first.
+template <typename Params>
+megamoe_status_t run_entry(const Params* params) {
+    clear_error();
+    Shape shape{};
+    MEGAMOE_CHECK(validate(params, &shape));
+    const Params& p = *params;
+    if (device_of(p) == MEGAMOE_DEVICE_CPU) {
+        MEGAMOE_CHECK(check_cpu_values(p, shape));
+        MEGAMOE_CHECK(check_workspace(p.workspace, p.workspace_bytes, reference::workspace_size(p, shape)));
+        return reference::run(p, shape);
     }
-    return MEGAMOE_STATUS_SUCCESS;
+    MEGAMOE_CHECK(check_cuda_pointers_of(p));
+    MEGAMOE_CHECK(check_workspace(p.workspace, p.workspace_bytes, cuda::workspace_size(p, shape)));
+    return cuda::run(p, shape);
 }
 
 }  // namespace
 }  // namespace megamoe
-
-using megamoe::Shape;
 
 extern "C" {
 
@@ -365,74 +352,57 @@ int32_t megamoe_version(void) {
     return MEGAMOE_VERSION_MAJOR * 10000 + MEGAMOE_VERSION_MINOR * 100 + MEGAMOE_VERSION_PATCH;
 }
 
+int32_t megamoe_abi_version(void) {
+    return MEGAMOE_ABI_VERSION;
+}
+
+size_t megamoe_struct_size(megamoe_struct_kind_t kind) {
+    switch (kind) {
+        case MEGAMOE_STRUCT_TENSOR:
+            return sizeof(megamoe_tensor_t);
+        case MEGAMOE_STRUCT_FORWARD_PARAMS:
+            return sizeof(megamoe_forward_params_t);
+        case MEGAMOE_STRUCT_BACKWARD_PARAMS:
+            return sizeof(megamoe_backward_params_t);
+        case MEGAMOE_STRUCT_GROUPED_FORWARD_PARAMS:
+            return sizeof(megamoe_grouped_forward_params_t);
+        case MEGAMOE_STRUCT_GROUPED_BACKWARD_PARAMS:
+            return sizeof(megamoe_grouped_backward_params_t);
+    }
+    return 0;
+}
+
 megamoe_status_t megamoe_forward_workspace_size(const megamoe_forward_params_t* params, size_t* bytes) {
-    megamoe::clear_error();
-    if (bytes == nullptr) return megamoe::set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "bytes: NULL");
-    Shape shape{};
-    MEGAMOE_CHECK(megamoe::validate_forward(params, &shape));
-    *bytes = params->x.device_type == MEGAMOE_DEVICE_CUDA ? megamoe::cuda::forward_workspace_size(*params, shape)
-                                                          : megamoe::reference::forward_workspace_size(*params, shape);
-    return MEGAMOE_STATUS_SUCCESS;
+    return megamoe::query_workspace(params, bytes);
 }
 
 megamoe_status_t megamoe_backward_workspace_size(const megamoe_backward_params_t* params, size_t* bytes) {
-    megamoe::clear_error();
-    if (bytes == nullptr) return megamoe::set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "bytes: NULL");
-    Shape shape{};
-    MEGAMOE_CHECK(megamoe::validate_backward(params, &shape));
-    *bytes = params->x.device_type == MEGAMOE_DEVICE_CUDA ? megamoe::cuda::backward_workspace_size(*params, shape)
-                                                          : megamoe::reference::backward_workspace_size(*params, shape);
-    return MEGAMOE_STATUS_SUCCESS;
+    return megamoe::query_workspace(params, bytes);
+}
+
+megamoe_status_t megamoe_grouped_forward_workspace_size(const megamoe_grouped_forward_params_t* params, size_t* bytes) {
+    return megamoe::query_workspace(params, bytes);
+}
+
+megamoe_status_t megamoe_grouped_backward_workspace_size(const megamoe_grouped_backward_params_t* params,
+                                                         size_t* bytes) {
+    return megamoe::query_workspace(params, bytes);
 }
 
 megamoe_status_t megamoe_forward(const megamoe_forward_params_t* params) {
-    megamoe::clear_error();
-    Shape shape{};
-    MEGAMOE_CHECK(megamoe::validate_forward(params, &shape));
-    const megamoe_forward_params_t& p = *params;
-    if (p.x.device_type == MEGAMOE_DEVICE_CPU) {
-        MEGAMOE_CHECK(megamoe::check_cpu_ids(p.topk_ids, shape));
-        MEGAMOE_CHECK(megamoe::check_workspace(p.workspace, p.workspace_bytes,
-                                               megamoe::reference::forward_workspace_size(p, shape)));
-        return megamoe::reference::forward(p, shape);
-    }
-    MEGAMOE_CHECK(megamoe::check_cuda_pointers({{"x", &p.x},
-                                                {"topk_ids", &p.topk_ids},
-                                                {"topk_weights", &p.topk_weights},
-                                                {"w13", &p.w13},
-                                                {"w2", &p.w2},
-                                                {"y", &p.y},
-                                                {"saved_h", &p.saved_h}}));
-    MEGAMOE_CHECK(
-        megamoe::check_workspace(p.workspace, p.workspace_bytes, megamoe::cuda::forward_workspace_size(p, shape)));
-    return megamoe::cuda::forward(p, shape);
+    return megamoe::run_entry(params);
 }
 
 megamoe_status_t megamoe_backward(const megamoe_backward_params_t* params) {
-    megamoe::clear_error();
-    Shape shape{};
-    MEGAMOE_CHECK(megamoe::validate_backward(params, &shape));
-    const megamoe_backward_params_t& p = *params;
-    if (p.x.device_type == MEGAMOE_DEVICE_CPU) {
-        MEGAMOE_CHECK(megamoe::check_cpu_ids(p.topk_ids, shape));
-        MEGAMOE_CHECK(megamoe::check_workspace(p.workspace, p.workspace_bytes,
-                                               megamoe::reference::backward_workspace_size(p, shape)));
-        return megamoe::reference::backward(p, shape);
-    }
-    MEGAMOE_CHECK(megamoe::check_cuda_pointers({{"dy", &p.dy},
-                                                {"x", &p.x},
-                                                {"topk_ids", &p.topk_ids},
-                                                {"topk_weights", &p.topk_weights},
-                                                {"w13", &p.w13},
-                                                {"w2", &p.w2},
-                                                {"saved_h", &p.saved_h},
-                                                {"dx", &p.dx},
-                                                {"dtopk_weights", &p.dtopk_weights},
-                                                {"dw13", &p.dw13},
-                                                {"dw2", &p.dw2}}));
-    MEGAMOE_CHECK(
-        megamoe::check_workspace(p.workspace, p.workspace_bytes, megamoe::cuda::backward_workspace_size(p, shape)));
-    return megamoe::cuda::backward(p, shape);
+    return megamoe::run_entry(params);
+}
+
+megamoe_status_t megamoe_grouped_forward(const megamoe_grouped_forward_params_t* params) {
+    return megamoe::run_entry(params);
+}
+
+megamoe_status_t megamoe_grouped_backward(const megamoe_grouped_backward_params_t* params) {
+    return megamoe::run_entry(params);
 }
 
 }  // extern "C"

@@ -20,6 +20,15 @@
  *                              slots at the end untouched (optional). The backward consumes it: afterwards its
  *                              contents are unspecified (the CUDA path writes [dg, du] over it).
  *
+ * Grouped rows (megamoe_grouped_*): rows already sorted by expert, as an expert-parallel dispatcher hands them over.
+ *   x_sorted          [R, H]   rows of expert 0, then of expert 1, ...; rows past sum(tokens_per_expert) are padding
+ *   tokens_per_expert [E]      int32 or int64, rows per expert, on the device of x_sorted (read there: no host sync)
+ *   scores            [R]      optional, f32 or the dtype of x_sorted: out_r is scaled by scores[r] (absent: 1)
+ *   out               [R, H]   out_r = scores[r] W2[e] (silu(W13[e,:I] x_r) * W13[e,I:] x_r), 0 for padding rows
+ *   saved_h           [R, 2I]  optional, h of row r in row r (padding rows untouched)
+ *   Counts that are negative or sum past R are INVALID_ARGUMENT on the CPU; CUDA cannot report them without a host
+ *   sync, so it never reads or writes out of bounds for them and makes every output of the call NaN.
+ *
  * Memory modes of training: the forward may write saved_h (keep h: the backward then skips recomputing the up
  * projection, the fastest mode) or not (recompute: the backward recomputes h from x; only the inputs need to be
  * kept between forward and backward). On CUDA both modes give the same gradients (h comes from the same kernel and is
@@ -46,6 +55,9 @@ extern "C" {
 #define MEGAMOE_VERSION_MINOR 3
 #define MEGAMOE_VERSION_PATCH 0
 #define MEGAMOE_MAX_DIMS 4
+/* Raised whenever a public struct's layout or a function's signature changes; megamoe_abi_version() returns the
+ * value the library was built with, so a binding can refuse a library that does not match its own declarations. */
+#define MEGAMOE_ABI_VERSION 1
 
 typedef enum {
     MEGAMOE_STATUS_SUCCESS = 0,
@@ -121,12 +133,59 @@ typedef struct {
     void* stream;            // cudaStream_t for CUDA tensors (NULL = legacy default); ignored on CPU
 } megamoe_backward_params_t;
 
+/* Grouped rows forward: out_r = s_r W2[e] (silu(W13[e,:I] x_r) * W13[e,I:] x_r) for the rows r of expert e,
+ * rows [n_0 + ... + n_{e-1}, n_0 + ... + n_e) with n = tokens_per_expert; s = scores (1 when absent). */
+typedef struct {
+    megamoe_tensor_t x_sorted;           // [R, H] input rows, sorted by expert
+    megamoe_tensor_t tokens_per_expert;  // [E] rows per expert (i32 or i64), on the device of x_sorted
+    megamoe_tensor_t scores;             // [R] optional per-row scale of out (f32 or the dtype of x_sorted)
+    megamoe_tensor_t w13;                // [E, 2I, H] gate rows then up rows
+    megamoe_tensor_t w2;                 // [E, H, I] down projection
+    megamoe_tensor_t out;                // [R, H] output, written in full (padding rows: 0)
+    megamoe_tensor_t saved_h;            // [R, 2I] optional output for the backward (padding rows untouched)
+    megamoe_accum_t accum;               // accumulation precision
+    void* workspace;                     // device (CUDA) or host (CPU) scratch of workspace_bytes, 256-byte aligned
+    size_t workspace_bytes;              // at least megamoe_grouped_forward_workspace_size()
+    void* stream;                        // cudaStream_t for CUDA tensors (NULL = legacy default); ignored on CPU
+} megamoe_grouped_forward_params_t;
+
+/* Grouped rows backward: given dout, d x_sorted, d scores (= <dout_r, o_r>, o_r the unscaled row), dw13 and dw2. */
+typedef struct {
+    megamoe_tensor_t dout;               // [R, H] gradient of out, dtype of x_sorted
+    megamoe_tensor_t x_sorted;           // [R, H] forward input
+    megamoe_tensor_t tokens_per_expert;  // [E] forward input
+    megamoe_tensor_t scores;             // [R] forward input, optional
+    megamoe_tensor_t w13;                // [E, 2I, H] forward input
+    megamoe_tensor_t w2;                 // [E, H, I] forward input
+    megamoe_tensor_t saved_h;            // [R, 2I] optional: the forward's saved_h of these inputs (no recompute)
+    megamoe_tensor_t dx_sorted;          // [R, H] output, dtype of x_sorted; 0 for padding rows; optional
+    megamoe_tensor_t dscores;  // [R] output, f32 or dtype of scores; 0 for padding rows; optional, needs scores
+    megamoe_tensor_t dw13;     // [E, 2I, H] output, dtype of w13 or f32; zero for experts with no rows; optional
+    megamoe_tensor_t dw2;      // [E, H, I] output, dtype of w2 or f32; optional
+    megamoe_accum_t accum;     // accumulation precision
+    void* workspace;           // device (CUDA) or host (CPU) scratch of workspace_bytes, 256-byte aligned
+    size_t workspace_bytes;    // at least megamoe_grouped_backward_workspace_size()
+    void* stream;              // cudaStream_t for CUDA tensors (NULL = legacy default); ignored on CPU
+} megamoe_grouped_backward_params_t;
+
+/* The public structs whose sizes megamoe_struct_size() reports (the ABI guard of a binding). */
+typedef enum {
+    MEGAMOE_STRUCT_TENSOR = 0,
+    MEGAMOE_STRUCT_FORWARD_PARAMS = 1,
+    MEGAMOE_STRUCT_BACKWARD_PARAMS = 2,
+    MEGAMOE_STRUCT_GROUPED_FORWARD_PARAMS = 3,
+    MEGAMOE_STRUCT_GROUPED_BACKWARD_PARAMS = 4,
+} megamoe_struct_kind_t;
+
 /* The message of the last failed call on this thread ("" after a success). Never NULL. */
 MEGAMOE_API const char* megamoe_last_error(void);
 /* A fixed name for a status ("MEGAMOE_STATUS_INVALID_ARGUMENT", ...). Never NULL. */
 MEGAMOE_API const char* megamoe_status_string(megamoe_status_t status);
 /* Library version as MAJOR * 10000 + MINOR * 100 + PATCH. */
 MEGAMOE_API int32_t megamoe_version(void);
+/* MEGAMOE_ABI_VERSION of the build, and sizeof() of a public struct as the library was built (0: unknown kind). */
+MEGAMOE_API int32_t megamoe_abi_version(void);
+MEGAMOE_API size_t megamoe_struct_size(megamoe_struct_kind_t kind);
 
 /* Workspace bytes the call needs for these shapes, dtypes and device (data pointers are not read). */
 MEGAMOE_API megamoe_status_t megamoe_forward_workspace_size(const megamoe_forward_params_t* params, size_t* bytes);
@@ -135,6 +194,14 @@ MEGAMOE_API megamoe_status_t megamoe_backward_workspace_size(const megamoe_backw
 /* Validate, then run. All tensors must be on one device. CUDA calls are asynchronous on params->stream. */
 MEGAMOE_API megamoe_status_t megamoe_forward(const megamoe_forward_params_t* params);
 MEGAMOE_API megamoe_status_t megamoe_backward(const megamoe_backward_params_t* params);
+
+/* Grouped rows: the same conventions (workspace query, validation, optional outputs, CUDA asynchrony). */
+MEGAMOE_API megamoe_status_t megamoe_grouped_forward_workspace_size(const megamoe_grouped_forward_params_t* params,
+                                                                    size_t* bytes);
+MEGAMOE_API megamoe_status_t megamoe_grouped_backward_workspace_size(const megamoe_grouped_backward_params_t* params,
+                                                                     size_t* bytes);
+MEGAMOE_API megamoe_status_t megamoe_grouped_forward(const megamoe_grouped_forward_params_t* params);
+MEGAMOE_API megamoe_status_t megamoe_grouped_backward(const megamoe_grouped_backward_params_t* params);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -2,6 +2,8 @@
 
 This module only converts torch tensors into `megamoe_tensor_t` views, calls the library and turns a
 failed status into a Python exception carrying the library's message (which names the argument).
+Loading checks the library's ABI (megamoe_abi_version, megamoe_struct_size) against the ctypes structs below
+and refuses a library built from other declarations with an ImportError naming it and both versions.
 """
 
 import ctypes
@@ -11,6 +13,7 @@ import pathlib
 import torch
 
 MAX_DIMS = 4
+ABI_VERSION = 1  # MEGAMOE_ABI_VERSION of include/megamoe/megamoe.h that the structs below declare
 
 STATUS_SUCCESS = 0
 STATUS_INVALID_ARGUMENT = 1
@@ -80,6 +83,59 @@ class BackwardParams(ctypes.Structure):
     ]
 
 
+class GroupedForwardParams(ctypes.Structure):
+    _fields_ = [
+        ("x_sorted", Tensor),
+        ("tokens_per_expert", Tensor),
+        ("scores", Tensor),
+        ("w13", Tensor),
+        ("w2", Tensor),
+        ("out", Tensor),
+        ("saved_h", Tensor),
+        ("accum", ctypes.c_int),
+        ("workspace", ctypes.c_void_p),
+        ("workspace_bytes", ctypes.c_size_t),
+        ("stream", ctypes.c_void_p),
+    ]
+
+
+class GroupedBackwardParams(ctypes.Structure):
+    _fields_ = [
+        ("dout", Tensor),
+        ("x_sorted", Tensor),
+        ("tokens_per_expert", Tensor),
+        ("scores", Tensor),
+        ("w13", Tensor),
+        ("w2", Tensor),
+        ("saved_h", Tensor),
+        ("dx_sorted", Tensor),
+        ("dscores", Tensor),
+        ("dw13", Tensor),
+        ("dw2", Tensor),
+        ("accum", ctypes.c_int),
+        ("workspace", ctypes.c_void_p),
+        ("workspace_bytes", ctypes.c_size_t),
+        ("stream", ctypes.c_void_p),
+    ]
+
+
+# megamoe_struct_kind_t code -> the ctypes struct that must have the library's size for it.
+ABI_STRUCTS = {
+    0: Tensor,
+    1: ForwardParams,
+    2: BackwardParams,
+    3: GroupedForwardParams,
+    4: GroupedBackwardParams,
+}
+
+_ENTRY_POINTS = (
+    ("forward", ForwardParams),
+    ("backward", BackwardParams),
+    ("grouped_forward", GroupedForwardParams),
+    ("grouped_backward", GroupedBackwardParams),
+)
+
+
 def _candidates():
     env = os.environ.get("MEGAMOE_LIBRARY")
     if env:
@@ -107,9 +163,10 @@ def library():
                 "megamoe: libmegamoe.so not found (tried: " + ", ".join(tried) + "). Install with "
                 "`pip install .`, build with CMake into build/, or set MEGAMOE_LIBRARY."
             )
+        check_abi(lib, path)
         lib.megamoe_last_error.restype = ctypes.c_char_p
         lib.megamoe_version.restype = ctypes.c_int32
-        for name, params in (("forward", ForwardParams), ("backward", BackwardParams)):
+        for name, params in _ENTRY_POINTS:
             getattr(lib, f"megamoe_{name}").argtypes = [ctypes.POINTER(params)]
             getattr(lib, f"megamoe_{name}").restype = ctypes.c_int
             size_fn = getattr(lib, f"megamoe_{name}_workspace_size")
@@ -117,6 +174,27 @@ def library():
             size_fn.restype = ctypes.c_int
         _LIB = lib
     return _LIB
+
+
+def check_abi(lib, path):
+    """Refuse (ImportError) a library whose ABI version or struct sizes differ from what this binding declares."""
+    if not hasattr(lib, "megamoe_abi_version") or not hasattr(lib, "megamoe_struct_size"):
+        raise ImportError(
+            f"megamoe: {path} has no ABI version (no megamoe_abi_version: built before the ABI guard); this binding "
+            f"expects ABI version {ABI_VERSION}. Rebuild the library from this checkout or reinstall megamoe."
+        )
+    lib.megamoe_abi_version.restype = ctypes.c_int32
+    lib.megamoe_abi_version.argtypes = []
+    lib.megamoe_struct_size.restype = ctypes.c_size_t
+    lib.megamoe_struct_size.argtypes = [ctypes.c_int]
+    version = lib.megamoe_abi_version()
+    have = {struct.__name__: lib.megamoe_struct_size(kind) for kind, struct in ABI_STRUCTS.items()}
+    want = {struct.__name__: ctypes.sizeof(struct) for struct in ABI_STRUCTS.values()}
+    if version != ABI_VERSION or have != want:
+        raise ImportError(
+            f"megamoe: {path} has ABI version {version} (struct sizes {have}); this binding expects ABI version "
+            f"{ABI_VERSION} (struct sizes {want}). Rebuild the library from this checkout or reinstall megamoe."
+        )
 
 
 def check_arg(name, tensor):
@@ -183,6 +261,31 @@ def backward_into(dy, x, topk_ids, topk_weights, w13, w2, dx, dtopk_weights, dw1
     ):
         setattr(params, name, view(name, tensor))
     _run("backward", params, x.device)
+
+
+def grouped_forward_into(x_sorted, tokens_per_expert, scores, w13, w2, out, saved_h=None):
+    """megamoe_grouped_forward writing into the caller's out [R, H] (and h into saved_h [R, 2I] if given);
+    scores None: no per-row scale."""
+    params = GroupedForwardParams()
+    for name, tensor in (
+        ("x_sorted", x_sorted), ("tokens_per_expert", tokens_per_expert), ("scores", scores), ("w13", w13),
+        ("w2", w2), ("out", out), ("saved_h", saved_h),
+    ):
+        setattr(params, name, view(name, tensor))
+    _run("grouped_forward", params, x_sorted.device)
+
+
+def grouped_backward_into(dout, x_sorted, tokens_per_expert, scores, w13, w2, dx_sorted, dscores, dw13, dw2,
+                          saved_h=None):
+    """megamoe_grouped_backward writing into the caller's gradients (None = not wanted; dscores needs scores)."""
+    params = GroupedBackwardParams()
+    for name, tensor in (
+        ("dout", dout), ("x_sorted", x_sorted), ("tokens_per_expert", tokens_per_expert), ("scores", scores),
+        ("w13", w13), ("w2", w2), ("saved_h", saved_h), ("dx_sorted", dx_sorted), ("dscores", dscores),
+        ("dw13", dw13), ("dw2", dw2),
+    ):
+        setattr(params, name, view(name, tensor))
+    _run("grouped_backward", params, x_sorted.device)
 
 
 def _run(kind, params, device):

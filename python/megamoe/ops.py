@@ -55,6 +55,13 @@ def _(x, topk_ids, topk_weights, w13, w2, keep_h=False):
     return y, x.new_empty(_saved_h_shape(x, topk_ids, w2) if keep_h else (0,))
 
 
+def _weight_grads_like(w13, w2, wgrad_f32):
+    """Uninitialised dw13 [E, 2I, H] and dw2 [E, H, I], in f32 when wgrad_f32, else in the weights' dtype."""
+    wgrad_dtype = torch.float32 if wgrad_f32 else None
+    return (torch.empty_like(w13, dtype=wgrad_dtype, memory_format=torch.contiguous_format),
+            torch.empty_like(w2, dtype=wgrad_dtype, memory_format=torch.contiguous_format))
+
+
 def _saved_h_or_none(saved_h):
     return saved_h if saved_h is not None and saved_h.dim() == 2 else None  # the empty [0] means "recompute"
 
@@ -78,23 +85,19 @@ def _moe_backward_op(
     if saved_h is not None:
         saved_h = _contiguous("saved_h", saved_h)
     x, topk_ids, topk_weights, w13, w2 = _inputs(x, topk_ids, topk_weights, w13, w2)
-    wgrad_dtype = torch.float32 if wgrad_f32 else None
     dx = torch.empty_like(x, memory_format=torch.contiguous_format)  # [T, H]
     dtopk_weights = torch.empty_like(topk_weights, memory_format=torch.contiguous_format)  # [T, topk]
-    dw13 = torch.empty_like(w13, dtype=wgrad_dtype, memory_format=torch.contiguous_format)  # [E, 2I, H]
-    dw2 = torch.empty_like(w2, dtype=wgrad_dtype, memory_format=torch.contiguous_format)  # [E, H, I]
+    dw13, dw2 = _weight_grads_like(w13, w2, wgrad_f32)
     _lib.backward_into(dy, x, topk_ids, topk_weights, w13, w2, dx, dtopk_weights, dw13, dw2, saved_h)
     return dx, dtopk_weights, dw13, dw2
 
 
 @_moe_backward_op.register_fake
 def _(dy, x, topk_ids, topk_weights, w13, w2, saved_h, wgrad_f32=False):
-    wgrad_dtype = torch.float32 if wgrad_f32 else None
     return (
         torch.empty_like(x, memory_format=torch.contiguous_format),
         torch.empty_like(topk_weights, memory_format=torch.contiguous_format),
-        torch.empty_like(w13, dtype=wgrad_dtype, memory_format=torch.contiguous_format),
-        torch.empty_like(w2, dtype=wgrad_dtype, memory_format=torch.contiguous_format),
+        *_weight_grads_like(w13, w2, wgrad_f32),
     )
 
 
@@ -115,15 +118,15 @@ def _setup_context(ctx, inputs, output):
     ctx.save_for_backward(x, topk_ids, topk_weights, w13, w2, h)
 
 
-def _saved_tensors(ctx):
+def _saved_tensors(ctx, entry="megamoe.moe"):
     try:
         return ctx.saved_tensors
     except RuntimeError as ex:  # the saved h's version moved: an earlier backward of this graph consumed it
         if "inplace operation" not in str(ex):
             raise
         raise RuntimeError(
-            "megamoe: a second backward through the same megamoe.moe call (retain_graph=True) needs the saved h, "
-            "which the first backward consumed (keep-h mode writes dh over it); use megamoe.moe(..., "
+            f"megamoe: a second backward through the same {entry} call (retain_graph=True) needs the saved h, "
+            f"which the first backward consumed (keep-h mode writes dh over it); use {entry}(..., "
             "recompute=True) for graphs that are backpropagated more than once"
         ) from ex
 

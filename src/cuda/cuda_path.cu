@@ -24,6 +24,11 @@
 //           kernels write p and q in f32, so the portable path needs the larger workspace (BackwardPlan sizes it
 //           for the path the call takes). The K-grouped weight gradients run on sm90/k_grouped_gemm_sm90.h with
 //           the rest of the sm_90a backward, unless MEGAMOE_SM90_WEIGHT_GRADS=0 keeps them on the portable kernel.
+// Both entry points run these same steps on a Call (call.h): grouped rows are T = R tokens of one slot each, their
+// routing a scan of tokens_per_expert (no sort; the gathers are the identity), their weights the scores (or 1); the
+// combine and the dx gather-sum then only scale / copy each row and write 0 for the padding rows past the counts'
+// sum. Their counts are checked on the device: when invalid, the routing flags every row (NaN out, dx, d scores) and
+// the weight gradients are filled with NaN after they are computed.
 #include "cuda/cuda_path.h"
 
 #include <algorithm>
@@ -32,6 +37,7 @@
 #include <map>
 #include <mutex>
 
+#include "cuda/call.h"
 #include "cuda/cuda_utils.h"
 #include "cuda/elementwise.h"
 #include "cuda/grouped_gemm.h"
@@ -94,7 +100,7 @@ MGroupedGemmArgs up_gemm_args(megamoe_dtype_t dtype, const void* x, const void* 
     args.dtype = dtype;
     args.a = x;
     args.lda = shape.hidden;
-    args.a_gather_slots = routing.sorted_slot;
+    args.a_gather_slots = routing.sorted_slot;  // NULL for grouped rows: row r of x is sorted row r
     args.num_a_rows = shape.num_tokens;
     args.topk = shape.topk;
     args.b = w13;
@@ -164,16 +170,16 @@ struct ForwardGemms {
     MGroupedGemmArgs up;
     MGroupedGemmArgs down;
 
-    static ForwardGemms make(const megamoe_forward_params_t& params, const Shape& shape, const RoutingPlan& plan,
-                             const ForwardWorkspace& workspace) {
+    static ForwardGemms make(const Call& call, const RoutingPlan& plan, const ForwardWorkspace& workspace) {
+        const Shape& shape = call.shape;
         ForwardGemms gemms;
-        gemms.up = up_gemm_args(params.x.dtype, params.x.data, params.w13.data, plan, workspace.routing, shape);
+        gemms.up = up_gemm_args(call.dtype, call.x, call.w13, plan, workspace.routing, shape);
         gemms.down = gemms.up;
         gemms.down.a = workspace.act;
         gemms.down.lda = shape.intermediate;
         gemms.down.a_gather_slots = nullptr;
         gemms.down.num_a_rows = shape.num_slots();
-        gemms.down.b = params.w2.data;
+        gemms.down.b = call.w2;
         gemms.down.b_expert_stride = shape.hidden * shape.intermediate;
         gemms.down.ldb = shape.intermediate;
         gemms.down.n = shape.hidden;
@@ -189,41 +195,46 @@ struct ForwardGemms {
     }
 };
 
-megamoe_status_t forward_on_device(const megamoe_forward_params_t& params, const Shape& shape) {
-    const auto stream = static_cast<cudaStream_t>(params.stream);
-    const int device_index = params.x.device_index;
-    const RoutingPlan plan = RoutingPlan::make(shape, kGemmBlockM);
-    WorkspaceCarver carver(params.workspace);
+RoutingPlan make_routing_plan(const Call& call) {
+    return RoutingPlan::make(call.shape, kGemmBlockM, call.rows_sorted);
+}
+
+megamoe_status_t forward_on_device(const ForwardCall& call) {
+    const Shape& shape = call.shape;
+    const cudaStream_t stream = call.stream;
+    const RoutingPlan plan = make_routing_plan(call);
+    WorkspaceCarver carver(call.workspace);
     const ForwardWorkspace workspace = ForwardWorkspace::carve(carver, plan, shape);
     const RoutingBuffers& routing = workspace.routing;
 
-    MEGAMOE_CUDA_RETURN_IF_ERROR(launch_routing(params.topk_ids.data, params.topk_ids.dtype, plan, routing, stream));
+    MEGAMOE_CUDA_RETURN_IF_ERROR(launch_routing(call.experts, call.experts_dtype, plan, routing, stream));
 
-    const ForwardGemms gemms = ForwardGemms::make(params, shape, plan, workspace);
-    if (gemms.sm90_ok(device_index)) {
-        const int num_sms = device_info(device_index).num_sms;
+    const ForwardGemms gemms = ForwardGemms::make(call, plan, workspace);
+    if (gemms.sm90_ok(call.device_index)) {
+        const int num_sms = device_info(call.device_index).num_sms;
         MEGAMOE_CUDA_RETURN_IF_ERROR(
-            sm90::launch_m_grouped_gemm_sm90_swiglu(gemms.up, params.saved_h.data, workspace.act, num_sms, stream));
+            sm90::launch_m_grouped_gemm_sm90_swiglu(gemms.up, call.saved_h, workspace.act, num_sms, stream));
         MEGAMOE_CUDA_RETURN_IF_ERROR(sm90::launch_m_grouped_gemm_sm90_store(
             gemms.down, BLayout::kNK, workspace.out, shape.hidden, shape.num_slots(), num_sms, stream));
     } else {
-        MEGAMOE_CUDA_RETURN_IF_ERROR(
-            launch_m_grouped_gemm_swiglu(gemms.up, params.saved_h.data, workspace.act, stream));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_m_grouped_gemm_swiglu(gemms.up, call.saved_h, workspace.act, stream));
         MEGAMOE_CUDA_RETURN_IF_ERROR(launch_m_grouped_gemm_elem(gemms.down, workspace.out, shape.hidden, stream));
     }
 
+    // Grouped rows: out_r = score_r o_r, 0 past the counts' sum. TODO(#12): without scores the down GEMM could store
+    // straight into out (and the dX GEMM into d x_sorted below), zeroing only the padding rows.
     GatherSumArgs combine{};
-    combine.out_dtype = params.x.dtype;
+    combine.out_dtype = call.dtype;
     combine.rows = workspace.out;
-    combine.rows_dtype = params.x.dtype;
+    combine.rows_dtype = call.dtype;
     combine.slot_to_row = routing.slot_to_row;
-    combine.weights = params.topk_weights.data;
-    combine.weights_dtype = params.topk_weights.dtype;
+    combine.weights = call.weights;
+    combine.weights_dtype = call.weights_dtype;
     combine.token_invalid = routing.token_invalid;
     combine.num_tokens = shape.num_tokens;
     combine.topk = shape.topk;
     combine.num_cols = shape.hidden;
-    combine.out = params.y.data;
+    combine.out = call.y;
     return launch_gather_sum(combine, stream);
 }
 
@@ -238,13 +249,13 @@ struct BackwardGemms {
     const void* dw13_out;  // NULL: not wanted
     const void* dw2_out;
 
-    static BackwardGemms make(const megamoe_backward_params_t& params, const Shape& shape, const RoutingPlan& plan,
-                              const BackwardWorkspace& workspace) {
+    static BackwardGemms make(const BackwardCall& call, const RoutingPlan& plan, const BackwardWorkspace& workspace) {
+        const Shape& shape = call.shape;
         BackwardGemms gemms;
-        gemms.up = up_gemm_args(params.x.dtype, params.x.data, params.w13.data, plan, workspace.routing, shape);
+        gemms.up = up_gemm_args(call.dtype, call.x, call.w13, plan, workspace.routing, shape);
         gemms.d_hidden = gemms.up;
-        gemms.d_hidden.a = params.dy.data;
-        gemms.d_hidden.b = params.w2.data;
+        gemms.d_hidden.a = call.dy;
+        gemms.d_hidden.b = call.w2;
         gemms.d_hidden.b_expert_stride = shape.hidden * shape.intermediate;
         gemms.d_hidden.ldb = shape.intermediate;
         gemms.d_hidden.n = shape.intermediate;
@@ -258,7 +269,7 @@ struct BackwardGemms {
         gemms.d_input.k = 2 * shape.intermediate;
 
         KGroupedGemmArgs weight_grad{};
-        weight_grad.dtype = params.x.dtype;
+        weight_grad.dtype = call.dtype;
         weight_grad.topk = shape.topk;
         weight_grad.expert_offsets = workspace.routing.expert_offsets;
         weight_grad.num_experts = shape.num_experts;
@@ -266,21 +277,21 @@ struct BackwardGemms {
         gemms.dw13 = weight_grad;
         gemms.dw13.a = workspace.h;
         gemms.dw13.lda = 2 * shape.intermediate;
-        gemms.dw13.b = params.x.data;
+        gemms.dw13.b = call.x;
         gemms.dw13.ldb = shape.hidden;
         gemms.dw13.b_gather_slots = workspace.routing.sorted_slot;
         gemms.dw13.m = 2 * shape.intermediate;
         gemms.dw13.n = shape.hidden;
         gemms.dw2 = weight_grad;
-        gemms.dw2.a = params.dy.data;
+        gemms.dw2.a = call.dy;
         gemms.dw2.lda = shape.hidden;
         gemms.dw2.a_gather_slots = workspace.routing.sorted_slot;
         gemms.dw2.b = workspace.act;
         gemms.dw2.ldb = shape.intermediate;
         gemms.dw2.m = shape.hidden;
         gemms.dw2.n = shape.intermediate;
-        gemms.dw13_out = params.dw13.data;
-        gemms.dw2_out = params.dw2.data;
+        gemms.dw13_out = call.dw13.data;
+        gemms.dw2_out = call.dw2.data;
         return gemms;
     }
 
@@ -322,49 +333,67 @@ struct BackwardPlan {
     bool weight_grads_sm90;
     size_t workspace_bytes;
 
-    static BackwardPlan make(const megamoe_backward_params_t& params, const Shape& shape) {
+    static BackwardPlan make(const BackwardCall& call) {
+        const Shape& shape = call.shape;
         BackwardPlan plan;
-        plan.routing_plan = RoutingPlan::make(shape, kGemmBlockM);
-        WorkspaceCarver portable_carver(params.workspace);
-        plan.workspace = BackwardWorkspace::carve(portable_carver, plan.routing_plan, shape, false, params.saved_h.data);
-        plan.gemms = BackwardGemms::make(params, shape, plan.routing_plan, plan.workspace);
-        plan.use_sm90 = shape.num_slots() > 0 && plan.gemms.sm90_ok(params.x.device_index);
-        plan.weight_grads_sm90 = plan.use_sm90 && plan.gemms.weight_grads_sm90_ok(params.x.device_index);
+        plan.routing_plan = make_routing_plan(call);
+        WorkspaceCarver portable_carver(call.workspace);
+        plan.workspace = BackwardWorkspace::carve(portable_carver, plan.routing_plan, shape, false, call.saved_h);
+        plan.gemms = BackwardGemms::make(call, plan.routing_plan, plan.workspace);
+        plan.use_sm90 = shape.num_slots() > 0 && plan.gemms.sm90_ok(call.device_index);
+        plan.weight_grads_sm90 = plan.use_sm90 && plan.gemms.weight_grads_sm90_ok(call.device_index);
         plan.workspace_bytes = portable_carver.bytes_used();
         if (plan.use_sm90) {
-            WorkspaceCarver carver(params.workspace);
-            plan.workspace = BackwardWorkspace::carve(carver, plan.routing_plan, shape, true, params.saved_h.data);
-            plan.gemms = BackwardGemms::make(params, shape, plan.routing_plan, plan.workspace);
+            WorkspaceCarver carver(call.workspace);
+            plan.workspace = BackwardWorkspace::carve(carver, plan.routing_plan, shape, true, call.saved_h);
+            plan.gemms = BackwardGemms::make(call, plan.routing_plan, plan.workspace);
             plan.workspace_bytes = carver.bytes_used();
         }
         return plan;
     }
 };
 
-megamoe_status_t backward_on_device(const megamoe_backward_params_t& params, const Shape& shape) {
-    const auto stream = static_cast<cudaStream_t>(params.stream);
-    const megamoe_dtype_t dtype = params.x.dtype;
-    const int64_t num_slots = shape.num_slots(), hidden = shape.hidden, intermediate = shape.intermediate;
-    if (num_slots == 0) {  // no rows at all: every gradient is zero (or empty)
+// Grouped rows whose counts the routing found invalid (counts_invalid set on the device): the weight gradients,
+// computed from the clamped rows, become NaN. The whole layer has no such flag (bad ids only drop their slots).
+megamoe_status_t poison_weight_grads_if_counts_invalid(const BackwardCall& call, const RoutingBuffers& routing) {
+    if (routing.counts_invalid == nullptr) return MEGAMOE_STATUS_SUCCESS;
+    for (const megamoe_tensor_t* grad : {&call.dw13, &call.dw2}) {
         MEGAMOE_CUDA_RETURN_IF_ERROR(
-            zero_if_wanted(params.dx, output_element_bytes(params.dx.dtype), stream, "cudaMemsetAsync(dx)"));
-        MEGAMOE_CUDA_RETURN_IF_ERROR(
-            zero_if_wanted(params.dw13, output_element_bytes(params.dw13.dtype), stream, "cudaMemsetAsync(dw13)"));
-        return zero_if_wanted(params.dw2, output_element_bytes(params.dw2.dtype), stream, "cudaMemsetAsync(dw2)");
+            launch_fill_nan_if(routing.counts_invalid, grad->data, grad->dtype, numel(*grad), call.stream));
     }
-    const BackwardPlan backward_plan = BackwardPlan::make(params, shape);
+    return MEGAMOE_STATUS_SUCCESS;
+}
+
+megamoe_status_t backward_on_device(const BackwardCall& call) {
+    const Shape& shape = call.shape;
+    const cudaStream_t stream = call.stream;
+    const megamoe_dtype_t dtype = call.dtype;
+    const int64_t num_slots = shape.num_slots(), hidden = shape.hidden, intermediate = shape.intermediate;
+    const BackwardPlan backward_plan = BackwardPlan::make(call);
     const BackwardWorkspace& workspace = backward_plan.workspace;
     const RoutingBuffers& routing = workspace.routing;
+    if (num_slots == 0) {  // no rows at all: every gradient is zero (or empty)
+        MEGAMOE_CUDA_RETURN_IF_ERROR(
+            zero_if_wanted(call.dx, output_element_bytes(call.dx.dtype), stream, "cudaMemsetAsync(dx)"));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(
+            zero_if_wanted(call.dw13, output_element_bytes(call.dw13.dtype), stream, "cudaMemsetAsync(dw13)"));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(
+            zero_if_wanted(call.dw2, output_element_bytes(call.dw2.dtype), stream, "cudaMemsetAsync(dw2)"));
+        if (!call.rows_sorted) return MEGAMOE_STATUS_SUCCESS;  // the sort needs slots; grouped counts are still read
+        MEGAMOE_CUDA_RETURN_IF_ERROR(
+            launch_routing(call.experts, call.experts_dtype, backward_plan.routing_plan, routing, stream));
+        return poison_weight_grads_if_counts_invalid(call, routing);
+    }
     const BackwardGemms& gemms = backward_plan.gemms;
     const bool use_sm90 = backward_plan.use_sm90;
     const bool weight_grads_sm90 = backward_plan.weight_grads_sm90;
 
     MEGAMOE_CUDA_RETURN_IF_ERROR(
-        launch_routing(params.topk_ids.data, params.topk_ids.dtype, backward_plan.routing_plan, routing, stream));
+        launch_routing(call.experts, call.experts_dtype, backward_plan.routing_plan, routing, stream));
 
-    const int num_sms = use_sm90 ? device_info(params.x.device_index).num_sms : 0;
+    const int num_sms = use_sm90 ? device_info(call.device_index).num_sms : 0;
     // h = [g, u] by sorted row in workspace.h: kept by the forward (saved_h), or recomputed here; dh goes over it.
-    const bool keep_h = params.saved_h.data != nullptr;
+    const bool keep_h = call.saved_h != nullptr;
     const void* h = workspace.h;
     if (!keep_h && use_sm90) {
         MEGAMOE_CUDA_RETURN_IF_ERROR(
@@ -380,8 +409,8 @@ megamoe_status_t backward_on_device(const megamoe_backward_params_t& params, con
         epilogue.dh = workspace.h;
         epilogue.act = workspace.act;
         epilogue.ds_parts = workspace.ds_parts;
-        epilogue.weights = params.topk_weights.data;
-        epilogue.weights_dtype = params.topk_weights.dtype;
+        epilogue.weights = call.weights;
+        epilogue.weights_dtype = call.weights_dtype;
         MEGAMOE_CUDA_RETURN_IF_ERROR(
             sm90::launch_m_grouped_gemm_sm90_dswiglu(gemms.d_hidden, epilogue, num_sms, stream));
         num_ds_parts = workspace.num_ds_parts;
@@ -398,14 +427,14 @@ megamoe_status_t backward_on_device(const megamoe_backward_params_t& params, con
         dswiglu.sorted_slot = routing.sorted_slot;
         dswiglu.expert_offsets = routing.expert_offsets;
         dswiglu.num_experts = shape.num_experts;
-        dswiglu.weights = params.topk_weights.data;
-        dswiglu.weights_dtype = params.topk_weights.dtype;
+        dswiglu.weights = call.weights;
+        dswiglu.weights_dtype = call.weights_dtype;
         dswiglu.intermediate = intermediate;
         dswiglu.max_rows = num_slots;
         MEGAMOE_CUDA_RETURN_IF_ERROR(launch_dswiglu_rows(dswiglu, stream));
     }
 
-    if (params.dtopk_weights.data != nullptr) {
+    if (call.dweights.data != nullptr) {
         FinalizeDTopkArgs finalize{};
         finalize.ds_parts = workspace.ds_parts;
         finalize.num_ds_parts = num_ds_parts;
@@ -413,17 +442,17 @@ megamoe_status_t backward_on_device(const megamoe_backward_params_t& params, con
         finalize.token_invalid = routing.token_invalid;
         finalize.num_slots = num_slots;
         finalize.topk = shape.topk;
-        finalize.dtopk_weights = params.dtopk_weights.data;
-        finalize.dtopk_dtype = params.dtopk_weights.dtype;
+        finalize.dtopk_weights = call.dweights.data;
+        finalize.dtopk_dtype = call.dweights.dtype;
         MEGAMOE_CUDA_RETURN_IF_ERROR(launch_finalize_dtopk(finalize, stream));
     }
 
     // dW2 first: on the sm_90a path q is written over s * a, which only dW2 reads.
-    if (params.dw2.data != nullptr) {  // dW2[e] = sum dy (s a)^T
-        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_weight_grad(gemms.dw2, params.dw2, weight_grads_sm90, num_sms, stream));
+    if (call.dw2.data != nullptr) {  // dW2[e] = sum dy (s a)^T
+        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_weight_grad(gemms.dw2, call.dw2, weight_grads_sm90, num_sms, stream));
     }
 
-    if (params.dx.data != nullptr) {
+    if (call.dx.data != nullptr) {
         // q = dh x w13[e]; then dx_t = sum_j q[row of (t, j)].
         if (use_sm90) {
             MEGAMOE_CUDA_RETURN_IF_ERROR(sm90::launch_m_grouped_gemm_sm90_store(
@@ -442,58 +471,92 @@ megamoe_status_t backward_on_device(const megamoe_backward_params_t& params, con
         gather.num_tokens = shape.num_tokens;
         gather.topk = shape.topk;
         gather.num_cols = hidden;
-        gather.out = params.dx.data;
+        gather.out = call.dx.data;
         MEGAMOE_CUDA_RETURN_IF_ERROR(launch_gather_sum(gather, stream));
     }
 
-    if (params.dw13.data != nullptr) {  // dW13[e] = sum dh x^T
-        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_weight_grad(gemms.dw13, params.dw13, weight_grads_sm90, num_sms, stream));
+    if (call.dw13.data != nullptr) {  // dW13[e] = sum dh x^T
+        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_weight_grad(gemms.dw13, call.dw13, weight_grads_sm90, num_sms, stream));
     }
-    return MEGAMOE_STATUS_SUCCESS;
+    return poison_weight_grads_if_counts_invalid(call, routing);
+}
+
+size_t forward_workspace_bytes(const ForwardCall& call) {
+    WorkspaceCarver carver(nullptr);
+    ForwardWorkspace::carve(carver, make_routing_plan(call), call.shape);
+    return carver.bytes_used();
+}
+
+megamoe_status_t run_forward(const ForwardCall& call) {
+    const DeviceGuard guard(call.device_index);
+    MEGAMOE_CUDA_RETURN_IF_ERROR(guard.status());
+    if (call.shape.num_slots() == 0) {  // no slots: y is all zeros (or empty)
+        const int64_t num_elements = call.shape.num_tokens * call.shape.hidden;
+        if (num_elements == 0) return MEGAMOE_STATUS_SUCCESS;
+        const size_t num_bytes = static_cast<size_t>(num_elements) * sizeof(uint16_t);  // y is bf16 or f16
+        return check_cuda(cudaMemsetAsync(call.y, 0, num_bytes, call.stream), "cudaMemsetAsync(y)");
+    }
+    return forward_on_device(call);
+}
+
+bool forward_sm90(const ForwardCall& call) {
+    if (call.shape.num_slots() == 0) return false;
+    const RoutingPlan plan = make_routing_plan(call);
+    WorkspaceCarver carver(call.workspace);
+    const ForwardWorkspace workspace = ForwardWorkspace::carve(carver, plan, call.shape);
+    return ForwardGemms::make(call, plan, workspace).sm90_ok(call.device_index);
+}
+
+megamoe_status_t run_backward(const BackwardCall& call) {
+    const DeviceGuard guard(call.device_index);
+    MEGAMOE_CUDA_RETURN_IF_ERROR(guard.status());
+    return backward_on_device(call);
 }
 
 }  // namespace
 
-size_t forward_workspace_size(const megamoe_forward_params_t& /*params*/, const Shape& shape) {
-    WorkspaceCarver carver(nullptr);
-    ForwardWorkspace::carve(carver, RoutingPlan::make(shape, kGemmBlockM), shape);
-    return carver.bytes_used();
+size_t workspace_size(const megamoe_forward_params_t& params, const Shape& shape) {
+    return forward_workspace_bytes(forward_call(params, shape));
 }
-
-megamoe_status_t forward(const megamoe_forward_params_t& params, const Shape& shape) {
-    const DeviceGuard guard(params.x.device_index);
-    MEGAMOE_CUDA_RETURN_IF_ERROR(guard.status());
-    if (shape.num_slots() == 0) {  // no slots: y is all zeros (or empty)
-        return zero_if_wanted(params.y, output_element_bytes(params.y.dtype), static_cast<cudaStream_t>(params.stream),
-                              "cudaMemsetAsync(y)");
-    }
-    return forward_on_device(params, shape);
+size_t workspace_size(const megamoe_grouped_forward_params_t& params, const Shape& shape) {
+    return forward_workspace_bytes(forward_call(params, shape));
 }
-
+megamoe_status_t run(const megamoe_forward_params_t& params, const Shape& shape) {
+    return run_forward(forward_call(params, shape));
+}
+megamoe_status_t run(const megamoe_grouped_forward_params_t& params, const Shape& shape) {
+    return run_forward(forward_call(params, shape));
+}
 bool forward_uses_sm90(const megamoe_forward_params_t& params, const Shape& shape) {
-    if (shape.num_slots() == 0) return false;
-    const RoutingPlan plan = RoutingPlan::make(shape, kGemmBlockM);
-    WorkspaceCarver carver(params.workspace);
-    const ForwardWorkspace workspace = ForwardWorkspace::carve(carver, plan, shape);
-    return ForwardGemms::make(params, shape, plan, workspace).sm90_ok(params.x.device_index);
+    return forward_sm90(forward_call(params, shape));
+}
+bool forward_uses_sm90(const megamoe_grouped_forward_params_t& params, const Shape& shape) {
+    return forward_sm90(forward_call(params, shape));
 }
 
-size_t backward_workspace_size(const megamoe_backward_params_t& params, const Shape& shape) {
-    return BackwardPlan::make(params, shape).workspace_bytes;
+size_t workspace_size(const megamoe_backward_params_t& params, const Shape& shape) {
+    return BackwardPlan::make(backward_call(params, shape)).workspace_bytes;
 }
-
+size_t workspace_size(const megamoe_grouped_backward_params_t& params, const Shape& shape) {
+    return BackwardPlan::make(backward_call(params, shape)).workspace_bytes;
+}
+megamoe_status_t run(const megamoe_backward_params_t& params, const Shape& shape) {
+    return run_backward(backward_call(params, shape));
+}
+megamoe_status_t run(const megamoe_grouped_backward_params_t& params, const Shape& shape) {
+    return run_backward(backward_call(params, shape));
+}
 bool backward_uses_sm90(const megamoe_backward_params_t& params, const Shape& shape) {
-    return BackwardPlan::make(params, shape).use_sm90;
+    return BackwardPlan::make(backward_call(params, shape)).use_sm90;
 }
-
+bool backward_uses_sm90(const megamoe_grouped_backward_params_t& params, const Shape& shape) {
+    return BackwardPlan::make(backward_call(params, shape)).use_sm90;
+}
 bool backward_weight_grads_use_sm90(const megamoe_backward_params_t& params, const Shape& shape) {
-    return BackwardPlan::make(params, shape).weight_grads_sm90;
+    return BackwardPlan::make(backward_call(params, shape)).weight_grads_sm90;
 }
-
-megamoe_status_t backward(const megamoe_backward_params_t& params, const Shape& shape) {
-    const DeviceGuard guard(params.x.device_index);
-    MEGAMOE_CUDA_RETURN_IF_ERROR(guard.status());
-    return backward_on_device(params, shape);
+bool backward_weight_grads_use_sm90(const megamoe_grouped_backward_params_t& params, const Shape& shape) {
+    return BackwardPlan::make(backward_call(params, shape)).weight_grads_sm90;
 }
 
 }  // namespace megamoe::cuda

@@ -3,7 +3,9 @@
 //   - DeviceGuard, which makes the tensors' device current for one call and restores the caller's;
 //   - WorkspaceCarver, which cuts 256-byte aligned buffers out of the caller's workspace (with a
 //     NULL base it only counts bytes, so the *_workspace_size functions run the very same carve);
-//   - element conversions (bf16 / f16 <-> f32) and scalar loads of a runtime dtype on the device.
+//   - element conversions (bf16 / f16 <-> f32) and scalar loads of a runtime dtype on the device;
+//   - slot_of_row and load_weight, which read a sorted row's slot and weight where grouped rows have neither
+//     (NULL gather slots: row r is slot r; NULL weights: 1).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -151,6 +153,18 @@ __device__ __forceinline__ void store_scalar(void* data, megamoe_dtype_t dtype, 
             static_cast<float*>(data)[idx] = value;
             break;
     }
+}
+
+// The slot of sorted row `row_idx`: gather_slots[row_idx], or the row itself where rows are not gathered (grouped
+// rows: row r of x_sorted is slot r).
+__device__ __forceinline__ int64_t slot_of_row(const int* gather_slots, int64_t row_idx) {
+    return gather_slots != nullptr ? gather_slots[row_idx] : row_idx;
+}
+
+// The weight of slot `slot_idx`: weights[slot_idx] (f32, bf16 or f16), or 1 where there are none (grouped rows
+// without scores).
+__device__ __forceinline__ float load_weight(const void* weights, megamoe_dtype_t dtype, int64_t slot_idx) {
+    return weights != nullptr ? load_scalar(weights, dtype, slot_idx) : 1.0f;
 }
 
 inline bool is_aligned(const void* ptr, size_t alignment) {

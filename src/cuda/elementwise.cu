@@ -7,7 +7,10 @@
 //   the row in order, then a fixed shuffle tree and the 8 warp sums in warp order give ds
 //   (deterministic). Shared memory: 8 floats. Blocks past the device-side row count exit at once.
 // finalize_dtopk: one thread per slot.
+// fill_nan_if: a grid-stride loop of at most kMaxFillBlocks blocks, which return at once when the flag is 0.
 #include "cuda/elementwise.h"
+
+#include <algorithm>
 
 #include "cuda/cuda_utils.h"
 
@@ -22,6 +25,8 @@ constexpr int kGatherColsPerBlock = kGatherThreads * kGatherColsPerThread;
 constexpr int kRowThreads = 256;
 constexpr int kSlotThreads = 256;
 constexpr int64_t kMaxGridY = 65535;
+constexpr int kFillThreads = 256;
+constexpr int64_t kMaxFillBlocks = 1024;
 
 static_assert(kGatherColsPerThread == 4, "gather_sum moves one float4 per source row");
 static_assert(kRowThreads % kWarpSize == 0, "row reduction uses whole warps");
@@ -65,8 +70,7 @@ __global__ void __launch_bounds__(kGatherThreads) gather_sum_kernel(const Gather
             const int64_t slot_idx = token_idx * args.topk + choice_idx;
             const int row_idx = args.slot_to_row[slot_idx];
             if (row_idx < 0) continue;
-            const float weight =
-                args.weights != nullptr ? load_scalar(args.weights, args.weights_dtype, slot_idx) : 1.0f;
+            const float weight = load_weight(args.weights, args.weights_dtype, slot_idx);
             const RowT* src = static_cast<const RowT*>(args.rows) + row_idx * args.num_cols + col;
             if (vec) {
                 float values[kGatherColsPerThread];
@@ -104,8 +108,8 @@ __global__ void __launch_bounds__(kRowThreads) dswiglu_rows_kernel(const DSwiGLU
     __shared__ float warp_sums[kRowThreads / kWarpSize];
     const int64_t row_idx = blockIdx.x;
     if (row_idx >= args.expert_offsets[args.num_experts]) return;
-    const int64_t slot_idx = args.sorted_slot[row_idx];
-    const float weight = load_scalar(args.weights, args.weights_dtype, slot_idx);
+    const int64_t slot_idx = slot_of_row(args.sorted_slot, row_idx);
+    const float weight = load_weight(args.weights, args.weights_dtype, slot_idx);
     const int64_t intermediate = args.intermediate;
     const T* h_row = static_cast<const T*>(args.h) + row_idx * 2 * intermediate;
     T* dh_row = static_cast<T*>(args.dh) + row_idx * 2 * intermediate;
@@ -147,7 +151,30 @@ __global__ void __launch_bounds__(kSlotThreads) finalize_dtopk_kernel(const Fina
     store_scalar(args.dtopk_weights, args.dtopk_dtype, slot_idx, value);
 }
 
+template <typename T>
+__global__ void __launch_bounds__(kFillThreads) fill_nan_if_kernel(const int* flag, T* data, int64_t count, T nan) {
+    if (*flag == 0) return;
+    const int64_t stride = static_cast<int64_t>(gridDim.x) * kFillThreads;
+    for (int64_t idx = static_cast<int64_t>(blockIdx.x) * kFillThreads + threadIdx.x; idx < count; idx += stride) {
+        data[idx] = nan;
+    }
+}
+
 }  // namespace
+
+megamoe_status_t launch_fill_nan_if(const int* flag, void* data, megamoe_dtype_t dtype, int64_t count,
+                                    cudaStream_t stream) {
+    if (data == nullptr || count == 0) return MEGAMOE_STATUS_SUCCESS;
+    const dim3 grid(static_cast<unsigned>(std::min(ceil_div(count, kFillThreads), kMaxFillBlocks)));
+    if (dtype == MEGAMOE_DTYPE_F32) {
+        fill_nan_if_kernel<uint32_t>
+            <<<grid, kFillThreads, 0, stream>>>(flag, static_cast<uint32_t*>(data), count, 0x7fc00000u);
+    } else {  // bf16 or f16: the quiet NaN of each
+        const uint16_t nan = dtype == MEGAMOE_DTYPE_BF16 ? 0x7fc0 : 0x7e00;
+        fill_nan_if_kernel<uint16_t><<<grid, kFillThreads, 0, stream>>>(flag, static_cast<uint16_t*>(data), count, nan);
+    }
+    return check_launch("fill_nan_if_kernel");
+}
 
 megamoe_status_t launch_gather_sum(const GatherSumArgs& args, cudaStream_t stream) {
     const int64_t num_col_tiles = ceil_div(args.num_cols, kGatherColsPerBlock);

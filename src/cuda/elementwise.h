@@ -8,6 +8,10 @@
 //                 buffer), and s * a written to `act` (the dW2 operand: dW2[e] = sum dy (s a)^T).
 //   finalize_dtopk  d topk_weights[slot] = ds of the slot's row (the sum of its partial sums, in order), 0 for
 //                 dropped slots, NaN for invalid tokens.
+//   fill_nan_if   every element NaN when a device flag is set (grouped rows' weight gradients under invalid
+//                 counts), else nothing.
+// Grouped rows: sorted_slot NULL (row r is slot r) and weights NULL (every weight 1) are allowed wherever they are
+// read.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -40,10 +44,10 @@ struct DSwiGLUArgs {
     const float* p;             // [rows, I]
     void* act;                  // [rows, I] out: s * silu(g) * u
     float* ds_rows;             // [rows] out
-    const int* sorted_slot;     // [S]
+    const int* sorted_slot;     // [S], or NULL: slot r for row r
     const int* expert_offsets;  // [E + 1]; rows = expert_offsets[E]
     int64_t num_experts;
-    const void* weights;  // [T * topk]
+    const void* weights;  // [T * topk], or NULL: 1
     megamoe_dtype_t weights_dtype;
     int64_t intermediate;
     int64_t max_rows;  // host bound on rows (S)
@@ -61,5 +65,9 @@ struct FinalizeDTopkArgs {
     megamoe_dtype_t dtopk_dtype;
 };
 megamoe_status_t launch_finalize_dtopk(const FinalizeDTopkArgs& args, cudaStream_t stream);
+
+// data [count] (f32, bf16 or f16; NULL: nothing) all NaN when *flag != 0 (a device int), else untouched.
+megamoe_status_t launch_fill_nan_if(const int* flag, void* data, megamoe_dtype_t dtype, int64_t count,
+                                    cudaStream_t stream);
 
 }  // namespace megamoe::cuda

@@ -17,6 +17,14 @@
 // Thread roles: passes 1 and 4 use 8 warps per block, one chunk per warp; pass 2 uses 256 threads
 // with 8 consecutive entries each; the one-block passes use 1024 threads.
 // Shared memory: only the 32 warp totals of a block-wide scan.
+//
+// Grouped rows (rows already sorted; RoutingPlan::rows_sorted) need no sort:
+//   1. offsets (one block) expert_offsets = exclusive scan of tokens_per_expert, each count taken as at least 0 and
+//              the running sum stopped at R (64-bit scan, counts capped at R + 1: no overflow), and counts_invalid
+//              = 1 when a count is negative or they sum past R;
+//   2. tiles   pass 3 above;
+//   3. rows    one thread per row: slot_to_row[r] = r below expert_offsets[E], -1 for padding rows past it, and
+//              token_invalid[r] = counts_invalid (the combine and the d scores pass then write NaN for every row).
 #include "cuda/routing.h"
 
 #include <algorithm>
@@ -38,29 +46,29 @@ static_assert(kChunkThreads % kWarpSize == 0, "chunk passes use whole warps");
 static_assert(kScanThreads % kWarpSize == 0 && kSingleBlockThreads % kWarpSize == 0, "scans use whole warps");
 static_assert(kSingleBlockThreads / kWarpSize <= kWarpSize, "warp totals are scanned by one warp");
 
-// Exclusive scan of one int per thread across a block of kNumThreads; `total` gets the block sum.
-// `warp_totals` is shared scratch of kWarpSize ints. Every thread of the block must call it.
-template <int kNumThreads>
-__device__ int block_exclusive_scan(int value, int* warp_totals, int& total) {
+// Exclusive scan of one value (int or long long) per thread across a block of kNumThreads; `total` gets the block
+// sum. `warp_totals` is shared scratch of kWarpSize values. Every thread of the block must call it.
+template <int kNumThreads, typename T>
+__device__ T block_exclusive_scan(T value, T* warp_totals, T& total) {
     constexpr int kNumWarps = kNumThreads / kWarpSize;
     const int lane_idx = threadIdx.x % kWarpSize, warp_idx = threadIdx.x / kWarpSize;
-    int inclusive = value;
+    T inclusive = value;
     for (int offset = 1; offset < kWarpSize; offset <<= 1) {
-        const int other = __shfl_up_sync(kFullMask, inclusive, offset);
+        const T other = __shfl_up_sync(kFullMask, inclusive, offset);
         if (lane_idx >= offset) inclusive += other;
     }
     if (lane_idx == kWarpSize - 1) warp_totals[warp_idx] = inclusive;
     __syncthreads();
     if (warp_idx == 0) {
-        int warp_total = lane_idx < kNumWarps ? warp_totals[lane_idx] : 0;
+        T warp_total = lane_idx < kNumWarps ? warp_totals[lane_idx] : 0;
         for (int offset = 1; offset < kWarpSize; offset <<= 1) {
-            const int other = __shfl_up_sync(kFullMask, warp_total, offset);
+            const T other = __shfl_up_sync(kFullMask, warp_total, offset);
             if (lane_idx >= offset) warp_total += other;
         }
         warp_totals[lane_idx] = warp_total;  // inclusive over warps
     }
     __syncthreads();
-    const int warp_offset = warp_idx > 0 ? warp_totals[warp_idx - 1] : 0;
+    const T warp_offset = warp_idx > 0 ? warp_totals[warp_idx - 1] : 0;
     total = warp_totals[kNumWarps - 1];
     __syncthreads();  // warp_totals may be reused right after
     return warp_offset + inclusive - value;
@@ -179,6 +187,46 @@ __global__ void __launch_bounds__(kSingleBlockThreads)
     if (threadIdx.x == 0) m_tile_offsets[num_experts] = carry;
 }
 
+// Grouped rows, pass 1 (one block): expert_offsets from the counts, clamped into [0, R]; counts_invalid.
+__global__ void __launch_bounds__(kSingleBlockThreads)
+    counts_scan_kernel(const void* counts, bool counts_are_int64, int64_t num_experts, int64_t num_rows,
+                       int* expert_offsets, int* counts_invalid) {
+    __shared__ long long warp_totals[kWarpSize];
+    __shared__ int any_negative;
+    if (threadIdx.x == 0) any_negative = 0;
+    __syncthreads();
+    const long long cap = num_rows + 1;  // a count or sum above R is invalid however far above it is
+    long long carry = 0;                 // capped at R + 1
+    for (int64_t base_idx = 0; base_idx < num_experts; base_idx += kSingleBlockThreads) {
+        const int64_t expert_idx = base_idx + threadIdx.x;
+        long long count = 0;
+        if (expert_idx < num_experts) {
+            const long long value = load_id(counts, counts_are_int64, expert_idx);
+            if (value < 0) any_negative = 1;
+            count = min(max(value, 0ll), cap);
+        }
+        long long total;
+        const long long exclusive = block_exclusive_scan<kSingleBlockThreads>(count, warp_totals, total);
+        if (expert_idx < num_experts) expert_offsets[expert_idx] = static_cast<int>(min(carry + exclusive, cap - 1));
+        carry = min(carry + total, cap);
+    }
+    __syncthreads();  // every any_negative write is done
+    if (threadIdx.x == 0) {
+        expert_offsets[num_experts] = static_cast<int>(min(carry, cap - 1));
+        *counts_invalid = any_negative != 0 || carry == cap ? 1 : 0;
+    }
+}
+
+// Grouped rows, pass 3: the identity row map (padding rows: -1) and every row's invalid flag.
+__global__ void __launch_bounds__(kChunkThreads)
+    identity_rows_kernel(const int* expert_offsets, int64_t num_experts, const int* counts_invalid, int64_t num_rows,
+                         int* slot_to_row, int* token_invalid) {
+    const int64_t row_idx = static_cast<int64_t>(blockIdx.x) * kChunkThreads + threadIdx.x;
+    if (row_idx >= num_rows) return;
+    slot_to_row[row_idx] = row_idx < expert_offsets[num_experts] ? static_cast<int>(row_idx) : -1;
+    token_invalid[row_idx] = *counts_invalid;
+}
+
 // Pass 4: rows for every slot. counts[e][chunk] holds the chunk's next free row of expert e.
 __global__ void __launch_bounds__(kChunkThreads)
     scatter_kernel(const ChunkArgs args, int* counts, int* sorted_slot, int* slot_to_row) {
@@ -212,37 +260,71 @@ __global__ void __launch_bounds__(kChunkThreads)
 
 }  // namespace
 
-RoutingPlan RoutingPlan::make(const Shape& shape, int64_t block_m) {
+RoutingPlan RoutingPlan::make(const Shape& shape, int64_t block_m, bool rows_sorted) {
     RoutingPlan plan;
     plan.num_tokens = shape.num_tokens;
     plan.num_slots = shape.num_slots();
     plan.num_experts = shape.num_experts;
     plan.topk = shape.topk;
+    plan.block_m = block_m;
+    plan.max_m_tiles = ceil_div(plan.num_slots, block_m) + std::min(plan.num_experts, plan.num_slots);
+    plan.rows_sorted = rows_sorted;
+    if (rows_sorted) return plan;  // no sort: no chunks, no count matrix
     const int64_t max_chunks_for_experts =
         std::max<int64_t>(1, kMaxCountEntries / std::max<int64_t>(1, plan.num_experts));
     plan.num_chunks = std::max<int64_t>(1, std::min(ceil_div(plan.num_slots, kChunkSlots), max_chunks_for_experts));
     plan.chunk_slots = std::max<int64_t>(1, ceil_div(plan.num_slots, plan.num_chunks));
     plan.num_counts = plan.num_experts * plan.num_chunks;
     plan.num_scan_tiles = ceil_div(plan.num_counts, kScanTile);
-    plan.block_m = block_m;
-    plan.max_m_tiles = ceil_div(plan.num_slots, block_m) + std::min(plan.num_experts, plan.num_slots);
     return plan;
 }
 
 RoutingBuffers RoutingBuffers::carve(WorkspaceCarver& carver, const RoutingPlan& plan) {
     RoutingBuffers buffers;
-    buffers.counts = carver.take<int>(plan.num_counts);
-    buffers.scan_tile_sums = carver.take<int>(plan.num_scan_tiles);
+    if (!plan.rows_sorted) {
+        buffers.counts = carver.take<int>(plan.num_counts);
+        buffers.scan_tile_sums = carver.take<int>(plan.num_scan_tiles);
+    }
     buffers.expert_offsets = carver.take<int>(plan.num_experts + 1);
     buffers.m_tile_offsets = carver.take<int>(plan.num_experts + 1);
-    buffers.sorted_slot = carver.take<int>(plan.num_slots);
+    if (!plan.rows_sorted) buffers.sorted_slot = carver.take<int>(plan.num_slots);
     buffers.slot_to_row = carver.take<int>(plan.num_slots);
     buffers.token_invalid = carver.take<int>(plan.num_tokens);
+    if (plan.rows_sorted) buffers.counts_invalid = carver.take<int>(1);
     return buffers;
 }
 
-megamoe_status_t launch_routing(const void* topk_ids, megamoe_dtype_t ids_dtype, const RoutingPlan& plan,
+namespace {
+
+megamoe_status_t launch_m_tile_schedule(const RoutingPlan& plan, const RoutingBuffers& buffers, cudaStream_t stream) {
+    m_tile_schedule_kernel<<<1, kSingleBlockThreads, 0, stream>>>(
+        buffers.expert_offsets, plan.num_experts, static_cast<int>(plan.block_m), buffers.m_tile_offsets);
+    return check_launch("routing m_tile_schedule_kernel");
+}
+
+// Grouped rows: offsets, tiles and the identity rows from tokens_per_expert (passes above).
+megamoe_status_t launch_rows_from_counts(const void* counts, megamoe_dtype_t counts_dtype, const RoutingPlan& plan,
+                                         const RoutingBuffers& buffers, cudaStream_t stream) {
+    counts_scan_kernel<<<1, kSingleBlockThreads, 0, stream>>>(counts, counts_dtype == MEGAMOE_DTYPE_I64,
+                                                              plan.num_experts, plan.num_tokens, buffers.expert_offsets,
+                                                              buffers.counts_invalid);
+    MEGAMOE_CUDA_RETURN_IF_ERROR(check_launch("routing counts_scan_kernel"));
+    MEGAMOE_CUDA_RETURN_IF_ERROR(launch_m_tile_schedule(plan, buffers, stream));
+    if (plan.num_tokens == 0) return MEGAMOE_STATUS_SUCCESS;
+    const auto num_blocks = static_cast<unsigned>(ceil_div(plan.num_tokens, kChunkThreads));
+    identity_rows_kernel<<<num_blocks, kChunkThreads, 0, stream>>>(buffers.expert_offsets, plan.num_experts,
+                                                                   buffers.counts_invalid, plan.num_tokens,
+                                                                   buffers.slot_to_row, buffers.token_invalid);
+    return check_launch("routing identity_rows_kernel");
+}
+
+}  // namespace
+
+megamoe_status_t launch_routing(const void* experts, megamoe_dtype_t experts_dtype, const RoutingPlan& plan,
                                 const RoutingBuffers& buffers, cudaStream_t stream) {
+    if (plan.rows_sorted) return launch_rows_from_counts(experts, experts_dtype, plan, buffers, stream);
+    const void* topk_ids = experts;
+    const megamoe_dtype_t ids_dtype = experts_dtype;
     MEGAMOE_CUDA_RETURN_IF_ERROR(
         check_cuda(cudaMemsetAsync(buffers.counts, 0, static_cast<size_t>(plan.num_counts) * sizeof(int), stream),
                    "routing: cudaMemsetAsync(counts)"));
@@ -268,9 +350,7 @@ megamoe_status_t launch_routing(const void* topk_ids, megamoe_dtype_t ids_dtype,
                                                                    buffers.expert_offsets);
     MEGAMOE_CUDA_RETURN_IF_ERROR(check_launch("routing scan_apply_kernel"));
 
-    m_tile_schedule_kernel<<<1, kSingleBlockThreads, 0, stream>>>(
-        buffers.expert_offsets, plan.num_experts, static_cast<int>(plan.block_m), buffers.m_tile_offsets);
-    MEGAMOE_CUDA_RETURN_IF_ERROR(check_launch("routing m_tile_schedule_kernel"));
+    MEGAMOE_CUDA_RETURN_IF_ERROR(launch_m_tile_schedule(plan, buffers, stream));
 
     scatter_kernel<<<num_chunk_blocks, kChunkThreads, 0, stream>>>(chunk_args, buffers.counts, buffers.sorted_slot,
                                                                    buffers.slot_to_row);

@@ -1,5 +1,7 @@
 // Routing metadata on the device (DESIGN.md section 3): a stable, deterministic counting sort of the
-// S = T * topk slots by expert, with no host synchronisation and no cap on E.
+// S = T * topk slots by expert, with no host synchronisation and no cap on E. Grouped rows (plan.rows_sorted: rows
+// already sorted by expert, T = R rows of one slot each) take the same metadata from their counts instead: offsets
+// by a scan of tokens_per_expert, the identity gather (sorted_slot NULL: sorted row r is row r of x).
 //
 // Outputs (all int32, in the caller's workspace):
 //   expert_offsets [E + 1]  sorted rows of expert e are [expert_offsets[e], expert_offsets[e + 1])
@@ -8,6 +10,9 @@
 //   sorted_slot    [S]      sorted row -> slot t * topk + j (only rows < expert_offsets[E] are written)
 //   slot_to_row    [S]      slot -> sorted row, -1 for a dropped slot (id -1) or an invalid id
 //   token_invalid  [T]      1 when one of the token's ids is outside [-1, E), else 0
+//   counts_invalid [1]      grouped rows only: 1 when a count is negative or the counts sum past R (then every row's
+//                           token_invalid is 1 too), else 0. The offsets stay in [0, R] either way: negative counts
+//                           count as 0 and the running sum stops at R, so no kernel reads or writes past row R.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -33,8 +38,9 @@ struct RoutingPlan {
     int64_t num_scan_tiles = 0;  // tiles of the device-wide scan over the count matrix
     int64_t block_m = 0;         // rows per M tile of the grouped GEMM schedule
     int64_t max_m_tiles = 0;     // host upper bound on m_tile_offsets[E]
+    bool rows_sorted = false;    // grouped rows: metadata from tokens_per_expert, no sort (no counts, no chunks)
 
-    static RoutingPlan make(const Shape& shape, int64_t block_m);
+    static RoutingPlan make(const Shape& shape, int64_t block_m, bool rows_sorted);
 };
 
 struct RoutingBuffers {
@@ -45,6 +51,7 @@ struct RoutingBuffers {
     int* sorted_slot = nullptr;
     int* slot_to_row = nullptr;
     int* token_invalid = nullptr;
+    int* counts_invalid = nullptr;  // grouped rows only
 
     static RoutingBuffers carve(WorkspaceCarver& carver, const RoutingPlan& plan);
 };
@@ -64,8 +71,10 @@ __device__ __forceinline__ int expert_of_m_tile(const int* m_tile_offsets, int64
     return static_cast<int>(lo);
 }
 
-// Enqueues the whole sort on `stream`. Requires plan.num_slots > 0.
-megamoe_status_t launch_routing(const void* topk_ids, megamoe_dtype_t ids_dtype, const RoutingPlan& plan,
+// Enqueues the whole sort on `stream`: of topk_ids [T, topk] (requires plan.num_slots > 0), or, with
+// plan.rows_sorted, the grouped rows' metadata from tokens_per_expert [E] (any R, 0 included). `experts`: either,
+// with its dtype (i32 or i64).
+megamoe_status_t launch_routing(const void* experts, megamoe_dtype_t experts_dtype, const RoutingPlan& plan,
                                 const RoutingBuffers& buffers, cudaStream_t stream);
 
 }  // namespace megamoe::cuda

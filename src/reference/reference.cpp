@@ -6,6 +6,10 @@
 // slots in the stable expert order, as the CUDA path keeps it: megamoe.h); the backward reads a given saved_h instead
 // of recomputing h.
 //
+// Both entry points run forward_slots / backward_slots; only the widened Inputs differ: the whole layer's slot
+// (t, j) has expert topk_ids[t, j] and weight topk_weights[t, j]; grouped rows are one slot per row (topk = 1),
+// expert from tokens_per_expert (none for the padding rows past their sum), weight scores[r] or 1.
+//
 // Determinism: y and dx sum over j = 0..topk-1 in order; dW13[e] and dW2[e] sum over the slots routed
 // to e in increasing slot order (t * topk + j). Threads split tokens (y, dx) or experts (dW), never a
 // single sum, so results do not depend on the thread count.
@@ -33,31 +37,55 @@ Acc sigmoid(Acc value) {
     return Acc(1) / (Acc(1) + std::exp(-value));
 }
 
-// The widened inputs shared by forward and backward.
+// The widened inputs shared by forward and backward: per slot its expert (-1: none) and weight.
 template <typename Acc>
 struct Inputs {
     Shape shape;
     std::vector<Acc> x;           // [T, H]
-    std::vector<int64_t> expert;  // [T * topk], -1 = dropped
+    std::vector<int64_t> expert;  // [T * topk], -1 = dropped (grouped rows: a padding row)
     std::vector<Acc> weight;      // [T * topk]
     std::vector<Acc> w13;         // [E, 2I, H]
     std::vector<Acc> w2;          // [E, H, I]
     std::vector<int64_t> h_row;   // [T * topk]: the slot's row of saved_h (stable sort by expert), -1 = dropped
 
-    Inputs(const Shape& problem, const megamoe_tensor_t& x_t, const megamoe_tensor_t& ids_t,
-           const megamoe_tensor_t& weights_t, const megamoe_tensor_t& w13_t, const megamoe_tensor_t& w2_t)
+    Inputs(const Shape& problem, const megamoe_tensor_t& x_t, const megamoe_tensor_t& w13_t,
+           const megamoe_tensor_t& w2_t)
         : shape(problem),
           x(widen<Acc>(x_t)),
-          expert(static_cast<size_t>(problem.num_slots())),
-          weight(widen<Acc>(weights_t)),
+          expert(static_cast<size_t>(problem.num_slots()), -1),
+          weight(static_cast<size_t>(problem.num_slots()), Acc(1)),
           w13(widen<Acc>(w13_t)),
-          w2(widen<Acc>(w2_t)) {
+          w2(widen<Acc>(w2_t)) {}
+
+    // The whole layer: slot t * topk + j goes to topk_ids[t, j] with weight topk_weights[t, j].
+    static Inputs routed(const Shape& problem, const megamoe_tensor_t& x_t, const megamoe_tensor_t& ids_t,
+                         const megamoe_tensor_t& weights_t, const megamoe_tensor_t& w13_t,
+                         const megamoe_tensor_t& w2_t) {
+        Inputs in(problem, x_t, w13_t, w2_t);
+        in.weight = widen<Acc>(weights_t);
         for (int64_t slot = 0; slot < problem.num_slots(); ++slot)
-            expert[slot] = load_index(ids_t.data, ids_t.dtype, slot);
-        h_row = sorted_rows(expert, problem.num_experts);
+            in.expert[slot] = load_index(ids_t.data, ids_t.dtype, slot);
+        in.h_row = sorted_rows(in.expert, problem.num_experts);
+        return in;
     }
 
-    // Row of each slot when the slots are sorted stably by expert (dropped slots get -1).
+    // Grouped rows (topk = 1): rows [n_0 + ... + n_{e-1}, n_0 + ... + n_e) go to expert e (n = counts), rows past
+    // the sum to none; row r's weight is scores[r], or 1 without scores.
+    static Inputs grouped(const Shape& problem, const megamoe_tensor_t& x_t, const megamoe_tensor_t& counts_t,
+                          const megamoe_tensor_t& scores_t, const megamoe_tensor_t& w13_t,
+                          const megamoe_tensor_t& w2_t) {
+        Inputs in(problem, x_t, w13_t, w2_t);
+        if (scores_t.data != nullptr) in.weight = widen<Acc>(scores_t);
+        int64_t row_idx = 0;
+        for (int64_t expert_idx = 0; expert_idx < problem.num_experts; ++expert_idx) {
+            const int64_t num_rows = load_index(counts_t.data, counts_t.dtype, expert_idx);
+            for (int64_t row_end = row_idx + num_rows; row_idx < row_end; ++row_idx) in.expert[row_idx] = expert_idx;
+        }
+        in.h_row = sorted_rows(in.expert, problem.num_experts);  // the rows themselves: they are sorted already
+        return in;
+    }
+
+    // Row of each slot when the slots are sorted stably by expert (-1 for slots routed nowhere).
     static std::vector<int64_t> sorted_rows(const std::vector<int64_t>& expert, int64_t num_experts) {
         std::vector<int64_t> expert_begin(static_cast<size_t>(num_experts) + 1, 0);
         for (const int64_t e : expert) {
@@ -89,9 +117,10 @@ struct Inputs {
     }
 };
 
+// y_t = sum_j s_tj o_tj, and h = [g, u] per slot into saved_h when it is present.
 template <typename Acc>
-megamoe_status_t forward_impl(const megamoe_forward_params_t& p, const Shape& shape) {
-    const Inputs<Acc> in(shape, p.x, p.topk_ids, p.topk_weights, p.w13, p.w2);
+void forward_slots(const Inputs<Acc>& in, const megamoe_tensor_t& y, const megamoe_tensor_t& saved_h) {
+    const Shape& shape = in.shape;
     const int64_t T = shape.num_tokens, H = shape.hidden, I = shape.intermediate, topk = shape.topk;
 #pragma omp parallel for schedule(dynamic)
     for (int64_t t = 0; t < T; ++t) {
@@ -100,11 +129,11 @@ megamoe_status_t forward_impl(const megamoe_forward_params_t& p, const Shape& sh
             const int64_t slot = t * topk + j, e = in.expert[slot];
             if (e < 0) continue;
             in.up(t, e, gate.data(), up.data(), act.data());
-            if (p.saved_h.data) {
+            if (saved_h.data) {
                 const int64_t h_base = in.h_row[slot] * 2 * I;
                 for (int64_t i = 0; i < I; ++i) {
-                    store_element(p.saved_h.data, p.saved_h.dtype, h_base + i, static_cast<double>(gate[i]));
-                    store_element(p.saved_h.data, p.saved_h.dtype, h_base + I + i, static_cast<double>(up[i]));
+                    store_element(saved_h.data, saved_h.dtype, h_base + i, static_cast<double>(gate[i]));
+                    store_element(saved_h.data, saved_h.dtype, h_base + I + i, static_cast<double>(up[i]));
                 }
             }
             const Acc* w = &in.w2[e * H * I];
@@ -114,15 +143,21 @@ megamoe_status_t forward_impl(const megamoe_forward_params_t& p, const Shape& sh
                 y_row[h] += in.weight[slot] * o;
             }
         }
-        for (int64_t h = 0; h < H; ++h) store_element(p.y.data, p.y.dtype, t * H + h, static_cast<double>(y_row[h]));
+        for (int64_t h = 0; h < H; ++h) store_element(y.data, y.dtype, t * H + h, static_cast<double>(y_row[h]));
     }
-    return MEGAMOE_STATUS_SUCCESS;
 }
 
+// What a backward writes: the gradients of x, of the slots' weights and of the expert weights (NULL data: not
+// wanted).
+struct Grads {
+    megamoe_tensor_t dx, dweights, dw13, dw2;
+};
+
 template <typename Acc>
-megamoe_status_t backward_impl(const megamoe_backward_params_t& p, const Shape& shape) {
-    const Inputs<Acc> in(shape, p.x, p.topk_ids, p.topk_weights, p.w13, p.w2);
-    const std::vector<Acc> dy = widen<Acc>(p.dy);
+void backward_slots(const Inputs<Acc>& in, const megamoe_tensor_t& dy_t, const megamoe_tensor_t& saved_h,
+                    const Grads& grads) {
+    const Shape& shape = in.shape;
+    const std::vector<Acc> dy = widen<Acc>(dy_t);
     const int64_t T = shape.num_tokens, H = shape.hidden, I = shape.intermediate, E = shape.num_experts;
     const int64_t topk = shape.topk, S = shape.num_slots();
     std::vector<Acc> dh(static_cast<size_t>(S * 2 * I), Acc(0));  // [S, 2I] = [dg, du] per slot
@@ -137,11 +172,11 @@ megamoe_status_t backward_impl(const megamoe_backward_params_t& p, const Shape& 
             Acc ds = 0;
             if (e >= 0) {
                 Acc* a = &act[slot * I];
-                if (p.saved_h.data) {  // h as the forward kept it (rounded), else recomputed
+                if (saved_h.data) {  // h as the forward kept it (rounded), else recomputed
                     const int64_t h_base = in.h_row[slot] * 2 * I;
                     for (int64_t i = 0; i < I; ++i) {
-                        gate[i] = static_cast<Acc>(load_element(p.saved_h.data, p.saved_h.dtype, h_base + i));
-                        up[i] = static_cast<Acc>(load_element(p.saved_h.data, p.saved_h.dtype, h_base + I + i));
+                        gate[i] = static_cast<Acc>(load_element(saved_h.data, saved_h.dtype, h_base + i));
+                        up[i] = static_cast<Acc>(load_element(saved_h.data, saved_h.dtype, h_base + I + i));
                         a[i] = gate[i] * sigmoid(gate[i]) * up[i];
                     }
                 } else {
@@ -159,9 +194,9 @@ megamoe_status_t backward_impl(const megamoe_backward_params_t& p, const Shape& 
                     dh[slot * 2 * I + I + i] = da * gate[i] * sig;
                 }
             }
-            if (p.dtopk_weights.data) store_element(p.dtopk_weights.data, p.dtopk_weights.dtype, slot, ds);
+            if (grads.dweights.data) store_element(grads.dweights.data, grads.dweights.dtype, slot, ds);
         }
-        if (p.dx.data) {
+        if (grads.dx.data) {
             std::vector<Acc> dx_row(H, Acc(0));
             for (int64_t j = 0; j < topk; ++j) {
                 const int64_t slot = t * topk + j, e = in.expert[slot];
@@ -172,53 +207,92 @@ megamoe_status_t backward_impl(const megamoe_backward_params_t& p, const Shape& 
                     for (int64_t h = 0; h < H; ++h) dx_row[h] += w[n * H + h] * grad;
                 }
             }
-            for (int64_t h = 0; h < H; ++h) store_element(p.dx.data, p.dx.dtype, t * H + h, dx_row[h]);
+            for (int64_t h = 0; h < H; ++h) store_element(grads.dx.data, grads.dx.dtype, t * H + h, dx_row[h]);
         }
     }
 
     // Weight gradients: each expert sums its slots in increasing slot order.
-    if (p.dw13.data || p.dw2.data) {
+    const megamoe_tensor_t &dw13_t = grads.dw13, &dw2_t = grads.dw2;
+    if (dw13_t.data || dw2_t.data) {
 #pragma omp parallel for schedule(dynamic)
         for (int64_t e = 0; e < E; ++e) {
-            std::vector<Acc> dw13(p.dw13.data ? 2 * I * H : 0, Acc(0)), dw2(p.dw2.data ? H * I : 0, Acc(0));
+            std::vector<Acc> dw13(dw13_t.data ? 2 * I * H : 0, Acc(0)), dw2(dw2_t.data ? H * I : 0, Acc(0));
             for (int64_t slot = 0; slot < S; ++slot) {
                 if (in.expert[slot] != e) continue;
                 const int64_t t = slot / topk;
-                for (int64_t n = 0; n < 2 * I && p.dw13.data; ++n) {
+                for (int64_t n = 0; n < 2 * I && dw13_t.data; ++n) {
                     for (int64_t h = 0; h < H; ++h) dw13[n * H + h] += dh[slot * 2 * I + n] * in.x[t * H + h];
                 }
-                for (int64_t h = 0; h < H && p.dw2.data; ++h) {
+                for (int64_t h = 0; h < H && dw2_t.data; ++h) {
                     const Acc scaled_dy = in.weight[slot] * dy[t * H + h];
                     for (int64_t i = 0; i < I; ++i) dw2[h * I + i] += scaled_dy * act[slot * I + i];
                 }
             }
             for (size_t idx = 0; idx < dw13.size(); ++idx) {
-                store_element(p.dw13.data, p.dw13.dtype, e * 2 * I * H + static_cast<int64_t>(idx), dw13[idx]);
+                store_element(dw13_t.data, dw13_t.dtype, e * 2 * I * H + static_cast<int64_t>(idx), dw13[idx]);
             }
             for (size_t idx = 0; idx < dw2.size(); ++idx) {
-                store_element(p.dw2.data, p.dw2.dtype, e * H * I + static_cast<int64_t>(idx), dw2[idx]);
+                store_element(dw2_t.data, dw2_t.dtype, e * H * I + static_cast<int64_t>(idx), dw2[idx]);
             }
         }
+    }
+}
+
+// Runs fn(Acc{}) with the accumulation type the call asks for: float for F32, else double.
+template <typename Fn>
+megamoe_status_t with_accum(megamoe_accum_t accum, Fn&& fn) {
+    if (accum == MEGAMOE_ACCUM_F32) {
+        fn(float{});
+    } else {
+        fn(double{});
     }
     return MEGAMOE_STATUS_SUCCESS;
 }
 
 }  // namespace
 
-size_t forward_workspace_size(const megamoe_forward_params_t&, const Shape&) {
+size_t workspace_size(const megamoe_forward_params_t&, const Shape&) {
     return 0;
 }
-size_t backward_workspace_size(const megamoe_backward_params_t&, const Shape&) {
+size_t workspace_size(const megamoe_backward_params_t&, const Shape&) {
+    return 0;
+}
+size_t workspace_size(const megamoe_grouped_forward_params_t&, const Shape&) {
+    return 0;
+}
+size_t workspace_size(const megamoe_grouped_backward_params_t&, const Shape&) {
     return 0;
 }
 
-megamoe_status_t forward(const megamoe_forward_params_t& params, const Shape& shape) {
-    return params.accum == MEGAMOE_ACCUM_F32 ? forward_impl<float>(params, shape) : forward_impl<double>(params, shape);
+megamoe_status_t run(const megamoe_forward_params_t& p, const Shape& shape) {
+    return with_accum(p.accum, [&](auto acc) {
+        using Acc = decltype(acc);
+        forward_slots(Inputs<Acc>::routed(shape, p.x, p.topk_ids, p.topk_weights, p.w13, p.w2), p.y, p.saved_h);
+    });
 }
 
-megamoe_status_t backward(const megamoe_backward_params_t& params, const Shape& shape) {
-    return params.accum == MEGAMOE_ACCUM_F32 ? backward_impl<float>(params, shape)
-                                             : backward_impl<double>(params, shape);
+megamoe_status_t run(const megamoe_backward_params_t& p, const Shape& shape) {
+    return with_accum(p.accum, [&](auto acc) {
+        using Acc = decltype(acc);
+        backward_slots(Inputs<Acc>::routed(shape, p.x, p.topk_ids, p.topk_weights, p.w13, p.w2), p.dy, p.saved_h,
+                       Grads{p.dx, p.dtopk_weights, p.dw13, p.dw2});
+    });
+}
+
+megamoe_status_t run(const megamoe_grouped_forward_params_t& p, const Shape& shape) {
+    return with_accum(p.accum, [&](auto acc) {
+        using Acc = decltype(acc);
+        forward_slots(Inputs<Acc>::grouped(shape, p.x_sorted, p.tokens_per_expert, p.scores, p.w13, p.w2), p.out,
+                      p.saved_h);
+    });
+}
+
+megamoe_status_t run(const megamoe_grouped_backward_params_t& p, const Shape& shape) {
+    return with_accum(p.accum, [&](auto acc) {
+        using Acc = decltype(acc);
+        backward_slots(Inputs<Acc>::grouped(shape, p.x_sorted, p.tokens_per_expert, p.scores, p.w13, p.w2), p.dout,
+                       p.saved_h, Grads{p.dx_sorted, p.dscores, p.dw13, p.dw2});
+    });
 }
 
 }  // namespace megamoe::reference

@@ -537,9 +537,6 @@ megamoe_status_t launch_m_grouped_gemm_sm90_dswiglu(const cuda::MGroupedGemmArgs
         !cuda::is_aligned(epilogue.act, 16)) {
         return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "m_grouped_gemm_sm90: h, dh and act must be 16-byte aligned");
     }
-    if (args.a_gather_slots == nullptr) {
-        return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "m_grouped_gemm_sm90: dSwiGLU needs the rows' slots");
-    }
     KernelParams params = make_params(args);
     params.out = epilogue.dh;
     params.ldo = 2 * args.n;

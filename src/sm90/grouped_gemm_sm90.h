@@ -36,7 +36,7 @@ struct DSwiGLUEpilogueArgs {
     void* dh;                       // [rows, 2I] out: [dg, du] by sorted row (may be h itself: written in place)
     void* act;                      // [rows, I] out: s * silu(g) * u, the dW2 operand
     float* ds_parts;                // [rows, dswiglu_sm90_num_ds_parts(I)] out: ds per row and n-tile
-    const void* weights;            // topk_weights [T * topk]; s of row r = weights[a_gather_slots[r]]
+    const void* weights;            // topk_weights [T * topk]; s of row r = weights[a_gather_slots[r]] (NULL: 1)
     megamoe_dtype_t weights_dtype;  // f32 or the element type
 };
 

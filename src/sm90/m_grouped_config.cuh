@@ -174,7 +174,7 @@ struct KernelParams {
     void* h;               // kSwiGLU: [g, u] [rows, 2I] out, or NULL; kDSwiGLU: [g, u] in (by sorted row both)
     void* act;             // kDSwiGLU: s * a [rows, I]
     float* ds_parts;       // kDSwiGLU: [rows, num_n_tiles] partial sums of ds
-    const void* weights;   // kDSwiGLU: topk_weights [T * topk] (s of row r: weights[a_gather_slots[r]])
+    const void* weights;   // kDSwiGLU: topk_weights [T * topk] (s of row r: weights[a_gather_slots[r]]), NULL: s = 1
     megamoe_dtype_t weights_dtype;
     bool tma_store;  // kStore with the output's tensor map made: a warp's rows inside the expert go out by TMA
 };

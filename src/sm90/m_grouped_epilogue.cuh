@@ -96,8 +96,8 @@ __device__ __forceinline__ RowWeights load_row_weights(const KernelParams& param
         const int local_row = first_row + half * 8;
         weights.weight[half] = 0.0f;
         if (local_row < tile.num_rows) {
-            const int64_t slot_idx = params.a_gather_slots[tile.row_begin + local_row];
-            weights.weight[half] = cuda::load_scalar(params.weights, params.weights_dtype, slot_idx);
+            const int64_t slot_idx = cuda::slot_of_row(params.a_gather_slots, tile.row_begin + local_row);
+            weights.weight[half] = cuda::load_weight(params.weights, params.weights_dtype, slot_idx);
         }
     }
     return weights;

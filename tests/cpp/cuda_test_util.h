@@ -91,6 +91,17 @@ inline DeviceTensor device_workspace(size_t num_bytes) {
     return DeviceTensor(like);
 }
 
+// Asks `query` (a megamoe_*_workspace_size) for the workspace of `params`, allocates it into `workspace` and points
+// params at it.
+template <typename Params>
+void bind_workspace(Params& params, megamoe_status_t (*query)(const Params*, size_t*), DeviceTensor& workspace) {
+    size_t bytes = 0;
+    EXPECT_EQ(query(&params, &bytes), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
+    workspace = device_workspace(bytes);
+    params.workspace = workspace.view().data;
+    params.workspace_bytes = bytes;
+}
+
 constexpr double kBf16Tolerance = 2e-2;  // as in test_cuda.cpp: a few bf16 roundings of the intermediates
 constexpr double kF16Tolerance = 4e-3;
 // Two bf16 GPU paths that differ in summation order and in where intermediates are rounded.
@@ -129,6 +140,35 @@ class ScopedEnv {
   private:
     const char* name_;
 };
+
+// Captures `launch` (library calls on `stream`; it returns "" or the first failure's message) into a CUDA graph,
+// then replays the graph twice, each time after poison() (outputs NaN again) and before check_replay() (the
+// outputs against the eager run's bits).
+template <typename Launch, typename Poison, typename CheckReplay>
+void expect_graph_replays(cudaStream_t stream, const Launch& launch, const Poison& poison,
+                          const CheckReplay& check_replay) {
+    poison();
+    cudaGraph_t graph = nullptr;
+    cudaGraphExec_t graph_exec = nullptr;
+    expect_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "cudaStreamBeginCapture");
+    const std::string launch_error = launch();
+    expect_cuda(cudaStreamEndCapture(stream, &graph), "cudaStreamEndCapture");
+    ASSERT_EQ(launch_error, "") << "a library call failed during the capture";
+    expect_cuda(cudaGraphInstantiate(&graph_exec, graph, 0), "cudaGraphInstantiate");
+    for (int replay_idx = 0; replay_idx < 2; ++replay_idx) {
+        poison();
+        expect_cuda(cudaGraphLaunch(graph_exec, stream), "cudaGraphLaunch");
+        expect_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
+        check_replay();
+    }
+    cudaGraphExecDestroy(graph_exec);
+    cudaGraphDestroy(graph);
+}
+
+// "" when `status` is a success, else its message (for expect_graph_replays' launch).
+inline std::string failure_message(megamoe_status_t status, const char* what) {
+    return status == MEGAMOE_STATUS_SUCCESS ? std::string() : std::string(what) + ": " + megamoe_last_error();
+}
 
 template <typename Params>
 Shape shape_of(const Params& params) {

@@ -154,17 +154,8 @@ struct DeviceProblem {
         backward.dw13 = dw13.view();
         backward.dw2 = dw2.view();
         backward.stream = stream;
-        size_t forward_bytes = 0, backward_bytes = 0;
-        EXPECT_EQ(megamoe_forward_workspace_size(&forward, &forward_bytes), MEGAMOE_STATUS_SUCCESS)
-            << megamoe_last_error();
-        EXPECT_EQ(megamoe_backward_workspace_size(&backward, &backward_bytes), MEGAMOE_STATUS_SUCCESS)
-            << megamoe_last_error();
-        forward_workspace = device_workspace(forward_bytes);
-        backward_workspace = device_workspace(backward_bytes);
-        forward.workspace = forward_workspace.view().data;
-        forward.workspace_bytes = forward_bytes;
-        backward.workspace = backward_workspace.view().data;
-        backward.workspace_bytes = backward_bytes;
+        bind_workspace(forward, megamoe_forward_workspace_size, forward_workspace);
+        bind_workspace(backward, megamoe_backward_workspace_size, backward_workspace);
     }
 
     // NaN bytes into every output and both workspaces (nothing may rely on zeroed memory).
@@ -313,27 +304,13 @@ TEST(Cuda, GraphCaptureReplaysBitwise) {
     {
         DeviceProblem device(problem, output_dtypes(c, problem), stream);
         const Outputs eager = device.run();
-
-        device.poison();
-        cudaGraph_t graph = nullptr;
-        cudaGraphExec_t graph_exec = nullptr;
-        expect_cuda(cudaStreamBeginCapture(stream, cudaStreamCaptureModeGlobal), "cudaStreamBeginCapture");
-        const megamoe_status_t forward_status = megamoe_forward(&device.forward);
-        const std::string forward_error = megamoe_last_error();
-        const megamoe_status_t backward_status = megamoe_backward(&device.backward);
-        const std::string backward_error = megamoe_last_error();
-        expect_cuda(cudaStreamEndCapture(stream, &graph), "cudaStreamEndCapture");
-        ASSERT_EQ(forward_status, MEGAMOE_STATUS_SUCCESS) << forward_error;
-        ASSERT_EQ(backward_status, MEGAMOE_STATUS_SUCCESS) << backward_error;
-        expect_cuda(cudaGraphInstantiate(&graph_exec, graph, 0), "cudaGraphInstantiate");
-        for (int replay_idx = 0; replay_idx < 2; ++replay_idx) {
-            device.poison();
-            expect_cuda(cudaGraphLaunch(graph_exec, stream), "cudaGraphLaunch");
-            expect_cuda(cudaStreamSynchronize(stream), "cudaStreamSynchronize");
-            expect_bitwise_equal(eager, device.download(), "graph replay");
-        }
-        cudaGraphExecDestroy(graph_exec);
-        cudaGraphDestroy(graph);
+        expect_graph_replays(
+            stream,
+            [&] {
+                const std::string forward_error = failure_message(megamoe_forward(&device.forward), "forward");
+                return forward_error + failure_message(megamoe_backward(&device.backward), "backward");
+            },
+            [&] { device.poison(); }, [&] { expect_bitwise_equal(eager, device.download(), "graph replay"); });
     }
     cudaStreamDestroy(stream);
 }

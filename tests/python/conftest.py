@@ -1,11 +1,14 @@
 """Shared fixtures of the Python tests: random problems (fresh data each run, never zeros), ragged
-routings, and an independent plain-PyTorch implementation of DESIGN.md section 1."""
+routings, an independent plain-PyTorch implementation of DESIGN.md section 1, and the whole layer's slots as
+grouped rows (group_rows, grouped_as_layer) for the grouped-rows tests."""
 
 import os
 
 import pytest
 import torch
 import torch.nn.functional as F
+
+import megamoe
 
 # Ragged problems: (name, T, H, I, E, topk, routing). routing: random | one_expert | dropped | half_empty.
 RAGGED = [
@@ -89,3 +92,46 @@ def rel_err(a, b):
     """||a - b|| / ||b|| in float64 (NaN in a gives NaN)."""
     a, b = a.double().cpu(), b.double().cpu()
     return ((a - b).norm() / b.norm().clamp_min(1e-300)).item()
+
+
+def group_rows(x, topk_ids, topk_weights, num_experts, num_padding=0, gen=None):
+    """The whole layer's slots as grouped rows: the non-dropped slots sorted by expert (stably, so by slot within an
+    expert), x_sorted = their tokens' rows, scores = their weights, then num_padding padding rows (random values).
+    Differentiable in x and topk_weights (gathers; x is gathered in f32 / f64 so its gradient sums without extra
+    rounding). Returns x_sorted [R, H], tokens_per_expert [E] (int64), scores [R], token_of_row [R - num_padding]."""
+    topk = topk_ids.shape[1]
+    flat_ids = topk_ids.reshape(-1)
+    kept = (flat_ids >= 0).nonzero().squeeze(1)
+    order = kept[torch.sort(flat_ids[kept], stable=True).indices]  # sorted row -> slot
+    token_of_row = order // topk
+    counts = torch.bincount(flat_ids[order], minlength=num_experts)
+    wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+    x_sorted = x.to(wide)[token_of_row].to(x.dtype)
+    scores = topk_weights.reshape(-1)[order]
+    if num_padding:
+        pad_x = torch.randn(num_padding, x.shape[1], generator=gen, dtype=torch.float64).to(x)
+        pad_s = torch.rand(num_padding, generator=gen, dtype=torch.float64).to(scores)
+        x_sorted, scores = torch.cat([x_sorted, pad_x]), torch.cat([scores, pad_s])
+    return x_sorted, counts.to(topk_ids.device), scores, token_of_row
+
+
+def grouped_as_layer(num_padding=0, recompute=False, counts_dtype=torch.int64, gen=None):
+    """megamoe.moe's signature run through megamoe.grouped_moe: group the slots (group_rows), apply the experts to
+    the rows, add each row back into its token (in f32 / f64)."""
+    def layer(x, topk_ids, topk_weights, w13, w2):
+        x_sorted, counts, scores, token_of_row = group_rows(x, topk_ids, topk_weights, w13.shape[0], num_padding, gen)
+        out = megamoe.grouped_moe(x_sorted, counts.to(counts_dtype), w13, w2, scores, recompute=recompute)
+        wide = torch.float64 if x.dtype == torch.float64 else torch.float32
+        y = torch.zeros(x.shape, dtype=wide, device=x.device)
+        return y.index_add(0, token_of_row, out[: token_of_row.numel()].to(wide)).to(x.dtype)
+    return layer
+
+
+def torch_grouped(x_sorted, tokens_per_expert, w13, w2, scores=None):
+    """Grouped rows in plain PyTorch: the whole layer's torch_moe with one slot per row (padding rows: dropped)."""
+    R, E = x_sorted.shape[0], w13.shape[0]
+    expert_of_row = torch.repeat_interleave(torch.arange(E, device=x_sorted.device), tokens_per_expert.long())
+    ids = torch.full((R, 1), -1, dtype=torch.int64, device=x_sorted.device)
+    ids[: expert_of_row.numel(), 0] = expert_of_row
+    weights = scores[:, None] if scores is not None else torch.ones(R, 1, dtype=x_sorted.dtype, device=x_sorted.device)
+    return torch_moe(x_sorted, ids, weights, w13, w2)

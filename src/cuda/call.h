@@ -1,0 +1,109 @@
+// One call of either C API entry point as the CUDA orchestration (cuda_path.cu) sees it, so that the whole layer
+// and grouped rows run the very same forward and backward:
+//   the whole layer   T tokens of topk slots each; the routing sorts the slots by expert (a counting sort of
+//                     topk_ids) and the GEMMs gather x's rows through sorted_slot; weight of slot (t, j):
+//                     topk_weights[t, j];
+//   grouped rows      R rows already sorted by expert, taken as T = R tokens of one slot each (topk = 1); the routing
+//                     reads tokens_per_expert and the gather is the identity (sorted_slot NULL); weight of row r:
+//                     scores[r], or 1 (weights NULL). out, d x_sorted and d scores are y, dx and d topk_weights.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include "common.h"
+
+namespace megamoe::cuda {
+
+struct Call {
+    Shape shape;          // grouped rows: num_tokens = R, topk = 1
+    const void* experts;  // topk_ids [T, topk], or tokens_per_expert [E] when rows_sorted
+    megamoe_dtype_t experts_dtype;
+    bool rows_sorted;       // grouped rows
+    megamoe_dtype_t dtype;  // of x, w13, w2 and of every row tensor (y, dy, dx, h)
+    const void* x;          // [T, H]
+    const void* w13;        // [E, 2I, H]
+    const void* w2;         // [E, H, I]
+    const void* weights;    // [T * topk] per slot, or NULL: 1
+    megamoe_dtype_t weights_dtype;
+    void* workspace;
+    cudaStream_t stream;
+    int device_index;
+};
+
+struct ForwardCall : Call {
+    void* y;        // [T, H] (grouped rows: out)
+    void* saved_h;  // [T * topk, 2I] by sorted row, or NULL
+};
+
+struct BackwardCall : Call {
+    const void* dy;             // [T, H] (grouped rows: dout)
+    void* saved_h;              // the forward's saved_h (consumed: dh is written over it), or NULL (recompute h)
+    megamoe_tensor_t dx;        // [T, H] (grouped rows: dx_sorted); the rest likewise optional (data NULL)
+    megamoe_tensor_t dweights;  // [T * topk] (grouped rows: dscores)
+    megamoe_tensor_t dw13;
+    megamoe_tensor_t dw2;
+};
+
+inline Call make_call(const Shape& shape, const megamoe_tensor_t& experts, bool rows_sorted, const megamoe_tensor_t& x,
+                      const megamoe_tensor_t& w13, const megamoe_tensor_t& w2, const megamoe_tensor_t& weights,
+                      void* workspace, void* stream) {
+    Call call{};
+    call.shape = shape;
+    call.experts = experts.data;
+    call.experts_dtype = experts.dtype;
+    call.rows_sorted = rows_sorted;
+    call.dtype = x.dtype;
+    call.x = x.data;
+    call.w13 = w13.data;
+    call.w2 = w2.data;
+    call.weights = weights.data;
+    call.weights_dtype = weights.dtype;
+    call.workspace = workspace;
+    call.stream = static_cast<cudaStream_t>(stream);
+    call.device_index = x.device_index;
+    return call;
+}
+
+inline ForwardCall forward_call(const Call& call, void* y, void* saved_h) {
+    ForwardCall forward{call};
+    forward.y = y;
+    forward.saved_h = saved_h;
+    return forward;
+}
+
+inline ForwardCall forward_call(const megamoe_forward_params_t& p, const Shape& shape) {
+    return forward_call(make_call(shape, p.topk_ids, false, p.x, p.w13, p.w2, p.topk_weights, p.workspace, p.stream),
+                        p.y.data, p.saved_h.data);
+}
+
+inline ForwardCall forward_call(const megamoe_grouped_forward_params_t& p, const Shape& shape) {
+    return forward_call(
+        make_call(shape, p.tokens_per_expert, true, p.x_sorted, p.w13, p.w2, p.scores, p.workspace, p.stream),
+        p.out.data, p.saved_h.data);
+}
+
+inline BackwardCall backward_call(const Call& call, const void* dy, void* saved_h, const megamoe_tensor_t& dx,
+                                  const megamoe_tensor_t& dweights, const megamoe_tensor_t& dw13,
+                                  const megamoe_tensor_t& dw2) {
+    BackwardCall backward{call};
+    backward.dy = dy;
+    backward.saved_h = saved_h;
+    backward.dx = dx;
+    backward.dweights = dweights;
+    backward.dw13 = dw13;
+    backward.dw2 = dw2;
+    return backward;
+}
+
+inline BackwardCall backward_call(const megamoe_backward_params_t& p, const Shape& shape) {
+    return backward_call(make_call(shape, p.topk_ids, false, p.x, p.w13, p.w2, p.topk_weights, p.workspace, p.stream),
+                         p.dy.data, p.saved_h.data, p.dx, p.dtopk_weights, p.dw13, p.dw2);
+}
+
+inline BackwardCall backward_call(const megamoe_grouped_backward_params_t& p, const Shape& shape) {
+    return backward_call(
+        make_call(shape, p.tokens_per_expert, true, p.x_sorted, p.w13, p.w2, p.scores, p.workspace, p.stream),
+        p.dout.data, p.saved_h.data, p.dx_sorted, p.dscores, p.dw13, p.dw2);
+}
+
+}  // namespace megamoe::cuda
