@@ -148,14 +148,15 @@ static_assert(smem_bytes<Cooperative, Epilogue::kStore>() <= kMaxSmemBytes &&
                   smem_bytes<PingPong, Epilogue::kStore>() <= kMaxSmemBytes,
               "stages and kStore's staging boxes exceed the shared memory of an SM");
 
-// The tile configuration of each of the kernel's GEMMs, and the limit it hits (H200, qwen3-30b-a3b):
+// The tile configuration of each of the kernel's GEMMs, and the limit it hits (H200, qwen3-30b-a3b, 2026-12-01):
 // - kSwiGLU (up), kStore (down, dX): cooperative 128 x 256. Their epilogues are cheap (the up GEMM without its
 //   epilogue: 1.37 -> 1.34 ms), the mainloop is the limit; 256 columns halve A's refills per FLOP against 128.
-// - kDSwiGLU (dH): ping-pong 128 x 128. Its epilogue is as long as a third of the kernel (dH 1.17-1.25 ms, without
-//   the epilogue 0.77 ms: the dSwiGLU math ~0.3 ms, the h loads and the stores ~0.1 ms each), so it runs under the
-//   other consumer's mainloop; 7 stages.
+// - kDSwiGLU (dH): cooperative 128 x 256 too. Its epilogue is a third of the kernel (dH 1.17-1.25 ms, without the
+//   epilogue 0.77 ms: the dSwiGLU math ~0.3 ms, the h loads and the stores ~0.1 ms each), but ping-pong on 128 x 128
+//   tiles measured slower (1.47 ms): the half-width tiles refill A twice as often and the mainloop, not the hidden
+//   epilogue, sets the pace. TODO(#11): ping-pong on wider tiles (128 x 192: 192 accumulators per thread) for dH.
 template <Epilogue kEpilogue>
-using ConfigOf = std::conditional_t<kEpilogue == Epilogue::kDSwiGLU, PingPong, Cooperative>;
+using ConfigOf = Cooperative;
 
 struct KernelParams {
     const uint16_t* a;  // A rows, row stride lda
