@@ -70,13 +70,13 @@ __device__ __forceinline__ void load_chunk(const T* row, int64_t col, uint32_t (
 }
 
 // One warp's kTmaStoreRows accumulator rows (element type T; its fragments from register kFirstReg on) by TMA stores
-// of kNumChunks chunks of kTmaStoreCols columns (fragments 8 c .. 8 c + 7 of chunk c): the warp packs a chunk's accumulators and writes them with stmatrix
-// into box c % kTmaStoreBuffers at shared address `staging` (kTmaStoreBuffers boxes, 1024-byte aligned), in the
-// 128-byte swizzle of the store's tensor map (16-byte unit u of row r at u ^ r % 8); every lane fences its writes for
-// the async proxy, and lane 0, once the stores issued before the previous chunk's have read their boxes (the next
-// chunk's box among them), calls store_box(box, c) to issue the chunk's TMA store and commits it as a bulk
-// async-group. The warp returns as soon as its last store is issued; the caller waits for the stores
-// (bulk_wait_group<0, false>) before the CTA exits.
+// of kNumChunks chunks of kTmaStoreCols columns (fragments 8 c .. 8 c + 7 of chunk c): the warp packs a chunk's
+// accumulators and writes them with stmatrix into box c % kTmaStoreBuffers at shared address `staging`
+// (kTmaStoreBuffers boxes, 1024-byte aligned), in the 128-byte swizzle of the store's tensor map (16-byte unit u of row
+// r at u ^ r % 8); every lane fences its writes for the async proxy, and lane 0, once the stores issued before the
+// previous chunk's have read their boxes (the next chunk's box among them), calls store_box(box, c) to issue the
+// chunk's TMA store and commits it as a bulk async-group. The warp returns as soon as its last store is issued; the
+// caller waits for the stores (bulk_wait_group<0, false>) before the CTA exits.
 template <typename T, int kNumChunks, int kFirstReg = 0, int kNumRegs, typename StoreBox>
 __device__ __forceinline__ void store_warp_rows_tma(const float (&acc)[kNumRegs], uint32_t staging, int lane_idx,
                                                     const StoreBox& store_box) {

@@ -12,10 +12,11 @@
 // partial sum of ds = <p, a> (one per row and n-tile, added in n-tile order later: deterministic). f32
 // accumulation. No atomics: every output element is written once.
 //
-// Tiles: kBlockM = 128 rows (one M tile of the routing's schedule) x kBlockN = 256 columns of B_e x kBlockK = 64
-// (one 128-byte swizzled row of 16-bit elements). For kSwiGLU, the kBlockN rows of the B tile are 128 gate rows
-// n0 + [0, 128) (TMA box 0) followed by the matching up rows I + n0 + [0, 128) (box 1): each thread holds g and u
-// of the same outputs, so SwiGLU is register-local; a tile writes 128 columns of a.
+// Tiles (TileConfig in m_grouped_config.cuh, chosen per epilogue by ConfigOf): kBlockM = 128 rows (one M tile of the
+// routing's schedule) x kBlockN columns of B_e (cooperative 256, ping-pong 128) x kBlockK = 64 (one 128-byte
+// swizzled row of 16-bit elements). For kSwiGLU, the kBlockN rows of the B tile are kBlockN / 2 gate rows (TMA box 0)
+// followed by the matching up rows I + n0 + [0, kBlockN / 2) (box 1): each thread holds g and u of the same
+// outputs, so SwiGLU is register-local; a tile writes kBlockN / 2 columns of a.
 // Clusters: 2 CTAs run M tiles 2p and 2p + 1 of the schedule with the same n-tile. When both belong to one expert
 // (most pairs: experts span many M tiles) they need the same B tile, and each CTA loads one of its two boxes and
 // multicasts it to both, which halves B's L2 -> SM traffic. Otherwise each CTA loads both boxes for itself.
@@ -36,22 +37,20 @@
 //     wgmma reads through the async proxy). For kDSwiGLU it also starts, when it begins a tile, a bulk L2
 //     prefetch of the tile's g, u row segments (two per thread), so the epilogue, a whole mainloop later, finds
 //     them in L2 instead of DRAM.
-//   warpgroups 1, 2, consumers (setmaxnreg up to kConsumerRegs): rows [64 (w - 1), 64 w) of the CTA's M tile,
-//     with m64 x kBlockN x k16 wgmmas (both operands from shared memory, K-major); one wgmma batch stays in
-//     flight, and the stage it read is released when the next batch has been issued: one arrive per warp on
-//     the empty barrier of both CTAs (the next fill lands in both). A warpgroup without valid rows skips its
-//     wgmmas but keeps the pipeline going. The epilogue transposes accumulator pairs across each quad of lanes
-//     and stores 16-byte chunks (64 contiguous bytes per row per warp store); kDSwiGLU loads its g, u chunks 4
-//     groups at a time before using them (8 loads in flight per lane). kStore: a warp whose 16 rows all lie in
+//   warpgroups 1, 2, consumers (setmaxnreg up to kConsumerRegs), cooperative: rows [64 (w - 1), 64 w) of every tile
+//     of the CTA; ping-pong: every other tile of the CTA (all 128 rows, two m64 row blocks), the other consumer's
+//     stages skipped and the two mainloops in turn (named barriers), so one consumer's epilogue runs under the
+//     other's mainloop. m64 x kBlockN x k16 wgmmas (both operands from shared memory, K-major); one wgmma batch
+//     stays in flight, and the stage it read is released when the next batch has been issued: one arrive per warp
+//     on the empty barrier of both CTAs (the next fill lands in both). A row block without valid rows skips its
+//     wgmmas but keeps the pipeline going. The epilogue (per row block) transposes accumulator pairs across each
+//     quad of lanes and stores 16-byte chunks (64 contiguous bytes per row per warp store); kDSwiGLU loads its g, u
+//     chunks one batch ahead of their math and stores, and its rows' weights when the tile starts. kStore: a warp
+//     whose 16 rows all lie in
 //     the expert stages them 64 columns at a time with stmatrix in one of its two 2 KiB boxes (128-byte swizzle)
 //     and lane 0 stores each box by TMA (2-D map over [num_out_rows, n], clipped at n), so the warp is back at
 //     its MMAs once its last store is issued; a TMA store cannot stop at the expert's end (the rows after it
 //     are the next expert's first tile, another CTA's), so a warp whose rows cross it stores from registers.
-// Measured (H200): the consumers cannot overlap one tile's epilogue with the next tile's wgmmas here without
-// raising the shared-memory fill per FLOP: ping-pong consumers on 64 x 256 sub-tiles (B loaded per sub-tile,
-// 40 KiB per 64 x 256 x 64 stage instead of 48 KiB per 128 x 256 x 64) took up / down / dX from 555 / 537 / 551
-// to 499 / 460 / 381 TFLOP/s; 4-CTA clusters (B multicast four ways) gave 478 / 504 / 566 with these consumers
-// and 368 / 358 / 395 with ping-pong ones.
 // Tile schedule: cluster tiles t = p * num_n_tiles + n_tile over the pairs p of the routing's device-side M-tile
 // schedule (m_tile_offsets; its total m_tile_offsets[E] is read on the device, the host only knows a bound);
 // cluster c takes t = c, c + num_clusters, ...: the n-tiles of one pair run side by side on neighbouring
@@ -63,9 +62,10 @@
 // rows, 8 KiB each, box i holding columns n0 + 64 i; wgmma reads B through an MN-major descriptor (transpose bit
 // of the atom), 8-row K atoms 1024 bytes apart, N blocks one box apart; a shared tile is multicast as half the
 // boxes from each CTA.
-// Shared memory (dynamic, 1024-byte aligned): kNumStages x (A tile 16 KiB + B tile kBlockN x 128 B), for kStore
-// the staging boxes (kStagingBytes: 2 x 2 KiB per consumer warp, 32 KiB), then kNumStages full and kNumStages
-// empty mbarriers: 192 KiB + 64 B (224 KiB + 64 B for kStore) + 1 KiB alignment slack, of 227 KiB.
+// Shared memory (SharedStorage, dynamic, 1024-byte aligned): kNumStages x (A tile 16 KiB + B tile kBlockN x 128 B),
+// for kStore the staging boxes (2 x 2 KiB per consumer warp, 32 KiB), then the full and empty mbarriers; the stage
+// count is the most that fits 227 KiB (cooperative: 4 stages of 48 KiB; ping-pong: 7 of 32 KiB). What was measured
+// of the tile shapes and schedules: docs/DESIGN.md.
 #include "sm90/grouped_gemm_sm90.h"
 
 #include <algorithm>
@@ -203,7 +203,8 @@ __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensor
                 src_rows[pass] = params.a + a_row * params.lda + chunk_idx * kChunkElems;
             }
         }
-        const auto b_first_row = static_cast<int32_t>(tile.n_tile_idx * (kSwiGLU ? Config::kBBoxRows : Config::kBlockN));
+        const auto b_first_row =
+            static_cast<int32_t>(tile.n_tile_idx * (kSwiGLU ? Config::kBBoxRows : Config::kBlockN));
         for (int k_block_idx = 0; k_block_idx < num_k_blocks; ++k_block_idx) {
             mbarrier_wait(&smem.empty[stage_idx], phase ^ 1);
             uint8_t* tile_a = smem.a[stage_idx];
@@ -266,7 +267,7 @@ __device__ __forceinline__ void row_block_mma(uint64_t desc_a, uint64_t desc_b, 
 #pragma unroll
     for (int k_step = 0; k_step < kBlockK / kWgmmaK; ++k_step) {
         wgmma<T, kBLayout, Config, kRowBlock * Config::kBlockRegs>(desc_a + k_step * kDescK16Step,
-                                                                    desc_b + k_step * kBDescK16Step<kBLayout>, acc);
+                                                                   desc_b + k_step * kBDescK16Step<kBLayout>, acc);
     }
 }
 
@@ -323,7 +324,7 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Kernel
     float acc[Config::kNumAccRegs];
     for (int64_t seq_idx = first_seq; tiles.at(seq_idx) < num_tiles; seq_idx += kTileStep) {
         const Tile tile = decode_tile(params, tiles.at(seq_idx), num_m_tiles, cta_rank);
-        bool block_has_rows[Config::kRowBlocks];  // else only keep the pipeline going
+        bool block_has_rows[Config::kRowBlocks];          // else only keep the pipeline going
         RowWeights row_weights[Config::kRowBlocks] = {};  // kDSwiGLU: in flight during the mainloop
 #pragma unroll
         for (int block = 0; block < Config::kRowBlocks; ++block) {
@@ -425,8 +426,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
 // B as a 3-D tensor [E, rows_per_expert, cols] (cols innermost, 128-byte swizzle): kNK rows of B_e are the N
 // rows, cols K, boxes of b_box_rows x kBlockK; kKN rows are K, cols N, boxes of kBlockK x kKNBoxCols.
-bool encode_b_tensor_map(const cuda::MGroupedGemmArgs& args, BLayout b_layout, int64_t rows_per_expert,
-                         int b_box_rows, CUtensorMap* map) {
+bool encode_b_tensor_map(const cuda::MGroupedGemmArgs& args, BLayout b_layout, int64_t rows_per_expert, int b_box_rows,
+                         CUtensorMap* map) {
     const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
     if (encode == nullptr) return false;
     const bool nk = b_layout == BLayout::kNK;
@@ -460,10 +461,9 @@ megamoe_status_t launch_typed(const cuda::MGroupedGemmArgs& args, const KernelPa
     }
     const int64_t max_tiles = ceil_div(args.max_m_tiles, kClusterSize) * params.num_n_tiles;  // cluster tiles
     const int64_t max_clusters = std::min<int64_t>(std::max(num_sms, kClusterSize) / kClusterSize, max_tiles);
-    return launch_cluster_kernel<kClusterSize>(m_grouped_gemm_sm90_kernel<T, kEpilogue, kBLayout>,
-                                               kernel_name(kEpilogue, kBLayout), kNumThreads,
-                                               smem_bytes<Config, kEpilogue>(),
-                                               max_clusters, stream, a_map, b_map, out_map, params);
+    return launch_cluster_kernel<kClusterSize>(
+        m_grouped_gemm_sm90_kernel<T, kEpilogue, kBLayout>, kernel_name(kEpilogue, kBLayout), kNumThreads,
+        smem_bytes<Config, kEpilogue>(), max_clusters, stream, a_map, b_map, out_map, params);
 }
 
 // `a_map`: A's tensor map for kTmaA; `out_map`: kStore's output tensor map when params.tma_store; else unused.

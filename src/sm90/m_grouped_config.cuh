@@ -75,9 +75,9 @@ enum class Schedule {
 template <Schedule kSchedule>
 struct TileConfig {
     static constexpr bool kPingPong = kSchedule == Schedule::kPingPong;
-    static constexpr int kBlockN = kPingPong ? 128 : 256;  // columns of B_e per tile
+    static constexpr int kBlockN = kPingPong ? 128 : 256;                                // columns of B_e per tile
     static constexpr int kConsumerRows = kPingPong ? kBlockM : kBlockM / kNumConsumers;  // rows a consumer computes
-    static constexpr int kRowBlocks = kConsumerRows / kWgmmaM;  // its m64 wgmma row blocks
+    static constexpr int kRowBlocks = kConsumerRows / kWgmmaM;                           // its m64 wgmma row blocks
     static constexpr int kBlockRegs = kWgmmaM * kBlockN / kWarpgroupThreads;  // accumulators of one row block
     static constexpr int kNumAccRegs = kRowBlocks * kBlockRegs;
     static constexpr int kBBoxRows = kBlockN / kNumBBoxes;
@@ -86,7 +86,7 @@ struct TileConfig {
     static constexpr int kStageBytes = kATileBytes + kBTileBytes;
     static constexpr int kKNNumBoxes = kBlockN / kKNBoxCols;
     static constexpr int kKNBoxesPerCta = kKNNumBoxes / kClusterSize;  // a shared kKN tile: boxes multicast per CTA
-    static constexpr int kStoreChunks = kBlockN / kTmaStoreCols;        // kStore: TMA store boxes per warp row slice
+    static constexpr int kStoreChunks = kBlockN / kTmaStoreCols;       // kStore: TMA store boxes per warp row slice
     // Per CTA of the cluster, one per warp that reads a stage: a stage is refilled (by multicast) in all at once.
     static constexpr int kEmptyArrivalsPerCta = (kPingPong ? 1 : kNumConsumers) * kWarpsPerWarpgroup;
 
@@ -172,10 +172,10 @@ struct KernelParams {
     int64_t num_n_tiles;
     void* out;  // kStore: [rows, n], row stride ldo; kSwiGLU: a [rows, I] or NULL; kDSwiGLU: dh [rows, 2I]
     int64_t ldo;
-    void* h;               // kSwiGLU: [g, u] [rows, 2I] out, or NULL; kDSwiGLU: [g, u] in (by sorted row both)
-    void* act;             // kDSwiGLU: s * a [rows, I]
-    float* ds_parts;       // kDSwiGLU: [rows, num_n_tiles] partial sums of ds
-    const void* weights;   // kDSwiGLU: topk_weights [T * topk] (s of row r: weights[a_gather_slots[r]]), NULL: s = 1
+    void* h;              // kSwiGLU: [g, u] [rows, 2I] out, or NULL; kDSwiGLU: [g, u] in (by sorted row both)
+    void* act;            // kDSwiGLU: s * a [rows, I]
+    float* ds_parts;      // kDSwiGLU: [rows, num_n_tiles] partial sums of ds
+    const void* weights;  // kDSwiGLU: topk_weights [T * topk] (s of row r: weights[a_gather_slots[r]]), NULL: s = 1
     megamoe_dtype_t weights_dtype;
     bool tma_store;  // kStore with the output's tensor map made: a warp's rows inside the expert go out by TMA
 };

@@ -132,10 +132,11 @@ __device__ __forceinline__ void store_tile_dswiglu(const KernelParams& params, c
     auto row_valid = [&](int half) { return first_row + half * 8 < tile.num_rows; };  // the same for a quad's lanes
     auto row_idx = [&](int half) { return tile.row_begin + first_row + half * 8; };
     auto chunk_col = [&](int batch_idx, int batch_group) {
-        return first_col + (((batch_idx % kBatchesPerHalf) * kLoadBatch + batch_group) * kFragsPerChunk + quad_lane) * 8;
+        return first_col +
+               (((batch_idx % kBatchesPerHalf) * kLoadBatch + batch_group) * kFragsPerChunk + quad_lane) * 8;
     };
-    auto load_batch = [&](int batch_idx, uint32_t (&gate)[kLoadBatch][kFragsPerChunk],
-                          uint32_t (&up)[kLoadBatch][kFragsPerChunk]) {
+    auto load_batch = [&](int batch_idx, uint32_t(&gate)[kLoadBatch][kFragsPerChunk],
+                          uint32_t(&up)[kLoadBatch][kFragsPerChunk]) {
         const int half = batch_idx / kBatchesPerHalf;
         const T* h_row = h + row_idx(half) * 2 * intermediate;
 #pragma unroll
