@@ -19,7 +19,7 @@ from torch.profiler import ProfilerActivity, profile
 
 import megamoe
 import workloads
-from timing import cuda_time
+from timing import CudaTimer, back_to_back, cuda_time, graph_replay
 from profile_forward import short_name
 
 
@@ -33,37 +33,15 @@ def make_pass(case, recompute):
     return run
 
 
-def back_to_back_ms(fn, runs):
-    fn()
-    torch.cuda.synchronize()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    start.record()
-    for _ in range(runs):
-        fn()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) / runs
-
-
-def graph_ms(case, recompute, runs):
-    """CUDA-graph replay of forward+backward with torch.autograd.grad (no .grad accumulation inside the graph)."""
+def graph_step(case, recompute):
+    """forward+backward with torch.autograd.grad (no .grad accumulation, so a captured step replays as it is)."""
     leaves = list(case.leaves())
 
     def step():
         y = megamoe.moe(case.x, case.ids, case.s, case.w13, case.w2, recompute=recompute)
         return torch.autograd.grad(y, leaves, case.dy)
 
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        step()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        grads = step()
-    result = cuda_time(graph.replay, 3, runs, math.inf)["ms"]
-    del graph, grads
-    return result
+    return step
 
 
 def traced_passes(run, runs, trace_path):
@@ -123,8 +101,8 @@ def main():
         for mode in args.modes.split(","):
             run = make_pass(case, mode == "recompute")
             event_ms = cuda_time(run, 3, args.runs, math.inf)["ms"]
-            b2b = back_to_back_ms(run, args.runs)
-            replay = graph_ms(case, mode == "recompute", args.runs)
+            b2b = back_to_back(run, CudaTimer(), args.runs)["b2b_ms"]
+            replay = graph_replay(graph_step(case, mode == "recompute"), CudaTimer(), 3, args.runs, math.inf)["graph_ms"]
             trace = os.path.join(args.trace_dir, f"timeline-{name}-{mode}.json") if args.trace_dir else ""
             passes = traced_passes(run, args.runs, trace)
             summaries = [summarize(*pass_) for pass_ in passes]

@@ -69,7 +69,9 @@
 #include "sm90/grouped_gemm_sm90.h"
 
 #include <algorithm>
-#include <cute/arch/mma_sm90_gmma.hpp>
+#include <cute/arch/mma_sm90.hpp>
+#include <cute/layout.hpp>
+#include <type_traits>
 #include <utility>
 
 #include "cuda/cuda_utils.h"
@@ -86,30 +88,18 @@ namespace {
 using namespace m_grouped;  // NOLINT(google-build-using-namespace): the kernel's own configuration and epilogues
 
 using cuda::ceil_div;
-namespace gmma = cute::SM90::GMMA;
+namespace gmma = cute::SM90::GMMA;  // the wgmma atoms and their selector
 
 // The CuTe wgmma atom m64 x kN x k16 from shared memory, f32 accumulators: A K-major, B K-major (kNK) or MN-major
-// (kKN).
+// (kKN), as CuTe's selector picks it for the element type.
 template <BLayout kBLayout>
 constexpr gmma::Major kBMajor = kBLayout == BLayout::kNK ? gmma::Major::K : gmma::Major::MN;
+template <typename T>
+using CuteElementOf = std::conditional_t<std::is_same_v<T, __half>, cute::half_t, cute::bfloat16_t>;
 template <typename T, BLayout kBLayout, int kN>
-struct WgmmaAtom;
-template <BLayout kBLayout>
-struct WgmmaAtom<__nv_bfloat16, kBLayout, 256> {
-    using Op = gmma::MMA_64x256x16_F32BF16BF16_SS<gmma::Major::K, kBMajor<kBLayout>>;
-};
-template <BLayout kBLayout>
-struct WgmmaAtom<__half, kBLayout, 256> {
-    using Op = gmma::MMA_64x256x16_F32F16F16_SS<gmma::Major::K, kBMajor<kBLayout>>;
-};
-template <BLayout kBLayout>
-struct WgmmaAtom<__nv_bfloat16, kBLayout, 128> {
-    using Op = gmma::MMA_64x128x16_F32BF16BF16_SS<gmma::Major::K, kBMajor<kBLayout>>;
-};
-template <BLayout kBLayout>
-struct WgmmaAtom<__half, kBLayout, 128> {
-    using Op = gmma::MMA_64x128x16_F32F16F16_SS<gmma::Major::K, kBMajor<kBLayout>>;
-};
+using WgmmaOp = decltype(gmma::ss_op_selector<CuteElementOf<T>, CuteElementOf<T>, float,
+                                              cute::Shape<cute::_64, cute::Int<kN>, cute::_16>, gmma::Major::K,
+                                              kBMajor<kBLayout>>());
 
 template <typename Op, int kFirstReg, int kNumRegs, size_t... kRegIdx>
 __device__ __forceinline__ void wgmma_unpacked(uint64_t desc_a, uint64_t desc_b, float (&acc)[kNumRegs],
@@ -121,7 +111,7 @@ __device__ __forceinline__ void wgmma_unpacked(uint64_t desc_a, uint64_t desc_b,
 template <typename T, BLayout kBLayout, class Config, int kFirstReg, int kNumRegs>
 __device__ __forceinline__ void wgmma(uint64_t desc_a, uint64_t desc_b, float (&acc)[kNumRegs]) {
     static_assert(kFirstReg + Config::kBlockRegs <= kNumRegs, "the row block's accumulators are the consumer's");
-    wgmma_unpacked<typename WgmmaAtom<T, kBLayout, Config::kBlockN>::Op, kFirstReg>(
+    wgmma_unpacked<WgmmaOp<T, kBLayout, Config::kBlockN>, kFirstReg>(
         desc_a, desc_b, acc, std::make_index_sequence<Config::kBlockRegs>{});
 }
 
