@@ -6,15 +6,15 @@
 //   B_e = b + e * b_expert_stride, either [N, K] K-contiguous (BLayout::kNK: w13[e] [2I, H] for up, w2[e] [H, I]
 //   for down) or [K, N] N-contiguous (BLayout::kKN: w2[e] read as [K = H, N = I] for the backward's dH,
 //   w13[e] read as [K = 2I, N = H] for its dX).
-// Epilogues (templated): kSwiGLU writes h = [g, u] (by sorted row, as saved_h keeps it) and / or
-// a = silu(g) * u; kStore writes acc in the element type (bf16 / f16), by TMA stores where it can; kDSwiGLU (the
-// backward's dH, acc = p = W2[e]^T dy) reads the row's g, u, s and writes dh = [dg, du], s * a and the tile's
-// partial sum of ds = <p, a> (one per row and n-tile, added in n-tile order later: deterministic). f32
+// Epilogues (policy types, m_grouped_epilogue.cuh): SwiGLUEpilogue writes h = [g, u] (by sorted row, as saved_h keeps
+// it) and / or a = silu(g) * u; StoreEpilogue writes acc in the element type (bf16 / f16), by TMA stores where it can;
+// DSwiGLUEpilogue (the backward's dH, acc = p = W2[e]^T dy) reads the row's g, u, s and writes dh = [dg, du], s * a and
+// the tile's partial sum of ds = <p, a> (one per row and n-tile, added in n-tile order later: deterministic). f32
 // accumulation. No atomics: every output element is written once.
 //
 // Tiles (TileConfig in m_grouped_config.cuh, chosen per epilogue by ConfigOf): kBlockM = 128 rows (one M tile of the
 // routing's schedule) x kBlockN columns of B_e (cooperative 256, ping-pong 128) x kBlockK = 64 (one 128-byte
-// swizzled row of 16-bit elements). For kSwiGLU, the kBlockN rows of the B tile are kBlockN / 2 gate rows (TMA box 0)
+// swizzled row of 16-bit elements). For SwiGLU, the kBlockN rows of the B tile are kBlockN / 2 gate rows (TMA box 0)
 // followed by the matching up rows I + n0 + [0, kBlockN / 2) (box 1): each thread holds g and u of the same
 // outputs, so SwiGLU is register-local; a tile writes kBlockN / 2 columns of a.
 // Clusters: 2 CTAs run M tiles 2p and 2p + 1 of the schedule with the same n-tile. When both belong to one expert
@@ -25,18 +25,17 @@
 //
 // Warp roles (3 warpgroups, 384 threads, 1 CTA per SM, as many clusters as fit on the device at once):
 //   warpgroup 0, producer (setmaxnreg down to kProducerRegs): thread 0 issues this CTA's B boxes (3-D tensor map
-//     over [E, rows of B_e, K], 128-byte swizzle, zero fill out of bounds, multicast when shared). kStore's A
-//     (down: a, dX: dh) is the sorted rows themselves: thread 0 loads it too, one 2-D TMA box of kBlockM rows
-//     per stage (rows past the expert's end are the next expert's; their results are not stored). For kSwiGLU
-//     and kDSwiGLU (rows of x / dy gathered by slot) all 128 threads gather the A tile with 16-byte cp.async into
-//     the same swizzled layout (8 threads per row, 16 rows per pass, 8 passes), zero-filling rows past the
-//     expert's end and K past the end (one-row TMA boxes measured 30-50% slower). Each thread then arms
-//     cp.async.mbarrier.arrive.noinc on the stage's full barrier and moves on: the stage is published when all
-//     copies have landed (128 such arrivals + thread 0's arrive.expect_tx of the B bytes), with no waiting in
-//     the producer. Consumers issue fence.proxy.async after the wait (cp.async writes are generic-proxy,
-//     wgmma reads through the async proxy). For kDSwiGLU it also starts, when it begins a tile, a bulk L2
-//     prefetch of the tile's g, u row segments (two per thread), so the epilogue, a whole mainloop later, finds
-//     them in L2 instead of DRAM.
+//     over [E, rows of B_e, K], 128-byte swizzle, zero fill out of bounds, multicast when shared). the store epilogue's
+//     A (down: a, dX: dh) is the sorted rows themselves: thread 0 loads it too, one 2-D TMA box of kBlockM rows per
+//     stage (rows past the expert's end are the next expert's; their results are not stored). For SwiGLU and dSwiGLU
+//     (rows of x / dy gathered by slot) all 128 threads gather the A tile with 16-byte cp.async into the same swizzled
+//     layout (8 threads per row, 16 rows per pass, 8 passes), zero-filling rows past the expert's end and K past the
+//     end (one-row TMA boxes measured 30-50% slower). Each thread then arms cp.async.mbarrier.arrive.noinc on the
+//     stage's full barrier and moves on: the stage is published when all copies have landed (128 such arrivals + thread
+//     0's arrive.expect_tx of the B bytes), with no waiting in the producer. Consumers issue fence.proxy.async after
+//     the wait (cp.async writes are generic-proxy, wgmma reads through the async proxy). For dSwiGLU it also starts,
+//     when it begins a tile, a bulk L2 prefetch of the tile's g, u row segments (two per thread), so the epilogue, a
+//     whole mainloop later, finds them in L2 instead of DRAM.
 //   warpgroups 1, 2, consumers (setmaxnreg up to kConsumerRegs), cooperative: rows [64 (w - 1), 64 w) of every tile
 //     of the CTA; ping-pong: every other tile of the CTA (all 128 rows, two m64 row blocks), the other consumer's
 //     stages skipped and the two mainloops in turn (named barriers), so one consumer's epilogue runs under the
@@ -44,13 +43,12 @@
 //     stays in flight, and the stage it read is released when the next batch has been issued: one arrive per warp
 //     on the empty barrier of both CTAs (the next fill lands in both). A row block without valid rows skips its
 //     wgmmas but keeps the pipeline going. The epilogue (per row block) transposes accumulator pairs across each
-//     quad of lanes and stores 16-byte chunks (64 contiguous bytes per row per warp store); kDSwiGLU loads its g, u
-//     chunks one batch ahead of their math and stores, and its rows' weights when the tile starts. kStore: a warp
-//     whose 16 rows all lie in
-//     the expert stages them 64 columns at a time with stmatrix in one of its two 2 KiB boxes (128-byte swizzle)
-//     and lane 0 stores each box by TMA (2-D map over [num_out_rows, n], clipped at n), so the warp is back at
-//     its MMAs once its last store is issued; a TMA store cannot stop at the expert's end (the rows after it
-//     are the next expert's first tile, another CTA's), so a warp whose rows cross it stores from registers.
+//     quad of lanes and stores 16-byte chunks (64 contiguous bytes per row per warp store); dSwiGLU loads its g, u
+//     chunks one batch ahead of their math and stores, and its rows' weights when the tile starts. The store epilogue:
+//     a warp whose 16 rows all lie in the expert stages them 64 columns at a time with stmatrix in one of its two 2 KiB
+//     boxes (128-byte swizzle) and lane 0 stores each box by TMA (2-D map over [num_out_rows, n], clipped at n), so the
+//     warp is back at its MMAs once its last store is issued; a TMA store cannot stop at the expert's end (the rows
+//     after it are the next expert's first tile, another CTA's), so a warp whose rows cross it stores from registers.
 // Tile schedule: cluster tiles t = p * num_n_tiles + n_tile over the pairs p of the routing's device-side M-tile
 // schedule (m_tile_offsets; its total m_tile_offsets[E] is read on the device, the host only knows a bound);
 // cluster c takes t = c, c + num_clusters, ...: the n-tiles of one pair run side by side on neighbouring
@@ -63,9 +61,9 @@
 // of the atom), 8-row K atoms 1024 bytes apart, N blocks one box apart; a shared tile is multicast as half the
 // boxes from each CTA.
 // Shared memory (SharedStorage, dynamic, 1024-byte aligned): kNumStages x (A tile 16 KiB + B tile kBlockN x 128 B),
-// for kStore the staging boxes (2 x 2 KiB per consumer warp, 32 KiB), then the full and empty mbarriers; the stage
-// count is the most that fits 227 KiB (cooperative: 4 stages of 48 KiB; ping-pong: 7 of 32 KiB). What was measured
-// of the tile shapes and schedules: docs/DESIGN.md.
+// for the store epilogue the staging boxes (2 x 2 KiB per consumer warp, 32 KiB), then the full and empty mbarriers;
+// the stage count is the most that fits 227 KiB (cooperative: 4 stages of 48 KiB; ping-pong: 7 of 32 KiB). What was
+// measured of the tile shapes and schedules: docs/DESIGN.md.
 #include "sm90/grouped_gemm_sm90.h"
 
 #include <algorithm>
@@ -111,8 +109,8 @@ __device__ __forceinline__ void wgmma_unpacked(uint64_t desc_a, uint64_t desc_b,
 template <typename T, BLayout kBLayout, class Config, int kFirstReg, int kNumRegs>
 __device__ __forceinline__ void wgmma(uint64_t desc_a, uint64_t desc_b, float (&acc)[kNumRegs]) {
     static_assert(kFirstReg + Config::kBlockRegs <= kNumRegs, "the row block's accumulators are the consumer's");
-    wgmma_unpacked<WgmmaOp<T, kBLayout, Config::kBlockN>, kFirstReg>(
-        desc_a, desc_b, acc, std::make_index_sequence<Config::kBlockRegs>{});
+    wgmma_unpacked<WgmmaOp<T, kBLayout, Config::kBlockN>, kFirstReg>(desc_a, desc_b, acc,
+                                                                     std::make_index_sequence<Config::kBlockRegs>{});
 }
 
 // Descriptor of the B tile of a stage, and its advance per k16 step.
@@ -127,34 +125,12 @@ __device__ __forceinline__ uint64_t make_b_desc(const uint8_t* tile_b) {
 template <BLayout kBLayout>
 constexpr uint64_t kBDescK16Step = kBLayout == BLayout::kNK ? kDescK16Step : kDescMnK16Step;
 
-// kDSwiGLU: starts the L2 prefetch of the g, u row segments that `tile` reads in its epilogue (thread t: rows t / 2
-// and t / 2 + 64, g or u by t % 2; kBlockN columns, fewer at the end of I).
-template <class Config>
-__device__ __forceinline__ void prefetch_h_rows(const KernelParams& params, const Tile& tile, int thread_idx) {
-    constexpr int kRowsPerPass = kWarpgroupThreads / 2;  // two threads (g, u) per row
-    static_assert(kBlockM % kRowsPerPass == 0, "the producer prefetches the tile's rows in whole passes");
-    const int64_t first_col = tile.n_tile_idx * Config::kBlockN;
-    if (first_col >= params.n) return;
-    const auto num_bytes =
-        static_cast<uint32_t>(min(static_cast<int64_t>(Config::kBlockN), params.n - first_col) * kElemBytes);
-#pragma unroll
-    for (int pass = 0; pass < kBlockM / kRowsPerPass; ++pass) {
-        const int local_row = pass * kRowsPerPass + thread_idx / 2;
-        if (local_row >= tile.num_rows) break;
-        const int64_t row_idx = tile.row_begin + local_row;
-        const auto* h_row = static_cast<const uint16_t*>(params.h) + row_idx * 2 * params.n;
-        prefetch_l2_bulk(h_row + (thread_idx % 2) * params.n + first_col, num_bytes);
-    }
-}
-
-// How the producer loads A: kStore's A (down: a, dX: dh) holds the sorted rows themselves, one TMA box of kBlockM rows
-// per stage (thread 0); the others gather rows of x / dy with cp.async by all 128 threads (one-row TMA boxes, 128
-// per stage, measured 30-50% slower on an H200: the TMA unit is slow on small boxes).
-template <Epilogue kEpilogue>
-constexpr bool kTmaA = kEpilogue == Epilogue::kStore;
-template <Epilogue kEpilogue>
-constexpr int kFullArrivals = kTmaA<kEpilogue> ? 2 : kWarpgroupThreads + 1;  // expect_tx of A and of B, or the
-                                                                             // copies' arrivals and B's expect_tx
+// How the producer loads A (the policy's kTmaA): the store epilogue's A (down: a, dX: dh) holds the sorted rows
+// themselves, one TMA box of kBlockM rows per stage (thread 0); the others gather rows of x / dy with cp.async by all
+// 128 threads (one-row TMA boxes, 128 per stage, measured 30-50% slower on an H200: the TMA unit is slow on small
+// boxes). A stage's full barrier waits for the expect_tx of A and of B, or the copies' arrivals and B's expect_tx.
+template <class Epi>
+constexpr int kFullArrivals = Epi::kTmaA ? 2 : kWarpgroupThreads + 1;
 
 // The CTA's tile sequence: cluster tiles c, c + num_clusters, ... (c: this CTA's cluster). The producer walks all of
 // them; a cooperative consumer too, a ping-pong consumer every other one (the first for consumer 0).
@@ -166,13 +142,13 @@ struct CtaTiles {
 };
 
 // Producer warpgroup: B by TMA, A by TMA or gathered by cp.async, stage by stage, for every tile of this CTA.
-template <class Config, Epilogue kEpilogue, BLayout kBLayout, class Storage>
-__device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensorMap* b_map, const KernelParams& params,
+template <class Config, class Epi, BLayout kBLayout, class Storage>
+__device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensorMap* b_map,
+                                        const MainloopParams& params, const typename Epi::Params& epilogue,
                                         Storage& smem, int num_m_tiles, int64_t num_tiles, int num_k_blocks,
                                         uint32_t cta_rank, int thread_idx) {
-    constexpr bool kSwiGLU = kEpilogue == Epilogue::kSwiGLU;
-    constexpr int kNumStages = num_stages<Config, kEpilogue>();
-    if (kTmaA<kEpilogue> && thread_idx != 0) return;  // thread 0 loads both tiles
+    constexpr int kNumStages = num_stages<Config, Epi::kStaging>();
+    if (Epi::kTmaA && thread_idx != 0) return;  // thread 0 loads both tiles
     const int chunk_idx = thread_idx % kChunksPerRow;
     const int first_row = thread_idx / kChunksPerRow;
     const CtaTiles tiles;
@@ -180,13 +156,13 @@ __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensor
     uint32_t phase = 0;
     for (int64_t tile_idx = tiles.first; tile_idx < num_tiles; tile_idx += tiles.stride) {
         const Tile tile = decode_tile(params, tile_idx, num_m_tiles, cta_rank);
-        if constexpr (kEpilogue == Epilogue::kDSwiGLU) prefetch_h_rows<Config>(params, tile, thread_idx);
+        Epi::template producer_tile<Config>(params, epilogue, tile, thread_idx);
         const uint16_t* src_rows[kProducerPasses];
 #pragma unroll
         for (int pass = 0; pass < kProducerPasses; ++pass) {
             const int local_row = first_row + pass * kProducerRowsPerPass;
             src_rows[pass] = nullptr;
-            if (!kTmaA<kEpilogue> && local_row < tile.num_rows) {
+            if (!Epi::kTmaA && local_row < tile.num_rows) {
                 const int64_t row_idx = tile.row_begin + local_row;
                 const int64_t a_row =
                     params.a_gather_slots != nullptr ? params.a_gather_slots[row_idx] / params.topk : row_idx;
@@ -194,14 +170,14 @@ __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensor
             }
         }
         const auto b_first_row =
-            static_cast<int32_t>(tile.n_tile_idx * (kSwiGLU ? Config::kBBoxRows : Config::kBlockN));
+            static_cast<int32_t>(tile.n_tile_idx * (Epi::kGateUpPairs ? Config::kBBoxRows : Config::kBlockN));
         for (int k_block_idx = 0; k_block_idx < num_k_blocks; ++k_block_idx) {
             mbarrier_wait(&smem.empty[stage_idx], phase ^ 1);
             uint8_t* tile_a = smem.a[stage_idx];
             uint8_t* tile_b = smem.b[stage_idx];
             uint64_t* full = &smem.full[stage_idx];
             const int32_t k_begin = k_block_idx * kBlockK;
-            if constexpr (kTmaA<kEpilogue>) {  // rows past the expert's end: the next expert's, results not stored
+            if constexpr (Epi::kTmaA) {  // rows past the expert's end: the next expert's, results not stored
                 mbarrier_arrive_expect_tx(full, kATileBytes);
                 tma_load_2d(tile_a, a_map, full, k_begin, static_cast<int32_t>(tile.row_begin));
             }
@@ -233,7 +209,7 @@ __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensor
                     }
                 }
             }
-            if constexpr (!kTmaA<kEpilogue>) {
+            if constexpr (!Epi::kTmaA) {
                 const bool col_valid = k_begin + chunk_idx * kChunkElems < params.k;
 #pragma unroll
                 for (int pass = 0; pass < kProducerPasses; ++pass) {
@@ -261,26 +237,6 @@ __device__ __forceinline__ void row_block_mma(uint64_t desc_a, uint64_t desc_b, 
     }
 }
 
-// The epilogue of one row block (local_block of the consumer's kRowBlocks; tile rows from 64 row_block).
-template <typename T, class Config, Epilogue kEpilogue, int kLocalBlock, int kNumRegs>
-__device__ __forceinline__ void store_row_block(const CUtensorMap* out_map, const KernelParams& params,
-                                                const Tile& tile, const float (&acc)[kNumRegs],
-                                                const RowWeights& row_weights, uint32_t warp_staging, int row_block,
-                                                int warp_idx, int lane_idx) {
-    constexpr int kFirstReg = kLocalBlock * Config::kBlockRegs;
-    // The warp's first row of the tile, warp-uniform to the compiler (taken from lane 0), so the choice between TMA and
-    // register stores needs no divergence handling around the register path's shuffles.
-    const int warp_first_row =
-        kEpilogue == Epilogue::kStore ? __shfl_sync(0xffffffffu, row_block * kWgmmaM + warp_idx * kTmaStoreRows, 0) : 0;
-    if constexpr (kEpilogue == Epilogue::kDSwiGLU) {
-        store_tile_dswiglu<T, Config, kFirstReg>(params, tile, acc, row_weights, row_block, warp_idx, lane_idx);
-    } else if (kEpilogue == Epilogue::kStore && params.tma_store && warp_first_row + kTmaStoreRows <= tile.num_rows) {
-        store_tile_tma<T, Config, kFirstReg>(out_map, tile, acc, warp_staging, warp_first_row, lane_idx);
-    } else {  // from registers, masked: rows past the expert's end are the next expert's (another CTA's)
-        store_tile<T, kEpilogue, Config, kFirstReg>(params, tile, acc, row_block, warp_idx, lane_idx);
-    }
-}
-
 // Ping-pong consumers take turns on the tensor cores: consumer c starts the mainloop of a tile once the other has
 // finished the mainloop of the CTA's previous tile (named barrier kMainloopDoneBarrier + the other's index: the other
 // arrives, c waits). Besides running the epilogues under the other's mainloop, this keeps every wait on a stage's
@@ -292,16 +248,17 @@ constexpr uint32_t kOrderThreads = kNumConsumers * kWarpgroupThreads;
 // Consumer warpgroup `consumer_idx`: wgmma over the stages of its tiles, then the epilogue. Cooperative: every tile of
 // the CTA, rows [64 consumer_idx, + 64); ping-pong: every other tile (consumer_idx first), all 128 rows as two row
 // blocks, the other consumer's stages skipped (every tile has num_k_blocks stages), the mainloops in turn.
-template <typename T, class Config, Epilogue kEpilogue, BLayout kBLayout, class Storage>
-__device__ __forceinline__ void consume(const CUtensorMap* out_map, const KernelParams& params, Storage& smem,
-                                        int num_m_tiles, int64_t num_tiles, int num_k_blocks, uint32_t cta_rank,
-                                        int consumer_idx, int thread_idx) {
-    constexpr int kNumStages = num_stages<Config, kEpilogue>();
+template <typename T, class Config, class Epi, BLayout kBLayout, class Storage>
+__device__ __forceinline__ void consume(const CUtensorMap* out_map, const MainloopParams& params,
+                                        const typename Epi::Params& epilogue, Storage& smem, int num_m_tiles,
+                                        int64_t num_tiles, int num_k_blocks, uint32_t cta_rank, int consumer_idx,
+                                        int thread_idx) {
+    constexpr int kNumStages = num_stages<Config, Epi::kStaging>();
     constexpr int kTileStep = Config::kPingPong ? kNumConsumers : 1;  // tiles of the CTA's sequence per own tile
     const int lane_idx = thread_idx % kWarpSize;
     const int warp_idx = (thread_idx % kWarpgroupThreads) / kWarpSize;
-    uint32_t warp_staging = 0;
-    if constexpr (kEpilogue == Epilogue::kStore) {
+    uint32_t warp_staging = 0;  // the warp's staging boxes of TMA stores
+    if constexpr (Epi::kStaging) {
         warp_staging = shared_address(smem.staging.boxes) +
                        static_cast<uint32_t>((consumer_idx * kWarpsPerWarpgroup + warp_idx) * kWarpStagingBytes);
     }
@@ -314,15 +271,13 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Kernel
     float acc[Config::kNumAccRegs];
     for (int64_t seq_idx = first_seq; tiles.at(seq_idx) < num_tiles; seq_idx += kTileStep) {
         const Tile tile = decode_tile(params, tiles.at(seq_idx), num_m_tiles, cta_rank);
-        bool block_has_rows[Config::kRowBlocks];          // else only keep the pipeline going
-        RowWeights row_weights[Config::kRowBlocks] = {};  // kDSwiGLU: in flight during the mainloop
+        bool block_has_rows[Config::kRowBlocks];  // else only keep the pipeline going
 #pragma unroll
         for (int block = 0; block < Config::kRowBlocks; ++block) {
             block_has_rows[block] = (first_row_block + block) * kWgmmaM < tile.num_rows;
-            if constexpr (kEpilogue == Epilogue::kDSwiGLU) {
-                row_weights[block] = load_row_weights(params, tile, first_row_block + block, warp_idx, lane_idx);
-            }
         }
+        const typename Epi::TileState epilogue_state =  // its loads stay in flight during the mainloop
+            Epi::template begin_tile<Config>(params, epilogue, tile, first_row_block, warp_idx, lane_idx);
 #pragma unroll
         for (int reg_idx = 0; reg_idx < Config::kNumAccRegs; ++reg_idx) acc[reg_idx] = 0.0f;
         if (Config::kPingPong && seq_idx > 0) {  // the CTA's previous tile is the other consumer's
@@ -353,29 +308,28 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Kernel
         if (Config::kPingPong && tiles.at(seq_idx + 1) < num_tiles) {  // the next tile is the other consumer's
             named_barrier_arrive(kMainloopDoneBarrier + consumer_idx, kOrderThreads);
         }
-        store_row_block<T, Config, kEpilogue, 0>(out_map, params, tile, acc, row_weights[0], warp_staging,
-                                                 first_row_block, warp_idx, lane_idx);
+        Epi::template store<T, Config, 0>(out_map, params, epilogue, tile, acc, epilogue_state, warp_staging,
+                                          first_row_block, warp_idx, lane_idx);
         if constexpr (Config::kRowBlocks > 1) {
-            store_row_block<T, Config, kEpilogue, 1>(out_map, params, tile, acc, row_weights[1], warp_staging,
-                                                     first_row_block + 1, warp_idx, lane_idx);
+            Epi::template store<T, Config, 1>(out_map, params, epilogue, tile, acc, epilogue_state, warp_staging,
+                                              first_row_block + 1, warp_idx, lane_idx);
         }
         if constexpr (Config::kPingPong) {  // the other consumer's next tile
             advance_stages<kNumStages>(stage_idx, phase, static_cast<int64_t>(kTileStep - 1) * num_k_blocks);
         }
     }
-    if constexpr (kEpilogue == Epilogue::kStore) {
-        if (lane_idx == 0) bulk_wait_group<0, false>();  // every TMA store complete before the CTA exits
-    }
+    Epi::finish(lane_idx);
 }
 
-template <typename T, Epilogue kEpilogue, BLayout kBLayout>
+template <typename T, class Epi, BLayout kBLayout>
 __global__ void __launch_bounds__(kNumThreads, 1)
     m_grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
-                               const __grid_constant__ CUtensorMap out_map, const KernelParams params) {
+                               const __grid_constant__ CUtensorMap out_map,
+                               const KernelParams<typename Epi::Params> params) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using Config = ConfigOf<kEpilogue>;
-    using Storage = SharedStorage<Config, kEpilogue>;
-    constexpr int kNumStages = num_stages<Config, kEpilogue>();
+    using Config = ConfigOf<Epi>;
+    using Storage = SharedStorage<Config, Epi::kStaging>;
+    constexpr int kNumStages = num_stages<Config, Epi::kStaging>();
     extern __shared__ uint8_t smem_raw[];
     const uint32_t misalignment = shared_address(smem_raw) % kSwizzleAtomBytes;
     Storage& smem = *reinterpret_cast<Storage*>(smem_raw + (misalignment == 0 ? 0 : kSwizzleAtomBytes - misalignment));
@@ -383,36 +337,37 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const int thread_idx = static_cast<int>(threadIdx.x);
     if (thread_idx == 0) {
         for (int stage_idx = 0; stage_idx < kNumStages; ++stage_idx) {
-            mbarrier_init(&smem.full[stage_idx], kFullArrivals<kEpilogue>);
+            mbarrier_init(&smem.full[stage_idx], kFullArrivals<Epi>);
             mbarrier_init(&smem.empty[stage_idx], kClusterSize * Config::kEmptyArrivalsPerCta);
         }
         fence_barrier_init();
         prefetch_tensor_map(&b_map);
-        if (kTmaA<kEpilogue>) prefetch_tensor_map(&a_map);
-        if (kEpilogue == Epilogue::kStore && params.tma_store) prefetch_tensor_map(&out_map);
+        if (Epi::kTmaA) prefetch_tensor_map(&a_map);
+        Epi::prefetch_maps(params.epilogue, &out_map);
     }
     cluster_sync();  // barriers initialised in both CTAs before any multicast or remote arrive
     const uint32_t cta_rank = cluster_cta_rank();
 
-    const int num_m_tiles = params.m_tile_offsets[params.num_experts];
-    const int64_t num_tiles = ceil_div(num_m_tiles, kClusterSize) * params.num_n_tiles;  // cluster tiles
-    const auto num_k_blocks = static_cast<int>(ceil_div(params.k, kBlockK));
+    const MainloopParams& mainloop = params.mainloop;
+    const int num_m_tiles = mainloop.m_tile_offsets[mainloop.num_experts];
+    const int64_t num_tiles = ceil_div(num_m_tiles, kClusterSize) * mainloop.num_n_tiles;  // cluster tiles
+    const auto num_k_blocks = static_cast<int>(ceil_div(mainloop.k, kBlockK));
     const int warpgroup_idx = __shfl_sync(0xffffffffu, thread_idx / kWarpgroupThreads, 0);
     if (warpgroup_idx == 0) {
         setmaxnreg_dec<kProducerRegs>();
-        produce<Config, kEpilogue, kBLayout>(&a_map, &b_map, params, smem, num_m_tiles, num_tiles, num_k_blocks,
-                                             cta_rank, thread_idx);
+        produce<Config, Epi, kBLayout>(&a_map, &b_map, mainloop, params.epilogue, smem, num_m_tiles, num_tiles,
+                                       num_k_blocks, cta_rank, thread_idx);
     } else {
         setmaxnreg_inc<kConsumerRegs>();
-        consume<T, Config, kEpilogue, kBLayout>(&out_map, params, smem, num_m_tiles, num_tiles, num_k_blocks, cta_rank,
-                                                warpgroup_idx - 1, thread_idx);
+        consume<T, Config, Epi, kBLayout>(&out_map, mainloop, params.epilogue, smem, num_m_tiles, num_tiles,
+                                          num_k_blocks, cta_rank, warpgroup_idx - 1, thread_idx);
     }
     cluster_sync();  // no CTA leaves while the other may still arrive on its barriers
 #endif
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Host side: the TMA descriptors of B and of kStore's output, the launch.
+// Host side: the TMA descriptors of B and of the store epilogue's output, the launch.
 
 // B as a 3-D tensor [E, rows_per_expert, cols] (cols innermost, 128-byte swizzle): kNK rows of B_e are the N
 // rows, cols K, boxes of b_box_rows x kBlockK; kKN rows are K, cols N, boxes of kBlockK x kKNBoxCols.
@@ -435,46 +390,8 @@ bool encode_b_tensor_map(const cuda::MGroupedGemmArgs& args, BLayout b_layout, i
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-constexpr const char* kernel_name(Epilogue epilogue, BLayout b_layout) {
-    if (epilogue == Epilogue::kSwiGLU) return "m_grouped_gemm_sm90[swiglu]";
-    if (epilogue == Epilogue::kDSwiGLU) return "m_grouped_gemm_sm90[dswiglu, kn]";
-    return b_layout == BLayout::kNK ? "m_grouped_gemm_sm90[store]" : "m_grouped_gemm_sm90[store, kn]";
-}
-
-template <typename T, Epilogue kEpilogue, BLayout kBLayout>
-megamoe_status_t launch_typed(const cuda::MGroupedGemmArgs& args, const KernelParams& params, const CUtensorMap& a_map,
-                              const CUtensorMap& out_map, int64_t rows_per_expert, int num_sms, cudaStream_t stream) {
-    using Config = ConfigOf<kEpilogue>;
-    CUtensorMap b_map;
-    if (!encode_b_tensor_map(args, kBLayout, rows_per_expert, Config::kBBoxRows, &b_map)) {
-        return set_error(MEGAMOE_STATUS_CUDA_ERROR, "m_grouped_gemm_sm90: cuTensorMapEncodeTiled failed");
-    }
-    const int64_t max_tiles = ceil_div(args.max_m_tiles, kClusterSize) * params.num_n_tiles;  // cluster tiles
-    const int64_t max_clusters = std::min<int64_t>(std::max(num_sms, kClusterSize) / kClusterSize, max_tiles);
-    return launch_cluster_kernel<kClusterSize>(
-        m_grouped_gemm_sm90_kernel<T, kEpilogue, kBLayout>, kernel_name(kEpilogue, kBLayout), kNumThreads,
-        smem_bytes<Config, kEpilogue>(), max_clusters, stream, a_map, b_map, out_map, params);
-}
-
-// `a_map`: A's tensor map for kTmaA; `out_map`: kStore's output tensor map when params.tma_store; else unused.
-template <Epilogue kEpilogue, BLayout kBLayout>
-megamoe_status_t launch(const cuda::MGroupedGemmArgs& args, KernelParams params, int num_sms, cudaStream_t stream,
-                        const CUtensorMap& a_map = CUtensorMap{}, const CUtensorMap& out_map = CUtensorMap{}) {
-    static_assert(kEpilogue != Epilogue::kSwiGLU || kBLayout == BLayout::kNK, "SwiGLU pairs gate and up rows of w13");
-    using Config = ConfigOf<kEpilogue>;
-    const bool swiglu = kEpilogue == Epilogue::kSwiGLU;
-    params.num_n_tiles = ceil_div(args.n, swiglu ? Config::kBlockN / 2 : Config::kBlockN);
-    params.second_box_row_offset = swiglu ? args.n : Config::kBBoxRows;
-    if (args.max_m_tiles == 0 || params.num_n_tiles == 0) return MEGAMOE_STATUS_SUCCESS;
-    const int64_t rows_per_expert = kBLayout == BLayout::kKN ? args.k : (swiglu ? 2 * args.n : args.n);
-    return args.dtype == MEGAMOE_DTYPE_BF16 ? launch_typed<__nv_bfloat16, kEpilogue, kBLayout>(
-                                                  args, params, a_map, out_map, rows_per_expert, num_sms, stream)
-                                            : launch_typed<__half, kEpilogue, kBLayout>(
-                                                  args, params, a_map, out_map, rows_per_expert, num_sms, stream);
-}
-
-KernelParams make_params(const cuda::MGroupedGemmArgs& args) {
-    KernelParams params{};
+MainloopParams make_mainloop_params(const cuda::MGroupedGemmArgs& args) {
+    MainloopParams params{};
     params.a = static_cast<const uint16_t*>(args.a);
     params.lda = args.lda;
     params.a_gather_slots = args.a_gather_slots;
@@ -487,6 +404,42 @@ KernelParams make_params(const cuda::MGroupedGemmArgs& args) {
     return params;
 }
 
+template <typename T, class Epi, BLayout kBLayout>
+megamoe_status_t launch_typed(const cuda::MGroupedGemmArgs& args, const KernelParams<typename Epi::Params>& params,
+                              const CUtensorMap& a_map, const CUtensorMap& out_map, int64_t rows_per_expert,
+                              int num_sms, cudaStream_t stream) {
+    using Config = ConfigOf<Epi>;
+    CUtensorMap b_map;
+    if (!encode_b_tensor_map(args, kBLayout, rows_per_expert, Config::kBBoxRows, &b_map)) {
+        return set_error(MEGAMOE_STATUS_CUDA_ERROR, "m_grouped_gemm_sm90: cuTensorMapEncodeTiled failed");
+    }
+    const int64_t max_tiles = ceil_div(args.max_m_tiles, kClusterSize) * params.mainloop.num_n_tiles;  // cluster tiles
+    const int64_t max_clusters = std::min<int64_t>(std::max(num_sms, kClusterSize) / kClusterSize, max_tiles);
+    return launch_cluster_kernel<kClusterSize>(m_grouped_gemm_sm90_kernel<T, Epi, kBLayout>, Epi::name(kBLayout),
+                                               kNumThreads, smem_bytes<Config, Epi::kStaging>(), max_clusters, stream,
+                                               a_map, b_map, out_map, params);
+}
+
+// `a_map`: A's tensor map where Epi::kTmaA; `out_map`: the store epilogue's output tensor map where its params say
+// tma_store; else unused.
+template <class Epi, BLayout kBLayout>
+megamoe_status_t launch(const cuda::MGroupedGemmArgs& args, const typename Epi::Params& epilogue, int num_sms,
+                        cudaStream_t stream, const CUtensorMap& a_map = CUtensorMap{},
+                        const CUtensorMap& out_map = CUtensorMap{}) {
+    static_assert(!Epi::kGateUpPairs || kBLayout == BLayout::kNK, "gate / up pairs are rows of w13 read [N, K]");
+    using Config = ConfigOf<Epi>;
+    constexpr bool kPairs = Epi::kGateUpPairs;
+    KernelParams<typename Epi::Params> params{make_mainloop_params(args), epilogue};
+    params.mainloop.num_n_tiles = ceil_div(args.n, kPairs ? Config::kBlockN / 2 : Config::kBlockN);
+    params.mainloop.second_box_row_offset = kPairs ? args.n : Config::kBBoxRows;
+    if (args.max_m_tiles == 0 || params.mainloop.num_n_tiles == 0) return MEGAMOE_STATUS_SUCCESS;
+    const int64_t rows_per_expert = kBLayout == BLayout::kKN ? args.k : (kPairs ? 2 * args.n : args.n);
+    return args.dtype == MEGAMOE_DTYPE_BF16
+               ? launch_typed<__nv_bfloat16, Epi, kBLayout>(args, params, a_map, out_map, rows_per_expert, num_sms,
+                                                            stream)
+               : launch_typed<__half, Epi, kBLayout>(args, params, a_map, out_map, rows_per_expert, num_sms, stream);
+}
+
 }  // namespace
 
 bool m_grouped_gemm_sm90_supported(const cuda::MGroupedGemmArgs& args, bool swiglu, BLayout b_layout) {
@@ -495,7 +448,7 @@ bool m_grouped_gemm_sm90_supported(const cuda::MGroupedGemmArgs& args, bool swig
     const bool sizes_ok = args.n > 0 && args.k > 0 && args.k % kChunkElems == 0 && args.n % kChunkElems == 0 &&
                           args.k <= kMaxTmaCoord && (swiglu ? 2 * args.n : args.n) <= kMaxTmaCoord &&
                           args.num_experts <= kMaxTmaCoord;
-    // Unpermuted A goes by TMA (kStore): its rows are TMA coordinates.
+    // Unpermuted A goes by TMA (the store epilogue): its rows are TMA coordinates.
     const bool a_ok = cuda::is_aligned(args.a, 16) && args.lda % kChunkElems == 0 &&
                       (args.a_gather_slots != nullptr || (args.num_a_rows > 0 && args.num_a_rows <= kMaxTmaCoord));
     const bool b_ok =
@@ -509,15 +462,15 @@ megamoe_status_t launch_m_grouped_gemm_sm90_swiglu(const cuda::MGroupedGemmArgs&
     if (!cuda::is_aligned(h, 16) || !cuda::is_aligned(act, 16)) {
         return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "m_grouped_gemm_sm90: outputs must be 16-byte aligned");
     }
-    KernelParams params = make_params(args);
-    params.out = act;
-    params.ldo = args.n;
-    params.h = h;
-    return launch<Epilogue::kSwiGLU, BLayout::kNK>(args, params, num_sms, stream);
+    SwiGLUEpilogue::Params epilogue{};
+    epilogue.out = act;
+    epilogue.ldo = args.n;
+    epilogue.h = h;
+    return launch<SwiGLUEpilogue, BLayout::kNK>(args, epilogue, num_sms, stream);
 }
 
 int64_t dswiglu_sm90_num_ds_parts(int64_t intermediate) {
-    return ceil_div(intermediate, ConfigOf<Epilogue::kDSwiGLU>::kBlockN);
+    return ceil_div(intermediate, ConfigOf<DSwiGLUEpilogue>::kBlockN);
 }
 
 megamoe_status_t launch_m_grouped_gemm_sm90_dswiglu(const cuda::MGroupedGemmArgs& args,
@@ -527,15 +480,14 @@ megamoe_status_t launch_m_grouped_gemm_sm90_dswiglu(const cuda::MGroupedGemmArgs
         !cuda::is_aligned(epilogue.act, 16)) {
         return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "m_grouped_gemm_sm90: h, dh and act must be 16-byte aligned");
     }
-    KernelParams params = make_params(args);
-    params.out = epilogue.dh;
-    params.ldo = 2 * args.n;
-    params.h = const_cast<void*>(epilogue.h);
+    DSwiGLUEpilogue::Params params{};
+    params.h = epilogue.h;
+    params.dh = epilogue.dh;
     params.act = epilogue.act;
     params.ds_parts = epilogue.ds_parts;
     params.weights = epilogue.weights;
     params.weights_dtype = epilogue.weights_dtype;
-    return launch<Epilogue::kDSwiGLU, BLayout::kKN>(args, params, num_sms, stream);
+    return launch<DSwiGLUEpilogue, BLayout::kKN>(args, params, num_sms, stream);
 }
 
 megamoe_status_t launch_m_grouped_gemm_sm90_store(const cuda::MGroupedGemmArgs& args, BLayout b_layout, void* out,
@@ -544,7 +496,7 @@ megamoe_status_t launch_m_grouped_gemm_sm90_store(const cuda::MGroupedGemmArgs& 
         return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
                          "m_grouped_gemm_sm90: out must be 16-byte aligned, ldo % 8 == 0");
     }
-    KernelParams params = make_params(args);
+    StoreEpilogue::Params params{};
     params.out = out;
     params.ldo = ldo;
     // The output's tensor map: boxes of kTmaStoreRows x kTmaStoreCols, clipped at n; only whole boxes inside an
@@ -552,7 +504,7 @@ megamoe_status_t launch_m_grouped_gemm_sm90_store(const cuda::MGroupedGemmArgs& 
     // (rows below num_out_rows, columns below n + kBlockN). Without the map every row goes out from registers.
     CUtensorMap out_map{};
     params.tma_store = out != nullptr && num_out_rows > 0 && num_out_rows <= INT32_MAX &&
-                       args.n <= INT32_MAX - ConfigOf<Epilogue::kStore>::kBlockN && ldo >= args.n &&
+                       args.n <= INT32_MAX - ConfigOf<StoreEpilogue>::kBlockN && ldo >= args.n &&
                        encode_2d_sw128_map(args.dtype, out, num_out_rows, args.n, ldo, kTmaStoreRows, kTmaStoreCols,
                                            CU_TENSOR_MAP_L2_PROMOTION_NONE, &out_map);
     // A (not gathered: the caller checked m_grouped_gemm_sm90_supported) by TMA boxes of kBlockM rows x kBlockK, zero
@@ -566,8 +518,8 @@ megamoe_status_t launch_m_grouped_gemm_sm90_store(const cuda::MGroupedGemmArgs& 
         return set_error(MEGAMOE_STATUS_CUDA_ERROR, "m_grouped_gemm_sm90: cuTensorMapEncodeTiled failed for A");
     }
     return b_layout == BLayout::kNK
-               ? launch<Epilogue::kStore, BLayout::kNK>(args, params, num_sms, stream, a_map, out_map)
-               : launch<Epilogue::kStore, BLayout::kKN>(args, params, num_sms, stream, a_map, out_map);
+               ? launch<StoreEpilogue, BLayout::kNK>(args, params, num_sms, stream, a_map, out_map)
+               : launch<StoreEpilogue, BLayout::kKN>(args, params, num_sms, stream, a_map, out_map);
 }
 
 }  // namespace megamoe::sm90

@@ -1,6 +1,7 @@
 // Shared by the fused Hopper M-grouped GEMM (grouped_gemm_sm90.cu) and its epilogues (m_grouped_epilogue.cuh): the
-// tile and pipeline configuration (one table: each choice says which limit it hits), the kernel's parameters and the
-// tile schedule (decode_tile). Layouts, warp roles and the shared-memory plan: grouped_gemm_sm90.cu's opening block.
+// tile configurations and the shared-memory plan derived from them, the mainloop's parameters and the tile schedule
+// (decode_tile). The table choosing a configuration per epilogue is with the epilogue policies. Layouts, warp roles and
+// the shared-memory plan: grouped_gemm_sm90.cu's opening block.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -44,7 +45,7 @@ constexpr int kMaxStages = 8;
 // kKN: boxes of 64 N columns (one 128-byte swizzled row) x kBlockK rows of K.
 constexpr int kKNBoxCols = kSwizzleBytes / kElemBytes;
 constexpr int kKNBoxBytes = kKNBoxCols * kBlockK * kElemBytes;
-// kStore's epilogue by TMA stores: 2 boxes of 16 rows x 128 bytes per consumer warp (epilogue.cuh).
+// The store epilogue's TMA stores: 2 staging boxes of 16 rows x 128 bytes per consumer warp (epilogue.cuh).
 constexpr int kWarpStagingBytes = kTmaStoreBuffers * kTmaStoreBoxBytes;
 constexpr int kStagingBytes = kNumConsumers * kWarpsPerWarpgroup * kWarpStagingBytes;
 
@@ -61,8 +62,6 @@ static_assert(kWgmmaM / kWarpsPerWarpgroup == kTmaStoreRows && kTmaStoreCols * k
               "a store box is a warp's 16 accumulator rows of a row block x one 128-byte swizzled row");
 
 using cuda::BLayout;
-
-enum class Epilogue { kSwiGLU, kStore, kDSwiGLU };
 
 // How the two consumer warpgroups share the work.
 enum class Schedule {
@@ -86,7 +85,7 @@ struct TileConfig {
     static constexpr int kStageBytes = kATileBytes + kBTileBytes;
     static constexpr int kKNNumBoxes = kBlockN / kKNBoxCols;
     static constexpr int kKNBoxesPerCta = kKNNumBoxes / kClusterSize;  // a shared kKN tile: boxes multicast per CTA
-    static constexpr int kStoreChunks = kBlockN / kTmaStoreCols;       // kStore: TMA store boxes per warp row slice
+    static constexpr int kStoreChunks = kBlockN / kTmaStoreCols;       // store epilogue: TMA boxes per warp row slice
     // Per CTA of the cluster, one per warp that reads a stage: a stage is refilled (by multicast) in all at once.
     static constexpr int kEmptyArrivalsPerCta = (kPingPong ? 1 : kNumConsumers) * kWarpsPerWarpgroup;
 
@@ -98,8 +97,9 @@ struct TileConfig {
 };
 
 // Shared memory of one CTA (the dynamic allocation, aligned to 1024 bytes by the kernel): the pipeline's stages, for
-// kStore the staging boxes of its TMA stores, then the stages' full and empty barriers. The stage count is what the
-// shared-memory budget holds (at most kMaxStages): its sizeof plus the alignment slack is the launch's request.
+// the store epilogue the staging boxes of its TMA stores, then the stages' full and empty barriers. The stage count is
+// what the shared-memory budget holds (at most kMaxStages): its sizeof plus the alignment slack is the launch's
+// request.
 struct NoStaging {};
 struct StoreStaging {
     alignas(kSwizzleAtomBytes) uint8_t boxes[kStagingBytes];
@@ -125,59 +125,48 @@ constexpr int fit_stages() {
     }
 }
 
-template <class Config, Epilogue kEpilogue>
+// kStaging: the epilogue stages its TMA stores in shared memory (the epilogue policy's kStaging).
+template <class Config, bool kStaging>
 constexpr int num_stages() {
-    return fit_stages<kMaxStages, Config::kBTileBytes, kEpilogue == Epilogue::kStore>();
+    return fit_stages<kMaxStages, Config::kBTileBytes, kStaging>();
 }
 
-template <class Config, Epilogue kEpilogue>
-using SharedStorage =
-    SharedStorageOf<num_stages<Config, kEpilogue>(), Config::kBTileBytes, kEpilogue == Epilogue::kStore>;
+template <class Config, bool kStaging>
+using SharedStorage = SharedStorageOf<num_stages<Config, kStaging>(), Config::kBTileBytes, kStaging>;
 
-template <class Config, Epilogue kEpilogue>
+template <class Config, bool kStaging>
 constexpr int smem_bytes() {
-    return static_cast<int>(sizeof(SharedStorage<Config, kEpilogue>)) + kSwizzleAtomBytes;  // + alignment slack
+    return static_cast<int>(sizeof(SharedStorage<Config, kStaging>)) + kSwizzleAtomBytes;  // + alignment slack
 }
 
 using Cooperative = TileConfig<Schedule::kCooperative>;
 using PingPong = TileConfig<Schedule::kPingPong>;
-static_assert(num_stages<Cooperative, Epilogue::kStore>() == 4 && num_stages<Cooperative, Epilogue::kSwiGLU>() == 4,
-              "the cooperative 128 x 256 tile: 4 stages of 48 KiB (kStore: + 32 KiB of staging)");
-static_assert(num_stages<PingPong, Epilogue::kDSwiGLU>() == 7, "the ping-pong 128 x 128 tile: 7 stages of 32 KiB");
-static_assert(smem_bytes<Cooperative, Epilogue::kStore>() <= kMaxSmemBytes &&
-                  smem_bytes<PingPong, Epilogue::kStore>() <= kMaxSmemBytes,
-              "stages and kStore's staging boxes exceed the shared memory of an SM");
+static_assert(num_stages<Cooperative, true>() == 4 && num_stages<Cooperative, false>() == 4,
+              "the cooperative 128 x 256 tile: 4 stages of 48 KiB (with staging: + 32 KiB of boxes)");
+static_assert(num_stages<PingPong, false>() == 7, "the ping-pong 128 x 128 tile: 7 stages of 32 KiB");
+static_assert(smem_bytes<Cooperative, true>() <= kMaxSmemBytes && smem_bytes<PingPong, true>() <= kMaxSmemBytes,
+              "stages and the staging boxes of TMA stores exceed the shared memory of an SM");
 
-// The tile configuration of each of the kernel's GEMMs, and the limit it hits (H200, qwen3-30b-a3b, 2026-12-01):
-// - kSwiGLU (up), kStore (down, dX): cooperative 128 x 256. Their epilogues are cheap (the up GEMM without its
-//   epilogue: 1.37 -> 1.34 ms), the mainloop is the limit; 256 columns halve A's refills per FLOP against 128.
-// - kDSwiGLU (dH): cooperative 128 x 256 too. Its epilogue is a third of the kernel (dH 1.17-1.25 ms, without the
-//   epilogue 0.77 ms: the dSwiGLU math ~0.3 ms, the h loads and the stores ~0.1 ms each), but ping-pong on 128 x 128
-//   tiles measured slower (1.47 ms): the half-width tiles refill A twice as often and the mainloop, not the hidden
-//   epilogue, sets the pace. TODO(#11): ping-pong on wider tiles (128 x 192: 192 accumulators per thread) for dH.
-template <Epilogue kEpilogue>
-using ConfigOf = Cooperative;
-
-struct KernelParams {
+// What the mainloop and the tile schedule read; each epilogue policy (m_grouped_epilogue.cuh) has its own Params.
+struct MainloopParams {
     const uint16_t* a;  // A rows, row stride lda
     int64_t lda;
     const int* a_gather_slots;  // NULL: a_row(r) = r; else a_gather_slots[r] / topk
     int64_t topk;
-    int64_t n;                      // output columns: I (kSwiGLU, kDSwiGLU) or N (kStore)
+    int64_t n;                      // output columns: I (SwiGLU, dSwiGLU) or N (store)
     int64_t k;                      // K
-    int64_t second_box_row_offset;  // rows from the first to the second B box: I (kSwiGLU) or kBBoxRows
+    int64_t second_box_row_offset;  // rows from the first to the second B box: I (gate / up pairs) or kBBoxRows
     const int* expert_offsets;      // [E + 1]
     const int* m_tile_offsets;      // [E + 1]
     int64_t num_experts;
     int64_t num_n_tiles;
-    void* out;  // kStore: [rows, n], row stride ldo; kSwiGLU: a [rows, I] or NULL; kDSwiGLU: dh [rows, 2I]
-    int64_t ldo;
-    void* h;              // kSwiGLU: [g, u] [rows, 2I] out, or NULL; kDSwiGLU: [g, u] in (by sorted row both)
-    void* act;            // kDSwiGLU: s * a [rows, I]
-    float* ds_parts;      // kDSwiGLU: [rows, num_n_tiles] partial sums of ds
-    const void* weights;  // kDSwiGLU: topk_weights [T * topk] (s of row r: weights[a_gather_slots[r]]), NULL: s = 1
-    megamoe_dtype_t weights_dtype;
-    bool tma_store;  // kStore with the output's tensor map made: a warp's rows inside the expert go out by TMA
+};
+
+// The kernel's argument: the mainloop's params and the epilogue policy's.
+template <class EpilogueParams>
+struct KernelParams {
+    MainloopParams mainloop;
+    EpilogueParams epilogue;
 };
 
 struct Tile {
@@ -190,7 +179,7 @@ struct Tile {
 
 // Cluster tile `tile_idx` = (pair of M tiles 2p, 2p + 1 of the routing's schedule, n-tile) as seen by CTA
 // `cta_rank`, which runs M tile 2p + cta_rank. Both CTAs decode both M tiles, so they agree on shared_b.
-__device__ __forceinline__ Tile decode_tile(const KernelParams& params, int64_t tile_idx, int num_m_tiles,
+__device__ __forceinline__ Tile decode_tile(const MainloopParams& params, int64_t tile_idx, int num_m_tiles,
                                             uint32_t cta_rank) {
     const auto first_m_tile = static_cast<int>(tile_idx / params.num_n_tiles) * kClusterSize;
     const int m_tile_idx = first_m_tile + static_cast<int>(cta_rank);

@@ -1,9 +1,13 @@
-// Epilogues of the fused Hopper M-grouped GEMM (grouped_gemm_sm90.cu), run by a consumer warpgroup for each 64-row
-// block of its tile after the tile's wgmmas: store_tile (SwiGLU's h / a and the element-type store, from registers,
-// masked), store_tile_tma (the element-type store of whole 16-row warp slices through shared memory and TMA stores)
-// and store_tile_dswiglu (dH's dSwiGLU: reads g, u, writes dh, s * a and the tile's partial sums of ds). Each takes
-// the tile configuration (Config: its columns), the row block (tile rows [64 row_block, 64 row_block + 64)) and, at
-// compile time, where the block's accumulators start in the consumer's registers (kFirstReg).
+// Epilogues of the fused Hopper M-grouped GEMM (grouped_gemm_sm90.cu) as policy types, each owning its params, its
+// shared memory (kStaging), what it needs of the mainloop (kTmaA, kGateUpPairs, the producer's per-tile hook), its
+// per-tile state and its store of one 64-row block of the consumer's tile:
+//   SwiGLUEpilogue   (up)   h = [g, u] and / or a = silu(g) * u from registers (store_tile);
+//   StoreEpilogue    (down, dX) the accumulators in the element type, by TMA stores through shared memory where a
+//                    warp's 16 rows lie inside the expert (store_tile_tma), else from registers (store_tile);
+//   DSwiGLUEpilogue  (dH)   reads g, u, writes dh, s * a and the tile's partial sums of ds (store_tile_dswiglu).
+// The store routines take the tile configuration (Config: its columns), the row block (tile rows [64 row_block,
+// 64 row_block + 64)) and, at compile time, where the block's accumulators start in the consumer's registers
+// (kFirstReg). ConfigOf, at the end, is the table of the tile configuration each policy runs with.
 #pragma once
 
 #include "cuda/cuda_utils.h"
@@ -14,10 +18,13 @@ namespace megamoe::sm90::m_grouped {
 // One row block from the wgmma accumulators (lane l of warp w holds rows 16 w + l / 4 (+ 8) of the block and, in
 // fragment f, columns 8 f + 2 (l % 4) + {0, 1}). Groups of 4 fragments are transposed across each quad, then stored
 // as 16-byte chunks: a warp writes 64 contiguous bytes of each of 8 rows per store.
-template <typename T, Epilogue kEpilogue, class Config, int kFirstReg, int kNumRegs>
-__device__ __forceinline__ void store_tile(const KernelParams& params, const Tile& tile, const float (&acc)[kNumRegs],
-                                           int row_block, int warp_idx, int lane_idx) {
-    constexpr bool kSwiGLU = kEpilogue == Epilogue::kSwiGLU;
+// kSwiGLU: the accumulators are gate / up pairs (target.h, when not NULL, gets both, target.out a = silu(g) * u);
+// else target.out gets them in the element type. target: the policy's params, read where they are (the kernel's
+// parameter space, so their tests stay warp-uniform): out (row stride ldo, or NULL) and, for SwiGLU, h ([rows, 2I]
+// by sorted row, or NULL).
+template <typename T, bool kSwiGLU, class Config, int kFirstReg, class Target, int kNumRegs>
+__device__ __forceinline__ void store_tile(const MainloopParams& params, const Target& target, const Tile& tile,
+                                           const float (&acc)[kNumRegs], int row_block, int warp_idx, int lane_idx) {
     constexpr int kNumFrags = Config::kBlockN / 8;
     static_assert(kFirstReg + Config::kBlockRegs <= kNumRegs, "the row block's accumulators are the consumer's");
     constexpr int kNumOutFrags = kSwiGLU ? kNumFrags / 2 : kNumFrags;  // 8-column fragments of the output
@@ -50,25 +57,27 @@ __device__ __forceinline__ void store_tile(const KernelParams& params, const Til
             }
             const int64_t col = first_col + (group_idx * kFragsPerChunk + quad_lane) * 8;
             const bool valid = row_valid && col < params.n;
-            if (params.out != nullptr) {
+            if (target.out != nullptr) {
                 quad_transpose(out_words, quad_lane);
-                if (valid) store_chunk(static_cast<T*>(params.out) + row_idx * params.ldo, col, out_words);
+                if (valid) store_chunk(static_cast<T*>(target.out) + row_idx * target.ldo, col, out_words);
             }
-            if (kSwiGLU && params.h != nullptr) {
-                quad_transpose(gate_words, quad_lane);
-                quad_transpose(up_words, quad_lane);
-                T* h_row = static_cast<T*>(params.h) + row_idx * 2 * params.n;
-                if (valid) store_chunk(h_row, col, gate_words);
-                if (valid) store_chunk(h_row + params.n, col, up_words);
+            if constexpr (kSwiGLU) {
+                if (target.h != nullptr) {
+                    quad_transpose(gate_words, quad_lane);
+                    quad_transpose(up_words, quad_lane);
+                    T* h_row = static_cast<T*>(target.h) + row_idx * 2 * params.n;
+                    if (valid) store_chunk(h_row, col, gate_words);
+                    if (valid) store_chunk(h_row + params.n, col, up_words);
+                }
             }
         }
     }
 }
 
-// kStore, one consumer warp's 16 rows of a row block (tile rows [warp_first_row, warp_first_row + 16), all inside the
-// expert) by
-// TMA stores of 16 x 64 boxes through the warp's staging boxes at `staging` (store_warp_rows_tma); the output's
-// tensor map clips the columns at n. The warp returns to its MMAs as soon as its last store is issued.
+// The store epilogue, one consumer warp's 16 rows of a row block (tile rows [warp_first_row, warp_first_row + 16), all
+// inside the expert) by TMA stores of 16 x 64 boxes through the warp's staging boxes at `staging`
+// (store_warp_rows_tma); the output's tensor map clips the columns at n. The warp returns to its MMAs as soon as its
+// last store is issued.
 template <typename T, class Config, int kFirstReg, int kNumRegs>
 __device__ __forceinline__ void store_tile_tma(const CUtensorMap* out_map, const Tile& tile,
                                                const float (&acc)[kNumRegs], uint32_t staging, int warp_first_row,
@@ -80,15 +89,25 @@ __device__ __forceinline__ void store_tile_tma(const CUtensorMap* out_map, const
     });
 }
 
-// kDSwiGLU: the topk weight s of the thread's two accumulator rows of a row block (rows 16 w + l / 4 and + 8 of its
-// 64), 0 for rows past the tile's end. Loaded when the tile starts (slot, then weight: two dependent loads), so the
-// epilogue, a whole mainloop later, does not wait for them.
+// dH's epilogue: what it reads and writes besides its accumulators p = W2[e]^T dy.
+struct DSwiGLUParams {
+    const void* h;        // [g, u] [rows, 2I] by sorted row
+    void* dh;             // [dg, du] [rows, 2I] by sorted row (may be h: written in place)
+    void* act;            // s * a [rows, I]
+    float* ds_parts;      // [rows, num_n_tiles] partial sums of ds
+    const void* weights;  // topk_weights [T * topk] (s of row r: weights[a_gather_slots[r]]), NULL: s = 1
+    megamoe_dtype_t weights_dtype;
+};
+
+// The topk weight s of the thread's two accumulator rows of a row block (rows 16 w + l / 4 and + 8 of its 64), 0 for
+// rows past the tile's end. Loaded when the tile starts (slot, then weight: two dependent loads), so the epilogue, a
+// whole mainloop later, does not wait for them.
 struct RowWeights {
     float weight[2];
 };
 
-__device__ __forceinline__ RowWeights load_row_weights(const KernelParams& params, const Tile& tile, int row_block,
-                                                       int warp_idx, int lane_idx) {
+__device__ __forceinline__ RowWeights load_row_weights(const MainloopParams& params, const DSwiGLUParams& epilogue,
+                                                       const Tile& tile, int row_block, int warp_idx, int lane_idx) {
     RowWeights weights;
     const int first_row = row_block * kWgmmaM + warp_idx * 16 + lane_idx / 4;
 #pragma unroll
@@ -97,13 +116,13 @@ __device__ __forceinline__ RowWeights load_row_weights(const KernelParams& param
         weights.weight[half] = 0.0f;
         if (local_row < tile.num_rows) {
             const int64_t slot_idx = cuda::slot_of_row(params.a_gather_slots, tile.row_begin + local_row);
-            weights.weight[half] = cuda::load_weight(params.weights, params.weights_dtype, slot_idx);
+            weights.weight[half] = cuda::load_weight(epilogue.weights, epilogue.weights_dtype, slot_idx);
         }
     }
     return weights;
 }
 
-// kDSwiGLU epilogue of one consumer warpgroup (rows and fragments as in store_tile): acc = p = W2[e]^T dy of the
+// dSwiGLU epilogue of one consumer warpgroup (rows and fragments as in store_tile): acc = p = W2[e]^T dy of the
 // tile's I columns. Each lane reads its 16-byte chunks of g and u in batches of kLoadBatch groups, software-pipelined:
 // the next batch's loads are issued before the current batch is computed and stored, so a lane waits for L2 (the
 // producer prefetched the rows there) once per tile instead of once per batch. A batch's chunks are quad-transposed
@@ -112,9 +131,10 @@ __device__ __forceinline__ RowWeights load_row_weights(const KernelParams& param
 // before it is stored, and batches touch disjoint columns. The quad's partial sums of ds (a fixed shuffle order) give
 // the row's sum over the tile's columns. Columns past I hold p = 0 (B zero-filled) and read no h.
 template <typename T, class Config, int kFirstReg, int kNumRegs>
-__device__ __forceinline__ void store_tile_dswiglu(const KernelParams& params, const Tile& tile,
-                                                   const float (&acc)[kNumRegs], const RowWeights& weights,
-                                                   int row_block, int warp_idx, int lane_idx) {
+__device__ __forceinline__ void store_tile_dswiglu(const MainloopParams& params, const DSwiGLUParams& epilogue,
+                                                   const Tile& tile, const float (&acc)[kNumRegs],
+                                                   const RowWeights& weights, int row_block, int warp_idx,
+                                                   int lane_idx) {
     constexpr int kFragsPerChunk = 4;
     constexpr int kNumGroups = Config::kBlockN / 8 / kFragsPerChunk;  // 16-byte chunks per lane and row
     constexpr int kLoadBatch = 2;
@@ -126,9 +146,9 @@ __device__ __forceinline__ void store_tile_dswiglu(const KernelParams& params, c
     const int first_row = row_block * kWgmmaM + warp_idx * 16 + lane_idx / 4;
     const int64_t first_col = tile.n_tile_idx * Config::kBlockN;
     const int64_t intermediate = params.n;
-    const T* h = static_cast<const T*>(params.h);
-    T* dh = static_cast<T*>(params.out);
-    T* act = static_cast<T*>(params.act);
+    const T* h = static_cast<const T*>(epilogue.h);
+    T* dh = static_cast<T*>(epilogue.dh);
+    T* act = static_cast<T*>(epilogue.act);
     auto row_valid = [&](int half) { return first_row + half * 8 < tile.num_rows; };  // the same for a quad's lanes
     auto row_idx = [&](int half) { return tile.row_begin + first_row + half * 8; };
     auto chunk_col = [&](int batch_idx, int batch_group) {
@@ -217,11 +237,160 @@ __device__ __forceinline__ void store_tile_dswiglu(const KernelParams& params, c
             ds += __shfl_xor_sync(0xffffffffu, ds, 1);
             ds += __shfl_xor_sync(0xffffffffu, ds, 2);
             if (row_valid(half) && quad_lane == 0) {
-                params.ds_parts[row_idx(half) * params.num_n_tiles + tile.n_tile_idx] = ds;
+                epilogue.ds_parts[row_idx(half) * params.num_n_tiles + tile.n_tile_idx] = ds;
             }
             ds = 0.0f;
         }
     }
 }
+
+// ---------------------------------------------------------------------------------------------------
+// The policies. Each has: Params (its part of the kernel's argument); kTmaA (A is the sorted rows themselves, loaded
+// by TMA boxes, else rows gathered by cp.async); kGateUpPairs (a B tile is gate rows + the matching up rows);
+// kStaging (shared memory for TMA stores); TileState with begin_tile (per consumer and tile, before its mainloop);
+// producer_tile (the producer, when it starts a tile); store (one row block); prefetch_maps (thread 0 at start),
+// finish (each consumer thread at the end) and name (the kernel's, in error messages).
+
+struct SwiGLUEpilogue {
+    struct Params {
+        void* out;    // a = silu(g) * u [rows, I], or NULL
+        int64_t ldo;  // I
+        void* h;      // h = [g, u] [rows, 2I] by sorted row (saved_h), or NULL
+    };
+    static constexpr bool kTmaA = false;
+    static constexpr bool kGateUpPairs = true;
+    static constexpr bool kStaging = false;
+    static constexpr const char* name(BLayout) { return "m_grouped_gemm_sm90[swiglu]"; }
+    struct TileState {};
+
+    template <class Config>
+    __device__ __forceinline__ static TileState begin_tile(const MainloopParams&, const Params&, const Tile&, int, int,
+                                                           int) {
+        return {};
+    }
+    template <class Config>
+    __device__ __forceinline__ static void producer_tile(const MainloopParams&, const Params&, const Tile&, int) {}
+    template <typename T, class Config, int kLocalBlock, int kNumRegs>
+    __device__ __forceinline__ static void store(const CUtensorMap*, const MainloopParams& mainloop,
+                                                 const Params& params, const Tile& tile, const float (&acc)[kNumRegs],
+                                                 const TileState&, uint32_t, int row_block, int warp_idx,
+                                                 int lane_idx) {
+        store_tile<T, true, Config, kLocalBlock * Config::kBlockRegs>(mainloop, params, tile, acc, row_block, warp_idx,
+                                                                      lane_idx);
+    }
+    __device__ __forceinline__ static void prefetch_maps(const Params&, const CUtensorMap*) {}
+    __device__ __forceinline__ static void finish(int) {}
+};
+
+struct StoreEpilogue {
+    struct Params {
+        void* out;  // [rows, n], row stride ldo
+        int64_t ldo;
+        bool tma_store;  // the output's tensor map made: a warp's rows inside the expert go out by TMA
+    };
+    static constexpr bool kTmaA = true;
+    static constexpr bool kGateUpPairs = false;
+    static constexpr bool kStaging = true;
+    static constexpr const char* name(BLayout b_layout) {
+        return b_layout == BLayout::kNK ? "m_grouped_gemm_sm90[store]" : "m_grouped_gemm_sm90[store, kn]";
+    }
+    struct TileState {};
+
+    template <class Config>
+    __device__ __forceinline__ static TileState begin_tile(const MainloopParams&, const Params&, const Tile&, int, int,
+                                                           int) {
+        return {};
+    }
+    template <class Config>
+    __device__ __forceinline__ static void producer_tile(const MainloopParams&, const Params&, const Tile&, int) {}
+    // `warp_staging`: the warp's staging boxes (shared address). A TMA store cannot stop at the expert's end (the rows
+    // after it are the next expert's first tile, another CTA's), so a warp whose rows cross it stores from registers.
+    template <typename T, class Config, int kLocalBlock, int kNumRegs>
+    __device__ __forceinline__ static void store(const CUtensorMap* out_map, const MainloopParams& mainloop,
+                                                 const Params& params, const Tile& tile, const float (&acc)[kNumRegs],
+                                                 const TileState&, uint32_t warp_staging, int row_block, int warp_idx,
+                                                 int lane_idx) {
+        constexpr int kFirstReg = kLocalBlock * Config::kBlockRegs;
+        // The warp's first row of the tile, warp-uniform to the compiler (taken from lane 0), so the choice between TMA
+        // and register stores needs no divergence handling around the register path's shuffles.
+        const int warp_first_row = __shfl_sync(0xffffffffu, row_block * kWgmmaM + warp_idx * kTmaStoreRows, 0);
+        if (params.tma_store && warp_first_row + kTmaStoreRows <= tile.num_rows) {
+            store_tile_tma<T, Config, kFirstReg>(out_map, tile, acc, warp_staging, warp_first_row, lane_idx);
+        } else {  // from registers, masked
+            store_tile<T, false, Config, kFirstReg>(mainloop, params, tile, acc, row_block, warp_idx, lane_idx);
+        }
+    }
+    __device__ __forceinline__ static void prefetch_maps(const Params& params, const CUtensorMap* out_map) {
+        if (params.tma_store) prefetch_tensor_map(out_map);
+    }
+    __device__ __forceinline__ static void finish(int lane_idx) {
+        if (lane_idx == 0) bulk_wait_group<0, false>();  // every TMA store complete before the CTA exits
+    }
+};
+
+struct DSwiGLUEpilogue {
+    using Params = DSwiGLUParams;
+    static constexpr bool kTmaA = false;
+    static constexpr bool kGateUpPairs = false;
+    static constexpr bool kStaging = false;
+    static constexpr const char* name(BLayout) { return "m_grouped_gemm_sm90[dswiglu, kn]"; }
+    struct TileState {
+        RowWeights row_weights[2];  // per row block of the consumer (at most two)
+    };
+
+    template <class Config>
+    __device__ __forceinline__ static TileState begin_tile(const MainloopParams& mainloop, const Params& params,
+                                                           const Tile& tile, int first_row_block, int warp_idx,
+                                                           int lane_idx) {
+        static_assert(Config::kRowBlocks <= 2, "TileState holds two row blocks' weights");
+        TileState state{};
+#pragma unroll
+        for (int block = 0; block < Config::kRowBlocks; ++block) {
+            state.row_weights[block] =
+                load_row_weights(mainloop, params, tile, first_row_block + block, warp_idx, lane_idx);
+        }
+        return state;
+    }
+    // Starts the L2 prefetch of the g, u row segments that `tile` reads in its epilogue, a whole mainloop later
+    // (thread t: rows t / 2 and t / 2 + 64, g or u by t % 2; kBlockN columns, fewer at the end of I).
+    template <class Config>
+    __device__ __forceinline__ static void producer_tile(const MainloopParams& mainloop, const Params& params,
+                                                         const Tile& tile, int thread_idx) {
+        constexpr int kRowsPerPass = kWarpgroupThreads / 2;  // two threads (g, u) per row
+        static_assert(kBlockM % kRowsPerPass == 0, "the producer prefetches the tile's rows in whole passes");
+        const int64_t first_col = tile.n_tile_idx * Config::kBlockN;
+        if (first_col >= mainloop.n) return;
+        const auto num_bytes =
+            static_cast<uint32_t>(min(static_cast<int64_t>(Config::kBlockN), mainloop.n - first_col) * kElemBytes);
+#pragma unroll
+        for (int pass = 0; pass < kBlockM / kRowsPerPass; ++pass) {
+            const int local_row = pass * kRowsPerPass + thread_idx / 2;
+            if (local_row >= tile.num_rows) break;
+            const int64_t row_idx = tile.row_begin + local_row;
+            const auto* h_row = static_cast<const uint16_t*>(params.h) + row_idx * 2 * mainloop.n;
+            prefetch_l2_bulk(h_row + (thread_idx % 2) * mainloop.n + first_col, num_bytes);
+        }
+    }
+    template <typename T, class Config, int kLocalBlock, int kNumRegs>
+    __device__ __forceinline__ static void store(const CUtensorMap*, const MainloopParams& mainloop,
+                                                 const Params& params, const Tile& tile, const float (&acc)[kNumRegs],
+                                                 const TileState& state, uint32_t, int row_block, int warp_idx,
+                                                 int lane_idx) {
+        store_tile_dswiglu<T, Config, kLocalBlock * Config::kBlockRegs>(
+            mainloop, params, tile, acc, state.row_weights[kLocalBlock], row_block, warp_idx, lane_idx);
+    }
+    __device__ __forceinline__ static void prefetch_maps(const Params&, const CUtensorMap*) {}
+    __device__ __forceinline__ static void finish(int) {}
+};
+
+// The tile configuration of each policy, and the limit it hits (H200, qwen3-30b-a3b, 2026-12-01):
+// - SwiGLU (up), store (down, dX): cooperative 128 x 256. Their epilogues are cheap (the up GEMM without its
+//   epilogue: 1.37 -> 1.34 ms), the mainloop is the limit; 256 columns halve A's refills per FLOP against 128.
+// - dSwiGLU (dH): cooperative 128 x 256 too. Its epilogue is a third of the kernel (dH 1.17-1.25 ms, without the
+//   epilogue 0.77 ms: the dSwiGLU math ~0.3 ms, the h loads and the stores ~0.1 ms each), but ping-pong on 128 x 128
+//   tiles measured slower (1.47 ms): the half-width tiles refill A twice as often and the mainloop, not the hidden
+//   epilogue, sets the pace. TODO(#11): ping-pong on wider tiles (128 x 192: 192 accumulators per thread) for dH.
+template <class Epilogue>
+using ConfigOf = Cooperative;
 
 }  // namespace megamoe::sm90::m_grouped
