@@ -27,8 +27,8 @@ def rel_err(a, b):
 
 def make_batch(P, tokens, H, I, E_l, topk, seed, routing="random", dtype=torch.float64, ids_dtype=torch.int64):
     """Every rank's (x, topk_ids, topk_weights, dy) and the full w13 [E, 2I, H], w2 [E, H, I], from one seed.
-    routing: random (about a quarter of the slots dropped, one token with every slot dropped) or idle_last (the
-    last rank's experts are never picked)."""
+    routing: random (about a quarter of the slots dropped, one token with every slot dropped), full (none dropped)
+    or idle_last (the last rank's experts are never picked)."""
     gen = torch.Generator().manual_seed(seed)
     E = P * E_l
     w13 = (torch.randn(E, 2 * I, H, generator=gen, dtype=torch.float64) / H**0.5).to(dtype)
@@ -172,6 +172,59 @@ def case_module_matches_whole_layer(rank, P, seed):
             assert rel_err(a, b) < TOL or b.abs().max() == 0 and a.abs().max() == 0, name
 
 
+# ---- Hugging Face transformers' expert parallelism with megamoe ----
+
+def _hf_grads(module, x, ids, s, dy):
+    """[y, dx, d routing weights, d gate_up_proj, d down_proj] (local shards of DTensor gradients)."""
+    x, s = x.clone().requires_grad_(), s.clone().requires_grad_()
+    y = module(x, ids, s)
+    y.backward(dy)
+    local = [p.grad.to_local() if hasattr(p.grad, "to_local") else p.grad for p in (module.gate_up_proj,
+                                                                                    module.down_proj)]
+    return [y.detach(), x.grad, s.grad] + local
+
+
+def case_hf_expert_parallel(rank, P, seed):
+    try:
+        import megamoe.hf  # noqa: F401  registers experts_implementation / ep_implementation "megamoe"
+        from transformers import Qwen3MoeConfig
+        from transformers.distributed.expert_parallel import apply_expert_parallelism
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
+    except ImportError as ex:
+        raise SkipCase(f"transformers with transformers.distributed.expert_parallel is not importable: {ex}")
+    from torch.distributed.device_mesh import init_device_mesh
+
+    E_l, H, I, topk = 2, 12, 6, 2
+    ranks, w13, w2 = make_batch(P, tokens_for(P), H, I, E_l, topk, seed, routing="full")  # HF never drops slots
+
+    def experts(impl):
+        config = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=P * E_l,
+                                num_experts_per_tok=topk, experts_implementation=impl)
+        holder = torch.nn.Module()
+        holder.experts = Qwen3MoeExperts(config).double()
+        with torch.no_grad():
+            holder.experts.gate_up_proj.copy_(w13)
+            holder.experts.down_proj.copy_(w2)
+        return holder
+
+    plan = {"experts.gate_up_proj": "grouped_gemm", "experts.down_proj": "grouped_gemm",
+            "experts": "ep_dispatch_experts"}
+    batch = [torch.cat([r[i] for r in ranks]) for i in range(4)]
+    full = _hf_grads(experts("eager").experts, *batch)  # HF's own eager experts, full weights, every rank's tokens
+    start = sum(r[0].shape[0] for r in ranks[:rank])
+    rows, own = slice(start, start + ranks[rank][0].shape[0]), slice(rank * E_l, (rank + 1) * E_l)
+    want = [full[0][rows], full[1][rows], full[2][rows], full[3][own], full[4][own]]
+    mesh = init_device_mesh("cpu", (P, 1), mesh_dim_names=("ep", "tp"))
+    for impl in ("megamoe", "all_to_all"):  # megamoe.ep's dispatch; HF's all-to-all calling megamoe's experts
+        holder = apply_expert_parallelism(experts("megamoe"), mesh["ep"], mesh["tp"], plan, ep_implementation=impl)
+        assert_close(_hf_grads(holder.experts, *ranks[rank]), want, what=f"ep_implementation={impl}: ")
+    # HF's all_reduce: every rank the whole batch, other ranks' slots as the sentinel id num_local_experts (weight 0)
+    shared = init_device_mesh("cpu", (P,), mesh_dim_names=("ep",))
+    holder = apply_expert_parallelism(experts("megamoe"), shared, shared, plan, ep_implementation="all_reduce")
+    got = _hf_grads(holder.experts, *batch)
+    assert_close(got, full[:3] + [full[3][own], full[4][own]], what="ep_implementation=all_reduce: ")
+
+
 # ---- bad input: the same error on every rank, and the group still works afterwards ----
 
 def _raises(fn, kind, *texts):
@@ -217,6 +270,10 @@ def case_bad_input_raises_on_every_rank(rank, P, seed):
     case_uneven_tokens_dropped_slots(rank, P, seed)  # the group is still in step
 
 
+class SkipCase(Exception):
+    """Raised by a case that cannot run here; its message is the reason."""
+
+
 CASES = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
 
 
@@ -231,6 +288,8 @@ def run_cases(rank, P, init_file, seed, out_dir, names):
             try:
                 CASES[name](rank, P, seed)
                 results[name] = None
+            except SkipCase as ex:
+                results[name] = f"SKIP: {ex}"
             except Exception:  # noqa: BLE001  recorded per case; the other ranks' outcome is theirs
                 results[name] = traceback.format_exc(limit=6)
     finally:
