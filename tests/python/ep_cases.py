@@ -8,6 +8,7 @@ assertion on one rank (raised after every collective of its case) never leaves t
 """
 
 import datetime
+import importlib
 import json
 import os
 import traceback
@@ -277,16 +278,20 @@ class SkipCase(Exception):
 CASES = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
 
 
-def run_cases(rank, P, init_file, seed, out_dir, names):
-    """Spawned entry point: join the gloo group, run the named cases in order, write {case: None | failure}."""
+def run_cases(rank, P, init_file, seed, out_dir, names, backend="gloo", registry=__name__):
+    """Spawned entry point: join the group (gloo; nccl: one GPU per rank), run the named cases of the module
+    `registry` (its CASES) in order, write {case: None | "SKIP: reason" | failure}."""
     torch.set_num_threads(1)
-    dist.init_process_group("gloo", init_method=f"file://{init_file}", rank=rank, world_size=P,
+    if backend == "nccl":
+        torch.cuda.set_device(rank)
+    dist.init_process_group(backend, init_method=f"file://{init_file}", rank=rank, world_size=P,
                             timeout=datetime.timedelta(seconds=60))
+    cases = importlib.import_module(registry).CASES
     results = {}
     try:
         for name in names:
             try:
-                CASES[name](rank, P, seed)
+                cases[name](rank, P, seed)
                 results[name] = None
             except SkipCase as ex:
                 results[name] = f"SKIP: {ex}"

@@ -17,12 +17,13 @@ from ep_cases import CASES, run_cases
 SPAWN_DEADLINE_S = 240  # the whole run of one group size; the gloo timeout (60 s) ends a stuck collective before
 
 
-def spawn_cases(world, names, seed, extra_env=None):
-    """Run the named ep_cases in `world` gloo processes; returns {case: [failure or None per rank]}."""
+def spawn_cases(world, names, seed, backend="gloo", registry="ep_cases"):
+    """Run the named cases of the module `registry` in `world` processes of a `backend` group; returns
+    {case: [None | "SKIP: reason" | failure, per rank]}."""
     with tempfile.TemporaryDirectory() as tmp:
         init_file = os.path.join(tmp, "rendezvous")
-        context = mp.start_processes(run_cases, args=(world, init_file, seed, tmp, names), nprocs=world,
-                                     join=False, start_method="spawn")
+        context = mp.start_processes(run_cases, args=(world, init_file, seed, tmp, names, backend, registry),
+                                     nprocs=world, join=False, start_method="spawn")
         deadline = time.monotonic() + SPAWN_DEADLINE_S
         while not context.join(timeout=5):
             if time.monotonic() > deadline:
@@ -44,14 +45,18 @@ def group_results(request):
     return request.param, seed, spawn_cases(request.param, list(CASES), seed)
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_expert_parallel(group_results, case):
-    world, seed, results = group_results
+def check_case(world, seed, results, case):
+    """Skip with the case's reason, or fail with every rank's failure."""
     skips = [text for text in results[case] if text is not None and text.startswith("SKIP: ")]
     if skips:
         pytest.skip(skips[0][len("SKIP: "):])
     failures = [f"rank {rank}:\n{text}" for rank, text in enumerate(results[case]) if text is not None]
     assert not failures, f"{case} on {world} ranks (seed={seed}):\n" + "\n".join(failures)
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_expert_parallel(group_results, case):
+    check_case(*group_results, case)
 
 
 def test_needs_an_initialized_process_group():
