@@ -14,6 +14,16 @@ transposed (`is_transposed=True`, e.g. Aria) are copied into that layout on ever
 warning. Experts megamoe cannot compute (biases, no gate, interleaved gate/up, a custom gate or activation
 other than SiLU, a post-expert norm) raise NotImplementedError naming the reason.
 
+Expert parallelism (transformers' `DistributedConfig(ep_size=...)`, `transformers.distributed.expert_parallel`): the
+"grouped_gemm" rule shards the experts' dim 0 and sets `num_experts` to the local count; the "ep_dispatch_experts" rule
+brings the experts their tokens through an `EPImplementation`, which calls this experts forward on local ids:
+- "all_to_all" (HF's, the training default): local ids only, top-1 rows with unit weights; megamoe computes them.
+- "all_reduce" (HF's, inference on a batch the EP group shares): other ranks' slots arrive as the sentinel id
+  `num_experts` (the local count) with weight 0; megamoe drops ids >= the local count (`_is_expert_parallel`).
+- "megamoe" (registered here, `DistributedConfig(ep_size=P, ep_implementation="megamoe")`): `megamoe.ep.moe` does
+  the dispatch and the combine itself on the global ids (one host sync, topk sums in a fixed order, the experts as
+  grouped rows), with the experts' local `gate_up_proj` / `down_proj` shards; needs `tp_size == 1`.
+
 transformers stays an optional dependency: `import megamoe` never imports it; only this module does.
 """
 
@@ -22,6 +32,7 @@ import warnings
 import torch
 from torch import nn
 
+from .ep import moe as ep_moe
 from .ops import moe
 
 try:
@@ -37,6 +48,11 @@ try:  # private in transformers: the gate every plain SwiGLU experts module uses
     from transformers.integrations.moe import _default_apply_gate
 except ImportError:
     _default_apply_gate = None
+
+try:  # transformers >= 5.21: the registry of expert-parallel token dispatchers
+    from transformers.distributed.expert_parallel import EPImplementation, EPImplementationInterface
+except ImportError:
+    EPImplementation = EPImplementationInterface = None
 
 NAME = "megamoe"
 
@@ -82,33 +98,70 @@ def _weights(experts):
     return w13.transpose(1, 2).contiguous(), w2.transpose(1, 2).contiguous()
 
 
+def _check_supported(experts, setting):
+    reason = unsupported_reason(experts)
+    if reason is not None:
+        raise NotImplementedError(
+            f"megamoe: {setting} does not support {reason} in {type(experts).__name__}; "
+            "use 'grouped_mm' or 'eager' for this model"
+        )
+
+
+def _inputs(hidden_states, top_k_weights, w13):
+    """x [T, H] in the weights' dtype (under autocast the activations may be fp32 and the weights bf16) and the
+    routing weights [T, topk] in fp32 or that dtype."""
+    x = hidden_states.to(w13.dtype)
+    weights = top_k_weights if top_k_weights.dtype in (torch.float32, x.dtype) else top_k_weights.float()
+    return x, weights
+
+
 def megamoe_experts_forward(self, hidden_states, top_k_index, top_k_weights):
     """The "megamoe" experts implementation: the signature of transformers' experts forward.
 
     self: a `@use_experts_implementation` experts module; hidden_states [T, H]; top_k_index [T, topk] int64;
     top_k_weights [T, topk] (after softmax / top-k / renormalisation). Returns [T, H] in hidden_states' dtype.
     """
-    reason = unsupported_reason(self)
-    if reason is not None:
-        raise NotImplementedError(
-            f"megamoe: experts_implementation='megamoe' does not support {reason} in {type(self).__name__}; "
-            "use 'grouped_mm' or 'eager' for this model"
-        )
+    _check_supported(self, "experts_implementation='megamoe'")
     w13, w2 = _weights(self)
-    x = hidden_states.to(w13.dtype)  # [T, H]; under autocast the activations may be fp32 and the weights bf16
+    x, weights = _inputs(hidden_states, top_k_weights, w13)
     ids = top_k_index  # [T, topk]
     if getattr(self, "_is_expert_parallel", False):
         ids = ids.masked_fill(ids >= w13.shape[0], -1)  # EP sentinels (tokens of other ranks' experts): dropped
-    weights = top_k_weights  # [T, topk]
-    if weights.dtype not in (torch.float32, x.dtype):
-        weights = weights.float()
     return moe(x, ids, weights, w13, w2).to(hidden_states.dtype)
 
 
+if EPImplementation is not None:
+
+    class MegamoeEP(EPImplementation):
+        """ep_implementation="megamoe": `megamoe.ep.moe` over the EP mesh's group, on the batch this rank holds
+        (global expert ids), with the experts' local shards. Every rank holds its own batch (tp_size == 1)."""
+
+        def __init__(self, experts, ep_mesh, tp_mesh):
+            super().__init__(experts, ep_mesh, tp_mesh)
+            if tp_mesh.size() > 1:
+                # TODO(#13): slice the batch the TP group shares (as transformers' AllToAllEP does) and gather back.
+                raise NotImplementedError("megamoe: ep_implementation='megamoe' needs tp_size == 1 (each rank its own "
+                                          "batch); use ep_implementation='all_to_all' with experts_implementation="
+                                          "'megamoe' for tp_size > 1")
+            self.experts = experts
+            self.group = ep_mesh.get_group()
+            self.num_experts = experts.num_experts * ep_mesh.size()  # num_experts is already the local count
+
+        def __call__(self, hidden_states, top_k_index, top_k_weights):
+            _check_supported(self.experts, "ep_implementation='megamoe'")
+            w13, w2 = _weights(self.experts)  # the local shards: transformers runs this under its local parameters
+            x, weights = _inputs(hidden_states, top_k_weights, w13)
+            y = ep_moe(x, top_k_index, weights, w13, w2, group=self.group, num_experts=self.num_experts)
+            return y.to(hidden_states.dtype)
+
+
 def register():
-    """Register "megamoe" in transformers' ExpertsInterface (idempotent). Returns the name to pass as
-    `experts_implementation`."""
+    """Register "megamoe" in transformers' ExpertsInterface and, where transformers has it, its
+    EPImplementationInterface (idempotent). Returns the name to pass as `experts_implementation` (and
+    `ep_implementation`)."""
     ExpertsInterface.register(NAME, megamoe_experts_forward)
+    if EPImplementationInterface is not None:
+        EPImplementationInterface.register(NAME, MegamoeEP)
     return NAME
 
 

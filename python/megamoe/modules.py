@@ -70,7 +70,7 @@ class MoEExperts(nn.Module):
         """
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.hidden)  # [T, H]
-        ids = topk_ids.reshape(x2.shape[0], -1)  # [T, topk]
+        ids = topk_ids.reshape(-1, topk_ids.shape[-1])  # [T, topk] (T = 0 too)
         weights = topk_weights.reshape(ids.shape)  # [T, topk]
         if weights.dtype not in (torch.float32, x.dtype):
             weights = weights.float()
