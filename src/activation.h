@@ -2,10 +2,10 @@
 // (the CPU reference; the CUDA kernels of the non-default options): one definition, __host__ __device__.
 //   SwiGLU          a = silu(g) u                      da/dg = u sig(g) (1 + g (1 - sig(g))), da/du = silu(g)
 //   clamped SwiGLU  g' = min(g, limit), u' = clamp(u, -limit, limit) (gpt-oss), a = g' sig(alpha g') (u' + 1)
-//                   da/dg = (u' + 1) sig(alpha g') (1 + alpha g' (1 - sig(alpha g'))) where g <= limit, else 0
-//                   da/du = g' sig(alpha g') where -limit <= u <= limit, else 0
-// The clamps pass a NaN through (as torch.clamp does) and count a value equal to the limit as unclamped (torch's
-// gradient of clamp there is 1). The SwiGLU expressions are those of the portable CUDA row kernel
+//                   da/dg = (u' + 1) sig(alpha g') (1 + alpha g' (1 - sig(alpha g'))) where g < limit, else 0
+//                   da/du = g' sig(alpha g') where -limit < u < limit, else 0
+// The clamps pass a NaN through (as torch.clamp does); a value equal to the limit gets a zero gradient, as torch.clamp
+// gives it (torch 2.15: strict inequalities in its backward). The SwiGLU expressions are those of the portable CUDA row kernel
 // (cuda/elementwise.cu), term for term. T is float or double.
 #pragma once
 
@@ -73,8 +73,8 @@ struct Activation {
             return;
         }
         const T gate_c = clamped_gate(gate), sig = sigmoid_of(alpha * gate_c);
-        *d_gate = gate <= limit ? d_act * (clamped_up(up) + T(1)) * d_scaled_silu(gate_c, sig, alpha) : T(0);
-        *d_up = (up >= -limit && up <= limit) ? d_act * (gate_c * sig) : T(0);
+        *d_gate = gate < limit ? d_act * (clamped_up(up) + T(1)) * d_scaled_silu(gate_c, sig, alpha) : T(0);
+        *d_up = (up > -limit && up < limit) ? d_act * (gate_c * sig) : T(0);
     }
 };
 
