@@ -5,8 +5,8 @@
 //                   da/dg = (u' + 1) sig(alpha g') (1 + alpha g' (1 - sig(alpha g'))) where g < limit, else 0
 //                   da/du = g' sig(alpha g') where -limit < u < limit, else 0
 // The clamps pass a NaN through (as torch.clamp does); a value equal to the limit gets a zero gradient, as torch.clamp
-// gives it (torch 2.15: strict inequalities in its backward). The SwiGLU expressions are those of the portable CUDA row kernel
-// (cuda/elementwise.cu), term for term. T is float or double.
+// gives it (torch 2.15: strict inequalities in its backward). The SwiGLU expressions are those of the portable CUDA row
+// kernel (cuda/elementwise.cu), term for term. T is float or double.
 #pragma once
 
 #include <cmath>
