@@ -106,20 +106,22 @@ def test_torchtitan_fused_interleaved_experts(gen):
     _assert_close(ours, theirs)
 
 
-GRADCHECK_CASES = ([(layout, "clamped_tight", "both") for layout in LAYOUTS] +
-                   [("gpt_oss", activation, bias) for activation in ACTIVATIONS for bias in BIASES])
+GRADCHECK_CASES = list(dict.fromkeys([(layout, "clamped_tight", "both") for layout in LAYOUTS] +
+                                     [("gpt_oss", activation, bias) for activation in ACTIVATIONS for bias in BIASES]))
 
 
 @pytest.mark.parametrize("layout,activation,bias", GRADCHECK_CASES, ids=["-".join(c) for c in GRADCHECK_CASES])
 def test_gradcheck_float64(layout, activation, bias, gen):
-    """recompute=True: gradcheck backpropagates one graph many times, and keep-h's backward consumes h."""
+    """recompute=True: gradcheck backpropagates one graph many times, and keep-h's backward consumes h. Fast mode (a
+    random projection of the Jacobian) but for the gpt-oss layout with both biases."""
     x, ids, s, _, params = layout_problem(4, 5, 3, 3, 2, LAYOUTS[layout], *BIASES[bias], routing="dropped", gen=gen)
     names = [name for name in PARAM_NAMES if params[name] is not None]
 
     def fn(x, s, *tensors):
         return megamoe.moe(x, ids, s, recompute=True, layout=LAYOUTS[layout], activation=ACTIVATIONS[activation],
                            **dict(zip(names, tensors)))
-    assert torch.autograd.gradcheck(fn, (x, s, *[params[name] for name in names]))
+    fast_mode = not (layout == "gpt_oss" and bias == "both")
+    assert torch.autograd.gradcheck(fn, (x, s, *[params[name] for name in names]), fast_mode=fast_mode)
 
 
 def test_clamp_boundary_gradients():
