@@ -26,6 +26,15 @@ void expect_close(const HostTensor& got, const HostTensor& want, const std::stri
     EXPECT_LT(relative_error(got, want), 1e-12) << what;
 }
 
+// The expert gradients of two backwards (each shaped as its parameter; absent ones on both sides).
+void expect_expert_grads_close(const LayoutGrads& got, const LayoutGrads& want, const std::string& what) {
+    expect_close(got.dw13, want.dw13, what + " dw13");
+    expect_close(got.dw3, want.dw3, what + " dw3");
+    expect_close(got.dw2, want.dw2, what + " dw2");
+    expect_close(got.db13, want.db13, what + " db13");
+    expect_close(got.db2, want.db2, what + " db2");
+}
+
 TEST(Layouts, ReferenceMatchesNaiveLoopForEveryCombination) {
     std::mt19937_64 rng(fresh_seed());
     SCOPED_TRACE("seed " + std::to_string(fresh_seed()));
@@ -47,11 +56,7 @@ TEST(Layouts, ReferenceMatchesNaiveLoopForEveryCombination) {
             ASSERT_EQ(megamoe_backward(&backward), MEGAMOE_STATUS_SUCCESS) << what << ": " << megamoe_last_error();
             expect_close(got.dx, want.dx, what + " dx");
             expect_close(got.dweights, want.dweights, what + " dtopk_weights");
-            expect_close(got.dw13, want.dw13, what + " dw13");
-            expect_close(got.dw3, want.dw3, what + " dw3");
-            expect_close(got.dw2, want.dw2, what + " dw2");
-            expect_close(got.db13, want.db13, what + " db13");
-            expect_close(got.db2, want.db2, what + " db2");
+            expect_expert_grads_close(got, want, what);
         }
     }
 }
@@ -109,11 +114,7 @@ TEST(Layouts, GroupedRowsEqualTheWholeLayer) {
                     << what;
             }
         }
-        expect_close(grouped.dw13, whole.dw13, what + " dw13");
-        expect_close(grouped.dw3, whole.dw3, what + " dw3");
-        expect_close(grouped.dw2, whole.dw2, what + " dw2");
-        expect_close(grouped.db13, whole.db13, what + " db13");
-        expect_close(grouped.db2, whole.db2, what + " db2");
+        expect_expert_grads_close(grouped, whole, what);
     }
 }
 
@@ -197,15 +198,30 @@ TEST(LayoutsApi, BadInputNamesTheArgument) {
          },
          "activation.alpha: must be 0 for SwiGLU"},
         {[](auto& p, auto&) { p.w3 = megamoe_tensor_t{}; }, "w3: required by layout.gate_up = separate"},
-        {[](auto& p, auto&) { resize(&p.w3, {3, 10, 3}); }, "w3: expected shape [E, H, I]"},
-        {[](auto& p, auto&) { resize(&p.w13, {3, 9, 4}); }, "w13: expected shape [E, H, I]"},
-        {[](auto& p, auto&) { resize(&p.w2, {3, 9, 4}); }, "w2: expected shape [E, H, I]"},
-        {[](auto& p, auto&) { resize(&p.b13, {3, 4}); }, "b13: expected shape [E, 2I]"},
+        {[](auto& p, auto&) {
+             resize(&p.w3, {3, 10, 3});
+         },
+         "w3: expected shape [E, H, I]"},
+        {[](auto& p, auto&) {
+             resize(&p.w13, {3, 9, 4});
+         },
+         "w13: expected shape [E, H, I]"},
+        {[](auto& p, auto&) {
+             resize(&p.w2, {3, 9, 4});
+         },
+         "w2: expected shape [E, H, I]"},
+        {[](auto& p, auto&) {
+             resize(&p.b13, {3, 4});
+         },
+         "b13: expected shape [E, 2I]"},
         {[](auto& p, auto&) { p.b2.dtype = MEGAMOE_DTYPE_F32; }, "b2: dtype f32 not allowed"},
         {[](auto& p, auto&) { p.w3 = megamoe_tensor_t{}, p.layout.gate_up = MEGAMOE_GATE_UP_CONCATENATED; },
          "w13: expected shape [E, H, 2I]"},
         {[](auto& p, auto&) { p.layout.gate_up = MEGAMOE_GATE_UP_INTERLEAVED; }, "w13: expected shape [E, H, 2I]"},
-        {[](auto& p, auto&) { resize(&p.dw3, {3, 3, 4}); }, "dw3: expected shape as w3 [3, 10, 4]"},
+        {[](auto& p, auto&) {
+             resize(&p.dw3, {3, 3, 4});
+         },
+         "dw3: expected shape as w3 [3, 10, 4]"},
         {[](auto& p, auto&) { p.db13.dtype = MEGAMOE_DTYPE_I32; }, "db13: dtype i32 not allowed"},
         {[](auto& p, auto&) { p.b13 = megamoe_tensor_t{}; }, "db13: given, but b13 is absent"},
         {[](auto& p, auto&) { p.b2 = megamoe_tensor_t{}; }, "db2: given, but b2 is absent"},
