@@ -1,12 +1,14 @@
 // The activation between the two projections, a = act(g, u), and its derivatives, for every path that computes it
-// (the CPU reference; the CUDA kernels of the non-default options): one definition, __host__ __device__.
+// (the CPU reference now; the CUDA kernels of the non-default options once they exist, TODO(#12)): one definition,
+// __host__ __device__.
 //   SwiGLU          a = silu(g) u                      da/dg = u sig(g) (1 + g (1 - sig(g))), da/du = silu(g)
 //   clamped SwiGLU  g' = min(g, limit), u' = clamp(u, -limit, limit) (gpt-oss), a = g' sig(alpha g') (u' + 1)
 //                   da/dg = (u' + 1) sig(alpha g') (1 + alpha g' (1 - sig(alpha g'))) where g < limit, else 0
 //                   da/du = g' sig(alpha g') where -limit < u < limit, else 0
-// The clamps pass a NaN through (as torch.clamp does); a value equal to the limit gets a zero gradient, as torch.clamp
-// gives it (torch 2.15: strict inequalities in its backward). The SwiGLU expressions are those of the portable CUDA row
-// kernel (cuda/elementwise.cu), term for term. T is float or double.
+// The clamps pass a NaN through (as torch.clamp does); a value on the limit gets a zero gradient (the minimum-norm
+// subgradient: F.hardtanh's, and torch.clamp's since pytorch#184572; older torch.clamp passes the gradient there).
+// The SwiGLU expressions are those of the portable CUDA row kernel (cuda/elementwise.cu), term for term, which keeps
+// its own copy of them for now (the default path's kernels are left as they are). T is float or double.
 #pragma once
 
 #include <cmath>

@@ -51,7 +51,7 @@
  *   activation    MEGAMOE_ACTIVATION_SWIGLU: a = silu(g) * u (limit and alpha must be 0);
  *                 MEGAMOE_ACTIVATION_CLAMPED_SWIGLU (gpt-oss): g' = min(g, limit), u' = clamp(u, -limit, limit),
  *                 a = g' sigmoid(alpha g') (u' + 1), limit > 0 (gpt-oss: 7), alpha > 0 (gpt-oss: 1.702); the gradient
- *                 is zero where a clamp is active (g >= limit, |u| >= limit: torch.clamp's convention)
+ *                 is zero where a clamp is active (g >= limit, |u| >= limit: the minimum-norm subgradient)
  * With them, per routed slot: h = [g, u] = W13[e] x + b13[e], a = act(g, u), o = W2[e] a + b2[e], y = sum_j s o;
  * saved_h holds h (bias included) as [g, u] (the I gate columns, then the I up columns) whatever the layout. The CUDA
  * path runs only the default layout, activation and no biases for now: anything else on CUDA tensors is
