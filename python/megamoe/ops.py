@@ -83,11 +83,6 @@ def _needs(names, grads):
     return {f"need_{name}": name in grads for name in names}
 
 
-def _present(outputs, buffers):
-    """The outputs that were computed, None for the placeholders."""
-    return [out if buffer is not None else None for out, buffer in zip(outputs, buffers)]
-
-
 def bound_arguments(fn, args, kwargs):
     """fn's arguments by name with the defaults filled in: a fake kernel receives an op's arguments as its caller
     passed them, positionally or by keyword."""
