@@ -1,5 +1,5 @@
-// Argument checks shared by the C API's entry points (validate.h): a bad tensor gives a status and a message naming
-// it, never a crash.
+// The tensor checks under every entry point's validation (validate.h): a bad tensor gives a status and a message
+// naming it, never a crash.
 #include "validate.h"
 
 #include <cuda_runtime_api.h>
@@ -126,58 +126,6 @@ bool overlaps(const megamoe_tensor_t& a, const megamoe_tensor_t& b) {
     return a_begin < b_end && b_begin < a_end;
 }
 
-megamoe_status_t check_rows_and_weights(const char* x_name, const char* x_dims, const megamoe_tensor_t& x,
-                                        const megamoe_tensor_t& w13, const megamoe_tensor_t& w2, megamoe_accum_t accum,
-                                        Shape* shape) {
-    MEGAMOE_CHECK(check_tensor(x_name, x, 2, x_dims));
-    MEGAMOE_CHECK(check_tensor("w13", w13, 3, "[E, 2I, H]"));
-    MEGAMOE_CHECK(check_tensor("w2", w2, 3, "[E, H, I]"));
-    if (x.dtype != MEGAMOE_DTYPE_BF16 && x.dtype != MEGAMOE_DTYPE_F16 && x.dtype != MEGAMOE_DTYPE_F32 &&
-        x.dtype != MEGAMOE_DTYPE_F64) {
-        return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "%s: dtype %s not allowed (bf16, f16, f32 or f64)", x_name,
-                         dtype_name(x.dtype));
-    }
-    const std::string same_dtype = std::string("must equal the dtype of ") + x_name;
-    MEGAMOE_CHECK(check_dtype("w13", w13, x.dtype, x.dtype, same_dtype.c_str()));
-    MEGAMOE_CHECK(check_dtype("w2", w2, x.dtype, x.dtype, same_dtype.c_str()));
-
-    shape->num_tokens = x.shape[0];
-    shape->hidden = x.shape[1];
-    shape->num_experts = w13.shape[0];
-    shape->intermediate = w2.shape[2];
-    if (shape->hidden == 0)
-        return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "%s: hidden size H must be > 0, got shape %s", x_name,
-                         shape_string(x).c_str());
-    if (shape->num_experts == 0)
-        return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "w13: number of experts E must be > 0, got shape %s",
-                         shape_string(w13).c_str());
-    if (shape->intermediate == 0)
-        return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "w2: intermediate size I must be > 0, got shape %s",
-                         shape_string(w2).c_str());
-    const int64_t H = shape->hidden, I = shape->intermediate, E = shape->num_experts;
-    const std::string w13_dims = std::string("[E, 2I, H] (E from w13, I from w2, H from ") + x_name + ")";
-    const std::string w2_dims = std::string("[E, H, I] (E from w13, H from ") + x_name + ")";
-    MEGAMOE_CHECK(check_shape("w13", w13, {E, 2 * I, H}, w13_dims.c_str()));
-    MEGAMOE_CHECK(check_shape("w2", w2, {E, H, I}, w2_dims.c_str()));
-    MEGAMOE_CHECK(check_same_device("w13", w13, x, x_name));
-    MEGAMOE_CHECK(check_same_device("w2", w2, x, x_name));
-    if (x.device_type == MEGAMOE_DEVICE_CUDA) {
-        if (x.dtype != MEGAMOE_DTYPE_BF16 && x.dtype != MEGAMOE_DTYPE_F16) {
-            return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
-                             "%s: dtype %s is not supported on CUDA (bf16 or f16); use CPU tensors for f32/f64", x_name,
-                             dtype_name(x.dtype));
-        }
-        if (accum == MEGAMOE_ACCUM_F64) {
-            return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "accum: f64 accumulation is CPU-only");
-        }
-    }
-    if (accum != MEGAMOE_ACCUM_DEFAULT && accum != MEGAMOE_ACCUM_F32 && accum != MEGAMOE_ACCUM_F64) {
-        return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "accum: unknown accumulation code %d",
-                         static_cast<int>(accum));
-    }
-    return MEGAMOE_STATUS_SUCCESS;
-}
-
 megamoe_status_t check_input(const char* name, const megamoe_tensor_t& input, const megamoe_tensor_t& x,
                              const char* x_name, int32_t ndim, const char* dims, std::vector<int64_t> shape,
                              megamoe_dtype_t want_a, megamoe_dtype_t want_b, const char* rule) {
@@ -200,7 +148,7 @@ megamoe_status_t check_output(const char* name, const megamoe_tensor_t& out, con
     return MEGAMOE_STATUS_SUCCESS;
 }
 
-megamoe_status_t check_outputs_disjoint(std::initializer_list<Named> outputs) {
+megamoe_status_t check_outputs_disjoint(const std::vector<Named>& outputs) {
     for (auto a = outputs.begin(); a != outputs.end(); ++a) {
         for (auto b = a + 1; b != outputs.end(); ++b) {
             if (is_present(*a->tensor) && is_present(*b->tensor) && overlaps(*a->tensor, *b->tensor)) {
@@ -223,7 +171,7 @@ megamoe_status_t check_workspace(const void* workspace, size_t have, size_t need
     return MEGAMOE_STATUS_SUCCESS;
 }
 
-megamoe_status_t check_cuda_pointers(std::initializer_list<Named> tensors) {
+megamoe_status_t check_cuda_pointers(const std::vector<Named>& tensors) {
     for (const Named& item : tensors) {
         if (is_present(*item.tensor)) MEGAMOE_CHECK(check_cuda_pointer(item.name, *item.tensor));
     }

@@ -1,13 +1,15 @@
-// Argument checks shared by the C API's entry points (api.cpp: the whole layer; api_grouped.cpp: grouped rows).
-// Each returns SUCCESS or sets a message naming the offending argument and returns its status.
+// Argument checks of the C API's entry points: validate() of each params struct (validate_params.cpp: the whole layer
+// and grouped rows), the expert parameters they share (validate_experts.cpp: layouts, activation, biases and their
+// gradients) and the tensor checks under both (validate.cpp). Each returns SUCCESS or sets a message naming the
+// offending argument and returns its status.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
-#include <initializer_list>
 #include <vector>
 
 #include "common.h"
+#include "layout.h"
 
 namespace megamoe {
 
@@ -38,12 +40,18 @@ megamoe_status_t check_same_device(const char* name, const megamoe_tensor_t& ten
                                    const char* x_name = "x");
 bool overlaps(const megamoe_tensor_t& a, const megamoe_tensor_t& b);
 
-// The rows input x (named x_name, shape x_dims: [rows, H]) and the expert weights w13 [E, 2I, H], w2 [E, H, I]: ranks,
-// dtypes, shapes, one device, what CUDA supports, accum. Fills shape's num_tokens (the rows), hidden, num_experts and
-// intermediate.
+// The rows input x (named x_name, shape x_dims: [rows, H]) and the expert parameters: the layout and activation codes,
+// w13 / w3 / w2 in their layout's shapes, the optional biases b13 [E, 2I] and b2 [E, H]; ranks, dtypes, shapes, one
+// device, what CUDA supports, accum. Fills shape's num_tokens (the rows), hidden, num_experts and intermediate.
 megamoe_status_t check_rows_and_weights(const char* x_name, const char* x_dims, const megamoe_tensor_t& x,
-                                        const megamoe_tensor_t& w13, const megamoe_tensor_t& w2, megamoe_accum_t accum,
-                                        Shape* shape);
+                                        const Experts& experts, megamoe_accum_t accum, Shape* shape);
+// The present ones of a backward's dw13, dw3, dw2, db13, db2: each needs its parameter, has its shape, its dtype or
+// f32, is on x's device and overlaps none of `inputs`.
+megamoe_status_t check_expert_grads(const ExpertGrads& grads, const megamoe_tensor_t& x, const char* x_name,
+                                    const Experts& experts, const std::vector<Named>& inputs);
+// The expert parameters / gradients, named as in the params structs (for the overlap and pointer checks).
+std::vector<Named> expert_inputs(const Experts& experts);
+std::vector<Named> expert_grad_outputs(const ExpertGrads& grads);
 
 // An input the caller passes besides the checked ones: rank, shape, dtype, device of x.
 megamoe_status_t check_input(const char* name, const megamoe_tensor_t& input, const megamoe_tensor_t& x,
@@ -55,10 +63,26 @@ megamoe_status_t check_output(const char* name, const megamoe_tensor_t& out, con
                               megamoe_dtype_t want_a, megamoe_dtype_t want_b, const char* rule,
                               const std::vector<Named>& inputs);
 // The present ones of `outputs` do not overlap each other.
-megamoe_status_t check_outputs_disjoint(std::initializer_list<Named> outputs);
+megamoe_status_t check_outputs_disjoint(const std::vector<Named>& outputs);
 
 megamoe_status_t check_workspace(const void* workspace, size_t have, size_t need);
 // Every present CUDA tensor's pointer is device (or managed) memory of its device.
-megamoe_status_t check_cuda_pointers(std::initializer_list<Named> tensors);
+megamoe_status_t check_cuda_pointers(const std::vector<Named>& tensors);
+
+// Every argument of an entry point (validate_params.cpp); fills the problem's shape.
+megamoe_status_t validate(const megamoe_forward_params_t* params, Shape* shape);
+megamoe_status_t validate(const megamoe_backward_params_t* params, Shape* shape);
+megamoe_status_t validate(const megamoe_grouped_forward_params_t* params, Shape* shape);
+megamoe_status_t validate(const megamoe_grouped_backward_params_t* params, Shape* shape);
+// What only CPU tensors let validation read: ids in [-1, E), counts >= 0 summing to at most R.
+megamoe_status_t check_cpu_values(const megamoe_forward_params_t& p, const Shape& shape);
+megamoe_status_t check_cpu_values(const megamoe_backward_params_t& p, const Shape& shape);
+megamoe_status_t check_cpu_values(const megamoe_grouped_forward_params_t& p, const Shape& shape);
+megamoe_status_t check_cpu_values(const megamoe_grouped_backward_params_t& p, const Shape& shape);
+// Every present CUDA tensor of the params is device memory of its device.
+megamoe_status_t check_cuda_pointers_of(const megamoe_forward_params_t& p);
+megamoe_status_t check_cuda_pointers_of(const megamoe_backward_params_t& p);
+megamoe_status_t check_cuda_pointers_of(const megamoe_grouped_forward_params_t& p);
+megamoe_status_t check_cuda_pointers_of(const megamoe_grouped_backward_params_t& p);
 
 }  // namespace megamoe

@@ -12,7 +12,7 @@
  *   x            [T, H]        bf16 / f16 / f32 / f64 (CUDA: bf16 or f16)
  *   topk_ids     [T, topk]     int32 or int64, each in [0, E) or -1 (slot dropped)
  *   topk_weights [T, topk]     f32 or the dtype of x
- *   w13          [E, 2I, H]    dtype of x; rows [0, I) gate, rows [I, 2I) up
+ *   w13          [E, 2I, H]    dtype of x; rows [0, I) gate, rows [I, 2I) up (the default layout; see below)
  *   w2           [E, H, I]     dtype of x
  *   y            [T, H]        dtype of x
  *   saved_h      [T*topk, 2I]  dtype of x; h = [g, u] = W13[e] x_t per slot, by sorted row: the slots (t, j) with
@@ -34,6 +34,28 @@
  * kept between forward and backward). On CUDA both modes give the same gradients (h comes from the same kernel and is
  * rounded to the dtype of x either way); the CPU reference reads a given saved_h as is, else recomputes h unrounded.
  * A saved_h serves one backward: a second backward of the same forward needs it written again (or recompute mode).
+ *
+ * Layouts, activations and biases (every params struct; all zero = the default: concatenated, untransposed, SwiGLU,
+ * no biases). The weights are read where they are, in the layout `layout` describes, and their gradients are written
+ * in that same layout (dw13 shaped as w13, dw3 as w3):
+ *   layout.gate_up        MEGAMOE_GATE_UP_CONCATENATED  w13 [E, 2I, H]: rows [0, I) gate, [I, 2I) up (HF gate_up_proj)
+ *                         MEGAMOE_GATE_UP_INTERLEAVED   w13 [E, 2I, H]: row 2i gate i, row 2i + 1 up i (gpt-oss,
+ *                                                       SonicMoE, torchtitan's fused w13)
+ *                         MEGAMOE_GATE_UP_SEPARATE      w13 [E, I, H] the gate alone (torchtitan / prime-rl w1) and
+ *                                                       w3 [E, I, H] the up projection
+ *   layout.w13_transposed 1: w13 (and w3) stored with the last two dimensions swapped: [E, H, 2I] ([E, H, I])
+ *   layout.w2_transposed  1: w2 stored [E, I, H] (HF is_transposed; gpt-oss down_proj)
+ *   b13  [E, 2I]  optional bias of the up projection, dtype of x, gate/up arranged as w13's rows (interleaved: g0, u0,
+ *                 g1, ...; concatenated and separate: the I gate entries, then the I up entries)
+ *   b2   [E, H]   optional bias of the down projection, dtype of x
+ *   activation    MEGAMOE_ACTIVATION_SWIGLU: a = silu(g) * u (limit and alpha must be 0);
+ *                 MEGAMOE_ACTIVATION_CLAMPED_SWIGLU (gpt-oss): g' = min(g, limit), u' = clamp(u, -limit, limit),
+ *                 a = g' sigmoid(alpha g') (u' + 1), limit > 0 (gpt-oss: 7), alpha > 0 (gpt-oss: 1.702); the gradient
+ *                 is zero where a clamp is active (g >= limit, |u| >= limit: the minimum-norm subgradient)
+ * With them, per routed slot: h = [g, u] = W13[e] x + b13[e], a = act(g, u), o = W2[e] a + b2[e], y = sum_j s o;
+ * saved_h holds h (bias included) as [g, u] (the I gate columns, then the I up columns) whatever the layout. The CUDA
+ * path runs only the default layout, activation and no biases for now: anything else on CUDA tensors is
+ * MEGAMOE_STATUS_NOT_SUPPORTED naming the option (TODO(#12)); megamoe_*_path() tell which path a call would take.
  */
 #ifndef MEGAMOE_MEGAMOE_H_
 #define MEGAMOE_MEGAMOE_H_
@@ -52,12 +74,12 @@ extern "C" {
 #endif
 
 #define MEGAMOE_VERSION_MAJOR 0
-#define MEGAMOE_VERSION_MINOR 3
+#define MEGAMOE_VERSION_MINOR 4
 #define MEGAMOE_VERSION_PATCH 0
 #define MEGAMOE_MAX_DIMS 4
 /* Raised whenever a public struct's layout or a function's signature changes; megamoe_abi_version() returns the
  * value the library was built with, so a binding can refuse a library that does not match its own declarations. */
-#define MEGAMOE_ABI_VERSION 1
+#define MEGAMOE_ABI_VERSION 2
 
 typedef enum {
     MEGAMOE_STATUS_SUCCESS = 0,
@@ -88,6 +110,40 @@ typedef enum {
     MEGAMOE_ACCUM_F64 = 2,      // f64 accumulation (CPU only)
 } megamoe_accum_t;
 
+/* How the gate and up projections of each expert are arranged in w13 (see the top of this file). */
+typedef enum {
+    MEGAMOE_GATE_UP_CONCATENATED = 0,  // w13 [E, 2I, H]: gate rows, then up rows
+    MEGAMOE_GATE_UP_INTERLEAVED = 1,   // w13 [E, 2I, H]: gate row i at 2i, up row i at 2i + 1
+    MEGAMOE_GATE_UP_SEPARATE = 2,      // w13 [E, I, H] gate, w3 [E, I, H] up
+} megamoe_gate_up_t;
+
+/* The storage of the expert weights. All zero: w13 [E, 2I, H] concatenated, w2 [E, H, I]. */
+typedef struct {
+    megamoe_gate_up_t gate_up;  // arrangement of the gate and up rows
+    int32_t w13_transposed;     // 0 or 1: w13 (and w3) stored [E, H, 2I] ([E, H, I])
+    int32_t w2_transposed;      // 0 or 1: w2 stored [E, I, H]
+} megamoe_layout_t;
+
+typedef enum {
+    MEGAMOE_ACTIVATION_SWIGLU = 0,          // silu(g) * u
+    MEGAMOE_ACTIVATION_CLAMPED_SWIGLU = 1,  // min(g, limit) sigmoid(alpha min(g, limit)) (clamp(u, +-limit) + 1)
+} megamoe_activation_kind_t;
+
+/* The activation between the projections. All zero: SwiGLU. */
+typedef struct {
+    megamoe_activation_kind_t kind;
+    double limit;  // CLAMPED_SWIGLU: the clamp, > 0 and finite (gpt-oss: 7); SWIGLU: 0
+    double alpha;  // CLAMPED_SWIGLU: the sigmoid's slope, > 0 and finite (gpt-oss: 1.702); SWIGLU: 0
+} megamoe_activation_t;
+
+/* Which implementation a call runs (megamoe_*_path). */
+typedef enum {
+    MEGAMOE_PATH_REFERENCE = 0,                   // the CPU reference (CPU tensors)
+    MEGAMOE_PATH_CUDA_PORTABLE = 1,               // the portable CUDA kernels (any sm_80+ GPU)
+    MEGAMOE_PATH_SM90 = 2,                        // the fused sm_90a kernels (backward: the weight gradients too)
+    MEGAMOE_PATH_SM90_PORTABLE_WEIGHT_GRADS = 3,  // backward: sm_90a up / dH / dX, portable dW13 / dW2
+} megamoe_path_t;
+
 /* A strided view of memory. An absent optional tensor has data == NULL and ndim == 0. */
 typedef struct {
     void* data;                         // first element; may be NULL only when numel == 0 or the tensor is optional
@@ -99,22 +155,28 @@ typedef struct {
     int32_t device_index;               // CUDA ordinal (ignored for CPU)
 } megamoe_tensor_t;
 
-/* Forward: y = sum_j s_tj W2[e] (silu(W13[e,:I] x_t) * W13[e,I:] x_t), e = topk_ids[t, j]. */
+/* Forward: y = sum_j s_tj W2[e] (silu(W13[e,:I] x_t) * W13[e,I:] x_t), e = topk_ids[t, j] (the default layout and
+ * activation, no biases; the general form is at the top of this file). */
 typedef struct {
-    megamoe_tensor_t x;             // [T, H] input activations
-    megamoe_tensor_t topk_ids;      // [T, topk] expert per slot, -1 = dropped
-    megamoe_tensor_t topk_weights;  // [T, topk] combine weight per slot
-    megamoe_tensor_t w13;           // [E, 2I, H] gate rows then up rows
-    megamoe_tensor_t w2;            // [E, H, I] down projection
-    megamoe_tensor_t y;             // [T, H] output, written in full
-    megamoe_tensor_t saved_h;       // [T*topk, 2I] optional output for the backward (sorted rows; see above)
-    megamoe_accum_t accum;          // accumulation precision
-    void* workspace;                // device (CUDA) or host (CPU) scratch of workspace_bytes, 256-byte aligned
-    size_t workspace_bytes;         // at least megamoe_forward_workspace_size()
-    void* stream;                   // cudaStream_t for CUDA tensors (NULL = legacy default); ignored on CPU
+    megamoe_tensor_t x;               // [T, H] input activations
+    megamoe_tensor_t topk_ids;        // [T, topk] expert per slot, -1 = dropped
+    megamoe_tensor_t topk_weights;    // [T, topk] combine weight per slot
+    megamoe_tensor_t w13;             // [E, 2I, H] gate rows then up rows (other layouts: see layout)
+    megamoe_tensor_t w2;              // [E, H, I] down projection
+    megamoe_tensor_t y;               // [T, H] output, written in full
+    megamoe_tensor_t saved_h;         // [T*topk, 2I] optional output for the backward (sorted rows; see above)
+    megamoe_accum_t accum;            // accumulation precision
+    void* workspace;                  // device (CUDA) or host (CPU) scratch of workspace_bytes, 256-byte aligned
+    size_t workspace_bytes;           // at least megamoe_forward_workspace_size()
+    void* stream;                     // cudaStream_t for CUDA tensors (NULL = legacy default); ignored on CPU
+    megamoe_tensor_t w3;              // [E, I, H] up projection, with MEGAMOE_GATE_UP_SEPARATE only (else absent)
+    megamoe_tensor_t b13;             // [E, 2I] optional bias of the up projection (arranged as w13's rows)
+    megamoe_tensor_t b2;              // [E, H] optional bias of the down projection
+    megamoe_layout_t layout;          // storage of w13 / w3 / w2 (zero: the default)
+    megamoe_activation_t activation;  // zero: SwiGLU
 } megamoe_forward_params_t;
 
-/* Backward: given dy, the gradients of DESIGN.md section 1 (dx, d topk_weights, dw13, dw2). */
+/* Backward: given dy, the gradients of DESIGN.md section 1 (dx, d topk_weights, dw13, dw2; dw3, db13, db2). */
 typedef struct {
     megamoe_tensor_t dy;             // [T, H] gradient of y, dtype of x
     megamoe_tensor_t x;              // [T, H] forward input
@@ -125,12 +187,20 @@ typedef struct {
     megamoe_tensor_t saved_h;        // [T*topk, 2I] optional, consumed: the forward's saved_h of these inputs
     megamoe_tensor_t dx;             // [T, H] output, dtype of x; optional (data NULL = not wanted)
     megamoe_tensor_t dtopk_weights;  // [T, topk] output, f32 or dtype of topk_weights; 0 for dropped slots; optional
-    megamoe_tensor_t dw13;   // [E, 2I, H] output, dtype of w13 or f32; zero for experts with no tokens; optional
-    megamoe_tensor_t dw2;    // [E, H, I] output, dtype of w2 or f32; optional
-    megamoe_accum_t accum;   // accumulation precision
-    void* workspace;         // device (CUDA) or host (CPU) scratch of workspace_bytes, 256-byte aligned
-    size_t workspace_bytes;  // at least megamoe_backward_workspace_size() (it depends on the kernels the call runs)
-    void* stream;            // cudaStream_t for CUDA tensors (NULL = legacy default); ignored on CPU
+    megamoe_tensor_t dw13;    // [E, 2I, H] output, dtype of w13 or f32; zero for experts with no tokens; optional
+    megamoe_tensor_t dw2;     // [E, H, I] output, dtype of w2 or f32; optional
+    megamoe_accum_t accum;    // accumulation precision
+    void* workspace;          // device (CUDA) or host (CPU) scratch of workspace_bytes, 256-byte aligned
+    size_t workspace_bytes;   // at least megamoe_backward_workspace_size() (it depends on the kernels the call runs)
+    void* stream;             // cudaStream_t for CUDA tensors (NULL = legacy default); ignored on CPU
+    megamoe_tensor_t w3;      // [E, I, H] forward input (MEGAMOE_GATE_UP_SEPARATE only)
+    megamoe_tensor_t b13;     // [E, 2I] forward input, optional
+    megamoe_tensor_t b2;      // [E, H] forward input, optional
+    megamoe_tensor_t dw3;     // shaped as w3, dtype of w3 or f32; optional, needs w3
+    megamoe_tensor_t db13;    // [E, 2I] (as b13), dtype of b13 or f32; optional, needs b13
+    megamoe_tensor_t db2;     // [E, H], dtype of b2 or f32; optional, needs b2
+    megamoe_layout_t layout;  // as the forward's
+    megamoe_activation_t activation;
 } megamoe_backward_params_t;
 
 /* Grouped rows forward: out_r = s_r W2[e] (silu(W13[e,:I] x_r) * W13[e,I:] x_r) for the rows r of expert e,
@@ -139,7 +209,7 @@ typedef struct {
     megamoe_tensor_t x_sorted;           // [R, H] input rows, sorted by expert
     megamoe_tensor_t tokens_per_expert;  // [E] rows per expert (i32 or i64), on the device of x_sorted
     megamoe_tensor_t scores;             // [R] optional per-row scale of out (f32 or the dtype of x_sorted)
-    megamoe_tensor_t w13;                // [E, 2I, H] gate rows then up rows
+    megamoe_tensor_t w13;                // [E, 2I, H] gate rows then up rows (other layouts: see layout)
     megamoe_tensor_t w2;                 // [E, H, I] down projection
     megamoe_tensor_t out;                // [R, H] output, written in full (padding rows: 0)
     megamoe_tensor_t saved_h;            // [R, 2I] optional output for the backward (padding rows untouched)
@@ -147,6 +217,11 @@ typedef struct {
     void* workspace;                     // device (CUDA) or host (CPU) scratch of workspace_bytes, 256-byte aligned
     size_t workspace_bytes;              // at least megamoe_grouped_forward_workspace_size()
     void* stream;                        // cudaStream_t for CUDA tensors (NULL = legacy default); ignored on CPU
+    megamoe_tensor_t w3;                 // [E, I, H] up projection (MEGAMOE_GATE_UP_SEPARATE only)
+    megamoe_tensor_t b13;                // [E, 2I] optional bias of the up projection (arranged as w13's rows)
+    megamoe_tensor_t b2;                 // [E, H] optional bias of the down projection (scaled by the score too)
+    megamoe_layout_t layout;             // storage of w13 / w3 / w2 (zero: the default)
+    megamoe_activation_t activation;     // zero: SwiGLU
 } megamoe_grouped_forward_params_t;
 
 /* Grouped rows backward: given dout, d x_sorted, d scores (= <dout_r, o_r>, o_r the unscaled row), dw13 and dw2. */
@@ -166,6 +241,14 @@ typedef struct {
     void* workspace;           // device (CUDA) or host (CPU) scratch of workspace_bytes, 256-byte aligned
     size_t workspace_bytes;    // at least megamoe_grouped_backward_workspace_size()
     void* stream;              // cudaStream_t for CUDA tensors (NULL = legacy default); ignored on CPU
+    megamoe_tensor_t w3;       // [E, I, H] forward input (MEGAMOE_GATE_UP_SEPARATE only)
+    megamoe_tensor_t b13;      // [E, 2I] forward input, optional
+    megamoe_tensor_t b2;       // [E, H] forward input, optional
+    megamoe_tensor_t dw3;      // shaped as w3, dtype of w3 or f32; optional, needs w3
+    megamoe_tensor_t db13;     // [E, 2I], dtype of b13 or f32; optional, needs b13
+    megamoe_tensor_t db2;      // [E, H], dtype of b2 or f32; optional, needs b2
+    megamoe_layout_t layout;   // as the forward's
+    megamoe_activation_t activation;
 } megamoe_grouped_backward_params_t;
 
 /* The public structs whose sizes megamoe_struct_size() reports (the ABI guard of a binding). */
@@ -175,6 +258,8 @@ typedef enum {
     MEGAMOE_STRUCT_BACKWARD_PARAMS = 2,
     MEGAMOE_STRUCT_GROUPED_FORWARD_PARAMS = 3,
     MEGAMOE_STRUCT_GROUPED_BACKWARD_PARAMS = 4,
+    MEGAMOE_STRUCT_LAYOUT = 5,
+    MEGAMOE_STRUCT_ACTIVATION = 6,
 } megamoe_struct_kind_t;
 
 /* The message of the last failed call on this thread ("" after a success). Never NULL. */
@@ -202,6 +287,17 @@ MEGAMOE_API megamoe_status_t megamoe_grouped_backward_workspace_size(const megam
                                                                      size_t* bytes);
 MEGAMOE_API megamoe_status_t megamoe_grouped_forward(const megamoe_grouped_forward_params_t* params);
 MEGAMOE_API megamoe_status_t megamoe_grouped_backward(const megamoe_grouped_backward_params_t* params);
+
+/* Which implementation the call with these params would run (validated as the call is, data not read: a CUDA call
+ * whose options the CUDA path cannot run returns the call's NOT_SUPPORTED and its message). */
+MEGAMOE_API megamoe_status_t megamoe_forward_path(const megamoe_forward_params_t* params, megamoe_path_t* path);
+MEGAMOE_API megamoe_status_t megamoe_backward_path(const megamoe_backward_params_t* params, megamoe_path_t* path);
+MEGAMOE_API megamoe_status_t megamoe_grouped_forward_path(const megamoe_grouped_forward_params_t* params,
+                                                          megamoe_path_t* path);
+MEGAMOE_API megamoe_status_t megamoe_grouped_backward_path(const megamoe_grouped_backward_params_t* params,
+                                                           megamoe_path_t* path);
+/* A fixed name for a path: "reference", "cuda", "sm90", "sm90+cuda-weight-grads". Never NULL. */
+MEGAMOE_API const char* megamoe_path_string(megamoe_path_t path);
 
 #ifdef __cplusplus
 }  // extern "C"

@@ -4,6 +4,9 @@ This module only converts torch tensors into `megamoe_tensor_t` views, calls the
 failed status into a Python exception carrying the library's message (which names the argument).
 Loading checks the library's ABI (megamoe_abi_version, megamoe_struct_size) against the ctypes structs below
 and refuses a library built from other declarations with an ImportError naming it and both versions.
+
+Every call takes its tensors by the params structs' field names and the experts' options (layout and activation,
+layouts.py) as the dict `options` of layouts.op_options(); path() asks which implementation a call would run.
 """
 
 import ctypes
@@ -13,7 +16,7 @@ import pathlib
 import torch
 
 MAX_DIMS = 4
-ABI_VERSION = 1  # MEGAMOE_ABI_VERSION of include/megamoe/megamoe.h that the structs below declare
+ABI_VERSION = 2  # MEGAMOE_ABI_VERSION of include/megamoe/megamoe.h that the structs below declare
 
 STATUS_SUCCESS = 0
 STATUS_INVALID_ARGUMENT = 1
@@ -24,6 +27,10 @@ DEVICE_CPU = 0
 DEVICE_CUDA = 1
 
 ACCUM_DEFAULT = 0
+
+GATE_UP_CODES = {"concatenated": 0, "interleaved": 1, "separate": 2}  # megamoe_gate_up_t
+ACTIVATION_CODES = {"swiglu": 0, "clamped_swiglu": 1}  # megamoe_activation_kind_t
+PATH_NAMES = {0: "reference", 1: "cuda", 2: "sm90", 3: "sm90+cuda-weight-grads"}  # megamoe_path_t
 
 _DTYPE_CODES = {
     torch.bfloat16: 0,
@@ -47,6 +54,29 @@ class Tensor(ctypes.Structure):
     ]
 
 
+class CLayout(ctypes.Structure):
+    _fields_ = [
+        ("gate_up", ctypes.c_int),
+        ("w13_transposed", ctypes.c_int32),
+        ("w2_transposed", ctypes.c_int32),
+    ]
+
+
+class CActivation(ctypes.Structure):
+    _fields_ = [
+        ("kind", ctypes.c_int),
+        ("limit", ctypes.c_double),
+        ("alpha", ctypes.c_double),
+    ]
+
+
+# Appended to every params struct: the expert parameters beyond w13 / w2 and their options; the backward's also
+# carry the gradients of w3, b13 and b2 before the options.
+_EXPERT_FIELDS = [("w3", Tensor), ("b13", Tensor), ("b2", Tensor)]
+_EXPERT_GRAD_FIELDS = [("dw3", Tensor), ("db13", Tensor), ("db2", Tensor)]
+_OPTION_FIELDS = [("layout", CLayout), ("activation", CActivation)]
+
+
 class ForwardParams(ctypes.Structure):
     _fields_ = [
         ("x", Tensor),
@@ -60,6 +90,8 @@ class ForwardParams(ctypes.Structure):
         ("workspace", ctypes.c_void_p),
         ("workspace_bytes", ctypes.c_size_t),
         ("stream", ctypes.c_void_p),
+        *_EXPERT_FIELDS,
+        *_OPTION_FIELDS,
     ]
 
 
@@ -80,6 +112,9 @@ class BackwardParams(ctypes.Structure):
         ("workspace", ctypes.c_void_p),
         ("workspace_bytes", ctypes.c_size_t),
         ("stream", ctypes.c_void_p),
+        *_EXPERT_FIELDS,
+        *_EXPERT_GRAD_FIELDS,
+        *_OPTION_FIELDS,
     ]
 
 
@@ -96,6 +131,8 @@ class GroupedForwardParams(ctypes.Structure):
         ("workspace", ctypes.c_void_p),
         ("workspace_bytes", ctypes.c_size_t),
         ("stream", ctypes.c_void_p),
+        *_EXPERT_FIELDS,
+        *_OPTION_FIELDS,
     ]
 
 
@@ -116,6 +153,9 @@ class GroupedBackwardParams(ctypes.Structure):
         ("workspace", ctypes.c_void_p),
         ("workspace_bytes", ctypes.c_size_t),
         ("stream", ctypes.c_void_p),
+        *_EXPERT_FIELDS,
+        *_EXPERT_GRAD_FIELDS,
+        *_OPTION_FIELDS,
     ]
 
 
@@ -126,6 +166,8 @@ ABI_STRUCTS = {
     2: BackwardParams,
     3: GroupedForwardParams,
     4: GroupedBackwardParams,
+    5: CLayout,
+    6: CActivation,
 }
 
 _ENTRY_POINTS = (
@@ -172,6 +214,9 @@ def library():
             size_fn = getattr(lib, f"megamoe_{name}_workspace_size")
             size_fn.argtypes = [ctypes.POINTER(params), ctypes.POINTER(ctypes.c_size_t)]
             size_fn.restype = ctypes.c_int
+            path_fn = getattr(lib, f"megamoe_{name}_path")
+            path_fn.argtypes = [ctypes.POINTER(params), ctypes.POINTER(ctypes.c_int)]
+            path_fn.restype = ctypes.c_int
         _LIB = lib
     return _LIB
 
@@ -241,51 +286,78 @@ def check(status):
     raise RuntimeError(message)
 
 
-def forward_into(x, topk_ids, topk_weights, w13, w2, y, saved_h=None):
-    """megamoe_forward writing into the caller's y [T, H] (and h = [g, u] into saved_h [T*topk, 2I] if given)."""
-    params = ForwardParams()
-    for name, tensor in (
-        ("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w13", w13), ("w2", w2), ("y", y),
-        ("saved_h", saved_h),
-    ):
+def set_options(params, gate_up="concatenated", w13_transposed=False, w2_transposed=False, activation="swiglu",
+                limit=0.0, alpha=0.0):
+    """The layout and activation fields of a params struct (the keyword arguments of layouts.op_options()); an unknown
+    name raises ValueError naming the argument."""
+    if gate_up not in GATE_UP_CODES:
+        raise ValueError(f"megamoe: gate_up: unknown arrangement {gate_up!r} (one of {', '.join(GATE_UP_CODES)})")
+    if activation not in ACTIVATION_CODES:
+        raise ValueError(f"megamoe: activation: unknown activation {activation!r} (one of "
+                         f"{', '.join(ACTIVATION_CODES)})")
+    params.layout.gate_up = GATE_UP_CODES[gate_up]
+    params.layout.w13_transposed = int(bool(w13_transposed))
+    params.layout.w2_transposed = int(bool(w2_transposed))
+    params.activation.kind = ACTIVATION_CODES[activation]
+    params.activation.limit = float(limit)
+    params.activation.alpha = float(alpha)
+
+
+_PARAMS = dict(_ENTRY_POINTS)
+
+
+def params_of(kind, tensors, options=None):
+    """The params struct of entry point `kind` ("forward", "backward", "grouped_forward", "grouped_backward") with
+    `tensors` (field name -> torch.Tensor or None: absent) and the options dict (None: the defaults)."""
+    params = _PARAMS[kind]()
+    for name, tensor in tensors.items():
         setattr(params, name, view(name, tensor))
-    _run("forward", params, x.device)
+    set_options(params, **(options or {}))
+    return params
 
 
-def backward_into(dy, x, topk_ids, topk_weights, w13, w2, dx, dtopk_weights, dw13, dw2, saved_h=None):
-    """megamoe_backward writing into the caller's gradients (None = not wanted); saved_h: the forward's, or None."""
-    params = BackwardParams()
-    for name, tensor in (
-        ("dy", dy), ("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w13", w13), ("w2", w2),
-        ("saved_h", saved_h), ("dx", dx), ("dtopk_weights", dtopk_weights), ("dw13", dw13), ("dw2", dw2),
-    ):
-        setattr(params, name, view(name, tensor))
-    _run("backward", params, x.device)
+def call(kind, tensors, options=None):
+    """Run entry point `kind` on `tensors` (outputs among them, written in place), on the device of its first one."""
+    device = next(t for t in tensors.values() if t is not None).device
+    _run(kind, params_of(kind, tensors, options), device)
 
 
-def grouped_forward_into(x_sorted, tokens_per_expert, scores, w13, w2, out, saved_h=None):
+def path(kind, tensors, options=None):
+    """The name of the implementation (PATH_NAMES) entry point `kind` would run for these tensors and options."""
+    code = ctypes.c_int(0)
+    check(getattr(library(), f"megamoe_{kind}_path")(ctypes.byref(params_of(kind, tensors, options)),
+                                                      ctypes.byref(code)))
+    return PATH_NAMES.get(code.value, f"unknown ({code.value})")
+
+
+def forward_into(x, topk_ids, topk_weights, w13, w2, y, saved_h=None, options=None, **experts):
+    """megamoe_forward writing into the caller's y [T, H] (and h = [g, u] into saved_h [T*topk, 2I] if given);
+    experts: w3, b13, b2 (absent: None)."""
+    call("forward", dict(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13, w2=w2, y=y, saved_h=saved_h,
+                         **experts), options)
+
+
+def backward_into(dy, x, topk_ids, topk_weights, w13, w2, dx, dtopk_weights, dw13, dw2, saved_h=None, options=None,
+                  **experts):
+    """megamoe_backward writing into the caller's gradients (None = not wanted); saved_h: the forward's, or None;
+    experts: w3, b13, b2 and their gradients dw3, db13, db2."""
+    call("backward", dict(dy=dy, x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13, w2=w2, saved_h=saved_h,
+                          dx=dx, dtopk_weights=dtopk_weights, dw13=dw13, dw2=dw2, **experts), options)
+
+
+def grouped_forward_into(x_sorted, tokens_per_expert, scores, w13, w2, out, saved_h=None, options=None, **experts):
     """megamoe_grouped_forward writing into the caller's out [R, H] (and h into saved_h [R, 2I] if given);
     scores None: no per-row scale."""
-    params = GroupedForwardParams()
-    for name, tensor in (
-        ("x_sorted", x_sorted), ("tokens_per_expert", tokens_per_expert), ("scores", scores), ("w13", w13),
-        ("w2", w2), ("out", out), ("saved_h", saved_h),
-    ):
-        setattr(params, name, view(name, tensor))
-    _run("grouped_forward", params, x_sorted.device)
+    call("grouped_forward", dict(x_sorted=x_sorted, tokens_per_expert=tokens_per_expert, scores=scores, w13=w13,
+                                 w2=w2, out=out, saved_h=saved_h, **experts), options)
 
 
 def grouped_backward_into(dout, x_sorted, tokens_per_expert, scores, w13, w2, dx_sorted, dscores, dw13, dw2,
-                          saved_h=None):
+                          saved_h=None, options=None, **experts):
     """megamoe_grouped_backward writing into the caller's gradients (None = not wanted; dscores needs scores)."""
-    params = GroupedBackwardParams()
-    for name, tensor in (
-        ("dout", dout), ("x_sorted", x_sorted), ("tokens_per_expert", tokens_per_expert), ("scores", scores),
-        ("w13", w13), ("w2", w2), ("saved_h", saved_h), ("dx_sorted", dx_sorted), ("dscores", dscores),
-        ("dw13", dw13), ("dw2", dw2),
-    ):
-        setattr(params, name, view(name, tensor))
-    _run("grouped_backward", params, x_sorted.device)
+    call("grouped_backward", dict(dout=dout, x_sorted=x_sorted, tokens_per_expert=tokens_per_expert, scores=scores,
+                                  w13=w13, w2=w2, saved_h=saved_h, dx_sorted=dx_sorted, dscores=dscores, dw13=dw13,
+                                  dw2=dw2, **experts), options)
 
 
 def _run(kind, params, device):

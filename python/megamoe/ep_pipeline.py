@@ -139,8 +139,9 @@ class ExpertParallelMoE(torch.autograd.Function):
             x_grouped, scores_grouped, h = saved[c]
             dout = dy_recv.index_select(0, chunk.recv_of_grouped)  # [R_c, H] by local expert
             saved_h = h if h.dim() == 2 else None
-            dx, dscores, dw13, dw2 = grouped_backward(dout, x_grouped, chunk.tokens_per_expert, w13, w2,
-                                                      scores_grouped, saved_h, wgrad_f32)
+            grads = grouped_backward(dout, x_grouped, chunk.tokens_per_expert, w13, w2, scores_grouped, saved_h,
+                                     wgrad_f32, grads=("dx_sorted", "dscores", "dw13", "dw2"))
+            dx, dscores, dw13, dw2 = grads.dx_sorted, grads.dscores, grads.dw13, grads.dw2
             if dw:
                 dw[0] += dw13
                 dw[1] += dw2

@@ -4,59 +4,89 @@ autograd, over the C API's megamoe_grouped_* (the whole layer's kernels, routed 
 no host synchronisation, so torch.compile(fullgraph=True) and CUDA graphs work).
 
     out_r = scores[r] * w2[e] (silu(w13[e, :I] x_r) * (w13[e, I:] x_r))   for the rows r of expert e
+
+Layouts, activations, biases and the gradients computed only where needed as in ops.py.
 """
 
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from . import _lib
-from .ops import _contiguous, _saved_h_or_none, _saved_tensors, _weight_grads_like
+from .layouts import op_options, options_of
+from .ops import (_all_contiguous, _check_args, _contiguous, _grad_buffers, _intermediate, _needs, _needs_input_grad,
+                  _saved_h_or_none, _saved_tensors, bound_arguments)
+
+GRAD_NAMES = ("dx_sorted", "dscores", "dw13", "dw2", "dw3", "db13", "db2")  # grouped_backward's outputs, in order
 
 
-def _inputs(x_sorted, tokens_per_expert, w13, w2, scores):
-    names = ("x_sorted", "tokens_per_expert", "w13", "w2", "scores")
-    return [_contiguous(name, t) for name, t in zip(names, (x_sorted, tokens_per_expert, w13, w2, scores))]
+class GroupedGrads(NamedTuple):
+    """grouped_backward's gradients; None where not asked for or where the input (scores, w3, b13, b2) is absent."""
+
+    dx_sorted: Optional[torch.Tensor]  # [R, H]
+    dscores: Optional[torch.Tensor]  # [R]
+    dw13: Optional[torch.Tensor]  # shaped as w13
+    dw2: Optional[torch.Tensor]  # shaped as w2
+    dw3: Optional[torch.Tensor]  # shaped as w3
+    db13: Optional[torch.Tensor]  # [E, 2I]
+    db2: Optional[torch.Tensor]  # [E, H]
 
 
-def _saved_h_shape(x_sorted, w2):
-    return (x_sorted.shape[0], 2 * w2.shape[2])  # [R, 2I]
+def _inputs(x_sorted, tokens_per_expert, w13, w2, scores, w3, b13, b2):
+    return _all_contiguous(x_sorted=x_sorted, tokens_per_expert=tokens_per_expert, w13=w13, w2=w2, scores=scores,
+                           w3=w3, b13=b13, b2=b2)
 
 
-def _dscores_like(x_sorted, scores):
-    """d scores [R] in the dtype of scores, or an empty [0] placeholder when there are no scores."""
-    if scores is None:
-        return x_sorted.new_empty((0,), dtype=torch.float32)
-    return torch.empty_like(scores, memory_format=torch.contiguous_format)
+def _saved_h_shape(x_sorted, w2, w2_transposed):
+    return (x_sorted.shape[0], 2 * _intermediate(w2, w2_transposed))  # [R, 2I]
 
 
-@torch.library.custom_op("megamoe::grouped_forward", mutates_args=())
-def grouped_forward(
+def _grouped_forward(
     x_sorted: torch.Tensor,
     tokens_per_expert: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
     scores: Optional[torch.Tensor] = None,
     keep_h: bool = False,
+    w3: Optional[torch.Tensor] = None,
+    b13: Optional[torch.Tensor] = None,
+    b2: Optional[torch.Tensor] = None,
+    gate_up: str = "concatenated",
+    w13_transposed: bool = False,
+    w2_transposed: bool = False,
+    activation: str = "swiglu",
+    limit: float = 0.0,
+    alpha: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out [R, H] (padding rows past sum(tokens_per_expert): 0), and h = [g, u] [R, 2I] when keep_h (for
     grouped_backward), else an empty tensor."""
-    x_sorted, tokens_per_expert, w13, w2, scores = _inputs(x_sorted, tokens_per_expert, w13, w2, scores)
+    x_sorted, tokens_per_expert, w13, w2, scores, w3, b13, b2 = _inputs(x_sorted, tokens_per_expert, w13, w2, scores,
+                                                                         w3, b13, b2)
     out = torch.empty_like(x_sorted, memory_format=torch.contiguous_format)  # [R, H]
-    h = x_sorted.new_empty(_saved_h_shape(x_sorted, w2) if keep_h else (0,))  # [R, 2I] or [0]
-    _lib.grouped_forward_into(x_sorted, tokens_per_expert, scores, w13, w2, out, h if keep_h else None)
+    h = x_sorted.new_empty(_saved_h_shape(x_sorted, w2, w2_transposed) if keep_h else (0,))  # [R, 2I] or [0]
+    options = options_of(gate_up, w13_transposed, w2_transposed, activation, limit, alpha)
+    _lib.grouped_forward_into(x_sorted, tokens_per_expert, scores, w13, w2, out, h if keep_h else None, options, w3=w3,
+                              b13=b13, b2=b2)
     return out, h
 
 
+grouped_forward = torch.library.custom_op("megamoe::grouped_forward", mutates_args=())(_grouped_forward)
+
+
 @grouped_forward.register_fake
-def _(x_sorted, tokens_per_expert, w13, w2, scores=None, keep_h=False):
+def _(*args, **kwargs):
+    a = bound_arguments(_grouped_forward, args, kwargs)
+    x_sorted = a["x_sorted"]
     out = torch.empty_like(x_sorted, memory_format=torch.contiguous_format)
-    return out, x_sorted.new_empty(_saved_h_shape(x_sorted, w2) if keep_h else (0,))
+    return out, x_sorted.new_empty(_saved_h_shape(x_sorted, a["w2"], a["w2_transposed"]) if a["keep_h"] else (0,))
 
 
-# saved_h is required and declared mutated, as for megamoe::moe_backward (ops.py).
-@torch.library.custom_op("megamoe::grouped_backward", mutates_args=("saved_h",))
-def _grouped_backward_op(
+def _backward_buffers(x_sorted, scores, w13, w2, w3, b13, b2, wgrad_f32, needs):
+    params = zip(GRAD_NAMES, (x_sorted, scores, w13, w2, w3, b13, b2))
+    return _grad_buffers(x_sorted, params, {name: needs[f"need_{name}"] for name in GRAD_NAMES}, wgrad_f32)
+
+
+def _grouped_backward(
     dout: torch.Tensor,
     x_sorted: torch.Tensor,
     tokens_per_expert: torch.Tensor,
@@ -65,78 +95,141 @@ def _grouped_backward_op(
     scores: Optional[torch.Tensor],
     saved_h: torch.Tensor,
     wgrad_f32: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """torch.ops.megamoe.grouped_backward: grouped_backward below with saved_h always given (empty: recompute h)."""
-    dout = _contiguous("dout", dout)
-    saved_h = _saved_h_or_none(saved_h)
+    w3: Optional[torch.Tensor] = None,
+    b13: Optional[torch.Tensor] = None,
+    b2: Optional[torch.Tensor] = None,
+    gate_up: str = "concatenated",
+    w13_transposed: bool = False,
+    w2_transposed: bool = False,
+    activation: str = "swiglu",
+    limit: float = 0.0,
+    alpha: float = 0.0,
+    need_dx_sorted: bool = True,
+    need_dscores: bool = True,
+    need_dw13: bool = True,
+    need_dw2: bool = True,
+    need_dw3: bool = True,
+    need_db13: bool = True,
+    need_db2: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torch.ops.megamoe.grouped_backward: (d x_sorted, d scores, dw13, dw2, dw3, db13, db2) with saved_h always
+    given (empty: recompute h); an empty [0] tensor for each gradient not needed or of an absent input."""
+    dout, saved_h = _contiguous("dout", dout), _saved_h_or_none(saved_h)
     if saved_h is not None:
         saved_h = _contiguous("saved_h", saved_h)
-    x_sorted, tokens_per_expert, w13, w2, scores = _inputs(x_sorted, tokens_per_expert, w13, w2, scores)
-    dx_sorted = torch.empty_like(x_sorted, memory_format=torch.contiguous_format)  # [R, H]
-    dscores = _dscores_like(x_sorted, scores)  # [R] or [0]
-    dw13, dw2 = _weight_grads_like(w13, w2, wgrad_f32)  # [E, 2I, H], [E, H, I]
-    _lib.grouped_backward_into(dout, x_sorted, tokens_per_expert, scores, w13, w2, dx_sorted,
-                               dscores if scores is not None else None, dw13, dw2, saved_h)
-    return dx_sorted, dscores, dw13, dw2
+    x_sorted, tokens_per_expert, w13, w2, scores, w3, b13, b2 = _inputs(x_sorted, tokens_per_expert, w13, w2, scores,
+                                                                         w3, b13, b2)
+    needs = dict(need_dx_sorted=need_dx_sorted, need_dscores=need_dscores, need_dw13=need_dw13, need_dw2=need_dw2,
+                 need_dw3=need_dw3, need_db13=need_db13, need_db2=need_db2)
+    outputs, buffers = zip(*_backward_buffers(x_sorted, scores, w13, w2, w3, b13, b2, wgrad_f32, needs))
+    dx_sorted, dscores, dw13, dw2, dw3, db13, db2 = buffers
+    options = options_of(gate_up, w13_transposed, w2_transposed, activation, limit, alpha)
+    _lib.grouped_backward_into(dout, x_sorted, tokens_per_expert, scores, w13, w2, dx_sorted, dscores, dw13, dw2,
+                               saved_h, options, w3=w3, b13=b13, b2=b2, dw3=dw3, db13=db13, db2=db2)
+    return tuple(outputs)
+
+
+# saved_h is required and declared mutated, as for megamoe::moe_backward (ops.py).
+_grouped_backward_op = torch.library.custom_op("megamoe::grouped_backward", mutates_args=("saved_h",))(
+    _grouped_backward)
 
 
 @_grouped_backward_op.register_fake
-def _(dout, x_sorted, tokens_per_expert, w13, w2, scores, saved_h, wgrad_f32=False):
-    return (
-        torch.empty_like(x_sorted, memory_format=torch.contiguous_format),
-        _dscores_like(x_sorted, scores),
-        *_weight_grads_like(w13, w2, wgrad_f32),
-    )
+def _(*args, **kwargs):
+    a = bound_arguments(_grouped_backward, args, kwargs)
+    needs = {f"need_{name}": a[f"need_{name}"] for name in GRAD_NAMES}
+    buffers = _backward_buffers(a["x_sorted"], a["scores"], a["w13"], a["w2"], a["w3"], a["b13"], a["b2"],
+                                a["wgrad_f32"], needs)
+    return tuple(out for out, _ in buffers)
 
 
-def grouped_backward(dout, x_sorted, tokens_per_expert, w13, w2, scores=None, saved_h=None, wgrad_f32=False):
-    """(d x_sorted, d scores, dw13, dw2); d scores = <dout_r, o_r> (o_r the unscaled row), an empty [0] tensor
-    without scores. saved_h: grouped_forward's h (keep-h mode; consumed: dh is written over it) or None (recompute
-    h). wgrad_f32: dw13 and dw2 in f32 instead of the parameters' dtype."""
+def grouped_backward(dout, x_sorted, tokens_per_expert, w13, w2, scores=None, saved_h=None, wgrad_f32=False, *,
+                     w3=None, b13=None, b2=None, layout=None, activation=None, grads=None):
+    """GroupedGrads (d x_sorted, d scores, dw13, dw2, dw3, db13, db2); d scores = <dout_r, o_r> (o_r the unscaled
+    row); None for those not in `grads` (names of GRAD_NAMES; None: all) and for absent inputs. saved_h:
+    grouped_forward's h (keep-h mode; consumed: dh is written over it) or None (recompute h). wgrad_f32: the weight
+    and bias gradients in f32 instead of the parameters' dtype."""
     if saved_h is None:
         saved_h = dout.new_empty((0,)) if isinstance(dout, torch.Tensor) else None
-    return _grouped_backward_op(dout, x_sorted, tokens_per_expert, w13, w2, scores, saved_h, wgrad_f32)
+    needs = _needs(GRAD_NAMES, grads)
+    outputs = _grouped_backward_op(dout, x_sorted, tokens_per_expert, w13, w2, scores, saved_h, wgrad_f32, w3, b13,
+                                   b2, **op_options(layout, activation), **needs)
+    present = (True, scores is not None, True, True, w3 is not None, b13 is not None, b2 is not None)
+    return GroupedGrads(*(out if have and needs[f"need_{name}"] else None
+                          for name, out, have in zip(GRAD_NAMES, outputs, present)))
 
 
 def _setup_context(ctx, inputs, output):
-    x_sorted, tokens_per_expert, w13, w2, scores, _keep_h = inputs
+    x_sorted, tokens_per_expert, w13, w2, scores, _keep_h, w3, b13, b2, *options = inputs
     _out, h = output
     ctx.mark_non_differentiable(h)
     ctx.set_materialize_grads(False)  # h's gradient stays None: no [R, 2I] of zeros per backward
-    ctx.has_scores = scores is not None
-    ctx.save_for_backward(x_sorted, tokens_per_expert, w13, w2, scores, h)
+    ctx.options = options_of(*options)
+    ctx.save_for_backward(x_sorted, tokens_per_expert, w13, w2, scores, h, w3, b13, b2)
+
+
+# The forward inputs whose gradients the backward returns: their position among grouped_forward's inputs.
+_GRAD_INPUTS = {"dx_sorted": 0, "dscores": 4, "dw13": 2, "dw2": 3, "dw3": 6, "db13": 7, "db2": 8}
 
 
 def _backward(ctx, dout, _dh):
+    num_inputs = len(ctx.needs_input_grad)
     if dout is None:  # out unused by the loss: nothing flows back
-        return None, None, None, None, None, None
-    x_sorted, tokens_per_expert, w13, w2, scores, h = _saved_tensors(ctx, "megamoe.grouped_moe")
+        return (None,) * num_inputs
+    x_sorted, tokens_per_expert, w13, w2, scores, h, w3, b13, b2 = _saved_tensors(ctx, "megamoe.grouped_moe")
     saved_h = _saved_h_or_none(h)  # recompute mode's empty h is not passed: the op would count it as mutated
-    dx_sorted, dscores, dw13, dw2 = grouped_backward(dout, x_sorted, tokens_per_expert, w13, w2, scores, saved_h)
-    return dx_sorted, None, dw13, dw2, dscores if ctx.has_scores else None, None
+    if saved_h is None:
+        saved_h = dout.new_empty((0,))
+    needs = {f"need_{name}": _needs_input_grad(ctx, index) for name, index in _GRAD_INPUTS.items()}
+    outputs = _grouped_backward_op(dout, x_sorted, tokens_per_expert, w13, w2, scores, saved_h, False, w3, b13, b2,
+                                   **ctx.options, **needs)
+    grads = [None] * num_inputs
+    for (name, index), out in zip(_GRAD_INPUTS.items(), outputs):
+        if needs[f"need_{name}"]:
+            grads[index] = out
+    return tuple(grads)
 
 
 grouped_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def grouped_moe(x_sorted, tokens_per_expert, w13, w2, scores=None, recompute=False):
-    """The routed experts on rows already sorted by expert, differentiable in x_sorted, scores, w13 and w2.
+def grouped_moe(x_sorted, tokens_per_expert, w13, w2, scores=None, recompute=False, *, w3=None, b13=None, b2=None,
+                layout=None, activation=None):
+    """The routed experts on rows already sorted by expert, differentiable in x_sorted, scores and the expert
+    parameters.
 
     x_sorted [R, H]: the rows of expert 0, then of expert 1, ...; tokens_per_expert [E] int32/int64 on the device
     of x_sorted (rows per expert; read on the device only: no host synchronisation); rows past its sum are padding
     and get exact zero outputs and gradients; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]; scores [R]
     (f32 or x_sorted's dtype) or None. Returns out [R, H] in x_sorted's dtype:
     out_r = scores[r] * w2[e] (silu(w13[e, :I] x_r) * (w13[e, I:] x_r)).
+    w3, b13, b2, layout and activation as for megamoe.moe: out_r = scores[r] * (w2[e] act(w13[e] x_r + b13[e]) + b2[e]).
 
     Counts that are negative or sum past R raise ValueError on the CPU; on CUDA (where they cannot be read without
     a sync) every output and gradient comes back NaN. Memory modes as megamoe.moe: by default the forward keeps
     h = [g, u] ([R, 2I]) when gradients are wanted; recompute=True recomputes it in the backward.
     """
-    for name, tensor in (("x_sorted", x_sorted), ("tokens_per_expert", tokens_per_expert), ("w13", w13), ("w2", w2)):
-        _lib.check_arg(name, tensor)
-    if scores is not None:
-        _lib.check_arg("scores", scores)
-    differentiable = (x_sorted, w13, w2) + ((scores,) if scores is not None else ())
+    _check_args(x_sorted=x_sorted, tokens_per_expert=tokens_per_expert, w13=w13, w2=w2, scores=scores, w3=w3, b13=b13,
+                b2=b2)
+    differentiable = [t for t in (x_sorted, w13, w2, scores, w3, b13, b2) if t is not None]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in differentiable)
-    out, _h = grouped_forward(x_sorted, tokens_per_expert, w13, w2, scores, needs_grad and not recompute)
+    out, _h = grouped_forward(x_sorted, tokens_per_expert, w13, w2, scores, needs_grad and not recompute, w3, b13, b2,
+                              **op_options(layout, activation))
     return out
+
+
+def grouped_path_of(x_sorted, tokens_per_expert, w13, w2, scores=None, *, w3=None, b13=None, b2=None, layout=None,
+                    activation=None, backward=False):
+    """Which implementation megamoe.grouped_moe's forward (backward=True: its backward) runs on these arguments; the
+    names and errors of megamoe.path_of."""
+    _check_args(x_sorted=x_sorted, tokens_per_expert=tokens_per_expert, w13=w13, w2=w2, scores=scores, w3=w3, b13=b13,
+                b2=b2)
+    x_sorted, tokens_per_expert, w13, w2, scores, w3, b13, b2 = _inputs(x_sorted, tokens_per_expert, w13, w2, scores,
+                                                                         w3, b13, b2)
+    tensors = dict(x_sorted=x_sorted, tokens_per_expert=tokens_per_expert, scores=scores, w13=w13, w2=w2, w3=w3,
+                   b13=b13, b2=b2)
+    if backward:
+        tensors["dout"] = x_sorted  # the query reads no data: dout needs only x_sorted's shape, dtype and device
+    else:
+        tensors["out"] = torch.empty_like(x_sorted, memory_format=torch.contiguous_format)
+    return _lib.path("grouped_backward" if backward else "grouped_forward", tensors, op_options(layout, activation))

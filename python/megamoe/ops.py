@@ -1,16 +1,38 @@
 """The PyTorch face: `megamoe::moe_forward` / `megamoe::moe_backward` custom ops with fake kernels and
 autograd, over the C API. CPU tensors run the C++ reference, CUDA tensors the CUDA path, on the current
 stream, with every buffer allocated through torch (so CUDA graphs and the caching allocator just work).
+
+The experts' layout and activation (layouts.py) and their optional w3, b13, b2 are plain arguments of the ops
+(gate_up, w13_transposed, w2_transposed, activation, limit, alpha); the weight gradients come back in the parameters'
+own layout. The backward computes only the gradients asked for (its need_* arguments; autograd asks for those of
+ctx.needs_input_grad: frozen experts skip dW, inputs without grad skip dX) and returns an empty [0] tensor for the
+others and for absent parameters.
 """
 
+import inspect
 import warnings
-from typing import Optional
+from typing import NamedTuple, Optional
 
 import torch
 
 from . import _lib
+from .layouts import op_options, options_of
 
 _warned = set()
+
+GRAD_NAMES = ("dx", "dtopk_weights", "dw13", "dw2", "dw3", "db13", "db2")  # moe_backward's outputs, in order
+
+
+class MoEGrads(NamedTuple):
+    """moe_backward's gradients; None where not asked for or where the parameter is absent."""
+
+    dx: Optional[torch.Tensor]  # [T, H]
+    dtopk_weights: Optional[torch.Tensor]  # [T, topk]
+    dw13: Optional[torch.Tensor]  # shaped as w13
+    dw2: Optional[torch.Tensor]  # shaped as w2
+    dw3: Optional[torch.Tensor]  # shaped as w3
+    db13: Optional[torch.Tensor]  # [E, 2I]
+    db2: Optional[torch.Tensor]  # [E, H]
 
 
 def _contiguous(name, tensor):
@@ -23,53 +45,99 @@ def _contiguous(name, tensor):
     return tensor
 
 
-def _inputs(x, topk_ids, topk_weights, w13, w2):
-    names = ("x", "topk_ids", "topk_weights", "w13", "w2")
-    return [_contiguous(name, t) for name, t in zip(names, (x, topk_ids, topk_weights, w13, w2))]
+def _all_contiguous(**tensors):
+    return [_contiguous(name, t) for name, t in tensors.items()]
 
 
-def _saved_h_shape(x, topk_ids, w2):
-    return (topk_ids.shape[0] * topk_ids.shape[1], 2 * w2.shape[2])  # [T*topk, 2I]
+def _intermediate(w2, w2_transposed):
+    return w2.shape[1] if w2_transposed else w2.shape[2]  # I of w2 [E, H, I] or [E, I, H]
 
 
-@torch.library.custom_op("megamoe::moe_forward", mutates_args=())
-def moe_forward(
+def _saved_h_shape(topk_ids, w2, w2_transposed):
+    return (topk_ids.shape[0] * topk_ids.shape[1], 2 * _intermediate(w2, w2_transposed))  # [T*topk, 2I]
+
+
+def _grad_buffers(x, params, needs, wgrad_f32):
+    """Per (name, parameter) of `params`, in order: (output, buffer or None). The output is an uninitialised
+    gradient shaped as its parameter where the parameter exists and needs[name], else an empty [0] placeholder; the
+    buffer is what the C API writes (None: not wanted). Weight and bias gradients (names from dw13 on) in f32 when
+    wgrad_f32."""
+    out = []
+    for index, (name, param) in enumerate(params):
+        if param is None or not needs[name]:
+            out.append((x.new_empty((0,)), None))
+            continue
+        dtype = torch.float32 if wgrad_f32 and index >= 2 else None
+        grad = torch.empty_like(param, dtype=dtype, memory_format=torch.contiguous_format)
+        out.append((grad, grad))
+    return out
+
+
+def _needs(names, grads):
+    """need_<name> keyword arguments of a backward op: all True for grads=None, else True for the names in grads."""
+    if grads is None:
+        return {f"need_{name}": True for name in names}
+    unknown = [name for name in grads if name not in names]
+    if unknown:
+        raise ValueError(f"megamoe: grads: unknown gradient {unknown[0]!r} (one of {', '.join(names)})")
+    return {f"need_{name}": name in grads for name in names}
+
+
+def bound_arguments(fn, args, kwargs):
+    """fn's arguments by name with the defaults filled in: a fake kernel receives an op's arguments as its caller
+    passed them, positionally or by keyword."""
+    bound = inspect.signature(fn).bind(*args, **kwargs)
+    bound.apply_defaults()
+    return bound.arguments
+
+
+def _moe_forward(
     x: torch.Tensor,
     topk_ids: torch.Tensor,
     topk_weights: torch.Tensor,
     w13: torch.Tensor,
     w2: torch.Tensor,
     keep_h: bool = False,
+    w3: Optional[torch.Tensor] = None,
+    b13: Optional[torch.Tensor] = None,
+    b2: Optional[torch.Tensor] = None,
+    gate_up: str = "concatenated",
+    w13_transposed: bool = False,
+    w2_transposed: bool = False,
+    activation: str = "swiglu",
+    limit: float = 0.0,
+    alpha: float = 0.0,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """y [T, H], and h = [g, u] [T*topk, 2I] by sorted row when keep_h (for one moe_backward), else an empty tensor."""
-    x, topk_ids, topk_weights, w13, w2 = _inputs(x, topk_ids, topk_weights, w13, w2)
+    x, topk_ids, topk_weights, w13, w2, w3, b13, b2 = _all_contiguous(
+        x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13, w2=w2, w3=w3, b13=b13, b2=b2)
     y = torch.empty_like(x, memory_format=torch.contiguous_format)  # [T, H]
-    h = x.new_empty(_saved_h_shape(x, topk_ids, w2) if keep_h else (0,))  # [T*topk, 2I] or [0]
-    _lib.forward_into(x, topk_ids, topk_weights, w13, w2, y, h if keep_h else None)
+    h = x.new_empty(_saved_h_shape(topk_ids, w2, w2_transposed) if keep_h else (0,))  # [T*topk, 2I] or [0]
+    options = options_of(gate_up, w13_transposed, w2_transposed, activation, limit, alpha)
+    _lib.forward_into(x, topk_ids, topk_weights, w13, w2, y, h if keep_h else None, options, w3=w3, b13=b13, b2=b2)
     return y, h
 
 
+moe_forward = torch.library.custom_op("megamoe::moe_forward", mutates_args=())(_moe_forward)
+
+
 @moe_forward.register_fake
-def _(x, topk_ids, topk_weights, w13, w2, keep_h=False):
-    y = torch.empty_like(x, memory_format=torch.contiguous_format)
-    return y, x.new_empty(_saved_h_shape(x, topk_ids, w2) if keep_h else (0,))
-
-
-def _weight_grads_like(w13, w2, wgrad_f32):
-    """Uninitialised dw13 [E, 2I, H] and dw2 [E, H, I], in f32 when wgrad_f32, else in the weights' dtype."""
-    wgrad_dtype = torch.float32 if wgrad_f32 else None
-    return (torch.empty_like(w13, dtype=wgrad_dtype, memory_format=torch.contiguous_format),
-            torch.empty_like(w2, dtype=wgrad_dtype, memory_format=torch.contiguous_format))
+def _(*args, **kwargs):
+    a = bound_arguments(_moe_forward, args, kwargs)
+    y = torch.empty_like(a["x"], memory_format=torch.contiguous_format)
+    return y, a["x"].new_empty(_saved_h_shape(a["topk_ids"], a["w2"], a["w2_transposed"]) if a["keep_h"] else (0,))
 
 
 def _saved_h_or_none(saved_h):
     return saved_h if saved_h is not None and saved_h.dim() == 2 else None  # the empty [0] means "recompute"
 
 
-# saved_h is a required argument of the op (an empty tensor means "recompute"): some torch versions drop a trailing
-# defaulted argument before bumping the version counters of the mutated ones, and then fail to find it.
-@torch.library.custom_op("megamoe::moe_backward", mutates_args=("saved_h",))
-def _moe_backward_op(
+def _backward_buffers(x, topk_weights, w13, w2, w3, b13, b2, wgrad_f32, needs):
+    params = zip(GRAD_NAMES, (x, topk_weights, w13, w2, w3, b13, b2))
+    return _grad_buffers(x, params, {name: needs[f"need_{name}"] for name in GRAD_NAMES}, wgrad_f32)
+
+
+def _moe_backward(
     dy: torch.Tensor,
     x: torch.Tensor,
     topk_ids: torch.Tensor,
@@ -78,44 +146,78 @@ def _moe_backward_op(
     w2: torch.Tensor,
     saved_h: torch.Tensor,
     wgrad_f32: bool = False,
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
-    """torch.ops.megamoe.moe_backward: moe_backward below with saved_h always given (empty: recompute h)."""
-    dy = _contiguous("dy", dy)
-    saved_h = _saved_h_or_none(saved_h)
+    w3: Optional[torch.Tensor] = None,
+    b13: Optional[torch.Tensor] = None,
+    b2: Optional[torch.Tensor] = None,
+    gate_up: str = "concatenated",
+    w13_transposed: bool = False,
+    w2_transposed: bool = False,
+    activation: str = "swiglu",
+    limit: float = 0.0,
+    alpha: float = 0.0,
+    need_dx: bool = True,
+    need_dtopk_weights: bool = True,
+    need_dw13: bool = True,
+    need_dw2: bool = True,
+    need_dw3: bool = True,
+    need_db13: bool = True,
+    need_db2: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torch.ops.megamoe.moe_backward: (dx, d topk_weights, dw13, dw2, dw3, db13, db2) with saved_h always given
+    (empty: recompute h); an empty [0] tensor for each gradient not needed or of an absent parameter."""
+    dy, saved_h = _contiguous("dy", dy), _saved_h_or_none(saved_h)
     if saved_h is not None:
         saved_h = _contiguous("saved_h", saved_h)
-    x, topk_ids, topk_weights, w13, w2 = _inputs(x, topk_ids, topk_weights, w13, w2)
-    dx = torch.empty_like(x, memory_format=torch.contiguous_format)  # [T, H]
-    dtopk_weights = torch.empty_like(topk_weights, memory_format=torch.contiguous_format)  # [T, topk]
-    dw13, dw2 = _weight_grads_like(w13, w2, wgrad_f32)
-    _lib.backward_into(dy, x, topk_ids, topk_weights, w13, w2, dx, dtopk_weights, dw13, dw2, saved_h)
-    return dx, dtopk_weights, dw13, dw2
+    x, topk_ids, topk_weights, w13, w2, w3, b13, b2 = _all_contiguous(
+        x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13, w2=w2, w3=w3, b13=b13, b2=b2)
+    needs = dict(need_dx=need_dx, need_dtopk_weights=need_dtopk_weights, need_dw13=need_dw13, need_dw2=need_dw2,
+                 need_dw3=need_dw3, need_db13=need_db13, need_db2=need_db2)
+    outputs, buffers = zip(*_backward_buffers(x, topk_weights, w13, w2, w3, b13, b2, wgrad_f32, needs))
+    dx, dtopk_weights, dw13, dw2, dw3, db13, db2 = buffers
+    options = options_of(gate_up, w13_transposed, w2_transposed, activation, limit, alpha)
+    _lib.backward_into(dy, x, topk_ids, topk_weights, w13, w2, dx, dtopk_weights, dw13, dw2, saved_h, options, w3=w3,
+                       b13=b13, b2=b2, dw3=dw3, db13=db13, db2=db2)
+    return tuple(outputs)
+
+
+# saved_h is a required argument of the op (an empty tensor means "recompute"): some torch versions drop a trailing
+# defaulted argument before bumping the version counters of the mutated ones, and then fail to find it.
+_moe_backward_op = torch.library.custom_op("megamoe::moe_backward", mutates_args=("saved_h",))(_moe_backward)
 
 
 @_moe_backward_op.register_fake
-def _(dy, x, topk_ids, topk_weights, w13, w2, saved_h, wgrad_f32=False):
-    return (
-        torch.empty_like(x, memory_format=torch.contiguous_format),
-        torch.empty_like(topk_weights, memory_format=torch.contiguous_format),
-        *_weight_grads_like(w13, w2, wgrad_f32),
-    )
+def _(*args, **kwargs):
+    a = bound_arguments(_moe_backward, args, kwargs)
+    needs = {f"need_{name}": a[f"need_{name}"] for name in GRAD_NAMES}
+    buffers = _backward_buffers(a["x"], a["topk_weights"], a["w13"], a["w2"], a["w3"], a["b13"], a["b2"],
+                                a["wgrad_f32"], needs)
+    return tuple(out for out, _ in buffers)
 
 
-def moe_backward(dy, x, topk_ids, topk_weights, w13, w2, saved_h=None, wgrad_f32=False):
-    """(dx, d topk_weights, dw13, dw2) of moe_forward's inputs given dy [T, H]. saved_h: moe_forward's h (keep-h
-    mode; consumed: dh is written over it, so it serves one backward) or None (recompute h). wgrad_f32: dw13 and dw2
-    in f32 (main-grad style) instead of the parameters' dtype."""
+def moe_backward(dy, x, topk_ids, topk_weights, w13, w2, saved_h=None, wgrad_f32=False, *, w3=None, b13=None, b2=None,
+                 layout=None, activation=None, grads=None):
+    """MoEGrads (dx, d topk_weights, dw13, dw2, dw3, db13, db2) of moe_forward's inputs given dy [T, H]; None for
+    those not in `grads` (names of GRAD_NAMES; None: all) and for absent parameters. saved_h: moe_forward's h (keep-h
+    mode; consumed: dh is written over it, so it serves one backward) or None (recompute h). wgrad_f32: the weight
+    and bias gradients in f32 (main-grad style) instead of the parameters' dtype. layout / activation: as the
+    forward's (layouts.py)."""
     if saved_h is None:
         saved_h = dy.new_empty((0,)) if isinstance(dy, torch.Tensor) else None
-    return _moe_backward_op(dy, x, topk_ids, topk_weights, w13, w2, saved_h, wgrad_f32)
+    needs = _needs(GRAD_NAMES, grads)
+    outputs = _moe_backward_op(dy, x, topk_ids, topk_weights, w13, w2, saved_h, wgrad_f32, w3, b13, b2,
+                               **op_options(layout, activation), **needs)
+    present = (True, True, True, True, w3 is not None, b13 is not None, b2 is not None)
+    return MoEGrads(*(out if have and needs[f"need_{name}"] else None
+                      for name, out, have in zip(GRAD_NAMES, outputs, present)))
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_ids, topk_weights, w13, w2, _keep_h = inputs
+    x, topk_ids, topk_weights, w13, w2, _keep_h, w3, b13, b2, *options = inputs
     _y, h = output
     ctx.mark_non_differentiable(h)
     ctx.set_materialize_grads(False)  # h's gradient stays None: no [T*topk, 2I] of zeros per backward
-    ctx.save_for_backward(x, topk_ids, topk_weights, w13, w2, h)
+    ctx.options = options_of(*options)
+    ctx.save_for_backward(x, topk_ids, topk_weights, w13, w2, h, w3, b13, b2)
 
 
 def _saved_tensors(ctx, entry="megamoe.moe"):
@@ -131,31 +233,81 @@ def _saved_tensors(ctx, entry="megamoe.moe"):
         ) from ex
 
 
+# The forward inputs whose gradients the backward returns: their position among moe_forward's inputs.
+_GRAD_INPUTS = {"dx": 0, "dtopk_weights": 2, "dw13": 3, "dw2": 4, "dw3": 6, "db13": 7, "db2": 8}
+
+
+def _needs_input_grad(ctx, index):
+    """ctx.needs_input_grad[index], False past its end: the dispatcher drops trailing arguments left at their
+    defaults (absent w3, b13, b2), and needs_input_grad covers only the arguments passed."""
+    return index < len(ctx.needs_input_grad) and ctx.needs_input_grad[index]
+
+
 def _backward(ctx, dy, _dh):
+    num_inputs = len(ctx.needs_input_grad)
     if dy is None:  # y unused by the loss: nothing flows back
-        return None, None, None, None, None, None
-    x, topk_ids, topk_weights, w13, w2, h = _saved_tensors(ctx)
+        return (None,) * num_inputs
+    x, topk_ids, topk_weights, w13, w2, h, w3, b13, b2 = _saved_tensors(ctx)
     saved_h = _saved_h_or_none(h)  # recompute mode's empty h is not passed: the op would count it as mutated
-    dx, dtopk_weights, dw13, dw2 = moe_backward(dy, x, topk_ids, topk_weights, w13, w2, saved_h)
-    return dx, None, dtopk_weights, dw13, dw2, None
+    if saved_h is None:
+        saved_h = dy.new_empty((0,))
+    needs = {f"need_{name}": _needs_input_grad(ctx, index) for name, index in _GRAD_INPUTS.items()}
+    outputs = _moe_backward_op(dy, x, topk_ids, topk_weights, w13, w2, saved_h, False, w3, b13, b2, **ctx.options,
+                               **needs)
+    grads = [None] * num_inputs
+    for (name, index), out in zip(_GRAD_INPUTS.items(), outputs):
+        if needs[f"need_{name}"]:
+            grads[index] = out
+    return tuple(grads)
 
 
 moe_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
-def moe(x, topk_ids, topk_weights, w13, w2, recompute=False):
-    """Routed-expert MLP (DESIGN.md section 1), differentiable in x, topk_weights, w13 and w2.
+def _check_args(**tensors):
+    for name, tensor in tensors.items():
+        if tensor is not None:
+            _lib.check_arg(name, tensor)
+
+
+def moe(x, topk_ids, topk_weights, w13, w2, recompute=False, *, w3=None, b13=None, b2=None, layout=None,
+        activation=None):
+    """Routed-expert MLP (DESIGN.md section 1), differentiable in x, topk_weights and the expert parameters.
 
     x [T, H]; topk_ids [T, topk] int32/int64 in [0, E) or -1 (dropped); topk_weights [T, topk] f32 or
     x's dtype; w13 [E, 2I, H] (gate rows, then up rows); w2 [E, H, I]. Returns y [T, H] in x's dtype:
     y_t = sum_j topk_weights[t, j] * w2[e] (silu(w13[e, :I] x_t) * (w13[e, I:] x_t)), e = topk_ids[t, j].
 
+    Other layouts and activations (megamoe.Layout, megamoe.Activation; layouts.py): layout=megamoe.SEPARATE takes the
+    up projection as w3, layout=megamoe.GPT_OSS gpt-oss's interleaved transposed weights, activation=
+    megamoe.clamped_swiglu(7.0, 1.702) its activation; b13 [E, 2I] (arranged as w13's rows) and b2 [E, H] are
+    optional biases: o = w2[e] act(w13[e] x_t + b13[e]) + b2[e]. CUDA runs only the defaults for now
+    (NotImplementedError naming the option otherwise); megamoe.path_of tells which path a call takes.
+
     Memory mode when gradients are wanted: by default the forward keeps h = [g, u] ([T*topk, 2I], the fastest
     backward, which writes dh over it: one backward per forward); recompute=True keeps only the inputs and recomputes
     h in the backward (same gradients; also for graphs backpropagated more than once).
     """
-    for name, tensor in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights), ("w13", w13), ("w2", w2)):
-        _lib.check_arg(name, tensor)
-    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in (x, topk_weights, w13, w2))
-    y, _h = moe_forward(x, topk_ids, topk_weights, w13, w2, needs_grad and not recompute)
+    _check_args(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13, w2=w2, w3=w3, b13=b13, b2=b2)
+    differentiable = [t for t in (x, topk_weights, w13, w2, w3, b13, b2) if t is not None]
+    needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in differentiable)
+    y, _h = moe_forward(x, topk_ids, topk_weights, w13, w2, needs_grad and not recompute, w3, b13, b2,
+                        **op_options(layout, activation))
     return y
+
+
+def path_of(x, topk_ids, topk_weights, w13, w2, *, w3=None, b13=None, b2=None, layout=None, activation=None,
+            backward=False):
+    """Which implementation megamoe.moe's forward (backward=True: its backward) runs on these arguments: "reference"
+    (CPU tensors), "cuda" (the portable CUDA kernels), "sm90" (the fused Hopper kernels) or "sm90+cuda-weight-grads"
+    (backward: sm_90a GEMMs, portable weight gradients). Options the CUDA path cannot run raise NotImplementedError
+    naming them, as the call would. Reads no data (allocates one [T, H] output for the forward's query)."""
+    _check_args(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13, w2=w2, w3=w3, b13=b13, b2=b2)
+    x, topk_ids, topk_weights, w13, w2, w3, b13, b2 = _all_contiguous(
+        x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13, w2=w2, w3=w3, b13=b13, b2=b2)
+    tensors = dict(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13, w2=w2, w3=w3, b13=b13, b2=b2)
+    if backward:
+        tensors["dy"] = x  # the query reads no data: dy needs only x's shape, dtype and device
+    else:
+        tensors["y"] = torch.empty_like(x, memory_format=torch.contiguous_format)
+    return _lib.path("backward" if backward else "forward", tensors, op_options(layout, activation))

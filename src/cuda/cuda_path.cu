@@ -507,6 +507,11 @@ bool forward_sm90(const ForwardCall& call) {
     return ForwardGemms::make(call, plan, workspace).sm90_ok(call.device_index);
 }
 
+megamoe_path_t backward_path(const BackwardPlan& plan) {
+    if (!plan.use_sm90) return MEGAMOE_PATH_CUDA_PORTABLE;
+    return plan.weight_grads_sm90 ? MEGAMOE_PATH_SM90 : MEGAMOE_PATH_SM90_PORTABLE_WEIGHT_GRADS;
+}
+
 megamoe_status_t run_backward(const BackwardCall& call) {
     const DeviceGuard guard(call.device_index);
     MEGAMOE_CUDA_RETURN_IF_ERROR(guard.status());
@@ -557,6 +562,55 @@ bool backward_weight_grads_use_sm90(const megamoe_backward_params_t& params, con
 }
 bool backward_weight_grads_use_sm90(const megamoe_grouped_backward_params_t& params, const Shape& shape) {
     return BackwardPlan::make(backward_call(params, shape)).weight_grads_sm90;
+}
+
+megamoe_status_t check_supported(const Experts& experts) {
+    const megamoe_layout_t& layout = experts.layout;
+    if (layout.gate_up == MEGAMOE_GATE_UP_SEPARATE) {
+        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
+                         "layout.gate_up: separate w1 / w3 is not supported on CUDA yet (TODO(#12)); use CPU tensors");
+    }
+    if (layout.gate_up == MEGAMOE_GATE_UP_INTERLEAVED) {
+        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
+                         "layout.gate_up: interleaved gate / up rows are not supported on CUDA yet (TODO(#12)); use "
+                         "CPU tensors");
+    }
+    if (layout.w13_transposed != 0) {
+        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
+                         "layout.w13_transposed: transposed w13 is not supported on CUDA yet (TODO(#12)); use CPU "
+                         "tensors");
+    }
+    if (layout.w2_transposed != 0) {
+        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
+                         "layout.w2_transposed: transposed w2 is not supported on CUDA yet (TODO(#12)); use CPU "
+                         "tensors");
+    }
+    if (experts.activation.kind != MEGAMOE_ACTIVATION_SWIGLU) {
+        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
+                         "activation.kind: clamped SwiGLU is not supported on CUDA yet (TODO(#12)); use CPU tensors");
+    }
+    if (is_present(*experts.b13)) {
+        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
+                         "b13: a bias of the up projection is not supported on CUDA yet (TODO(#12)); use CPU tensors");
+    }
+    if (is_present(*experts.b2)) {
+        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
+                         "b2: a bias of the down projection is not supported on CUDA yet (TODO(#12)); use CPU tensors");
+    }
+    return MEGAMOE_STATUS_SUCCESS;
+}
+
+megamoe_path_t path(const megamoe_forward_params_t& params, const Shape& shape) {
+    return forward_uses_sm90(params, shape) ? MEGAMOE_PATH_SM90 : MEGAMOE_PATH_CUDA_PORTABLE;
+}
+megamoe_path_t path(const megamoe_grouped_forward_params_t& params, const Shape& shape) {
+    return forward_uses_sm90(params, shape) ? MEGAMOE_PATH_SM90 : MEGAMOE_PATH_CUDA_PORTABLE;
+}
+megamoe_path_t path(const megamoe_backward_params_t& params, const Shape& shape) {
+    return backward_path(BackwardPlan::make(backward_call(params, shape)));
+}
+megamoe_path_t path(const megamoe_grouped_backward_params_t& params, const Shape& shape) {
+    return backward_path(BackwardPlan::make(backward_call(params, shape)));
 }
 
 }  // namespace megamoe::cuda

@@ -19,8 +19,20 @@
 #include <cstddef>
 
 #include "common.h"
+#include "layout.h"
 
 namespace megamoe::cuda {
+
+// SUCCESS when the CUDA path computes these expert parameters; else NOT_SUPPORTED naming the first option it does not
+// run (for now all but the default: concatenated untransposed weights, SwiGLU, no biases; TODO(#12)).
+megamoe_status_t check_supported(const Experts& experts);
+
+// The kernels a call with these params runs: the portable path, the fused sm_90a kernels, or (backward) the sm_90a
+// M-grouped GEMMs with the portable weight gradients (forward_uses_sm90 / backward_uses_sm90 below).
+megamoe_path_t path(const megamoe_forward_params_t& params, const Shape& shape);
+megamoe_path_t path(const megamoe_grouped_forward_params_t& params, const Shape& shape);
+megamoe_path_t path(const megamoe_backward_params_t& params, const Shape& shape);
+megamoe_path_t path(const megamoe_grouped_backward_params_t& params, const Shape& shape);
 
 size_t workspace_size(const megamoe_forward_params_t& params, const Shape& shape);
 size_t workspace_size(const megamoe_grouped_forward_params_t& params, const Shape& shape);

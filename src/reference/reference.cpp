@@ -1,6 +1,8 @@
 // CPU reference of DESIGN.md section 1, written to be read: every slot (t, j) is computed on its own,
 // in the accumulation type Acc (double or float), with no rounding of intermediates. Inputs are first
-// widened into Acc arrays; outputs are rounded once, at the end, into their own dtypes.
+// widened into Acc arrays (the expert weights from their layout into canonical ones: expert_weights.h); outputs are
+// rounded once, at the end, into their own dtypes (weight gradients into their parameters' layout).
+// Per slot: h = [g, u] = W13[e] x + b13[e], a = act(g, u) (activation.h), o = W2[e] a + b2[e], y_t = sum_j s o.
 //
 // Memory modes: the forward writes h = [g, u] into saved_h when asked (rounded to its dtype), row by sorted row (the
 // slots in the stable expert order, as the CUDA path keeps it: megamoe.h); the backward reads a given saved_h instead
@@ -15,10 +17,11 @@
 // single sum, so results do not depend on the thread count.
 #include "reference/reference.h"
 
-#include <cmath>
 #include <vector>
 
+#include "activation.h"
 #include "dtype.h"
+#include "reference/expert_weights.h"
 
 namespace megamoe::reference {
 namespace {
@@ -32,11 +35,6 @@ std::vector<Acc> widen(const megamoe_tensor_t& tensor) {
     return values;
 }
 
-template <typename Acc>
-Acc sigmoid(Acc value) {
-    return Acc(1) / (Acc(1) + std::exp(-value));
-}
-
 // The widened inputs shared by forward and backward: per slot its expert (-1: none) and weight.
 template <typename Acc>
 struct Inputs {
@@ -44,24 +42,22 @@ struct Inputs {
     std::vector<Acc> x;           // [T, H]
     std::vector<int64_t> expert;  // [T * topk], -1 = dropped (grouped rows: a padding row)
     std::vector<Acc> weight;      // [T * topk]
-    std::vector<Acc> w13;         // [E, 2I, H]
-    std::vector<Acc> w2;          // [E, H, I]
-    std::vector<int64_t> h_row;   // [T * topk]: the slot's row of saved_h (stable sort by expert), -1 = dropped
+    ExpertWeights<Acc> weights;   // canonical w13 [E, 2I, H], w2 [E, H, I], biases
+    Activation<Acc> activation;
+    std::vector<int64_t> h_row;  // [T * topk]: the slot's row of saved_h (stable sort by expert), -1 = dropped
 
-    Inputs(const Shape& problem, const megamoe_tensor_t& x_t, const megamoe_tensor_t& w13_t,
-           const megamoe_tensor_t& w2_t)
+    Inputs(const Shape& problem, const megamoe_tensor_t& x_t, const Experts& experts)
         : shape(problem),
           x(widen<Acc>(x_t)),
           expert(static_cast<size_t>(problem.num_slots()), -1),
           weight(static_cast<size_t>(problem.num_slots()), Acc(1)),
-          w13(widen<Acc>(w13_t)),
-          w2(widen<Acc>(w2_t)) {}
+          weights(ExpertWeights<Acc>::read(experts, problem)),
+          activation(Activation<Acc>::of(experts.activation)) {}
 
     // The whole layer: slot t * topk + j goes to topk_ids[t, j] with weight topk_weights[t, j].
     static Inputs routed(const Shape& problem, const megamoe_tensor_t& x_t, const megamoe_tensor_t& ids_t,
-                         const megamoe_tensor_t& weights_t, const megamoe_tensor_t& w13_t,
-                         const megamoe_tensor_t& w2_t) {
-        Inputs in(problem, x_t, w13_t, w2_t);
+                         const megamoe_tensor_t& weights_t, const Experts& experts) {
+        Inputs in(problem, x_t, experts);
         in.weight = widen<Acc>(weights_t);
         for (int64_t slot = 0; slot < problem.num_slots(); ++slot)
             in.expert[slot] = load_index(ids_t.data, ids_t.dtype, slot);
@@ -72,9 +68,8 @@ struct Inputs {
     // Grouped rows (topk = 1): rows [n_0 + ... + n_{e-1}, n_0 + ... + n_e) go to expert e (n = counts), rows past
     // the sum to none; row r's weight is scores[r], or 1 without scores.
     static Inputs grouped(const Shape& problem, const megamoe_tensor_t& x_t, const megamoe_tensor_t& counts_t,
-                          const megamoe_tensor_t& scores_t, const megamoe_tensor_t& w13_t,
-                          const megamoe_tensor_t& w2_t) {
-        Inputs in(problem, x_t, w13_t, w2_t);
+                          const megamoe_tensor_t& scores_t, const Experts& experts) {
+        Inputs in(problem, x_t, experts);
         if (scores_t.data != nullptr) in.weight = widen<Acc>(scores_t);
         int64_t row_idx = 0;
         for (int64_t expert_idx = 0; expert_idx < problem.num_experts; ++expert_idx) {
@@ -99,20 +94,20 @@ struct Inputs {
         return rows;
     }
 
-    // g, u = W13[e] x_t and a = silu(g) * u, each [I].
+    // g, u = W13[e] x_t + b13[e] and a = act(g, u), each [I].
     void up(int64_t token_idx, int64_t expert_idx, Acc* gate, Acc* up_out, Acc* act) const {
         const int64_t H = shape.hidden, I = shape.intermediate;
         const Acc* x_row = &x[token_idx * H];
-        const Acc* w = &w13[expert_idx * 2 * I * H];
+        const Acc* w = &weights.w13[expert_idx * 2 * I * H];
         for (int64_t i = 0; i < I; ++i) {
-            Acc g = 0, u = 0;
+            Acc g = weights.gate_up_bias(expert_idx, i), u = weights.gate_up_bias(expert_idx, I + i);
             for (int64_t h = 0; h < H; ++h) {
                 g += w[i * H + h] * x_row[h];
                 u += w[(I + i) * H + h] * x_row[h];
             }
             gate[i] = g;
             up_out[i] = u;
-            act[i] = g * sigmoid(g) * u;
+            act[i] = activation.forward(g, u);
         }
     }
 };
@@ -136,9 +131,9 @@ void forward_slots(const Inputs<Acc>& in, const megamoe_tensor_t& y, const megam
                     store_element(saved_h.data, saved_h.dtype, h_base + I + i, static_cast<double>(up[i]));
                 }
             }
-            const Acc* w = &in.w2[e * H * I];
+            const Acc* w = &in.weights.w2[e * H * I];
             for (int64_t h = 0; h < H; ++h) {
-                Acc o = 0;
+                Acc o = in.weights.down_bias(e, h);
                 for (int64_t i = 0; i < I; ++i) o += w[h * I + i] * act[i];
                 y_row[h] += in.weight[slot] * o;
             }
@@ -147,10 +142,11 @@ void forward_slots(const Inputs<Acc>& in, const megamoe_tensor_t& y, const megam
     }
 }
 
-// What a backward writes: the gradients of x, of the slots' weights and of the expert weights (NULL data: not
+// What a backward writes: the gradients of x, of the slots' weights and of the expert parameters (NULL data: not
 // wanted).
 struct Grads {
-    megamoe_tensor_t dx, dweights, dw13, dw2;
+    megamoe_tensor_t dx, dweights;
+    ExpertGrads experts;
 };
 
 template <typename Acc>
@@ -163,7 +159,7 @@ void backward_slots(const Inputs<Acc>& in, const megamoe_tensor_t& dy_t, const m
     std::vector<Acc> dh(static_cast<size_t>(S * 2 * I), Acc(0));  // [S, 2I] = [dg, du] per slot
     std::vector<Acc> act(static_cast<size_t>(S * I), Acc(0));     // [S, I]
 
-    // Per slot: p = W2[e]^T dy_t, ds = <p, a>, da = s p, then dSwiGLU into dh.
+    // Per slot: p = W2[e]^T dy_t, ds = <p, a> + <dy_t, b2[e]> (= <dy_t, o>), da = s p, then act's derivative into dh.
 #pragma omp parallel for schedule(dynamic)
     for (int64_t t = 0; t < T; ++t) {
         std::vector<Acc> gate(I), up(I), proj(I);
@@ -177,21 +173,23 @@ void backward_slots(const Inputs<Acc>& in, const megamoe_tensor_t& dy_t, const m
                     for (int64_t i = 0; i < I; ++i) {
                         gate[i] = static_cast<Acc>(load_element(saved_h.data, saved_h.dtype, h_base + i));
                         up[i] = static_cast<Acc>(load_element(saved_h.data, saved_h.dtype, h_base + I + i));
-                        a[i] = gate[i] * sigmoid(gate[i]) * up[i];
+                        a[i] = in.activation.forward(gate[i], up[i]);
                     }
                 } else {
                     in.up(t, e, gate.data(), up.data(), a);
                 }
-                const Acc* w = &in.w2[e * H * I];
+                const Acc* w = &in.weights.w2[e * H * I];
                 for (int64_t i = 0; i < I; ++i) proj[i] = 0;
                 for (int64_t h = 0; h < H; ++h) {
                     for (int64_t i = 0; i < I; ++i) proj[i] += w[h * I + i] * dy[t * H + h];
                 }
                 for (int64_t i = 0; i < I; ++i) {
                     ds += proj[i] * a[i];
-                    const Acc da = in.weight[slot] * proj[i], sig = sigmoid(gate[i]);
-                    dh[slot * 2 * I + i] = da * up[i] * sig * (Acc(1) + gate[i] * (Acc(1) - sig));
-                    dh[slot * 2 * I + I + i] = da * gate[i] * sig;
+                    in.activation.backward(gate[i], up[i], in.weight[slot] * proj[i], &dh[slot * 2 * I + i],
+                                           &dh[slot * 2 * I + I + i]);
+                }
+                if (!in.weights.b2.empty()) {
+                    for (int64_t h = 0; h < H; ++h) ds += dy[t * H + h] * in.weights.down_bias(e, h);
                 }
             }
             if (grads.dweights.data) store_element(grads.dweights.data, grads.dweights.dtype, slot, ds);
@@ -201,7 +199,7 @@ void backward_slots(const Inputs<Acc>& in, const megamoe_tensor_t& dy_t, const m
             for (int64_t j = 0; j < topk; ++j) {
                 const int64_t slot = t * topk + j, e = in.expert[slot];
                 if (e < 0) continue;
-                const Acc* w = &in.w13[e * 2 * I * H];
+                const Acc* w = &in.weights.w13[e * 2 * I * H];
                 for (int64_t n = 0; n < 2 * I; ++n) {
                     const Acc grad = dh[slot * 2 * I + n];
                     for (int64_t h = 0; h < H; ++h) dx_row[h] += w[n * H + h] * grad;
@@ -211,28 +209,34 @@ void backward_slots(const Inputs<Acc>& in, const megamoe_tensor_t& dy_t, const m
         }
     }
 
-    // Weight gradients: each expert sums its slots in increasing slot order.
-    const megamoe_tensor_t &dw13_t = grads.dw13, &dw2_t = grads.dw2;
-    if (dw13_t.data || dw2_t.data) {
+    // Expert gradients: each expert sums its slots in increasing slot order.
+    const ExpertGrads& wanted = grads.experts;
+    const bool want_w13 = wanted.dw13->data || wanted.dw3->data, want_w2 = wanted.dw2->data != nullptr;
+    const bool want_b13 = wanted.db13->data != nullptr, want_b2 = wanted.db2->data != nullptr;
+    if (want_w13 || want_w2 || want_b13 || want_b2) {
 #pragma omp parallel for schedule(dynamic)
         for (int64_t e = 0; e < E; ++e) {
-            std::vector<Acc> dw13(dw13_t.data ? 2 * I * H : 0, Acc(0)), dw2(dw2_t.data ? H * I : 0, Acc(0));
+            std::vector<Acc> dw13(want_w13 ? 2 * I * H : 0, Acc(0)), dw2(want_w2 ? H * I : 0, Acc(0));
+            std::vector<Acc> db13(want_b13 ? 2 * I : 0, Acc(0)), db2(want_b2 ? H : 0, Acc(0));
             for (int64_t slot = 0; slot < S; ++slot) {
                 if (in.expert[slot] != e) continue;
                 const int64_t t = slot / topk;
-                for (int64_t n = 0; n < 2 * I && dw13_t.data; ++n) {
-                    for (int64_t h = 0; h < H; ++h) dw13[n * H + h] += dh[slot * 2 * I + n] * in.x[t * H + h];
+                const Acc* dh_row = &dh[slot * 2 * I];
+                for (int64_t n = 0; n < 2 * I && want_w13; ++n) {
+                    for (int64_t h = 0; h < H; ++h) dw13[n * H + h] += dh_row[n] * in.x[t * H + h];
                 }
-                for (int64_t h = 0; h < H && dw2_t.data; ++h) {
+                for (int64_t n = 0; n < 2 * I && want_b13; ++n) db13[n] += dh_row[n];
+                for (int64_t h = 0; h < H && (want_w2 || want_b2); ++h) {
                     const Acc scaled_dy = in.weight[slot] * dy[t * H + h];
-                    for (int64_t i = 0; i < I; ++i) dw2[h * I + i] += scaled_dy * act[slot * I + i];
+                    for (int64_t i = 0; i < I && want_w2; ++i) dw2[h * I + i] += scaled_dy * act[slot * I + i];
+                    if (want_b2) db2[h] += scaled_dy;
                 }
             }
-            for (size_t idx = 0; idx < dw13.size(); ++idx) {
-                store_element(dw13_t.data, dw13_t.dtype, e * 2 * I * H + static_cast<int64_t>(idx), dw13[idx]);
-            }
-            for (size_t idx = 0; idx < dw2.size(); ++idx) {
-                store_element(dw2_t.data, dw2_t.dtype, e * H * I + static_cast<int64_t>(idx), dw2[idx]);
+            if (want_w13) in.weights.write_w13_grad(*wanted.dw13, *wanted.dw3, e, dw13);
+            if (want_w2) in.weights.write_w2_grad(*wanted.dw2, e, dw2);
+            if (want_b13) in.weights.write_b13_grad(*wanted.db13, e, db13);
+            for (int64_t h = 0; h < H && want_b2; ++h) {
+                store_element(wanted.db2->data, wanted.db2->dtype, e * H + h, static_cast<double>(db2[h]));
             }
         }
     }
@@ -267,22 +271,22 @@ size_t workspace_size(const megamoe_grouped_backward_params_t&, const Shape&) {
 megamoe_status_t run(const megamoe_forward_params_t& p, const Shape& shape) {
     return with_accum(p.accum, [&](auto acc) {
         using Acc = decltype(acc);
-        forward_slots(Inputs<Acc>::routed(shape, p.x, p.topk_ids, p.topk_weights, p.w13, p.w2), p.y, p.saved_h);
+        forward_slots(Inputs<Acc>::routed(shape, p.x, p.topk_ids, p.topk_weights, Experts::of(p)), p.y, p.saved_h);
     });
 }
 
 megamoe_status_t run(const megamoe_backward_params_t& p, const Shape& shape) {
     return with_accum(p.accum, [&](auto acc) {
         using Acc = decltype(acc);
-        backward_slots(Inputs<Acc>::routed(shape, p.x, p.topk_ids, p.topk_weights, p.w13, p.w2), p.dy, p.saved_h,
-                       Grads{p.dx, p.dtopk_weights, p.dw13, p.dw2});
+        backward_slots(Inputs<Acc>::routed(shape, p.x, p.topk_ids, p.topk_weights, Experts::of(p)), p.dy, p.saved_h,
+                       Grads{p.dx, p.dtopk_weights, ExpertGrads::of(p)});
     });
 }
 
 megamoe_status_t run(const megamoe_grouped_forward_params_t& p, const Shape& shape) {
     return with_accum(p.accum, [&](auto acc) {
         using Acc = decltype(acc);
-        forward_slots(Inputs<Acc>::grouped(shape, p.x_sorted, p.tokens_per_expert, p.scores, p.w13, p.w2), p.out,
+        forward_slots(Inputs<Acc>::grouped(shape, p.x_sorted, p.tokens_per_expert, p.scores, Experts::of(p)), p.out,
                       p.saved_h);
     });
 }
@@ -290,8 +294,8 @@ megamoe_status_t run(const megamoe_grouped_forward_params_t& p, const Shape& sha
 megamoe_status_t run(const megamoe_grouped_backward_params_t& p, const Shape& shape) {
     return with_accum(p.accum, [&](auto acc) {
         using Acc = decltype(acc);
-        backward_slots(Inputs<Acc>::grouped(shape, p.x_sorted, p.tokens_per_expert, p.scores, p.w13, p.w2), p.dout,
-                       p.saved_h, Grads{p.dx_sorted, p.dscores, p.dw13, p.dw2});
+        backward_slots(Inputs<Acc>::grouped(shape, p.x_sorted, p.tokens_per_expert, p.scores, Experts::of(p)), p.dout,
+                       p.saved_h, Grads{p.dx_sorted, p.dscores, ExpertGrads::of(p)});
     });
 }
 

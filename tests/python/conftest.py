@@ -44,7 +44,7 @@ def make_ids(T, E, topk, routing, gen):
         ids[:, 0] = 0
     if routing == "dropped":
         ids[torch.rand(T, topk, generator=gen) < 0.3] = -1
-        ids[0] = -1  # one token with every slot dropped
+        ids[:1] = -1  # one token with every slot dropped (none when T = 0)
     return ids
 
 

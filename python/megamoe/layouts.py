@@ -1,0 +1,90 @@
+"""How the experts' weights are stored and which activation runs between the projections (the C API's
+megamoe_layout_t and megamoe_activation_t), as the ops and the modules take them.
+
+    Layout(gate_up, w13_transposed, w2_transposed)
+        gate_up "concatenated"  w13 [E, 2I, H]: rows [0, I) gate, [I, 2I) up (HF gate_up_proj; the default)
+                "interleaved"   w13 [E, 2I, H]: row 2i gate i, row 2i + 1 up i (gpt-oss, torchtitan's fused w13)
+                "separate"      w13 [E, I, H] the gate (torchtitan / prime-rl w1), w3 [E, I, H] the up projection
+        w13_transposed          w13 (and w3) stored [E, H, 2I] ([E, H, I])  (HF is_transposed, gpt-oss gate_up_proj)
+        w2_transposed           w2 stored [E, I, H]                          (HF is_transposed, gpt-oss down_proj)
+    Activation(kind, limit, alpha)
+        "swiglu"          silu(g) * u (limit and alpha 0)
+        "clamped_swiglu"  gpt-oss: g' = min(g, limit), u' = clamp(u, -limit, limit), g' sigmoid(alpha g') (u' + 1)
+
+The weights are read where they are, and their gradients come back in the same layout (dw13 shaped as w13).
+Biases (b13 [E, 2I] in w13's gate/up arrangement, concatenated for "separate"; b2 [E, H]) are arguments of the ops.
+"""
+
+from dataclasses import dataclass
+
+from ._lib import ACTIVATION_CODES, GATE_UP_CODES
+
+
+@dataclass(frozen=True)
+class Layout:
+    """The storage of w13 (w3) and w2; see the module docstring."""
+
+    gate_up: str = "concatenated"
+    w13_transposed: bool = False
+    w2_transposed: bool = False
+
+    def __post_init__(self):
+        if self.gate_up not in GATE_UP_CODES:
+            raise ValueError(f"megamoe: layout.gate_up: unknown arrangement {self.gate_up!r} (one of "
+                             f"{', '.join(GATE_UP_CODES)})")
+
+    @property
+    def separate(self):
+        return self.gate_up == "separate"
+
+    def intermediate(self, w2):
+        """I, read off w2 ([E, H, I], or [E, I, H] transposed)."""
+        return w2.shape[1] if self.w2_transposed else w2.shape[2]
+
+
+@dataclass(frozen=True)
+class Activation:
+    """The activation between the projections; see the module docstring."""
+
+    kind: str = "swiglu"
+    limit: float = 0.0
+    alpha: float = 0.0
+
+    def __post_init__(self):
+        if self.kind not in ACTIVATION_CODES:
+            raise ValueError(f"megamoe: activation.kind: unknown activation {self.kind!r} (one of "
+                             f"{', '.join(ACTIVATION_CODES)})")
+
+
+def clamped_swiglu(limit=7.0, alpha=1.702):
+    """gpt-oss's activation: min(g, limit) sigmoid(alpha min(g, limit)) (clamp(u, -limit, limit) + 1)."""
+    return Activation("clamped_swiglu", float(limit), float(alpha))
+
+
+CONCATENATED = Layout()  # Qwen3-MoE / HF gate_up_proj [E, 2I, H], down_proj [E, H, I]
+INTERLEAVED = Layout("interleaved")  # torchtitan's fused w13 [E, 2I, H] with gate / up rows alternating
+SEPARATE = Layout("separate")  # torchtitan / prime-rl: w1, w3 [E, I, H], w2 [E, H, I]
+HF_TRANSPOSED = Layout("concatenated", True, True)  # HF is_transposed: gate_up_proj [E, H, 2I], down_proj [E, I, H]
+GPT_OSS = Layout("interleaved", True, True)  # gpt-oss: gate_up_proj [E, H, 2I] interleaved, down_proj [E, I, H]
+SWIGLU = Activation()
+GPT_OSS_ACTIVATION = clamped_swiglu()
+
+
+def op_options(layout=None, activation=None):
+    """The keyword arguments of the custom ops (and of _lib.set_options) for a Layout and an Activation (None: the
+    defaults)."""
+    layout = CONCATENATED if layout is None else layout
+    activation = SWIGLU if activation is None else activation
+    if not isinstance(layout, Layout):
+        raise TypeError(f"megamoe: layout must be a megamoe.Layout, got {type(layout).__name__}")
+    if not isinstance(activation, Activation):
+        raise TypeError(f"megamoe: activation must be a megamoe.Activation, got {type(activation).__name__}")
+    return dict(gate_up=layout.gate_up, w13_transposed=bool(layout.w13_transposed),
+                w2_transposed=bool(layout.w2_transposed), activation=activation.kind, limit=float(activation.limit),
+                alpha=float(activation.alpha))
+
+
+def options_of(gate_up, w13_transposed, w2_transposed, activation, limit, alpha):
+    """The inverse of op_options: the ops' arguments as the options dict."""
+    return dict(gate_up=gate_up, w13_transposed=w13_transposed, w2_transposed=w2_transposed, activation=activation,
+                limit=limit, alpha=alpha)

@@ -1,0 +1,97 @@
+// The CPU reference's view of the expert parameters: read from their layout (layout.h) into canonical arrays in the
+// accumulation type, and canonical gradients written back into that same layout.
+//   w13 [E, 2I, H] gate rows, then up rows      w2 [E, H, I]
+//   b13 [E, 2I]    gate, then up (empty: none)  b2 [E, H] (empty: none)
+#pragma once
+
+#include <vector>
+
+#include "dtype.h"
+#include "layout.h"
+
+namespace megamoe::reference {
+
+template <typename Acc>
+struct ExpertWeights {
+    WeightLayout layout;
+    std::vector<Acc> w13;  // [E, 2I, H]
+    std::vector<Acc> w2;   // [E, H, I]
+    std::vector<Acc> b13;  // [E, 2I] or empty
+    std::vector<Acc> b2;   // [E, H] or empty
+
+    static ExpertWeights read(const Experts& experts, const Shape& shape) {
+        const int64_t E = shape.num_experts, H = shape.hidden, I = shape.intermediate;
+        ExpertWeights weights{WeightLayout::of(experts.layout, H, I), {}, {}, {}, {}};
+        const WeightLayout& layout = weights.layout;
+        weights.w13.resize(static_cast<size_t>(E * 2 * I * H));
+        weights.w2.resize(static_cast<size_t>(E * H * I));
+        for (int64_t e = 0; e < E; ++e) {
+            for (int64_t n = 0; n < 2 * I; ++n) {
+                const megamoe_tensor_t& stored = layout.in_w3(n) ? *experts.w3 : *experts.w13;
+                for (int64_t k = 0; k < H; ++k) {
+                    weights.w13[(e * 2 * I + n) * H + k] =
+                        static_cast<Acc>(load_element(stored.data, stored.dtype, layout.w13_offset(e, n, k)));
+                }
+            }
+            for (int64_t h = 0; h < H; ++h) {
+                for (int64_t i = 0; i < I; ++i) {
+                    weights.w2[(e * H + h) * I + i] =
+                        static_cast<Acc>(load_element(experts.w2->data, experts.w2->dtype, layout.w2_offset(e, h, i)));
+                }
+            }
+        }
+        if (experts.b13->data != nullptr) {
+            weights.b13.resize(static_cast<size_t>(E * 2 * I));
+            for (int64_t e = 0; e < E; ++e) {
+                for (int64_t n = 0; n < 2 * I; ++n) {
+                    weights.b13[e * 2 * I + n] =
+                        static_cast<Acc>(load_element(experts.b13->data, experts.b13->dtype, layout.b13_offset(e, n)));
+                }
+            }
+        }
+        if (experts.b2->data != nullptr) {
+            weights.b2.resize(static_cast<size_t>(E * H));
+            for (int64_t idx = 0; idx < E * H; ++idx) {
+                weights.b2[idx] = static_cast<Acc>(load_element(experts.b2->data, experts.b2->dtype, idx));
+            }
+        }
+        return weights;
+    }
+
+    Acc gate_up_bias(int64_t expert_idx, int64_t row_idx) const {
+        return b13.empty() ? Acc(0) : b13[expert_idx * 2 * layout.intermediate + row_idx];
+    }
+    Acc down_bias(int64_t expert_idx, int64_t h) const {
+        return b2.empty() ? Acc(0) : b2[expert_idx * layout.hidden + h];
+    }
+
+    // One expert's canonical dW13 [2I, H] into dw13 (and dw3) at the layout's positions; NULL data: not wanted.
+    void write_w13_grad(const megamoe_tensor_t& dw13, const megamoe_tensor_t& dw3, int64_t expert_idx,
+                        const std::vector<Acc>& grad) const {
+        const int64_t H = layout.hidden;
+        for (int64_t n = 0; n < 2 * layout.intermediate; ++n) {
+            const megamoe_tensor_t& stored = layout.in_w3(n) ? dw3 : dw13;
+            if (stored.data == nullptr) continue;
+            for (int64_t k = 0; k < H; ++k) {
+                store_element(stored.data, stored.dtype, layout.w13_offset(expert_idx, n, k), grad[n * H + k]);
+            }
+        }
+    }
+    // One expert's canonical dW2 [H, I] into dw2.
+    void write_w2_grad(const megamoe_tensor_t& dw2, int64_t expert_idx, const std::vector<Acc>& grad) const {
+        const int64_t I = layout.intermediate;
+        for (int64_t h = 0; h < layout.hidden; ++h) {
+            for (int64_t i = 0; i < I; ++i) {
+                store_element(dw2.data, dw2.dtype, layout.w2_offset(expert_idx, h, i), grad[h * I + i]);
+            }
+        }
+    }
+    // One expert's canonical db13 [2I] into db13.
+    void write_b13_grad(const megamoe_tensor_t& db13, int64_t expert_idx, const std::vector<Acc>& grad) const {
+        for (int64_t n = 0; n < 2 * layout.intermediate; ++n) {
+            store_element(db13.data, db13.dtype, layout.b13_offset(expert_idx, n), grad[n]);
+        }
+    }
+};
+
+}  // namespace megamoe::reference
