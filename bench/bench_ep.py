@@ -237,6 +237,7 @@ def main(argv=None):
             print(f"wrote {write(results, args.out)}.{{json,md}}")
         if failed:
             print("FAILED checks: " + "; ".join(failed))
+    dist.barrier()  # every rank done with its collectives before the groups are torn down
     dist.destroy_process_group()
     return 1 if failed else 0
 

@@ -302,4 +302,7 @@ def run_cases(rank, P, init_file, seed, out_dir, names, backend="gloo", registry
     finally:
         with open(os.path.join(out_dir, f"rank{rank}.json"), "w") as f:
             json.dump(results, f)
+        # Every rank done with its collectives before any tears its groups down: a gloo peer closing its pairs while
+        # another still sends aborts that one ("terminate called without an active exception").
+        dist.barrier()
         dist.destroy_process_group()
