@@ -251,7 +251,23 @@ __device__ __forceinline__ void store_tile_dswiglu(const MainloopParams& params,
 // producer_tile (the producer, when it starts a tile); store (one row block); prefetch_maps (thread 0 at start),
 // finish (each consumer thread at the end) and name (the kernel's, in error messages).
 
-struct SwiGLUEpilogue {
+// The hooks of a policy that needs none: no per-tile state, no producer work, no tensor map, nothing at the end.
+struct NoEpilogueHooks {
+    struct TileState {};
+
+    template <class Config, class Params>
+    __device__ __forceinline__ static TileState begin_tile(const MainloopParams&, const Params&, const Tile&, int, int,
+                                                           int) {
+        return {};
+    }
+    template <class Config, class Params>
+    __device__ __forceinline__ static void producer_tile(const MainloopParams&, const Params&, const Tile&, int) {}
+    template <class Params>
+    __device__ __forceinline__ static void prefetch_maps(const Params&, const CUtensorMap*) {}
+    __device__ __forceinline__ static void finish(int) {}
+};
+
+struct SwiGLUEpilogue : NoEpilogueHooks {
     struct Params {
         void* out;    // a = silu(g) * u [rows, I], or NULL
         int64_t ldo;  // I
@@ -261,15 +277,6 @@ struct SwiGLUEpilogue {
     static constexpr bool kGateUpPairs = true;
     static constexpr bool kStaging = false;
     static constexpr const char* name(BLayout) { return "m_grouped_gemm_sm90[swiglu]"; }
-    struct TileState {};
-
-    template <class Config>
-    __device__ __forceinline__ static TileState begin_tile(const MainloopParams&, const Params&, const Tile&, int, int,
-                                                           int) {
-        return {};
-    }
-    template <class Config>
-    __device__ __forceinline__ static void producer_tile(const MainloopParams&, const Params&, const Tile&, int) {}
     template <typename T, class Config, int kLocalBlock, int kNumRegs>
     __device__ __forceinline__ static void store(const CUtensorMap*, const MainloopParams& mainloop,
                                                  const Params& params, const Tile& tile, const float (&acc)[kNumRegs],
@@ -278,11 +285,9 @@ struct SwiGLUEpilogue {
         store_tile<T, true, Config, kLocalBlock * Config::kBlockRegs>(mainloop, params, tile, acc, row_block, warp_idx,
                                                                       lane_idx);
     }
-    __device__ __forceinline__ static void prefetch_maps(const Params&, const CUtensorMap*) {}
-    __device__ __forceinline__ static void finish(int) {}
 };
 
-struct StoreEpilogue {
+struct StoreEpilogue : NoEpilogueHooks {
     struct Params {
         void* out;  // [rows, n], row stride ldo
         int64_t ldo;
@@ -294,15 +299,6 @@ struct StoreEpilogue {
     static constexpr const char* name(BLayout b_layout) {
         return b_layout == BLayout::kNK ? "m_grouped_gemm_sm90[store]" : "m_grouped_gemm_sm90[store, kn]";
     }
-    struct TileState {};
-
-    template <class Config>
-    __device__ __forceinline__ static TileState begin_tile(const MainloopParams&, const Params&, const Tile&, int, int,
-                                                           int) {
-        return {};
-    }
-    template <class Config>
-    __device__ __forceinline__ static void producer_tile(const MainloopParams&, const Params&, const Tile&, int) {}
     // `warp_staging`: the warp's staging boxes (shared address). A TMA store cannot stop at the expert's end (the rows
     // after it are the next expert's first tile, another CTA's), so a warp whose rows cross it stores from registers.
     template <typename T, class Config, int kLocalBlock, int kNumRegs>
@@ -328,7 +324,7 @@ struct StoreEpilogue {
     }
 };
 
-struct DSwiGLUEpilogue {
+struct DSwiGLUEpilogue : NoEpilogueHooks {
     using Params = DSwiGLUParams;
     static constexpr bool kTmaA = false;
     static constexpr bool kGateUpPairs = false;
@@ -379,8 +375,6 @@ struct DSwiGLUEpilogue {
         store_tile_dswiglu<T, Config, kLocalBlock * Config::kBlockRegs>(
             mainloop, params, tile, acc, state.row_weights[kLocalBlock], row_block, warp_idx, lane_idx);
     }
-    __device__ __forceinline__ static void prefetch_maps(const Params&, const CUtensorMap*) {}
-    __device__ __forceinline__ static void finish(int) {}
 };
 
 // The tile configuration of each policy, and the limit it hits (H200, qwen3-30b-a3b, 2026-12-01):
