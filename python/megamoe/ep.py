@@ -15,7 +15,9 @@ import torch.distributed as dist
 from torch import nn
 
 from . import ep_routing
+from .dtensor import expert_parallel_local, refuse_dtensor_activations
 from .ep_pipeline import ExpertParallelMoE
+from .modules import reshaped
 
 # TODO(#13): choose by measurement on several GPUs (NCCL): the overlap a chunk buys against its extra launches and
 # smaller GEMMs; 1 (no chunking) until then.
@@ -151,6 +153,12 @@ def moe(x, topk_ids, topk_weights, w13_local, w2_local, group=None, num_chunks=D
     d topk_weights are bitwise the same for every num_chunks and run to run (each token's topk contributions are
     summed on its rank in slot order, no atomics); the weight gradients are bitwise reproducible run to run for a
     given num_chunks, and differ across num_chunks only by rounding (the rows of an expert are summed chunk by chunk).
+
+    w13_local / w2_local may be DTensors holding every expert (global shape [E, ...]) sharded Shard(0) over the mesh
+    dimension of `group` (Replicate on any other dimension, e.g. FSDP2's data-parallel ones), as torchtitan's expert
+    parallelism lays them out: this rank's experts are their .to_local(), and their gradients come back as DTensors
+    with the same placements. Other placements raise ValueError naming the argument, DTensor activations TypeError
+    (dtensor.py), on every rank.
     """
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("megamoe.ep.moe: torch.distributed is not initialized (call init_process_group first)")
@@ -160,6 +168,9 @@ def moe(x, topk_ids, topk_weights, w13_local, w2_local, group=None, num_chunks=D
                                                  for t in (x, topk_weights, w13_local, w2_local))
     error = metadata = None
     try:
+        refuse_dtensor_activations("megamoe.ep.moe", x=x, topk_ids=topk_ids, topk_weights=topk_weights)
+        w13_local = expert_parallel_local("w13_local", w13_local, group)
+        w2_local = expert_parallel_local("w2_local", w2_local, group)
         _check_local(x, topk_ids, topk_weights, w13_local, w2_local, num_chunks, num_experts, world,
                      dist.get_backend(group))
         metadata = _metadata(x, w2_local, w13_local, num_chunks, num_experts, needs_grad)
@@ -177,7 +188,9 @@ class MoEExperts(nn.Module):
 
     Parameters: w13_local [E/P, 2I, H] (gate rows, then up rows) and w2_local [E/P, H, I], initialised like
     megamoe.MoEExperts: normal(0, init_std). forward(x, topk_ids, topk_weights) takes global expert ids (-1:
-    dropped). `from_full` takes a rank's slice of a whole megamoe.MoEExperts (or of w13 / w2 tensors).
+    dropped). `from_full` takes a rank's slice of a whole megamoe.MoEExperts (or of w13 / w2 tensors). The parameters
+    may be replaced by DTensors of every expert sharded Shard(0) over the group's mesh dimension (torchtitan's
+    expert parallelism, distribute_module): megamoe.ep.moe runs their local shards.
     """
 
     def __init__(self, num_experts, hidden, intermediate, group=None, dtype=None, device=None, init_std=0.02,
@@ -226,7 +239,7 @@ class MoEExperts(nn.Module):
             weights = weights.float()
         y = moe(x2, ids, weights, self.w13_local, self.w2_local, group=self.group, num_chunks=self.num_chunks,
                 num_experts=self.num_experts, recompute=self.recompute)  # [T_r, H]
-        return y.reshape(*lead, self.hidden)
+        return reshaped(y, (*lead, self.hidden))
 
     def extra_repr(self):
         return (f"num_experts={self.num_experts}, local_experts=[{self.first_expert}, "

@@ -13,6 +13,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import _lib
+from .dtensor import expert_shard_local, refuse_dtensor_activations, refuse_dtensors, same_sharding
 from .layouts import op_options, options_of
 from .ops import (_all_contiguous, _check_args, _contiguous, _grad_buffers, _intermediate, _needs, _needs_input_grad,
                   _saved_h_or_none, _saved_tensors, bound_arguments)
@@ -148,7 +149,11 @@ def grouped_backward(dout, x_sorted, tokens_per_expert, w13, w2, scores=None, sa
     """GroupedGrads (d x_sorted, d scores, dw13, dw2, dw3, db13, db2); d scores = <dout_r, o_r> (o_r the unscaled
     row); None for those not in `grads` (names of GRAD_NAMES; None: all) and for absent inputs. saved_h:
     grouped_forward's h (keep-h mode; consumed: dh is written over it) or None (recompute h). wgrad_f32: the weight
-    and bias gradients in f32 instead of the parameters' dtype."""
+    and bias gradients in f32 instead of the parameters' dtype. Plain tensors only (a DTensor raises TypeError: pass
+    its .to_local())."""
+    refuse_dtensors("megamoe.grouped_backward", "the backward takes plain tensors", dout=dout, x_sorted=x_sorted,
+                    tokens_per_expert=tokens_per_expert, w13=w13, w2=w2, scores=scores, saved_h=saved_h, w3=w3,
+                    b13=b13, b2=b2)
     if saved_h is None:
         saved_h = dout.new_empty((0,)) if isinstance(dout, torch.Tensor) else None
     needs = _needs(GRAD_NAMES, grads)
@@ -193,6 +198,14 @@ def _backward(ctx, dout, _dh):
 grouped_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _local_experts(entry, x_sorted, tokens_per_expert, scores, w13, w2, w3, b13, b2):
+    """(w13, w2, w3, b13, b2) as plain tensors: the local experts of expert-sharded DTensors (dtensor.py)."""
+    refuse_dtensor_activations(entry, x_sorted=x_sorted, tokens_per_expert=tokens_per_expert, scores=scores)
+    weights = dict(w13=w13, w2=w2, w3=w3, b13=b13, b2=b2)
+    same_sharding(entry, **weights)
+    return [expert_shard_local(entry, name, tensor) for name, tensor in weights.items()]
+
+
 def grouped_moe(x_sorted, tokens_per_expert, w13, w2, scores=None, recompute=False, *, w3=None, b13=None, b2=None,
                 layout=None, activation=None):
     """The routed experts on rows already sorted by expert, differentiable in x_sorted, scores and the expert
@@ -208,7 +221,13 @@ def grouped_moe(x_sorted, tokens_per_expert, w13, w2, scores=None, recompute=Fal
     Counts that are negative or sum past R raise ValueError on the CPU; on CUDA (where they cannot be read without
     a sync) every output and gradient comes back NaN. Memory modes as megamoe.moe: by default the forward keeps
     h = [g, u] ([R, 2I]) when gradients are wanted; recompute=True recomputes it in the backward.
+
+    DTensor weights sharded over experts (Shard(0) or Replicate on each mesh dimension, e.g. expert-parallel
+    parameters) are read through .to_local(): tokens_per_expert counts the local experts' rows, and the gradients
+    come back as DTensors with the weights' placements (dtensor.py). DTensor activations raise TypeError.
     """
+    w13, w2, w3, b13, b2 = _local_experts("megamoe.grouped_moe", x_sorted, tokens_per_expert, scores, w13, w2, w3, b13,
+                                          b2)
     _check_args(x_sorted=x_sorted, tokens_per_expert=tokens_per_expert, w13=w13, w2=w2, scores=scores, w3=w3, b13=b13,
                 b2=b2)
     differentiable = [t for t in (x_sorted, w13, w2, scores, w3, b13, b2) if t is not None]
@@ -222,6 +241,8 @@ def grouped_path_of(x_sorted, tokens_per_expert, w13, w2, scores=None, *, w3=Non
                     activation=None, backward=False):
     """Which implementation megamoe.grouped_moe's forward (backward=True: its backward) runs on these arguments; the
     names and errors of megamoe.path_of."""
+    w13, w2, w3, b13, b2 = _local_experts("megamoe.grouped_path_of", x_sorted, tokens_per_expert, scores, w13, w2, w3,
+                                          b13, b2)
     _check_args(x_sorted=x_sorted, tokens_per_expert=tokens_per_expert, w13=w13, w2=w2, scores=scores, w3=w3, b13=b13,
                 b2=b2)
     x_sorted, tokens_per_expert, w13, w2, scores, w3, b13, b2 = _inputs(x_sorted, tokens_per_expert, w13, w2, scores,

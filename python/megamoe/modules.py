@@ -25,6 +25,12 @@ def _router_dtype(dtype):
     return torch.promote_types(dtype, torch.float32)
 
 
+def reshaped(tensor, shape):
+    """tensor with `shape`, itself when it has it already: a module returning a view makes FSDP2 warn (an in-place
+    op on the view would skip its pre-backward hook)."""
+    return tensor if tensor.shape == shape else tensor.reshape(shape)
+
+
 class MoEExperts(nn.Module):
     """The routed experts: `num_experts` SwiGLU MLPs as two stacked weights, run by `megamoe.moe`.
 
@@ -35,6 +41,9 @@ class MoEExperts(nn.Module):
 
     Initialised like Hugging Face Qwen3-MoE: normal(0, init_std). `recompute=True` selects the memory mode that
     keeps only the inputs for the backward (it recomputes h = [g, u]); the default keeps h ([T*topk, 2I]).
+
+    Under FSDP2 (`fully_shard`) the forward sees the unsharded parameters (plain tensors, or DTensors replicated over
+    their mesh), which megamoe.moe takes; for experts sharded over ranks use megamoe.ep.MoEExperts.
     """
 
     def __init__(self, num_experts, hidden, intermediate, dtype=None, device=None, init_std=0.02, recompute=False):
@@ -75,7 +84,7 @@ class MoEExperts(nn.Module):
         if weights.dtype not in (torch.float32, x.dtype):
             weights = weights.float()
         y = moe(x2, ids, weights, self.w13, self.w2, recompute=self.recompute)  # [T, H]
-        return y.reshape(*lead, self.hidden)
+        return reshaped(y, (*lead, self.hidden))
 
     def extra_repr(self):
         return (f"num_experts={self.num_experts}, hidden={self.hidden}, intermediate={self.intermediate}, "
@@ -156,7 +165,7 @@ class MoEBlock(nn.Module):
         logits = self.router_logits(x2)  # [T, E]
         topk_ids, topk_weights = route(logits, self.topk, self.norm_topk_prob)  # [T, topk] each
         y = self.experts(x2, topk_ids, topk_weights)  # [T, H]
-        return MoEBlockOutput(y.reshape(x.shape), logits.reshape(*lead, self.num_experts))
+        return MoEBlockOutput(reshaped(y, x.shape), reshaped(logits, (*lead, self.num_experts)))
 
     def extra_repr(self):
         return f"topk={self.topk}, norm_topk_prob={self.norm_topk_prob}"

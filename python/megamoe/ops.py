@@ -16,6 +16,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import _lib
+from .dtensor import refuse_dtensor_activations, refuse_dtensors, replicated_local
 from .layouts import op_options, options_of
 
 _warned = set()
@@ -200,7 +201,9 @@ def moe_backward(dy, x, topk_ids, topk_weights, w13, w2, saved_h=None, wgrad_f32
     those not in `grads` (names of GRAD_NAMES; None: all) and for absent parameters. saved_h: moe_forward's h (keep-h
     mode; consumed: dh is written over it, so it serves one backward) or None (recompute h). wgrad_f32: the weight
     and bias gradients in f32 (main-grad style) instead of the parameters' dtype. layout / activation: as the
-    forward's (layouts.py)."""
+    forward's (layouts.py). Plain tensors only (a DTensor raises TypeError: pass its .to_local())."""
+    refuse_dtensors("megamoe.moe_backward", "the backward takes plain tensors", dy=dy, x=x, topk_ids=topk_ids,
+                    topk_weights=topk_weights, w13=w13, w2=w2, saved_h=saved_h, w3=w3, b13=b13, b2=b2)
     if saved_h is None:
         saved_h = dy.new_empty((0,)) if isinstance(dy, torch.Tensor) else None
     needs = _needs(GRAD_NAMES, grads)
@@ -264,6 +267,13 @@ def _backward(ctx, dy, _dh):
 moe_forward.register_autograd(_backward, setup_context=_setup_context)
 
 
+def _replicated_weights(entry, x, topk_ids, topk_weights, w13, w2, w3, b13, b2):
+    """(w13, w2, w3, b13, b2) as plain tensors: the local tensors of replicated DTensors (dtensor.py)."""
+    refuse_dtensor_activations(entry, x=x, topk_ids=topk_ids, topk_weights=topk_weights)
+    weights = dict(w13=w13, w2=w2, w3=w3, b13=b13, b2=b2)
+    return [replicated_local(entry, name, tensor) for name, tensor in weights.items()]
+
+
 def _check_args(**tensors):
     for name, tensor in tensors.items():
         if tensor is not None:
@@ -287,7 +297,12 @@ def moe(x, topk_ids, topk_weights, w13, w2, recompute=False, *, w3=None, b13=Non
     Memory mode when gradients are wanted: by default the forward keeps h = [g, u] ([T*topk, 2I], the fastest
     backward, which writes dh over it: one backward per forward); recompute=True keeps only the inputs and recomputes
     h in the backward (same gradients; also for graphs backpropagated more than once).
+
+    DTensor weights (every placement Replicate, as FSDP2 presents replicated parameters in its forward) are read
+    through .to_local() and get DTensor gradients; sharded ones raise ValueError (megamoe.ep.moe takes expert-sharded
+    weights), DTensor activations TypeError (dtensor.py).
     """
+    w13, w2, w3, b13, b2 = _replicated_weights("megamoe.moe", x, topk_ids, topk_weights, w13, w2, w3, b13, b2)
     _check_args(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13, w2=w2, w3=w3, b13=b13, b2=b2)
     differentiable = [t for t in (x, topk_weights, w13, w2, w3, b13, b2) if t is not None]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in differentiable)
@@ -302,6 +317,7 @@ def path_of(x, topk_ids, topk_weights, w13, w2, *, w3=None, b13=None, b2=None, l
     (CPU tensors), "cuda" (the portable CUDA kernels), "sm90" (the fused Hopper kernels) or "sm90+cuda-weight-grads"
     (backward: sm_90a GEMMs, portable weight gradients). Options the CUDA path cannot run raise NotImplementedError
     naming them, as the call would. Reads no data (allocates one [T, H] output for the forward's query)."""
+    w13, w2, w3, b13, b2 = _replicated_weights("megamoe.path_of", x, topk_ids, topk_weights, w13, w2, w3, b13, b2)
     _check_args(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13, w2=w2, w3=w3, b13=b13, b2=b2)
     x, topk_ids, topk_weights, w13, w2, w3, b13, b2 = _all_contiguous(
         x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13, w2=w2, w3=w3, b13=b13, b2=b2)
