@@ -150,3 +150,24 @@ def test_empty_batch(gen):
     y, dx, ds, dw13, dw2 = grads_of(megamoe.moe, x, ids, s, w13, w2, dy)
     assert y.shape == (0, 8) and dx.shape == (0, 8) and ds.shape == (0, 2)
     assert torch.all(dw13 == 0) and torch.all(dw2 == 0)
+
+
+@pytest.mark.parametrize("recompute", [False, True], ids=["keep_h", "recompute"])
+@pytest.mark.parametrize("use_reentrant", [False, True], ids=["non_reentrant", "reentrant"])
+def test_activation_checkpointing_gives_the_same_results(recompute, use_reentrant, gen):
+    """torch.utils.checkpoint around a block with megamoe.moe: the forward runs again in the backward (keep-h mode
+    keeps the recomputed forward's h, which that backward consumes); y and every gradient equal the plain run's."""
+    from torch.utils.checkpoint import checkpoint
+
+    x, ids, s, w13, w2, dy = make_problem(11, 16, 8, 5, 3, "dropped", gen=gen)
+
+    def block(x, ids, s, w13, w2):
+        return megamoe.moe(torch.tanh(x), ids, s, w13, w2, recompute=recompute) * 2
+
+    def checkpointed(x, ids, s, w13, w2):
+        return checkpoint(block, x, ids, s, w13, w2, use_reentrant=use_reentrant)
+
+    plain = grads_of(block, x, ids, s, w13, w2, dy)
+    again = grads_of(checkpointed, x, ids, s, w13, w2, dy)
+    for name, a, b in zip(("y", "dx", "dtopk_weights", "dw13", "dw2"), again, plain):
+        assert torch.equal(a, b), f"{name}: checkpointed differs from the plain run"
