@@ -1,6 +1,7 @@
 """Per-kernel GPU times of megamoe's forward at the reference shapes (torch.profiler), on the fused sm_90a path
 and on the portable one (MEGAMOE_DISABLE_SM90=1), with the forward's median time by CUDA events, its CUDA-graph
-replay time (no host-side launch work), the host time of one call and the sum of its kernels' times.
+replay time (no host-side launch work), the host time of one call and the sum of its kernels' times; the combine
+(gather_sum) as GB/s against a device-to-device copy measured in the same run.
 
     MEGAMOE_LIBRARY=build/libmegamoe.so PYTHONPATH=python:bench python3 scripts/profile_forward.py \
         [--shapes qwen3-30b-a3b,...] [--routing balanced] [--runs 10] [--paths sm90,portable]
@@ -87,6 +88,14 @@ def time_forward(case, runs):
     return median, host_us, graph_ms, sorted(kernels, key=lambda k: -k[1])
 
 
+def copy_bandwidth_gbps(runs, num_bytes=2**30):
+    """GB/s of a device-to-device copy of num_bytes (read + written), median of `runs`."""
+    src = torch.empty(num_bytes // 2, dtype=torch.bfloat16, device="cuda").normal_()
+    dst = torch.empty_like(src)
+    ms = cuda_time(lambda: dst.copy_(src), 3, runs, math.inf)["ms"]
+    return 2.0 * num_bytes / ms / 1e6
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default=",".join(workloads.SHAPES))
@@ -95,9 +104,12 @@ def main():
     p.add_argument("--paths", default="sm90,portable")
     args = p.parse_args()
     paths = [parse_path(spec) for spec in args.paths.split(",")]
+    copy_gbps = copy_bandwidth_gbps(args.runs)
+    print(f"device-to-device copy: {copy_gbps:.0f} GB/s (bytes read + written; the combine's ceiling)")
     for name in args.shapes.split(","):
         T, H, I, E, topk = workloads.SHAPES[name]
         up_flops, down_flops = 4.0 * T * topk * H * I, 2.0 * T * topk * H * I
+        combine_bytes = 2.0 * (T * topk * H + T * H)  # o rows read, y written (bf16)
         case = workloads.make_case(name, (T, H, I, E, topk), args.routing, "cuda")
         with torch.no_grad():
             for path, settings in paths:
@@ -111,6 +123,9 @@ def main():
                     kind = gemm_kind(kname)
                     flops = {"up": up_flops, "down": down_flops}.get(kind, 0.0)
                     rate = f"  {flops / kms / 1e9:.0f} TFLOP/s ({kind})" if kind else ""
+                    if "gather_sum" in kname:
+                        gbps = combine_bytes / kms / 1e6
+                        rate = f"  {gbps:.0f} GB/s ({100 * gbps / copy_gbps:.0f}% of the copy)"
                     print(f"  {kms:8.3f} ms  x{count // args.runs:<3d} {kname}{rate}")
         del case
         torch.cuda.empty_cache()
