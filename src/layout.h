@@ -90,17 +90,19 @@ struct Experts {
     }
 };
 
-// The weight gradients of a backward (data NULL: not wanted).
+// The weight gradients of a backward (data NULL: not wanted); `accumulate`: added into f32 buffers holding values
+// (accumulate_weight_grads) instead of written.
 struct ExpertGrads {
     const megamoe_tensor_t* dw13;
     const megamoe_tensor_t* dw3;
     const megamoe_tensor_t* dw2;
     const megamoe_tensor_t* db13;
     const megamoe_tensor_t* db2;
+    bool accumulate;
 
     template <typename Params>
     static ExpertGrads of(const Params& p) {
-        return {&p.dw13, &p.dw3, &p.dw2, &p.db13, &p.db2};
+        return {&p.dw13, &p.dw3, &p.dw2, &p.db13, &p.db2, p.accumulate_weight_grads != 0};
     }
 };
 

@@ -46,9 +46,11 @@ bool overlaps(const megamoe_tensor_t& a, const megamoe_tensor_t& b);
 megamoe_status_t check_rows_and_weights(const char* x_name, const char* x_dims, const megamoe_tensor_t& x,
                                         const Experts& experts, megamoe_accum_t accum, Shape* shape);
 // The present ones of a backward's dw13, dw3, dw2, db13, db2: each needs its parameter, has its shape, its dtype or
-// f32, is on x's device and overlaps none of `inputs`.
-megamoe_status_t check_expert_grads(const ExpertGrads& grads, const megamoe_tensor_t& x, const char* x_name,
-                                    const Experts& experts, const std::vector<Named>& inputs);
+// f32 (f32 only when accumulated into), is on x's device and overlaps none of `inputs`; accumulate_weight_grads is 0
+// or 1.
+megamoe_status_t check_expert_grads(const ExpertGrads& grads, int32_t accumulate_weight_grads,
+                                    const megamoe_tensor_t& x, const char* x_name, const Experts& experts,
+                                    const std::vector<Named>& inputs);
 // The expert parameters / gradients, named as in the params structs (for the overlap and pointer checks).
 std::vector<Named> expert_inputs(const Experts& experts);
 std::vector<Named> expert_grad_outputs(const ExpertGrads& grads);

@@ -1,7 +1,7 @@
 // Checks of the expert parameters shared by every entry point (validate.h): the layout and activation codes, the
 // weights w13 / w3 / w2 in the shapes their layout gives them, the optional biases b13 / b2, and the gradients dw13,
-// dw3, dw2, db13, db2 (each shaped as its parameter). Each names the argument (a field of the params struct) it
-// rejects.
+// dw3, dw2, db13, db2 (each shaped as its parameter; f32 when accumulated into). Each names the argument (a field of
+// the params struct) it rejects.
 #include <cinttypes>
 #include <cmath>
 #include <string>
@@ -194,8 +194,10 @@ megamoe_status_t check_rows_and_weights(const char* x_name, const char* x_dims, 
     return MEGAMOE_STATUS_SUCCESS;
 }
 
-megamoe_status_t check_expert_grads(const ExpertGrads& grads, const megamoe_tensor_t& x, const char* x_name,
-                                    const Experts& experts, const std::vector<Named>& inputs) {
+megamoe_status_t check_expert_grads(const ExpertGrads& grads, int32_t accumulate_weight_grads,
+                                    const megamoe_tensor_t& x, const char* x_name, const Experts& experts,
+                                    const std::vector<Named>& inputs) {
+    MEGAMOE_CHECK(check_flag("accumulate_weight_grads", accumulate_weight_grads));
     const struct {
         const char* name;
         const megamoe_tensor_t* grad;
@@ -220,6 +222,11 @@ megamoe_status_t check_expert_grads(const ExpertGrads& grads, const megamoe_tens
         const std::string dims = std::string("as ") + pair.param_name + " " + shape_string(param);
         MEGAMOE_CHECK(check_output(pair.name, *pair.grad, x, x_name, param.ndim, dims.c_str(), param_shape, param.dtype,
                                    MEGAMOE_DTYPE_F32, pair.rule, inputs));
+        if (grads.accumulate && pair.grad->dtype != MEGAMOE_DTYPE_F32) {
+            return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT,
+                             "%s: accumulate_weight_grads = 1 adds into an f32 buffer, got dtype %s", pair.name,
+                             dtype_name(pair.grad->dtype));
+        }
     }
     return MEGAMOE_STATUS_SUCCESS;
 }

@@ -183,7 +183,7 @@ megamoe_status_t validate(const megamoe_backward_params_t* params, Shape* shape)
                                    inputs));
     }
     const ExpertGrads grads = ExpertGrads::of(p);
-    MEGAMOE_CHECK(check_expert_grads(grads, p.x, "x", experts, inputs));
+    MEGAMOE_CHECK(check_expert_grads(grads, p.accumulate_weight_grads, p.x, "x", experts, inputs));
     return check_outputs_disjoint(with_expert_grads({{"dx", &p.dx}, {"dtopk_weights", &p.dtopk_weights}}, grads));
 }
 
@@ -221,7 +221,7 @@ megamoe_status_t validate(const megamoe_grouped_backward_params_t* params, Shape
                                    p.scores.dtype, "f32 or the dtype of scores", inputs));
     }
     const ExpertGrads grads = ExpertGrads::of(p);
-    MEGAMOE_CHECK(check_expert_grads(grads, p.x_sorted, "x_sorted", experts, inputs));
+    MEGAMOE_CHECK(check_expert_grads(grads, p.accumulate_weight_grads, p.x_sorted, "x_sorted", experts, inputs));
     return check_outputs_disjoint(with_expert_grads({{"dx_sorted", &p.dx_sorted}, {"dscores", &p.dscores}}, grads));
 }
 

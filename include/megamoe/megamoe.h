@@ -56,6 +56,14 @@
  * saved_h holds h (bias included) as [g, u] (the I gate columns, then the I up columns) whatever the layout. The CUDA
  * path runs only the default layout, activation and no biases for now: anything else on CUDA tensors is
  * MEGAMOE_STATUS_NOT_SUPPORTED naming the option (TODO(#12)); megamoe_*_path() tell which path a call would take.
+ *
+ * Weight gradients accumulated in place (both backwards, accumulate_weight_grads = 1; Megatron's fp32 main_grad,
+ * FSDP2's fp32 reduce): every present one of dw13, dw3, dw2, db13, db2 must be f32 and already hold values; the
+ * backward adds its gradient into it, out = out + grad (the gradient in f32, one f32 addition per element), in the
+ * kernel's epilogue, not by an extra pass. Each element is added by one thread once, so the same inputs and the same
+ * initial buffer give bitwise the same result. Experts with no rows (and a call with no rows at all) leave their part
+ * of the buffer untouched. The CPU reference rounds its gradient to f32 first, then adds. Grouped rows' invalid counts
+ * on CUDA still make every weight gradient NaN (the buffer included).
  */
 #ifndef MEGAMOE_MEGAMOE_H_
 #define MEGAMOE_MEGAMOE_H_
@@ -79,7 +87,7 @@ extern "C" {
 #define MEGAMOE_MAX_DIMS 4
 /* Raised whenever a public struct's layout or a function's signature changes; megamoe_abi_version() returns the
  * value the library was built with, so a binding can refuse a library that does not match its own declarations. */
-#define MEGAMOE_ABI_VERSION 2
+#define MEGAMOE_ABI_VERSION 3
 
 typedef enum {
     MEGAMOE_STATUS_SUCCESS = 0,
@@ -201,6 +209,7 @@ typedef struct {
     megamoe_tensor_t db2;     // [E, H], dtype of b2 or f32; optional, needs b2
     megamoe_layout_t layout;  // as the forward's
     megamoe_activation_t activation;
+    int32_t accumulate_weight_grads;  // 0 or 1: add into the f32 dw13 / dw3 / dw2 / db13 / db2 (see the top)
 } megamoe_backward_params_t;
 
 /* Grouped rows forward: out_r = s_r W2[e] (silu(W13[e,:I] x_r) * W13[e,I:] x_r) for the rows r of expert e,
@@ -249,6 +258,7 @@ typedef struct {
     megamoe_tensor_t db2;      // [E, H], dtype of b2 or f32; optional, needs b2
     megamoe_layout_t layout;   // as the forward's
     megamoe_activation_t activation;
+    int32_t accumulate_weight_grads;  // 0 or 1: add into the f32 dw13 / dw3 / dw2 / db13 / db2 (see the top)
 } megamoe_grouped_backward_params_t;
 
 /* The public structs whose sizes megamoe_struct_size() reports (the ABI guard of a binding). */

@@ -16,7 +16,7 @@ import pathlib
 import torch
 
 MAX_DIMS = 4
-ABI_VERSION = 2  # MEGAMOE_ABI_VERSION of include/megamoe/megamoe.h that the structs below declare
+ABI_VERSION = 3  # MEGAMOE_ABI_VERSION of include/megamoe/megamoe.h that the structs below declare
 
 STATUS_SUCCESS = 0
 STATUS_INVALID_ARGUMENT = 1
@@ -115,6 +115,7 @@ class BackwardParams(ctypes.Structure):
         *_EXPERT_FIELDS,
         *_EXPERT_GRAD_FIELDS,
         *_OPTION_FIELDS,
+        ("accumulate_weight_grads", ctypes.c_int32),
     ]
 
 
@@ -156,6 +157,7 @@ class GroupedBackwardParams(ctypes.Structure):
         *_EXPERT_FIELDS,
         *_EXPERT_GRAD_FIELDS,
         *_OPTION_FIELDS,
+        ("accumulate_weight_grads", ctypes.c_int32),
     ]
 
 
@@ -306,20 +308,23 @@ def set_options(params, gate_up="concatenated", w13_transposed=False, w2_transpo
 _PARAMS = dict(_ENTRY_POINTS)
 
 
-def params_of(kind, tensors, options=None):
+def params_of(kind, tensors, options=None, **fields):
     """The params struct of entry point `kind` ("forward", "backward", "grouped_forward", "grouped_backward") with
-    `tensors` (field name -> torch.Tensor or None: absent) and the options dict (None: the defaults)."""
+    `tensors` (field name -> torch.Tensor or None: absent), the options dict (None: the defaults) and scalar `fields`
+    (e.g. accumulate_weight_grads=1)."""
     params = _PARAMS[kind]()
     for name, tensor in tensors.items():
         setattr(params, name, view(name, tensor))
     set_options(params, **(options or {}))
+    for name, value in fields.items():
+        setattr(params, name, value)
     return params
 
 
-def call(kind, tensors, options=None):
+def call(kind, tensors, options=None, **fields):
     """Run entry point `kind` on `tensors` (outputs among them, written in place), on the device of its first one."""
     device = next(t for t in tensors.values() if t is not None).device
-    _run(kind, params_of(kind, tensors, options), device)
+    _run(kind, params_of(kind, tensors, options, **fields), device)
 
 
 def path(kind, tensors, options=None):
@@ -338,11 +343,13 @@ def forward_into(x, topk_ids, topk_weights, w13, w2, y, saved_h=None, options=No
 
 
 def backward_into(dy, x, topk_ids, topk_weights, w13, w2, dx, dtopk_weights, dw13, dw2, saved_h=None, options=None,
-                  **experts):
+                  accumulate=False, **experts):
     """megamoe_backward writing into the caller's gradients (None = not wanted); saved_h: the forward's, or None;
-    experts: w3, b13, b2 and their gradients dw3, db13, db2."""
+    experts: w3, b13, b2 and their gradients dw3, db13, db2; accumulate: the weight and bias gradients are added into
+    the given (f32) dw13, dw2, dw3, db13, db2 (accumulate_weight_grads)."""
     call("backward", dict(dy=dy, x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13, w2=w2, saved_h=saved_h,
-                          dx=dx, dtopk_weights=dtopk_weights, dw13=dw13, dw2=dw2, **experts), options)
+                          dx=dx, dtopk_weights=dtopk_weights, dw13=dw13, dw2=dw2, **experts), options,
+         accumulate_weight_grads=int(bool(accumulate)))
 
 
 def grouped_forward_into(x_sorted, tokens_per_expert, scores, w13, w2, out, saved_h=None, options=None, **experts):
@@ -353,11 +360,12 @@ def grouped_forward_into(x_sorted, tokens_per_expert, scores, w13, w2, out, save
 
 
 def grouped_backward_into(dout, x_sorted, tokens_per_expert, scores, w13, w2, dx_sorted, dscores, dw13, dw2,
-                          saved_h=None, options=None, **experts):
-    """megamoe_grouped_backward writing into the caller's gradients (None = not wanted; dscores needs scores)."""
+                          saved_h=None, options=None, accumulate=False, **experts):
+    """megamoe_grouped_backward writing into the caller's gradients (None = not wanted; dscores needs scores);
+    accumulate as for backward_into."""
     call("grouped_backward", dict(dout=dout, x_sorted=x_sorted, tokens_per_expert=tokens_per_expert, scores=scores,
                                   w13=w13, w2=w2, saved_h=saved_h, dx_sorted=dx_sorted, dscores=dscores, dw13=dw13,
-                                  dw2=dw2, **experts), options)
+                                  dw2=dw2, **experts), options, accumulate_weight_grads=int(bool(accumulate)))
 
 
 def _run(kind, params, device):

@@ -5,7 +5,8 @@ no host synchronisation, so torch.compile(fullgraph=True) and CUDA graphs work).
 
     out_r = scores[r] * w2[e] (silu(w13[e, :I] x_r) * (w13[e, I:] x_r))   for the rows r of expert e
 
-Layouts, activations, biases and the gradients computed only where needed as in ops.py.
+Layouts, activations, biases, the gradients computed only where needed and the weight gradients accumulated into
+main_grads buffers (megamoe::grouped_backward_accumulate) as in ops.py.
 """
 
 from typing import NamedTuple, Optional
@@ -13,10 +14,11 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import _lib
+from . import main_grads as _main_grads
 from .dtensor import expert_shard_local, refuse_dtensor_activations, refuse_dtensors, same_sharding
 from .layouts import op_options, options_of
-from .ops import (_all_contiguous, _check_args, _contiguous, _grad_buffers, _intermediate, _needs, _needs_input_grad,
-                  _saved_h_or_none, _saved_tensors, bound_arguments)
+from .ops import (_all_contiguous, _check_args, _contiguous, _grad_buffers, _intermediate, _main_grad_kwargs, _needs,
+                  _needs_input_grad, _saved_h_or_none, _saved_tensors, _weight_grads_from_accumulate, bound_arguments)
 
 GRAD_NAMES = ("dx_sorted", "dscores", "dw13", "dw2", "dw3", "db13", "db2")  # grouped_backward's outputs, in order
 
@@ -58,9 +60,14 @@ def _grouped_forward(
     activation: str = "swiglu",
     limit: float = 0.0,
     alpha: float = 0.0,
+    main_grad_w13: Optional[torch.Tensor] = None,
+    main_grad_w2: Optional[torch.Tensor] = None,
+    main_grad_w3: Optional[torch.Tensor] = None,
+    main_grad_b13: Optional[torch.Tensor] = None,
+    main_grad_b2: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """out [R, H] (padding rows past sum(tokens_per_expert): 0), and h = [g, u] [R, 2I] when keep_h (for
-    grouped_backward), else an empty tensor."""
+    grouped_backward), else an empty tensor. main_grad_*: not read here (grouped_moe's main_grads, for the backward)."""
     x_sorted, tokens_per_expert, w13, w2, scores, w3, b13, b2 = _inputs(x_sorted, tokens_per_expert, w13, w2, scores,
                                                                          w3, b13, b2)
     out = torch.empty_like(x_sorted, memory_format=torch.contiguous_format)  # [R, H]
@@ -144,33 +151,107 @@ def _(*args, **kwargs):
     return tuple(out for out, _ in buffers)
 
 
+def _grouped_backward_accumulate(
+    dout: torch.Tensor,
+    x_sorted: torch.Tensor,
+    tokens_per_expert: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    scores: Optional[torch.Tensor],
+    saved_h: torch.Tensor,
+    main_grad_w13: torch.Tensor,
+    main_grad_w2: torch.Tensor,
+    main_grad_w3: torch.Tensor,
+    main_grad_b13: torch.Tensor,
+    main_grad_b2: torch.Tensor,
+    w3: Optional[torch.Tensor] = None,
+    b13: Optional[torch.Tensor] = None,
+    b2: Optional[torch.Tensor] = None,
+    gate_up: str = "concatenated",
+    w13_transposed: bool = False,
+    w2_transposed: bool = False,
+    activation: str = "swiglu",
+    limit: float = 0.0,
+    alpha: float = 0.0,
+    need_dx_sorted: bool = True,
+    need_dscores: bool = True,
+    need_dw13: bool = True,
+    need_dw2: bool = True,
+    need_dw3: bool = True,
+    need_db13: bool = True,
+    need_db2: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torch.ops.megamoe.grouped_backward_accumulate: grouped_backward whose weight and bias gradients are added into
+    the main_grad_* buffers, as megamoe::moe_backward_accumulate (ops.py)."""
+    dout, saved_h = _contiguous("dout", dout), _saved_h_or_none(saved_h)
+    if saved_h is not None:
+        saved_h = _contiguous("saved_h", saved_h)
+    x_sorted, tokens_per_expert, w13, w2, scores, w3, b13, b2 = _inputs(x_sorted, tokens_per_expert, w13, w2, scores,
+                                                                         w3, b13, b2)
+    needs = dict(dx_sorted=need_dx_sorted, dscores=need_dscores, dw13=need_dw13, dw2=need_dw2, dw3=need_dw3,
+                 db13=need_db13, db2=need_db2)
+    main_grad_args = (main_grad_w13, main_grad_w2, main_grad_w3, main_grad_b13, main_grad_b2)
+    outputs, buffers = zip(*(_grad_buffers(x_sorted, zip(GRAD_NAMES[:2], (x_sorted, scores)), needs, False) +
+                             _main_grads.accumulate_buffers(x_sorted, (w13, w2, w3, b13, b2), main_grad_args, needs)))
+    dx_sorted, dscores, dw13, dw2, dw3, db13, db2 = buffers
+    options = options_of(gate_up, w13_transposed, w2_transposed, activation, limit, alpha)
+    _lib.grouped_backward_into(dout, x_sorted, tokens_per_expert, scores, w13, w2, dx_sorted, dscores, dw13, dw2,
+                               saved_h, options, accumulate=True, w3=w3, b13=b13, b2=b2, dw3=dw3, db13=db13, db2=db2)
+    return tuple(outputs)
+
+
+_grouped_backward_accumulate_op = torch.library.custom_op(
+    "megamoe::grouped_backward_accumulate", mutates_args=("saved_h", *_main_grads.OP_ARGS))(
+        _grouped_backward_accumulate)
+
+
+@_grouped_backward_accumulate_op.register_fake
+def _(*args, **kwargs):
+    a = bound_arguments(_grouped_backward_accumulate, args, kwargs)
+    needs = {name: a[f"need_{name}"] for name in GRAD_NAMES}
+    first = _grad_buffers(a["x_sorted"], zip(GRAD_NAMES[:2], (a["x_sorted"], a["scores"])), needs, False)
+    weights = _main_grads.fake_accumulate_outputs(a["x_sorted"], [a[name] for name in _main_grads.PARAM_NAMES],
+                                                  [a[name] for name in _main_grads.OP_ARGS], needs)
+    return tuple(out for out, _ in first) + tuple(weights)
+
+
 def grouped_backward(dout, x_sorted, tokens_per_expert, w13, w2, scores=None, saved_h=None, wgrad_f32=False, *,
-                     w3=None, b13=None, b2=None, layout=None, activation=None, grads=None):
+                     w3=None, b13=None, b2=None, layout=None, activation=None, grads=None, main_grads=None):
     """GroupedGrads (d x_sorted, d scores, dw13, dw2, dw3, db13, db2); d scores = <dout_r, o_r> (o_r the unscaled
     row); None for those not in `grads` (names of GRAD_NAMES; None: all) and for absent inputs. saved_h:
     grouped_forward's h (keep-h mode; consumed: dh is written over it) or None (recompute h). wgrad_f32: the weight
     and bias gradients in f32 instead of the parameters' dtype. Plain tensors only (a DTensor raises TypeError: pass
-    its .to_local())."""
+    its .to_local()). main_grads: f32 buffers the weight gradients are added into, as megamoe.moe_backward's."""
     refuse_dtensors("megamoe.grouped_backward", "the backward takes plain tensors", dout=dout, x_sorted=x_sorted,
                     tokens_per_expert=tokens_per_expert, w13=w13, w2=w2, scores=scores, saved_h=saved_h, w3=w3,
                     b13=b13, b2=b2)
     if saved_h is None:
         saved_h = dout.new_empty((0,)) if isinstance(dout, torch.Tensor) else None
     needs = _needs(GRAD_NAMES, grads)
-    outputs = _grouped_backward_op(dout, x_sorted, tokens_per_expert, w13, w2, scores, saved_h, wgrad_f32, w3, b13,
-                                   b2, **op_options(layout, activation), **needs)
+    params = (w13, w2, w3, b13, b2)
+    buffers = _main_grads.by_param("megamoe.grouped_backward", main_grads, dict(zip(_main_grads.PARAM_NAMES, params)))
+    if _main_grads.any_given(buffers.values()):
+        outputs = _grouped_backward_accumulate_op(dout, x_sorted, tokens_per_expert, w13, w2, scores, saved_h,
+                                                  *_main_grads.op_arguments(buffers.values(), dout), w3, b13, b2,
+                                                  **op_options(layout, activation), **needs)
+        outputs = (*outputs[:2], *_weight_grads_from_accumulate(outputs[2:], params, buffers.values(), wgrad_f32))
+    else:
+        outputs = _grouped_backward_op(dout, x_sorted, tokens_per_expert, w13, w2, scores, saved_h, wgrad_f32, w3,
+                                       b13, b2, **op_options(layout, activation), **needs)
     present = (True, scores is not None, True, True, w3 is not None, b13 is not None, b2 is not None)
     return GroupedGrads(*(out if have and needs[f"need_{name}"] else None
                           for name, out, have in zip(GRAD_NAMES, outputs, present)))
 
 
 def _setup_context(ctx, inputs, output):
-    x_sorted, tokens_per_expert, w13, w2, scores, _keep_h, w3, b13, b2, *options = inputs
+    x_sorted, tokens_per_expert, w13, w2, scores, _keep_h, w3, b13, b2, *rest = inputs
+    options, main_grad_inputs = rest[:6], rest[6:]
     _out, h = output
     ctx.mark_non_differentiable(h)
     ctx.set_materialize_grads(False)  # h's gradient stays None: no [R, 2I] of zeros per backward
     ctx.options = options_of(*options)
     ctx.save_for_backward(x_sorted, tokens_per_expert, w13, w2, scores, h, w3, b13, b2)
+    ctx.main_grads = tuple(main_grad_inputs)  # by reference, not saved: as in ops.py
 
 
 # The forward inputs whose gradients the backward returns: their position among grouped_forward's inputs.
@@ -186,8 +267,16 @@ def _backward(ctx, dout, _dh):
     if saved_h is None:
         saved_h = dout.new_empty((0,))
     needs = {f"need_{name}": _needs_input_grad(ctx, index) for name, index in _GRAD_INPUTS.items()}
-    outputs = _grouped_backward_op(dout, x_sorted, tokens_per_expert, w13, w2, scores, saved_h, False, w3, b13, b2,
-                                   **ctx.options, **needs)
+    if _main_grads.any_given(ctx.main_grads):
+        outputs = _grouped_backward_accumulate_op(dout, x_sorted, tokens_per_expert, w13, w2, scores, saved_h,
+                                                  *_main_grads.op_arguments(ctx.main_grads, dout), w3, b13, b2,
+                                                  **ctx.options, **needs)
+        weight_grads = _weight_grads_from_accumulate(outputs[2:], (w13, w2, w3, b13, b2), ctx.main_grads, False)
+        outputs = (*outputs[:2], *(None if buffer is not None else grad  # accumulated: no autograd gradient
+                                   for grad, buffer in zip(weight_grads, ctx.main_grads)))
+    else:
+        outputs = _grouped_backward_op(dout, x_sorted, tokens_per_expert, w13, w2, scores, saved_h, False, w3, b13,
+                                       b2, **ctx.options, **needs)
     grads = [None] * num_inputs
     for (name, index), out in zip(_GRAD_INPUTS.items(), outputs):
         if needs[f"need_{name}"]:
@@ -207,7 +296,7 @@ def _local_experts(entry, x_sorted, tokens_per_expert, scores, w13, w2, w3, b13,
 
 
 def grouped_moe(x_sorted, tokens_per_expert, w13, w2, scores=None, recompute=False, *, w3=None, b13=None, b2=None,
-                layout=None, activation=None):
+                layout=None, activation=None, main_grads=None):
     """The routed experts on rows already sorted by expert, differentiable in x_sorted, scores and the expert
     parameters.
 
@@ -225,15 +314,19 @@ def grouped_moe(x_sorted, tokens_per_expert, w13, w2, scores=None, recompute=Fal
     DTensor weights sharded over experts (Shard(0) or Replicate on each mesh dimension, e.g. expert-parallel
     parameters) are read through .to_local(): tokens_per_expert counts the local experts' rows, and the gradients
     come back as DTensors with the weights' placements (dtensor.py). DTensor activations raise TypeError.
+
+    main_grads: f32 buffers (of the local experts) the weight gradients are added into during the backward, whose
+    autograd gradients are then None: exactly as megamoe.moe's main_grads.
     """
     w13, w2, w3, b13, b2 = _local_experts("megamoe.grouped_moe", x_sorted, tokens_per_expert, scores, w13, w2, w3, b13,
                                           b2)
     _check_args(x_sorted=x_sorted, tokens_per_expert=tokens_per_expert, w13=w13, w2=w2, scores=scores, w3=w3, b13=b13,
                 b2=b2)
+    buffers = _main_grads.by_param("megamoe.grouped_moe", main_grads, dict(w13=w13, w2=w2, w3=w3, b13=b13, b2=b2))
     differentiable = [t for t in (x_sorted, w13, w2, scores, w3, b13, b2) if t is not None]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in differentiable)
     out, _h = grouped_forward(x_sorted, tokens_per_expert, w13, w2, scores, needs_grad and not recompute, w3, b13, b2,
-                              **op_options(layout, activation))
+                              **op_options(layout, activation), **_main_grad_kwargs(buffers))
     return out
 
 

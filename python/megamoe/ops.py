@@ -6,7 +6,9 @@ The experts' layout and activation (layouts.py) and their optional w3, b13, b2 a
 (gate_up, w13_transposed, w2_transposed, activation, limit, alpha); the weight gradients come back in the parameters'
 own layout. The backward computes only the gradients asked for (its need_* arguments; autograd asks for those of
 ctx.needs_input_grad: frozen experts skip dW, inputs without grad skip dX) and returns an empty [0] tensor for the
-others and for absent parameters.
+others and for absent parameters. With main_grads (main_grads.py) the weight gradients are added into the caller's
+f32 buffers by `megamoe::moe_backward_accumulate`, which declares them mutated; moe_forward carries the buffers to
+its backward as trailing arguments it does not read.
 """
 
 import inspect
@@ -16,6 +18,7 @@ from typing import NamedTuple, Optional
 import torch
 
 from . import _lib
+from . import main_grads as _main_grads
 from .dtensor import refuse_dtensor_activations, refuse_dtensors, replicated_local
 from .layouts import op_options, options_of
 
@@ -108,8 +111,14 @@ def _moe_forward(
     activation: str = "swiglu",
     limit: float = 0.0,
     alpha: float = 0.0,
+    main_grad_w13: Optional[torch.Tensor] = None,
+    main_grad_w2: Optional[torch.Tensor] = None,
+    main_grad_w3: Optional[torch.Tensor] = None,
+    main_grad_b13: Optional[torch.Tensor] = None,
+    main_grad_b2: Optional[torch.Tensor] = None,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """y [T, H], and h = [g, u] [T*topk, 2I] by sorted row when keep_h (for one moe_backward), else an empty tensor."""
+    """y [T, H], and h = [g, u] [T*topk, 2I] by sorted row when keep_h (for one moe_backward), else an empty tensor.
+    main_grad_*: not read here; the autograd backward adds the weight gradients into them (megamoe.moe's main_grads)."""
     x, topk_ids, topk_weights, w13, w2, w3, b13, b2 = _all_contiguous(
         x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13, w2=w2, w3=w3, b13=b13, b2=b2)
     y = torch.empty_like(x, memory_format=torch.contiguous_format)  # [T, H]
@@ -195,32 +204,129 @@ def _(*args, **kwargs):
     return tuple(out for out, _ in buffers)
 
 
+def _moe_backward_accumulate(
+    dy: torch.Tensor,
+    x: torch.Tensor,
+    topk_ids: torch.Tensor,
+    topk_weights: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    saved_h: torch.Tensor,
+    main_grad_w13: torch.Tensor,
+    main_grad_w2: torch.Tensor,
+    main_grad_w3: torch.Tensor,
+    main_grad_b13: torch.Tensor,
+    main_grad_b2: torch.Tensor,
+    w3: Optional[torch.Tensor] = None,
+    b13: Optional[torch.Tensor] = None,
+    b2: Optional[torch.Tensor] = None,
+    gate_up: str = "concatenated",
+    w13_transposed: bool = False,
+    w2_transposed: bool = False,
+    activation: str = "swiglu",
+    limit: float = 0.0,
+    alpha: float = 0.0,
+    need_dx: bool = True,
+    need_dtopk_weights: bool = True,
+    need_dw13: bool = True,
+    need_dw2: bool = True,
+    need_dw3: bool = True,
+    need_db13: bool = True,
+    need_db2: bool = True,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """torch.ops.megamoe.moe_backward_accumulate: moe_backward whose weight and bias gradients are added into the
+    main_grad_* buffers (f32, shaped as w13, w2, w3, b13, b2; an empty [0] tensor: no buffer), which it declares
+    mutated. Returns (dx, d topk_weights, dw13, dw2, dw3, db13, db2) with an empty [0] tensor in place of each gradient
+    added into a buffer, not needed, or of an absent parameter; a needed one without a buffer comes back in f32."""
+    dy, saved_h = _contiguous("dy", dy), _saved_h_or_none(saved_h)
+    if saved_h is not None:
+        saved_h = _contiguous("saved_h", saved_h)
+    x, topk_ids, topk_weights, w13, w2, w3, b13, b2 = _all_contiguous(
+        x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13, w2=w2, w3=w3, b13=b13, b2=b2)
+    needs = dict(dx=need_dx, dtopk_weights=need_dtopk_weights, dw13=need_dw13, dw2=need_dw2, dw3=need_dw3,
+                 db13=need_db13, db2=need_db2)
+    main_grad_args = (main_grad_w13, main_grad_w2, main_grad_w3, main_grad_b13, main_grad_b2)
+    outputs, buffers = zip(*(_grad_buffers(x, zip(GRAD_NAMES[:2], (x, topk_weights)), needs, False) +
+                             _main_grads.accumulate_buffers(x, (w13, w2, w3, b13, b2), main_grad_args, needs)))
+    dx, dtopk_weights, dw13, dw2, dw3, db13, db2 = buffers
+    options = options_of(gate_up, w13_transposed, w2_transposed, activation, limit, alpha)
+    _lib.backward_into(dy, x, topk_ids, topk_weights, w13, w2, dx, dtopk_weights, dw13, dw2, saved_h, options,
+                       accumulate=True, w3=w3, b13=b13, b2=b2, dw3=dw3, db13=db13, db2=db2)
+    return tuple(outputs)
+
+
+_moe_backward_accumulate_op = torch.library.custom_op(
+    "megamoe::moe_backward_accumulate", mutates_args=("saved_h", *_main_grads.OP_ARGS))(_moe_backward_accumulate)
+
+
+@_moe_backward_accumulate_op.register_fake
+def _(*args, **kwargs):
+    a = bound_arguments(_moe_backward_accumulate, args, kwargs)
+    needs = {name: a[f"need_{name}"] for name in GRAD_NAMES}
+    first = _grad_buffers(a["x"], zip(GRAD_NAMES[:2], (a["x"], a["topk_weights"])), needs, False)
+    weights = _main_grads.fake_accumulate_outputs(a["x"], [a[name] for name in _main_grads.PARAM_NAMES],
+                                                  [a[name] for name in _main_grads.OP_ARGS], needs)
+    return tuple(out for out, _ in first) + tuple(weights)
+
+
+def _weight_grads_from_accumulate(outputs, params, buffers, as_f32):
+    """The weight gradients (PARAM_NAMES order) of a moe_backward_accumulate-style op's outputs: the buffer where one
+    was given, else the op's f32 output (in its parameter's dtype unless as_f32); None where not computed."""
+    grads = []
+    for out, param, buffer in zip(outputs, params, buffers):
+        if buffer is not None:
+            grads.append(buffer)
+        elif param is None or out.dim() == 1 and out.numel() == 0:
+            grads.append(None)
+        else:
+            grads.append(out if as_f32 else out.to(param.dtype))
+    return grads
+
+
 def moe_backward(dy, x, topk_ids, topk_weights, w13, w2, saved_h=None, wgrad_f32=False, *, w3=None, b13=None, b2=None,
-                 layout=None, activation=None, grads=None):
+                 layout=None, activation=None, grads=None, main_grads=None):
     """MoEGrads (dx, d topk_weights, dw13, dw2, dw3, db13, db2) of moe_forward's inputs given dy [T, H]; None for
     those not in `grads` (names of GRAD_NAMES; None: all) and for absent parameters. saved_h: moe_forward's h (keep-h
     mode; consumed: dh is written over it, so it serves one backward) or None (recompute h). wgrad_f32: the weight
     and bias gradients in f32 (main-grad style) instead of the parameters' dtype. layout / activation: as the
-    forward's (layouts.py). Plain tensors only (a DTensor raises TypeError: pass its .to_local())."""
+    forward's (layouts.py). Plain tensors only (a DTensor raises TypeError: pass its .to_local()).
+
+    main_grads (Megatron's main_grad; main_grads.py): f32 buffers shaped as w13, w2 (, w3, b13, b2), as a tuple in that
+    order or a dict by name; the backward adds each wanted weight gradient into its buffer in the kernels' epilogue
+    (buffer = buffer + grad, deterministic), and MoEGrads holds that same buffer there. Wanted weight gradients without
+    a buffer come back as with wgrad_f32."""
     refuse_dtensors("megamoe.moe_backward", "the backward takes plain tensors", dy=dy, x=x, topk_ids=topk_ids,
                     topk_weights=topk_weights, w13=w13, w2=w2, saved_h=saved_h, w3=w3, b13=b13, b2=b2)
     if saved_h is None:
         saved_h = dy.new_empty((0,)) if isinstance(dy, torch.Tensor) else None
     needs = _needs(GRAD_NAMES, grads)
-    outputs = _moe_backward_op(dy, x, topk_ids, topk_weights, w13, w2, saved_h, wgrad_f32, w3, b13, b2,
-                               **op_options(layout, activation), **needs)
+    params = (w13, w2, w3, b13, b2)
+    buffers = _main_grads.by_param("megamoe.moe_backward", main_grads, dict(zip(_main_grads.PARAM_NAMES, params)))
     present = (True, True, True, True, w3 is not None, b13 is not None, b2 is not None)
+    if _main_grads.any_given(buffers.values()):
+        outputs = _moe_backward_accumulate_op(dy, x, topk_ids, topk_weights, w13, w2, saved_h,
+                                              *_main_grads.op_arguments(buffers.values(), dy), w3, b13, b2,
+                                              **op_options(layout, activation), **needs)
+        weight_grads = _weight_grads_from_accumulate(outputs[2:], params, buffers.values(), wgrad_f32)
+        outputs = (*outputs[:2], *weight_grads)
+    else:
+        outputs = _moe_backward_op(dy, x, topk_ids, topk_weights, w13, w2, saved_h, wgrad_f32, w3, b13, b2,
+                                   **op_options(layout, activation), **needs)
     return MoEGrads(*(out if have and needs[f"need_{name}"] else None
                       for name, out, have in zip(GRAD_NAMES, outputs, present)))
 
 
 def _setup_context(ctx, inputs, output):
-    x, topk_ids, topk_weights, w13, w2, _keep_h, w3, b13, b2, *options = inputs
+    x, topk_ids, topk_weights, w13, w2, _keep_h, w3, b13, b2, *rest = inputs
+    options, main_grad_inputs = rest[:6], rest[6:]
     _y, h = output
     ctx.mark_non_differentiable(h)
     ctx.set_materialize_grads(False)  # h's gradient stays None: no [T*topk, 2I] of zeros per backward
     ctx.options = options_of(*options)
     ctx.save_for_backward(x, topk_ids, topk_weights, w13, w2, h, w3, b13, b2)
+    # Kept as they are, not saved: other backwards add into them in between (microbatches), which would fail the saved
+    # tensors' version check.
+    ctx.main_grads = tuple(main_grad_inputs)
 
 
 def _saved_tensors(ctx, entry="megamoe.moe"):
@@ -255,8 +361,16 @@ def _backward(ctx, dy, _dh):
     if saved_h is None:
         saved_h = dy.new_empty((0,))
     needs = {f"need_{name}": _needs_input_grad(ctx, index) for name, index in _GRAD_INPUTS.items()}
-    outputs = _moe_backward_op(dy, x, topk_ids, topk_weights, w13, w2, saved_h, False, w3, b13, b2, **ctx.options,
-                               **needs)
+    if _main_grads.any_given(ctx.main_grads):
+        outputs = _moe_backward_accumulate_op(dy, x, topk_ids, topk_weights, w13, w2, saved_h,
+                                              *_main_grads.op_arguments(ctx.main_grads, dy), w3, b13, b2,
+                                              **ctx.options, **needs)
+        weight_grads = _weight_grads_from_accumulate(outputs[2:], (w13, w2, w3, b13, b2), ctx.main_grads, False)
+        outputs = (*outputs[:2], *(None if buffer is not None else grad  # accumulated: no autograd gradient
+                                   for grad, buffer in zip(weight_grads, ctx.main_grads)))
+    else:
+        outputs = _moe_backward_op(dy, x, topk_ids, topk_weights, w13, w2, saved_h, False, w3, b13, b2,
+                                   **ctx.options, **needs)
     grads = [None] * num_inputs
     for (name, index), out in zip(_GRAD_INPUTS.items(), outputs):
         if needs[f"need_{name}"]:
@@ -281,7 +395,7 @@ def _check_args(**tensors):
 
 
 def moe(x, topk_ids, topk_weights, w13, w2, recompute=False, *, w3=None, b13=None, b2=None, layout=None,
-        activation=None):
+        activation=None, main_grads=None):
     """Routed-expert MLP (DESIGN.md section 1), differentiable in x, topk_weights and the expert parameters.
 
     x [T, H]; topk_ids [T, topk] int32/int64 in [0, E) or -1 (dropped); topk_weights [T, topk] f32 or
@@ -301,14 +415,36 @@ def moe(x, topk_ids, topk_weights, w13, w2, recompute=False, *, w3=None, b13=Non
     DTensor weights (every placement Replicate, as FSDP2 presents replicated parameters in its forward) are read
     through .to_local() and get DTensor gradients; sharded ones raise ValueError (megamoe.ep.moe takes expert-sharded
     weights), DTensor activations TypeError (dtensor.py).
+
+    main_grads (Megatron-style gradient accumulation fusion; main_grads.py): f32 buffers for the weights, e.g.
+    (w13.main_grad, w2.main_grad), as a tuple in the order (w13, w2, w3, b13, b2) (None entries: no buffer) or a dict
+    by name. Each buffer is a contiguous float32 tensor shaped as its parameter (a DTensor weight's local tensor), on
+    its device, not requiring grad. What the user gets: every backward through this call adds the weight's gradient
+    into its buffer (buffer = buffer + grad, in f32, in the kernels' epilogue: no extra pass; bitwise the same for the
+    same inputs and initial buffer; experts with no tokens leave their part untouched), only for weights that require
+    grad; autograd's gradient of such a weight is None (its .grad is not created or changed, and hooks on its
+    gradient accumulation do not run for this call); weights without a buffer, x and topk_weights get their usual
+    gradients. Two backwards (two calls, or one graph backpropagated twice with recompute=True) add twice. The buffers
+    are kept by reference, not saved for backward: in eager mode other backwards may add into them in between (several
+    microbatches in flight). Under torch.compile the op declares the buffers mutated (megamoe::moe_backward_accumulate)
+    and the compiled backward adds into them in place; the compiled graph saves them for its backward, so there each
+    compiled forward's backward must run before another backward adds into the same buffers (forward, backward per
+    microbatch). Zeroing the buffers between steps is the caller's (Megatron's zero_grad_buffer).
     """
     w13, w2, w3, b13, b2 = _replicated_weights("megamoe.moe", x, topk_ids, topk_weights, w13, w2, w3, b13, b2)
     _check_args(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13, w2=w2, w3=w3, b13=b13, b2=b2)
+    buffers = _main_grads.by_param("megamoe.moe", main_grads, dict(w13=w13, w2=w2, w3=w3, b13=b13, b2=b2))
     differentiable = [t for t in (x, topk_weights, w13, w2, w3, b13, b2) if t is not None]
     needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in differentiable)
     y, _h = moe_forward(x, topk_ids, topk_weights, w13, w2, needs_grad and not recompute, w3, b13, b2,
-                        **op_options(layout, activation))
+                        **op_options(layout, activation), **_main_grad_kwargs(buffers))
     return y
+
+
+def _main_grad_kwargs(buffers):
+    """The forward ops' main_grad_* keyword arguments for the given buffers (none when there are none, so the op
+    calls without main_grads stay as they were)."""
+    return {arg: buffer for arg, buffer in zip(_main_grads.OP_ARGS, buffers.values()) if buffer is not None}
 
 
 def path_of(x, topk_ids, topk_weights, w13, w2, *, w3=None, b13=None, b2=None, layout=None, activation=None,

@@ -42,6 +42,7 @@ struct BackwardCall : Call {
     megamoe_tensor_t dweights;  // [T * topk] (grouped rows: dscores)
     megamoe_tensor_t dw13;
     megamoe_tensor_t dw2;
+    bool accumulate_weight_grads;  // dw13 / dw2 are f32 and the gradients are added into them
 };
 
 inline Call make_call(const Shape& shape, const megamoe_tensor_t& experts, bool rows_sorted, const megamoe_tensor_t& x,
@@ -84,8 +85,9 @@ inline ForwardCall forward_call(const megamoe_grouped_forward_params_t& p, const
 
 inline BackwardCall backward_call(const Call& call, const void* dy, void* saved_h, const megamoe_tensor_t& dx,
                                   const megamoe_tensor_t& dweights, const megamoe_tensor_t& dw13,
-                                  const megamoe_tensor_t& dw2) {
+                                  const megamoe_tensor_t& dw2, int32_t accumulate_weight_grads) {
     BackwardCall backward{call};
+    backward.accumulate_weight_grads = accumulate_weight_grads != 0;
     backward.dy = dy;
     backward.saved_h = saved_h;
     backward.dx = dx;
@@ -97,13 +99,13 @@ inline BackwardCall backward_call(const Call& call, const void* dy, void* saved_
 
 inline BackwardCall backward_call(const megamoe_backward_params_t& p, const Shape& shape) {
     return backward_call(make_call(shape, p.topk_ids, false, p.x, p.w13, p.w2, p.topk_weights, p.workspace, p.stream),
-                         p.dy.data, p.saved_h.data, p.dx, p.dtopk_weights, p.dw13, p.dw2);
+                         p.dy.data, p.saved_h.data, p.dx, p.dtopk_weights, p.dw13, p.dw2, p.accumulate_weight_grads);
 }
 
 inline BackwardCall backward_call(const megamoe_grouped_backward_params_t& p, const Shape& shape) {
     return backward_call(
         make_call(shape, p.tokens_per_expert, true, p.x_sorted, p.w13, p.w2, p.scores, p.workspace, p.stream),
-        p.dout.data, p.saved_h.data, p.dx_sorted, p.dscores, p.dw13, p.dw2);
+        p.dout.data, p.saved_h.data, p.dx_sorted, p.dscores, p.dw13, p.dw2, p.accumulate_weight_grads);
 }
 
 }  // namespace megamoe::cuda

@@ -18,6 +18,8 @@
 //           -> dW2 = K-grouped(dy gathered, s * a)
 //           -> dX GEMM (dh x w13[e]) -> q [S, H] (sm_90a: over s * a; portable: over p) -> gather_sum -> dx
 //           -> dW13 = K-grouped(dh, x gathered).
+//           accumulate_weight_grads: both K-grouped GEMMs add into the f32 dw13 / dw2 in their epilogues, and a call
+//           with no rows leaves them untouched (no memset).
 //           Up, dH and dX run on the sm_90a kernels under the forward's conditions (all three must suit them);
 //           there q is in the element type, like the forward's o rows: gather_sum still adds the topk rows in
 //           f32, so the one extra rounding per row is of the size of dx's own output rounding. The portable
@@ -274,6 +276,7 @@ struct BackwardGemms {
         weight_grad.expert_offsets = workspace.routing.expert_offsets;
         weight_grad.num_experts = shape.num_experts;
         weight_grad.schedule = workspace.k_schedule;
+        weight_grad.accumulate = call.accumulate_weight_grads;
         gemms.dw13 = weight_grad;
         gemms.dw13.a = workspace.h;
         gemms.dw13.lda = 2 * shape.intermediate;
@@ -372,13 +375,15 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
     const BackwardPlan backward_plan = BackwardPlan::make(call);
     const BackwardWorkspace& workspace = backward_plan.workspace;
     const RoutingBuffers& routing = workspace.routing;
-    if (num_slots == 0) {  // no rows at all: every gradient is zero (or empty)
+    if (num_slots == 0) {  // no rows at all: every gradient is zero (or empty); accumulated ones stay as they are
         MEGAMOE_CUDA_RETURN_IF_ERROR(
             zero_if_wanted(call.dx, output_element_bytes(call.dx.dtype), stream, "cudaMemsetAsync(dx)"));
-        MEGAMOE_CUDA_RETURN_IF_ERROR(
-            zero_if_wanted(call.dw13, output_element_bytes(call.dw13.dtype), stream, "cudaMemsetAsync(dw13)"));
-        MEGAMOE_CUDA_RETURN_IF_ERROR(
-            zero_if_wanted(call.dw2, output_element_bytes(call.dw2.dtype), stream, "cudaMemsetAsync(dw2)"));
+        if (!call.accumulate_weight_grads) {
+            MEGAMOE_CUDA_RETURN_IF_ERROR(
+                zero_if_wanted(call.dw13, output_element_bytes(call.dw13.dtype), stream, "cudaMemsetAsync(dw13)"));
+            MEGAMOE_CUDA_RETURN_IF_ERROR(
+                zero_if_wanted(call.dw2, output_element_bytes(call.dw2.dtype), stream, "cudaMemsetAsync(dw2)"));
+        }
         if (!call.rows_sorted) return MEGAMOE_STATUS_SUCCESS;  // the sort needs slots; grouped counts are still read
         MEGAMOE_CUDA_RETURN_IF_ERROR(
             launch_routing(call.experts, call.experts_dtype, backward_plan.routing_plan, routing, stream));

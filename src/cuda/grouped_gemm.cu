@@ -22,7 +22,8 @@
 // K-grouped: blockIdx.x = (expert, M tile, N tile); the K loop walks the expert's sorted rows 32 at a
 // time (both operands MN-major, rows gathered while loading, their gather indices read one K step
 // ahead), then the tile is stored once: no split-K, so sums are deterministic, and an expert with no
-// rows stores zeros.
+// rows stores zeros. Accumulating (kAccumulate, f32 out) the epilogue reads, adds and writes each element instead,
+// and a block whose expert has no rows returns at once, leaving its tile of out untouched.
 #include "cuda/grouped_gemm.h"
 
 #include <type_traits>
@@ -115,6 +116,19 @@ __device__ __forceinline__ void store_pair(float* row, int64_t col, int64_t num_
     }
     if (col < num_cols) row[col] = first;
     if (col + 1 < num_cols) row[col + 1] = second;
+}
+
+// store_pair's f32 outputs added to the values already there: row[col] += first, row[col + 1] += second.
+__device__ __forceinline__ void accumulate_pair(float* row, int64_t col, int64_t num_cols, float first, float second,
+                                                bool paired) {
+    if (paired && col + 1 < num_cols) {
+        float2* pair = reinterpret_cast<float2*>(row + col);
+        const float2 before = *pair;
+        *pair = make_float2(before.x + first, before.y + second);
+        return;
+    }
+    if (col < num_cols) row[col] = row[col] + first;
+    if (col + 1 < num_cols) row[col + 1] = row[col + 1] + second;
 }
 
 template <typename T>
@@ -365,9 +379,10 @@ struct KGroupedParams {
     bool paired_stores;
 };
 
-template <typename T, typename OutT, bool kVec>
+template <typename T, typename OutT, bool kVec, bool kAccumulate>
 __global__ void __launch_bounds__(kNumThreads, kVec ? kMinBlocksPerSmVec : 1)
     k_grouped_gemm_kernel(const KGroupedParams params) {
+    static_assert(!kAccumulate || std::is_same_v<OutT, float>, "accumulation is into f32 outputs");
     extern __shared__ __align__(128) uint16_t smem[];
     uint16_t* smem_a = smem;
     uint16_t* smem_b = smem + kNumStages * kTileElems;
@@ -378,6 +393,7 @@ __global__ void __launch_bounds__(kNumThreads, kVec ? kMinBlocksPerSmVec : 1)
     const int64_t n_tile_idx = blockIdx.x % params.num_n_tiles;
     const int row_begin = params.expert_offsets[expert_idx];
     const int num_rows = params.expert_offsets[expert_idx + 1] - row_begin;
+    if (kAccumulate && num_rows == 0) return;  // a zero gradient: the accumulated buffer stays as it is
 
     const int thread_idx = static_cast<int>(threadIdx.x);
     const int lane_idx = thread_idx % kWarpSize, warp_idx = thread_idx / kWarpSize;
@@ -447,15 +463,22 @@ __global__ void __launch_bounds__(kNumThreads, kVec ? kMinBlocksPerSmVec : 1)
     }
 
     OutT* out_expert = static_cast<OutT*>(params.out) + expert_idx * params.m * params.n;
+#pragma unroll
     for (int frag_m = 0; frag_m < kNumFragsM; ++frag_m) {
+#pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int64_t m_idx = m_tile_idx * kBlockM + warp_m_idx * kWarpM + frag_m * 16 + half * 8 + lane_idx / 4;
             if (m_idx >= params.m) continue;
             OutT* out_row = out_expert + m_idx * params.n;
+#pragma unroll
             for (int frag_n = 0; frag_n < kNumFragsN; ++frag_n) {
                 const int64_t col = n_tile_idx * kBlockN + warp_n_idx * kWarpN + frag_n * 8 + (lane_idx % 4) * 2;
-                store_pair(out_row, col, params.n, acc[frag_m][frag_n][half * 2], acc[frag_m][frag_n][half * 2 + 1],
-                           params.paired_stores);
+                const float first = acc[frag_m][frag_n][half * 2], second = acc[frag_m][frag_n][half * 2 + 1];
+                if constexpr (kAccumulate) {
+                    accumulate_pair(out_row, col, params.n, first, second, params.paired_stores);
+                } else {
+                    store_pair(out_row, col, params.n, first, second, params.paired_stores);
+                }
             }
         }
     }
@@ -476,6 +499,23 @@ megamoe_status_t launch(Kernel kernel, const Params& params, dim3 grid, cudaStre
         check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes), name));
     kernel<<<grid, kNumThreads, kSmemBytes, stream>>>(params);
     return check_launch(name);
+}
+
+// The K-grouped kernel of element type T: output in T, in f32, or added into f32; 16-byte loads or element loads.
+template <typename T>
+megamoe_status_t dispatch_k_grouped(const KGroupedParams& params, bool out_f32, bool accumulate, bool vec, dim3 grid,
+                                    cudaStream_t stream) {
+    const char* name = "k_grouped_gemm";
+    if (accumulate) {
+        return vec ? launch(k_grouped_gemm_kernel<T, float, true, true>, params, grid, stream, name)
+                   : launch(k_grouped_gemm_kernel<T, float, false, true>, params, grid, stream, name);
+    }
+    if (out_f32) {
+        return vec ? launch(k_grouped_gemm_kernel<T, float, true, false>, params, grid, stream, name)
+                   : launch(k_grouped_gemm_kernel<T, float, false, false>, params, grid, stream, name);
+    }
+    return vec ? launch(k_grouped_gemm_kernel<T, T, true, false>, params, grid, stream, name)
+               : launch(k_grouped_gemm_kernel<T, T, false, false>, params, grid, stream, name);
 }
 
 template <BLayout kBLayout, Epilogue kEpilogue>
@@ -581,6 +621,9 @@ megamoe_status_t launch_k_grouped_gemm(const KGroupedGemmArgs& args, void* out, 
     params.num_n_tiles = ceil_div(args.n, kBlockN);
     params.out = out;
     const bool out_f32 = out_dtype == MEGAMOE_DTYPE_F32;
+    if (args.accumulate && !out_f32) {
+        return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "k_grouped_gemm: accumulation needs an f32 output");
+    }
     params.paired_stores = args.n % 2 == 0 && is_aligned(out, out_f32 ? 8 : 4);
 
     const int64_t num_blocks = args.num_experts * params.num_m_tiles * params.num_n_tiles;
@@ -591,23 +634,10 @@ megamoe_status_t launch_k_grouped_gemm(const KGroupedGemmArgs& args, void* out, 
     }
     const dim3 grid(static_cast<unsigned>(num_blocks));
     const bool vec = vec_ok(args.a, args.lda, args.m) && vec_ok(args.b, args.ldb, args.n);
-    const char* name = "k_grouped_gemm";
     if (args.dtype == MEGAMOE_DTYPE_BF16) {
-        using T = __nv_bfloat16;
-        if (out_f32) {
-            return vec ? launch(k_grouped_gemm_kernel<T, float, true>, params, grid, stream, name)
-                       : launch(k_grouped_gemm_kernel<T, float, false>, params, grid, stream, name);
-        }
-        return vec ? launch(k_grouped_gemm_kernel<T, T, true>, params, grid, stream, name)
-                   : launch(k_grouped_gemm_kernel<T, T, false>, params, grid, stream, name);
+        return dispatch_k_grouped<__nv_bfloat16>(params, out_f32, args.accumulate, vec, grid, stream);
     }
-    using T = __half;
-    if (out_f32) {
-        return vec ? launch(k_grouped_gemm_kernel<T, float, true>, params, grid, stream, name)
-                   : launch(k_grouped_gemm_kernel<T, float, false>, params, grid, stream, name);
-    }
-    return vec ? launch(k_grouped_gemm_kernel<T, T, true>, params, grid, stream, name)
-               : launch(k_grouped_gemm_kernel<T, T, false>, params, grid, stream, name);
+    return dispatch_k_grouped<__half>(params, out_f32, args.accumulate, vec, grid, stream);
 }
 
 }  // namespace megamoe::cuda

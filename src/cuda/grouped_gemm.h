@@ -12,6 +12,8 @@
 //     C_e[m, n] = sum over the rows r of expert e of A[a_row(r), m] * B[b_row(r), n]
 //   with the same gather rule on either side. One block owns one output tile and loops over all the
 //   expert's rows (no split-K): deterministic, and an expert with no rows writes exact zeros.
+//   With `accumulate` the output is f32 and C_e is added into it (out = out + C_e, each element by one thread, once),
+//   and an expert with no rows leaves its part of out untouched.
 //
 // Sizes are arbitrary (no multiple-of requirements); 16-byte cp.async loads are used when every
 // operand row is 16-byte aligned, element loads with zero fill otherwise.
@@ -74,8 +76,9 @@ struct KGroupedGemmArgs {
     int64_t n;
     const int* expert_offsets;  // [E + 1]
     int64_t num_experts;
-    int* schedule;  // sm_90a kernel: k_grouped_schedule_ints(E) ints, 16-byte aligned (NULL: static order; portable:
-                    // unused)
+    int* schedule;    // sm_90a kernel: k_grouped_schedule_ints(E) ints, 16-byte aligned (NULL: static order; portable:
+                      // unused)
+    bool accumulate;  // out is f32 and holds values: C_e is added into it
 };
 
 // Device ints the sm_90a K-grouped kernel's tile schedule needs in KGroupedGemmArgs::schedule: a 4-int entry per
@@ -84,7 +87,7 @@ inline int64_t k_grouped_schedule_ints(int64_t num_experts) {
     return 4 * num_experts + 2;
 }
 
-// C_e into out [E, M, N] (contiguous), dtype out_dtype: the element type or f32.
+// C_e into out [E, M, N] (contiguous), dtype out_dtype: the element type or f32 (f32 only with args.accumulate).
 megamoe_status_t launch_k_grouped_gemm(const KGroupedGemmArgs& args, void* out, megamoe_dtype_t out_dtype,
                                        cudaStream_t stream);
 

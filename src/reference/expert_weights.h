@@ -1,5 +1,6 @@
 // The CPU reference's view of the expert parameters: read from their layout (layout.h) into canonical arrays in the
-// accumulation type, and canonical gradients written back into that same layout.
+// accumulation type, and canonical gradients written back into that same layout (or, accumulating, rounded to f32 and
+// added into the f32 values there: put_grad).
 //   w13 [E, 2I, H] gate rows, then up rows      w2 [E, H, I]
 //   b13 [E, 2I]    gate, then up (empty: none)  b2 [E, H] (empty: none)
 #pragma once
@@ -10,6 +11,17 @@
 #include "layout.h"
 
 namespace megamoe::reference {
+
+// Element `index` of a gradient: `value` stored in its dtype, or, when accumulating (an f32 buffer: validated),
+// rounded to f32 and added to the value there in f32 (what the CUDA epilogues do with their f32 results).
+inline void put_grad(const megamoe_tensor_t& grad, int64_t index, double value, bool accumulate) {
+    if (accumulate) {
+        float* element = static_cast<float*>(grad.data) + index;
+        *element = *element + static_cast<float>(value);
+    } else {
+        store_element(grad.data, grad.dtype, index, value);
+    }
+}
 
 template <typename Acc>
 struct ExpertWeights {
@@ -67,29 +79,30 @@ struct ExpertWeights {
 
     // One expert's canonical dW13 [2I, H] into dw13 (and dw3) at the layout's positions; NULL data: not wanted.
     void write_w13_grad(const megamoe_tensor_t& dw13, const megamoe_tensor_t& dw3, int64_t expert_idx,
-                        const std::vector<Acc>& grad) const {
+                        const std::vector<Acc>& grad, bool accumulate) const {
         const int64_t H = layout.hidden;
         for (int64_t n = 0; n < 2 * layout.intermediate; ++n) {
             const megamoe_tensor_t& stored = layout.in_w3(n) ? dw3 : dw13;
             if (stored.data == nullptr) continue;
             for (int64_t k = 0; k < H; ++k) {
-                store_element(stored.data, stored.dtype, layout.w13_offset(expert_idx, n, k), grad[n * H + k]);
+                put_grad(stored, layout.w13_offset(expert_idx, n, k), grad[n * H + k], accumulate);
             }
         }
     }
     // One expert's canonical dW2 [H, I] into dw2.
-    void write_w2_grad(const megamoe_tensor_t& dw2, int64_t expert_idx, const std::vector<Acc>& grad) const {
+    void write_w2_grad(const megamoe_tensor_t& dw2, int64_t expert_idx, const std::vector<Acc>& grad,
+                       bool accumulate) const {
         const int64_t I = layout.intermediate;
         for (int64_t h = 0; h < layout.hidden; ++h) {
-            for (int64_t i = 0; i < I; ++i) {
-                store_element(dw2.data, dw2.dtype, layout.w2_offset(expert_idx, h, i), grad[h * I + i]);
-            }
+            for (int64_t i = 0; i < I; ++i)
+                put_grad(dw2, layout.w2_offset(expert_idx, h, i), grad[h * I + i], accumulate);
         }
     }
     // One expert's canonical db13 [2I] into db13.
-    void write_b13_grad(const megamoe_tensor_t& db13, int64_t expert_idx, const std::vector<Acc>& grad) const {
+    void write_b13_grad(const megamoe_tensor_t& db13, int64_t expert_idx, const std::vector<Acc>& grad,
+                        bool accumulate) const {
         for (int64_t n = 0; n < 2 * layout.intermediate; ++n) {
-            store_element(db13.data, db13.dtype, layout.b13_offset(expert_idx, n), grad[n]);
+            put_grad(db13, layout.b13_offset(expert_idx, n), grad[n], accumulate);
         }
     }
 };

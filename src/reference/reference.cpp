@@ -15,6 +15,8 @@
 // Determinism: y and dx sum over j = 0..topk-1 in order; dW13[e] and dW2[e] sum over the slots routed
 // to e in increasing slot order (t * topk + j). Threads split tokens (y, dx) or experts (dW), never a
 // single sum, so results do not depend on the thread count.
+// Accumulation (accumulate_weight_grads): each expert's weight and bias gradients, rounded to f32, are added into the
+// caller's f32 buffers (expert_weights.h put_grad); experts with no rows leave theirs untouched.
 #include "reference/reference.h"
 
 #include <vector>
@@ -218,8 +220,10 @@ void backward_slots(const Inputs<Acc>& in, const megamoe_tensor_t& dy_t, const m
         for (int64_t e = 0; e < E; ++e) {
             std::vector<Acc> dw13(want_w13 ? 2 * I * H : 0, Acc(0)), dw2(want_w2 ? H * I : 0, Acc(0));
             std::vector<Acc> db13(want_b13 ? 2 * I : 0, Acc(0)), db2(want_b2 ? H : 0, Acc(0));
+            int64_t num_rows = 0;
             for (int64_t slot = 0; slot < S; ++slot) {
                 if (in.expert[slot] != e) continue;
+                ++num_rows;
                 const int64_t t = slot / topk;
                 const Acc* dh_row = &dh[slot * 2 * I];
                 for (int64_t n = 0; n < 2 * I && want_w13; ++n) {
@@ -232,11 +236,13 @@ void backward_slots(const Inputs<Acc>& in, const megamoe_tensor_t& dy_t, const m
                     if (want_b2) db2[h] += scaled_dy;
                 }
             }
-            if (want_w13) in.weights.write_w13_grad(*wanted.dw13, *wanted.dw3, e, dw13);
-            if (want_w2) in.weights.write_w2_grad(*wanted.dw2, e, dw2);
-            if (want_b13) in.weights.write_b13_grad(*wanted.db13, e, db13);
+            const bool accumulate = wanted.accumulate;
+            if (accumulate && num_rows == 0) continue;  // accumulating, an expert with no rows leaves its part as is
+            if (want_w13) in.weights.write_w13_grad(*wanted.dw13, *wanted.dw3, e, dw13, accumulate);
+            if (want_w2) in.weights.write_w2_grad(*wanted.dw2, e, dw2, accumulate);
+            if (want_b13) in.weights.write_b13_grad(*wanted.db13, e, db13, accumulate);
             for (int64_t h = 0; h < H && want_b2; ++h) {
-                store_element(wanted.db2->data, wanted.db2->dtype, e * H + h, static_cast<double>(db2[h]));
+                put_grad(*wanted.db2, e * H + h, static_cast<double>(db2[h]), accumulate);
             }
         }
     }

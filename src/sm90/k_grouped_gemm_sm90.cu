@@ -55,7 +55,10 @@
 //     and lane 0 stores the box by TMA (3-D map over [E, M, N], clipped at M and N), so the warp is back at its
 //     MMAs once its last store is issued and the global writes overlap the next tile (deepseek-v3 dW13 11.9 ->
 //     10.1 ms, 4 k-blocks per tile); f32 (or without the tensor map): quad transpose and 16-byte stores, or 8-byte
-//     f32 pairs, from registers.
+//     f32 pairs, from registers. kAccumulate (f32 only): each thread loads its 32 f32 pairs of a row at once (one
+//     round trip per row; a row crossing N pair by pair), adds its accumulators and stores them back, each element
+//     by its one thread; a tile whose expert has no rows is not stored at all (the buffer stays as it is).
+//     TODO(#12): measure it; an L2 prefetch of the tile's output rows when the tile starts may hide the loads.
 // Shared memory (dynamic, 1024-byte aligned): kNumStages x (A tile 16 KiB + B tile 32 KiB), the staging boxes
 // (kStagingBytes: 2 per consumer warp), kNumStages full and kNumStages empty mbarriers, then the tile ring.
 #include "sm90/k_grouped_gemm_sm90.h"
@@ -284,12 +287,15 @@ __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensor
     cuda::cp_async_wait<0>();  // no copy outlives its thread
 }
 
-// One consumer warpgroup's rows of the output tile C_e[m_begin + row, n_begin + col], OutT = T or float.
-template <typename T, typename OutT, int kNumRegs>
+// One consumer warpgroup's rows of the output tile C_e[m_begin + row, n_begin + col], OutT = T or float (kAccumulate:
+// float, added to the values there).
+template <typename T, typename OutT, bool kAccumulate, int kNumRegs>
 __device__ __forceinline__ void store_tile(const KernelParams& params, const Tile& tile, const float (&acc)[kNumRegs],
                                            int consumer_idx, int warp_idx, int lane_idx) {
+    static_assert(!kAccumulate || std::is_same_v<OutT, float>, "accumulation is into f32 outputs");
     constexpr int kNumFrags = kBlockN / 8;
     constexpr int kFragsPerChunk = 4;
+    constexpr int kAccumulateBatch = 32;  // f32 pairs of a row loaded before their stores: all (no spills, 168 regs)
     const int quad_lane = lane_idx % 4;
     const int first_row = consumer_idx * kConsumerRows + warp_idx * 16 + lane_idx / 4;
     OutT* out = static_cast<OutT*>(params.out) + static_cast<int64_t>(tile.expert_idx) * params.m * params.n;
@@ -298,7 +304,37 @@ __device__ __forceinline__ void store_tile(const KernelParams& params, const Til
         const int64_t m_idx = tile.m_begin + first_row + half * 8;
         const bool row_valid = m_idx < params.m;
         OutT* out_row = out + m_idx * params.n;
-        if constexpr (std::is_same_v<OutT, float>) {
+        if constexpr (kAccumulate) {
+#pragma unroll
+            for (int batch_idx = 0; batch_idx < kNumFrags / kAccumulateBatch; ++batch_idx) {
+                const int first_frag = batch_idx * kAccumulateBatch;
+                const int64_t first_col = tile.n_begin + first_frag * 8 + quad_lane * 2;
+                if (row_valid && tile.n_begin + (first_frag + kAccumulateBatch) * 8 <= params.n) {
+                    // The whole batch inside the output (the common case): its loads go out together, unpredicated
+                    // (a predicate per load would exhaust the predicate registers and serialize them).
+                    float2 before[kAccumulateBatch];
+#pragma unroll
+                    for (int pair_idx = 0; pair_idx < kAccumulateBatch; ++pair_idx) {
+                        before[pair_idx] = *reinterpret_cast<const float2*>(out_row + first_col + pair_idx * 8);
+                    }
+#pragma unroll
+                    for (int pair_idx = 0; pair_idx < kAccumulateBatch; ++pair_idx) {
+                        const int reg_idx = (first_frag + pair_idx) * 4 + half * 2;
+                        store_pair_f32(out_row, first_col + pair_idx * 8, before[pair_idx].x + acc[reg_idx],
+                                       before[pair_idx].y + acc[reg_idx + 1]);
+                    }
+                } else if (row_valid) {  // the batch crosses N (N % 8 == 0: a pair is all in or all out)
+#pragma unroll
+                    for (int pair_idx = 0; pair_idx < kAccumulateBatch; ++pair_idx) {
+                        const int64_t col = first_col + pair_idx * 8;
+                        const int reg_idx = (first_frag + pair_idx) * 4 + half * 2;
+                        if (col >= params.n) continue;
+                        const float2 before = *reinterpret_cast<const float2*>(out_row + col);
+                        store_pair_f32(out_row, col, before.x + acc[reg_idx], before.y + acc[reg_idx + 1]);
+                    }
+                }
+            }
+        } else if constexpr (std::is_same_v<OutT, float>) {
 #pragma unroll
             for (int frag_idx = 0; frag_idx < kNumFrags; ++frag_idx) {
                 const int64_t col = tile.n_begin + frag_idx * 8 + quad_lane * 2;
@@ -334,7 +370,7 @@ __device__ __forceinline__ void store_tile_tma(const CUtensorMap* out_map, const
     });
 }
 
-template <typename T, typename OutT>
+template <typename T, typename OutT, bool kAccumulate>
 __device__ __forceinline__ void consume(const CUtensorMap* out_map, const KernelParams& params, uint8_t* smem_a,
                                         uint8_t* smem_b, uint8_t* staging, uint64_t* full, uint64_t* empty,
                                         TileRing* ring, int cta_rank, int consumer_idx, int thread_idx) {
@@ -372,11 +408,11 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Kernel
             retire_previous_batch<kClusterSize, kNumStages>(acc, empty, in_flight_stage, stage_idx, phase, lane_idx);
         }
         retire_last_batch<kClusterSize>(acc, empty, in_flight_stage, lane_idx);
-        if (tile.store) {
+        if (tile.store && (!kAccumulate || tile.num_k_blocks > 0)) {
             if (!std::is_same_v<OutT, float> && params.tma_store) {
                 store_tile_tma<T>(out_map, tile, acc, shared_address(warp_staging), consumer_idx, warp_idx, lane_idx);
             } else {
-                store_tile<T, OutT>(params, tile, acc, consumer_idx, warp_idx, lane_idx);
+                store_tile<T, OutT, kAccumulate>(params, tile, acc, consumer_idx, warp_idx, lane_idx);
             }
         }
         tile_idx = next_idx;
@@ -385,7 +421,7 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Kernel
     if (lane_idx == 0) bulk_wait_group<0, false>();  // every store complete before the CTA exits
 }
 
-template <typename T, typename OutT>
+template <typename T, typename OutT, bool kAccumulate>
 __global__ void __launch_bounds__(kNumThreads, 1)
     k_grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                                const __grid_constant__ CUtensorMap out_map, const KernelParams params) {
@@ -422,8 +458,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         produce(&a_map, &b_map, params, smem_a, smem_b, full, empty, ring, cta_rank, thread_idx);
     } else {
         setmaxnreg_inc<kConsumerRegs>();
-        consume<T, OutT>(&out_map, params, smem_a, smem_b, staging, full, empty, ring, cta_rank, warpgroup_idx - 1,
-                         thread_idx);
+        consume<T, OutT, kAccumulate>(&out_map, params, smem_a, smem_b, staging, full, empty, ring, cta_rank,
+                                      warpgroup_idx - 1, thread_idx);
     }
     cluster_sync();  // no CTA leaves while the other may still multicast into it or arrive on its barriers
 #endif
@@ -499,12 +535,13 @@ bool encode_out_map(megamoe_dtype_t dtype, void* out, int64_t num_experts, int64
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
-template <typename T, typename OutT>
+template <typename T, typename OutT, bool kAccumulate = false>
 megamoe_status_t launch_typed(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUtensorMap& out_map,
                               const KernelParams& params, int num_sms, cudaStream_t stream) {
     const int64_t max_clusters = std::min<int64_t>(std::max(num_sms, kClusterSize) / kClusterSize, params.num_tiles);
-    return launch_cluster_kernel<kClusterSize>(k_grouped_gemm_sm90_kernel<T, OutT>, "k_grouped_gemm_sm90", kNumThreads,
-                                               kSmemBytes, max_clusters, stream, a_map, b_map, out_map, params);
+    return launch_cluster_kernel<kClusterSize>(k_grouped_gemm_sm90_kernel<T, OutT, kAccumulate>, "k_grouped_gemm_sm90",
+                                               kNumThreads, kSmemBytes, max_clusters, stream, a_map, b_map, out_map,
+                                               params);
 }
 
 // The operand, by TMA when it is not gathered and its tensor map can be made (else by cp.async, zeroed map).
@@ -573,8 +610,16 @@ megamoe_status_t launch_k_grouped_gemm_sm90(const cuda::KGroupedGemmArgs& args, 
         params.tile_counter = tile_counter;
     }
     const bool f32_out = out_dtype == MEGAMOE_DTYPE_F32;
+    if (args.accumulate && !f32_out) {
+        return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "k_grouped_gemm_sm90: accumulation needs an f32 output");
+    }
     CUtensorMap out_map{};
     params.tma_store = !f32_out && encode_out_map(args.dtype, out, args.num_experts, args.m, args.n, &out_map);
+    if (args.accumulate) {
+        return args.dtype == MEGAMOE_DTYPE_BF16
+                   ? launch_typed<__nv_bfloat16, float, true>(a_map, b_map, out_map, params, num_sms, stream)
+                   : launch_typed<__half, float, true>(a_map, b_map, out_map, params, num_sms, stream);
+    }
     if (args.dtype == MEGAMOE_DTYPE_BF16) {
         return f32_out ? launch_typed<__nv_bfloat16, float>(a_map, b_map, out_map, params, num_sms, stream)
                        : launch_typed<__nv_bfloat16, __nv_bfloat16>(a_map, b_map, out_map, params, num_sms, stream);
