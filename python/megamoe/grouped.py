@@ -17,8 +17,9 @@ from . import _lib
 from . import main_grads as _main_grads
 from .dtensor import expert_shard_local, refuse_dtensor_activations, refuse_dtensors, same_sharding
 from .layouts import op_options, options_of
-from .ops import (_all_contiguous, _check_args, _contiguous, _grad_buffers, _intermediate, _main_grad_kwargs, _needs,
-                  _needs_input_grad, _saved_h_or_none, _saved_tensors, _weight_grads_from_accumulate, bound_arguments)
+from .ops import (_all_contiguous, _check_args, _grad_and_saved_h, _grad_buffers, _intermediate, _main_grad_kwargs,
+                  _needs, _needs_input_grad, _saved_h_or_none, _saved_tensors, _weight_grads_from_accumulate,
+                  bound_arguments)
 
 GRAD_NAMES = ("dx_sorted", "dscores", "dw13", "dw2", "dw3", "db13", "db2")  # grouped_backward's outputs, in order
 
@@ -122,9 +123,7 @@ def _grouped_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """torch.ops.megamoe.grouped_backward: (d x_sorted, d scores, dw13, dw2, dw3, db13, db2) with saved_h always
     given (empty: recompute h); an empty [0] tensor for each gradient not needed or of an absent input."""
-    dout, saved_h = _contiguous("dout", dout), _saved_h_or_none(saved_h)
-    if saved_h is not None:
-        saved_h = _contiguous("saved_h", saved_h)
+    dout, saved_h = _grad_and_saved_h("dout", dout, saved_h)
     x_sorted, tokens_per_expert, w13, w2, scores, w3, b13, b2 = _inputs(x_sorted, tokens_per_expert, w13, w2, scores,
                                                                          w3, b13, b2)
     needs = dict(need_dx_sorted=need_dx_sorted, need_dscores=need_dscores, need_dw13=need_dw13, need_dw2=need_dw2,
@@ -183,9 +182,7 @@ def _grouped_backward_accumulate(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """torch.ops.megamoe.grouped_backward_accumulate: grouped_backward whose weight and bias gradients are added into
     the main_grad_* buffers, as megamoe::moe_backward_accumulate (ops.py)."""
-    dout, saved_h = _contiguous("dout", dout), _saved_h_or_none(saved_h)
-    if saved_h is not None:
-        saved_h = _contiguous("saved_h", saved_h)
+    dout, saved_h = _grad_and_saved_h("dout", dout, saved_h)
     x_sorted, tokens_per_expert, w13, w2, scores, w3, b13, b2 = _inputs(x_sorted, tokens_per_expert, w13, w2, scores,
                                                                          w3, b13, b2)
     needs = dict(dx_sorted=need_dx_sorted, dscores=need_dscores, dw13=need_dw13, dw2=need_dw2, dw3=need_dw3,

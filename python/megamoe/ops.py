@@ -142,6 +142,13 @@ def _saved_h_or_none(saved_h):
     return saved_h if saved_h is not None and saved_h.dim() == 2 else None  # the empty [0] means "recompute"
 
 
+def _grad_and_saved_h(name, grad, saved_h):
+    """A backward op's output gradient (argument `name`) and saved_h (None: recompute h), contiguous (a strided one
+    copied once, with a warning)."""
+    saved_h = _saved_h_or_none(saved_h)
+    return _contiguous(name, grad), None if saved_h is None else _contiguous("saved_h", saved_h)
+
+
 def _backward_buffers(x, topk_weights, w13, w2, w3, b13, b2, wgrad_f32, needs):
     params = zip(GRAD_NAMES, (x, topk_weights, w13, w2, w3, b13, b2))
     return _grad_buffers(x, params, {name: needs[f"need_{name}"] for name in GRAD_NAMES}, wgrad_f32)
@@ -175,9 +182,7 @@ def _moe_backward(
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     """torch.ops.megamoe.moe_backward: (dx, d topk_weights, dw13, dw2, dw3, db13, db2) with saved_h always given
     (empty: recompute h); an empty [0] tensor for each gradient not needed or of an absent parameter."""
-    dy, saved_h = _contiguous("dy", dy), _saved_h_or_none(saved_h)
-    if saved_h is not None:
-        saved_h = _contiguous("saved_h", saved_h)
+    dy, saved_h = _grad_and_saved_h("dy", dy, saved_h)
     x, topk_ids, topk_weights, w13, w2, w3, b13, b2 = _all_contiguous(
         x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13, w2=w2, w3=w3, b13=b13, b2=b2)
     needs = dict(need_dx=need_dx, need_dtopk_weights=need_dtopk_weights, need_dw13=need_dw13, need_dw2=need_dw2,
@@ -238,9 +243,7 @@ def _moe_backward_accumulate(
     main_grad_* buffers (f32, shaped as w13, w2, w3, b13, b2; an empty [0] tensor: no buffer), which it declares
     mutated. Returns (dx, d topk_weights, dw13, dw2, dw3, db13, db2) with an empty [0] tensor in place of each gradient
     added into a buffer, not needed, or of an absent parameter; a needed one without a buffer comes back in f32."""
-    dy, saved_h = _contiguous("dy", dy), _saved_h_or_none(saved_h)
-    if saved_h is not None:
-        saved_h = _contiguous("saved_h", saved_h)
+    dy, saved_h = _grad_and_saved_h("dy", dy, saved_h)
     x, topk_ids, topk_weights, w13, w2, w3, b13, b2 = _all_contiguous(
         x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13, w2=w2, w3=w3, b13=b13, b2=b2)
     needs = dict(dx=need_dx, dtopk_weights=need_dtopk_weights, dw13=need_dw13, dw2=need_dw2, dw3=need_dw3,
