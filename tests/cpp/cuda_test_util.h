@@ -291,4 +291,65 @@ inline DeviceForward upload_forward(const Problem& problem, int64_t offset = 0) 
     return device;
 }
 
+// A backward's gradients downloaded.
+struct BackwardGrads {
+    HostTensor dx, dtopk, dw13, dw2;
+};
+
+// A backward problem on the device: inputs, gradients, workspace, and the C API params that point at them.
+struct DeviceBackward {
+    DeviceTensor x, ids, weights, w13, w2, dy;
+    DeviceTensor dx, dtopk, dw13, dw2, workspace;
+    megamoe_backward_params_t params{};
+
+    // Points params at the tensors and sizes the workspace for them.
+    void bind() {
+        params.dy = dy.view();
+        params.x = x.view();
+        params.topk_ids = ids.view();
+        params.topk_weights = weights.view();
+        params.w13 = w13.view();
+        params.w2 = w2.view();
+        params.dx = dx.view();
+        params.dtopk_weights = dtopk.view();
+        params.dw13 = dw13.view();
+        params.dw2 = dw2.view();
+        bind_workspace(params, megamoe_backward_workspace_size, workspace);
+    }
+
+    // Poisons every gradient and the workspace, runs the backward.
+    void run() {
+        for (DeviceTensor* tensor : {&dx, &dtopk, &dw13, &dw2, &workspace}) tensor->poison();
+        expect_cuda(cudaDeviceSynchronize(), "poison");
+        EXPECT_EQ(megamoe_backward(&params), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
+        expect_cuda(cudaDeviceSynchronize(), "backward");
+    }
+
+    BackwardGrads download() const { return {dx.download(), dtopk.download(), dw13.download(), dw2.download()}; }
+};
+
+// A problem's backward on the device, every tensor `offset` elements into its allocation (1: misaligned views), the
+// weight gradients in `grad_dtype`, d topk_weights in f32.
+inline DeviceBackward upload_backward(const Problem& problem, int64_t offset, megamoe_dtype_t grad_dtype) {
+    const int64_t T = problem.num_tokens, H = problem.hidden, I = problem.intermediate, E = problem.num_experts;
+    DeviceBackward device{DeviceTensor::upload(problem.x, offset),
+                          DeviceTensor::upload(problem.ids, offset),
+                          DeviceTensor::upload(problem.weights, offset),
+                          DeviceTensor::upload(problem.w13, offset),
+                          DeviceTensor::upload(problem.w2, offset),
+                          DeviceTensor::upload(problem.dy, offset),
+                          DeviceTensor(problem.x.view, offset),
+                          DeviceTensor(HostTensor(MEGAMOE_DTYPE_F32, {T, problem.topk}).view, offset),
+                          DeviceTensor(HostTensor(grad_dtype, {E, 2 * I, H}).view, offset),
+                          DeviceTensor(HostTensor(grad_dtype, {E, H, I}).view, offset),
+                          {}};
+    device.bind();
+    return device;
+}
+
+// As above, the weight gradients in the problem's dtype.
+inline DeviceBackward upload_backward(const Problem& problem, int64_t offset = 0) {
+    return upload_backward(problem, offset, problem.dtype);
+}
+
 }  // namespace megamoe::test

@@ -70,53 +70,31 @@ bool expert_untouched(const HostTensor& got, const HostTensor& previous, int64_t
 
 // The whole layer's backward on the device with f32 weight gradients, accumulated or written.
 struct DeviceAccumulate {
-    DeviceTensor x, ids, weights, w13, w2, dy, dx, dtopk, dw13, dw2, workspace;
-    megamoe_backward_params_t params{};
+    DeviceBackward backward;
 
-    explicit DeviceAccumulate(const Problem& problem)
-        : x(DeviceTensor::upload(problem.x)),
-          ids(DeviceTensor::upload(problem.ids)),
-          weights(DeviceTensor::upload(problem.weights)),
-          w13(DeviceTensor::upload(problem.w13)),
-          w2(DeviceTensor::upload(problem.w2)),
-          dy(DeviceTensor::upload(problem.dy)),
-          dx(problem.x.view),
-          dtopk(HostTensor(MEGAMOE_DTYPE_F32, {problem.num_tokens, problem.topk}).view),
-          dw13(HostTensor(MEGAMOE_DTYPE_F32, {problem.num_experts, 2 * problem.intermediate, problem.hidden}).view),
-          dw2(HostTensor(MEGAMOE_DTYPE_F32, {problem.num_experts, problem.hidden, problem.intermediate}).view) {
-        params.dy = dy.view();
-        params.x = x.view();
-        params.topk_ids = ids.view();
-        params.topk_weights = weights.view();
-        params.w13 = w13.view();
-        params.w2 = w2.view();
-        params.dx = dx.view();
-        params.dtopk_weights = dtopk.view();
-        params.dw13 = dw13.view();
-        params.dw2 = dw2.view();
-    }
+    explicit DeviceAccumulate(const Problem& problem) : backward(upload_backward(problem, 0, MEGAMOE_DTYPE_F32)) {}
 
     // Runs the backward with dw13 / dw2 starting as `previous13` / `previous2` (accumulate) or poisoned (not);
     // returns them afterwards.
     std::pair<HostTensor, HostTensor> run(bool accumulate, const HostTensor& previous13, const HostTensor& previous2) {
-        params.accumulate_weight_grads = accumulate ? 1 : 0;
-        bind_workspace(params, megamoe_backward_workspace_size, workspace);
-        workspace.poison();
+        backward.params.accumulate_weight_grads = accumulate ? 1 : 0;
+        bind_workspace(backward.params, megamoe_backward_workspace_size, backward.workspace);
+        backward.workspace.poison();
         if (accumulate) {
-            expect_cuda(
-                cudaMemcpy(dw13.view().data, previous13.view.data, previous13.bytes.size() - 1, cudaMemcpyHostToDevice),
-                "upload dw13");
-            expect_cuda(
-                cudaMemcpy(dw2.view().data, previous2.view.data, previous2.bytes.size() - 1, cudaMemcpyHostToDevice),
-                "upload dw2");
+            expect_cuda(cudaMemcpy(backward.dw13.view().data, previous13.view.data, previous13.bytes.size() - 1,
+                                   cudaMemcpyHostToDevice),
+                        "upload dw13");
+            expect_cuda(cudaMemcpy(backward.dw2.view().data, previous2.view.data, previous2.bytes.size() - 1,
+                                   cudaMemcpyHostToDevice),
+                        "upload dw2");
         } else {
-            dw13.poison();
-            dw2.poison();
+            backward.dw13.poison();
+            backward.dw2.poison();
         }
         expect_cuda(cudaDeviceSynchronize(), "setup");
-        EXPECT_EQ(megamoe_backward(&params), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
+        EXPECT_EQ(megamoe_backward(&backward.params), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
         expect_cuda(cudaDeviceSynchronize(), "backward");
-        return {dw13.download(), dw2.download()};
+        return {backward.dw13.download(), backward.dw2.download()};
     }
 };
 
@@ -129,11 +107,11 @@ void check_accumulation(const Sm90Case& c, WeightGradKernel kernel) {
     const HostTensor previous13 = random_f32({E, 2 * I, H}, rng), previous2 = random_f32({E, H, I}, rng);
 
     DeviceAccumulate device(problem);
-    const Shape shape = shape_of(device.params);
-    device.params.accumulate_weight_grads = 1;
-    ASSERT_EQ(cuda::backward_uses_sm90(device.params, shape), kernel != WeightGradKernel::kPortablePath)
+    const Shape shape = shape_of(device.backward.params);
+    device.backward.params.accumulate_weight_grads = 1;
+    ASSERT_EQ(cuda::backward_uses_sm90(device.backward.params, shape), kernel != WeightGradKernel::kPortablePath)
         << "sm_90a M-grouped GEMMs taken or not, against MEGAMOE_DISABLE_SM90";
-    ASSERT_EQ(cuda::backward_weight_grads_use_sm90(device.params, shape), kernel == WeightGradKernel::kSm90)
+    ASSERT_EQ(cuda::backward_weight_grads_use_sm90(device.backward.params, shape), kernel == WeightGradKernel::kSm90)
         << "sm_90a weight-gradient kernel taken or not, against MEGAMOE_SM90_WEIGHT_GRADS";
 
     const auto [fresh13, fresh2] = device.run(false, previous13, previous2);

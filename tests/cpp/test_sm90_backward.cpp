@@ -32,61 +32,7 @@
 namespace megamoe::test {
 namespace {
 
-struct Grads {
-    HostTensor dx, dtopk, dw13, dw2;
-};
-
-// A backward problem on the device: inputs, gradients, workspace, and the C API params that point at them.
-struct DeviceBackward {
-    DeviceTensor x, ids, weights, w13, w2, dy;
-    DeviceTensor dx, dtopk, dw13, dw2, workspace;
-    megamoe_backward_params_t params{};
-
-    void bind() {
-        params.dy = dy.view();
-        params.x = x.view();
-        params.topk_ids = ids.view();
-        params.topk_weights = weights.view();
-        params.w13 = w13.view();
-        params.w2 = w2.view();
-        params.dx = dx.view();
-        params.dtopk_weights = dtopk.view();
-        params.dw13 = dw13.view();
-        params.dw2 = dw2.view();
-        size_t bytes = 0;
-        EXPECT_EQ(megamoe_backward_workspace_size(&params, &bytes), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
-        workspace = device_workspace(bytes);
-        params.workspace = workspace.view().data;
-        params.workspace_bytes = bytes;
-    }
-
-    // Poisons every gradient and the workspace, runs the backward.
-    void run() {
-        for (DeviceTensor* tensor : {&dx, &dtopk, &dw13, &dw2, &workspace}) tensor->poison();
-        expect_cuda(cudaDeviceSynchronize(), "poison");
-        EXPECT_EQ(megamoe_backward(&params), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
-        expect_cuda(cudaDeviceSynchronize(), "backward");
-    }
-
-    Grads download() const { return {dx.download(), dtopk.download(), dw13.download(), dw2.download()}; }
-};
-
-DeviceBackward upload(const Problem& problem, int64_t offset = 0) {
-    const int64_t T = problem.num_tokens, H = problem.hidden, I = problem.intermediate, E = problem.num_experts;
-    DeviceBackward device{DeviceTensor::upload(problem.x, offset),
-                          DeviceTensor::upload(problem.ids, offset),
-                          DeviceTensor::upload(problem.weights, offset),
-                          DeviceTensor::upload(problem.w13, offset),
-                          DeviceTensor::upload(problem.w2, offset),
-                          DeviceTensor::upload(problem.dy, offset),
-                          DeviceTensor(problem.x.view, offset),
-                          DeviceTensor(HostTensor(MEGAMOE_DTYPE_F32, {T, problem.topk}).view, offset),
-                          DeviceTensor(HostTensor(problem.dtype, {E, 2 * I, H}).view, offset),
-                          DeviceTensor(HostTensor(problem.dtype, {E, H, I}).view, offset),
-                          {}};
-    device.bind();
-    return device;
-}
+using Grads = BackwardGrads;
 
 Grads reference_grads(const Problem& problem) {
     const int64_t T = problem.num_tokens, H = problem.hidden, I = problem.intermediate, E = problem.num_experts;
@@ -119,7 +65,7 @@ void check_against_reference(const Sm90Case& c, bool sm90_weight_grads) {
     SCOPED_TRACE(::testing::PrintToString(c));
     const Problem problem = make_problem(c);
     const Grads want = reference_grads(problem);
-    DeviceBackward device = upload(problem);
+    DeviceBackward device = upload_backward(problem);
     ASSERT_TRUE(cuda::backward_uses_sm90(device.params, shape_of(device.params))) << "sm_90a path not taken";
     ASSERT_EQ(cuda::backward_weight_grads_use_sm90(device.params, shape_of(device.params)), sm90_weight_grads)
         << "sm_90a weight-gradient kernel taken or not, against MEGAMOE_SM90_WEIGHT_GRADS";
@@ -165,7 +111,7 @@ void check_keep_h(const Sm90Case& c, bool expect_sm90) {
     SCOPED_TRACE(::testing::PrintToString(c));
     const Problem problem = make_problem(c);
     const int64_t num_slots = problem.num_tokens * problem.topk, I = problem.intermediate;
-    DeviceBackward device = upload(problem);
+    DeviceBackward device = upload_backward(problem);
     ASSERT_EQ(cuda::backward_uses_sm90(device.params, shape_of(device.params)), expect_sm90);
     device.run();
     const Grads recompute = device.download();
@@ -216,7 +162,7 @@ TEST(Sm90Backward, WorkspaceFitsThePathAndMustBeAligned) {
     SKIP_WITHOUT_SM90();
     const Sm90Case c{"workspace", 64, 136, 72, 5, 2};
     const Problem problem = make_problem(c);
-    DeviceBackward device = upload(problem);
+    DeviceBackward device = upload_backward(problem);
     size_t sm90_bytes = 0, portable_bytes = 0;
     ASSERT_EQ(megamoe_backward_workspace_size(&device.params, &sm90_bytes), MEGAMOE_STATUS_SUCCESS);
     {
@@ -237,7 +183,7 @@ TEST(Sm90Backward, MisalignedViewsFallBackToPortable) {
     const Sm90Case c{"misaligned views", 150, 136, 72, 5, 2, Routing::kSomeDropped};
     SCOPED_TRACE(::testing::PrintToString(c));
     const Problem problem = make_problem(c);
-    DeviceBackward device = upload(problem, 1);
+    DeviceBackward device = upload_backward(problem, 1);
     EXPECT_FALSE(cuda::backward_uses_sm90(device.params, shape_of(device.params)));
     device.run();
     EXPECT_LT(relative_error(device.download().dx, reference_grads(problem).dx), kBf16Tolerance);
