@@ -18,6 +18,8 @@
 //           -> dW2 = K-grouped(dy gathered, s * a)
 //           -> dX GEMM (dh x w13[e]) -> q [S, H] (sm_90a: over s * a; portable: over p) -> gather_sum -> dx
 //           -> dW13 = K-grouped(dh, x gathered).
+//           sm_90a: s * a and q live in the dw13 output until dW13 writes it, when dw13 is wanted without
+//           accumulation and can hold them (dw13_as_act_scratch; the workspace size query sees the same params).
 //           accumulate_weight_grads: both K-grouped GEMMs add into the f32 dw13 / dw2 in their epilogues, and a call
 //           with no rows leaves them untouched (no memset).
 //           Up, dH and dX run on the sm_90a kernels under the forward's conditions (all three must suit them);
@@ -78,15 +80,18 @@ struct BackwardWorkspace {
     float* p_then_q;
     int* k_schedule;  // sm_90a path: the K-grouped kernel's tile schedule scratch (k_grouped_schedule_ints), else NULL
 
+    // act_scratch: on the sm_90a path, the dw13 output when it can hold act (dw13_as_act_scratch), else NULL (carved).
     static BackwardWorkspace carve(WorkspaceCarver& carver, const RoutingPlan& plan, const Shape& shape, bool sm90,
-                                   void* saved_h) {
+                                   void* saved_h, void* act_scratch) {
         BackwardWorkspace workspace;
         const int64_t num_slots = shape.num_slots();
         workspace.routing = RoutingBuffers::carve(carver, plan);
         const int64_t max_cols = std::max(shape.intermediate, shape.hidden);
         workspace.h = saved_h != nullptr ? static_cast<uint16_t*>(saved_h)
                                          : carver.take<uint16_t>(num_slots * 2 * shape.intermediate);
-        workspace.act = carver.take<uint16_t>(num_slots * (sm90 ? max_cols : shape.intermediate));
+        workspace.act = act_scratch != nullptr
+                            ? static_cast<uint16_t*>(act_scratch)
+                            : carver.take<uint16_t>(num_slots * (sm90 ? max_cols : shape.intermediate));
         workspace.num_ds_parts = sm90::dswiglu_sm90_num_ds_parts(shape.intermediate);
         workspace.ds_parts = carver.take<float>(num_slots * workspace.num_ds_parts);
         workspace.p_then_q = sm90 ? reinterpret_cast<float*>(workspace.act) : carver.take<float>(num_slots * max_cols);
@@ -323,6 +328,20 @@ megamoe_status_t launch_weight_grad(const KGroupedGemmArgs& args, const megamoe_
     return launch_k_grouped_gemm(args, grad.data, grad.dtype, stream);
 }
 
+// The sm_90a backward's act buffer (s * a [S, I], then q [S, H], element type) inside the dw13 output, when the call
+// asks for dw13 without accumulation and it is large and aligned enough: dw13 is written only by the last GEMM, after
+// dW2 (the reader of s * a) and dx's gather-sum (the reader of q), so it is free scratch until then, and the backward's
+// activation memory loses its largest buffer but h (S x max(I, H) elements: 0.44 GiB at mixtral-8x7b). NULL otherwise.
+void* dw13_as_act_scratch(const BackwardCall& call) {
+    const Shape& shape = call.shape;
+    if (call.dw13.data == nullptr || call.accumulate_weight_grads) return nullptr;
+    const size_t needed = static_cast<size_t>(shape.num_slots()) *
+                          static_cast<size_t>(std::max(shape.intermediate, shape.hidden)) * sizeof(uint16_t);
+    const size_t available = static_cast<size_t>(numel(call.dw13)) * output_element_bytes(call.dw13.dtype);
+    const bool aligned = reinterpret_cast<uintptr_t>(call.dw13.data) % kWorkspaceAlignment == 0;
+    return available >= needed && aligned ? call.dw13.data : nullptr;
+}
+
 // The backward's workspace, GEMM arguments and kernel choices for one call. The path is chosen on the layout of the
 // portable path (the larger one; every buffer starts 256-byte aligned in both layouts, and the choice depends only on
 // alignment), then the workspace is laid out for it. The workspace size query runs the same function, and the call
@@ -334,6 +353,7 @@ struct BackwardPlan {
     BackwardGemms gemms;
     bool use_sm90;
     bool weight_grads_sm90;
+    bool act_in_dw13;  // sm_90a: act is the dw13 output (dw13_as_act_scratch), not carved
     size_t workspace_bytes;
 
     static BackwardPlan make(const BackwardCall& call) {
@@ -341,14 +361,19 @@ struct BackwardPlan {
         BackwardPlan plan;
         plan.routing_plan = make_routing_plan(call);
         WorkspaceCarver portable_carver(call.workspace);
-        plan.workspace = BackwardWorkspace::carve(portable_carver, plan.routing_plan, shape, false, call.saved_h);
+        plan.workspace =
+            BackwardWorkspace::carve(portable_carver, plan.routing_plan, shape, false, call.saved_h, nullptr);
         plan.gemms = BackwardGemms::make(call, plan.routing_plan, plan.workspace);
         plan.use_sm90 = shape.num_slots() > 0 && plan.gemms.sm90_ok(call.device_index);
         plan.weight_grads_sm90 = plan.use_sm90 && plan.gemms.weight_grads_sm90_ok(call.device_index);
         plan.workspace_bytes = portable_carver.bytes_used();
+        plan.act_in_dw13 = false;
         if (plan.use_sm90) {
             WorkspaceCarver carver(call.workspace);
-            plan.workspace = BackwardWorkspace::carve(carver, plan.routing_plan, shape, true, call.saved_h);
+            void* act_scratch = dw13_as_act_scratch(call);
+            plan.act_in_dw13 = act_scratch != nullptr;
+            plan.workspace =
+                BackwardWorkspace::carve(carver, plan.routing_plan, shape, true, call.saved_h, act_scratch);
             plan.gemms = BackwardGemms::make(call, plan.routing_plan, plan.workspace);
             plan.workspace_bytes = carver.bytes_used();
         }
@@ -567,6 +592,9 @@ bool backward_weight_grads_use_sm90(const megamoe_backward_params_t& params, con
 }
 bool backward_weight_grads_use_sm90(const megamoe_grouped_backward_params_t& params, const Shape& shape) {
     return BackwardPlan::make(backward_call(params, shape)).weight_grads_sm90;
+}
+bool backward_act_in_dw13(const megamoe_backward_params_t& params, const Shape& shape) {
+    return BackwardPlan::make(backward_call(params, shape)).act_in_dw13;
 }
 
 megamoe_status_t check_supported(const Experts& experts) {

@@ -54,5 +54,7 @@ bool backward_uses_sm90(const megamoe_backward_params_t& params, const Shape& sh
 bool backward_uses_sm90(const megamoe_grouped_backward_params_t& params, const Shape& shape);
 bool backward_weight_grads_use_sm90(const megamoe_backward_params_t& params, const Shape& shape);
 bool backward_weight_grads_use_sm90(const megamoe_grouped_backward_params_t& params, const Shape& shape);
+// Whether the sm_90a backward keeps s * a and q in the dw13 output instead of the workspace (for tests).
+bool backward_act_in_dw13(const megamoe_backward_params_t& params, const Shape& shape);
 
 }  // namespace megamoe::cuda

@@ -10,7 +10,7 @@
 //     ragged set and on cases aimed at its TMA k-blocks and cluster pairs;
 //   - the keep-h memory mode (the forward's saved_h read by the backward) against the recompute mode, bitwise, on
 //     the sm_90a and the portable path, with saved_h itself against the CPU reference's h;
-//   - the dispatch: misaligned views fall back to the portable path.
+//   - the dispatch: misaligned views fall back to the portable path; s * a and q in the dw13 output.
 // Skips, with the reason, without a compute capability 9.0 device.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -176,6 +176,36 @@ TEST(Sm90Backward, WorkspaceFitsThePathAndMustBeAligned) {
     EXPECT_EQ(megamoe_backward(&device.params), MEGAMOE_STATUS_INVALID_ARGUMENT);
     EXPECT_NE(std::string(megamoe_last_error()).find("workspace: must be 256-byte aligned"), std::string::npos)
         << megamoe_last_error();
+}
+
+// The sm_90a backward keeps s * a and q in the dw13 output when the call wants dw13 without accumulation (large and
+// aligned enough): the workspace shrinks by that buffer, dw13 still matches the reference, and dx, d topk_weights and
+// dw2 are bitwise those of the same call without dw13 (whose act buffer is carved from the workspace).
+TEST(Sm90Backward, ActBufferInDw13OutputMatchesCarved) {
+    SKIP_WITHOUT_SM90();
+    const Sm90Case c{"act in dw13", 150, 136, 72, 5, 2, Routing::kSomeDropped};
+    SCOPED_TRACE(::testing::PrintToString(c));
+    const Problem problem = make_problem(c);
+    DeviceBackward device = upload_backward(problem);
+    ASSERT_TRUE(cuda::backward_uses_sm90(device.params, shape_of(device.params))) << "sm_90a path not taken";
+    ASSERT_TRUE(cuda::backward_act_in_dw13(device.params, shape_of(device.params)));
+    const size_t bytes_with_dw13 = device.params.workspace_bytes;
+    device.run();
+    const Grads with_dw13 = device.download();
+    device.run();
+    expect_bitwise_equal(with_dw13, device.download());
+    EXPECT_LT(relative_error(with_dw13.dw13, reference_grads(problem).dw13), kBf16Tolerance) << "dw13";
+
+    device.params.dw13 = megamoe_tensor_t{};
+    bind_workspace(device.params, megamoe_backward_workspace_size, device.workspace);
+    ASSERT_FALSE(cuda::backward_act_in_dw13(device.params, shape_of(device.params)));
+    const size_t act_bytes = static_cast<size_t>(c.num_tokens * c.topk * std::max(c.hidden, c.intermediate)) * 2;
+    EXPECT_GE(device.params.workspace_bytes, bytes_with_dw13 + act_bytes) << "the act buffer is carved without dw13";
+    device.run();
+    const Grads without_dw13 = device.download();
+    EXPECT_EQ(with_dw13.dx.bytes, without_dw13.dx.bytes) << "dx";
+    EXPECT_EQ(with_dw13.dtopk.bytes, without_dw13.dtopk.bytes) << "dtopk_weights";
+    EXPECT_EQ(with_dw13.dw2.bytes, without_dw13.dw2.bytes) << "dw2";
 }
 
 TEST(Sm90Backward, MisalignedViewsFallBackToPortable) {
