@@ -1,6 +1,7 @@
 """Regenerates the README's "## Results" block (between <!-- results:begin --> and <!-- results:end -->) from
-bench/results/: a kernel table per shape (balanced routing), a sentence on skewed routing, the bench plot, and
-optionally an end-to-end training-step table from two `examples/train_qwen3_moe.py --log-json` logs.
+bench/results/: a kernel table per shape (balanced routing), a sentence on skewed routing, the bench plot, the
+tables of shapes that run lacks from the newest earlier runs holding them (with their commits; not without --bench
+given), and optionally an end-to-end training-step table from two `examples/train_qwen3_moe.py --log-json` logs.
 
     python bench/readme_results.py                      # newest bench JSON and training logs in bench/results/
     python bench/readme_results.py --bench bench/results/<date>-<gpu>-<commit>.json \\
@@ -66,6 +67,39 @@ def newest_bench(results_dir=RESULTS):
     (skewed routing run separately) is read along with it, never chosen itself."""
     runs = _bench_runs(results_dir, skewed=False)
     return max(runs)[2] if runs else None
+
+
+def runs_for_other_shapes(bench_path, results_dir=RESULTS):
+    """Bench JSONs older than bench_path (by date, then commit) that hold balanced-routing shapes it lacks, newest
+    first, each taken for the shapes no newer run already showed: [(path, [shape, ...])]."""
+    newest = _load(bench_path)
+    shown = {c["shape"] for c in newest["cases"] if c.get("routing", "balanced") == "balanced"}
+    limit = (newest.get("date", ""), _commit_rank(newest.get("commit")))
+    picked = []
+    for date, rank, path, record in sorted(_bench_runs(results_dir, skewed=False), reverse=True):
+        if os.path.abspath(path) == os.path.abspath(bench_path) or (date, rank) > limit:
+            continue
+        shapes = [c["shape"] for c in record["cases"]
+                  if c.get("routing", "balanced") == "balanced" and c["shape"] not in shown]
+        shapes = list(dict.fromkeys(shapes))
+        if shapes and record.get("peers"):  # only runs with the peers beside megamoe
+            picked.append((path, shapes))
+            shown.update(shapes)
+    return picked
+
+
+def other_shapes_section(others, readme_dir):
+    """Lines: per earlier run, its provenance and the table rows of the shapes it adds."""
+    lines = []
+    for path, shapes in others:
+        results = _load(path)
+        results = dict(results, cases=[report.derive(c) for c in results["cases"] if c["shape"] in shapes])
+        md = _link(os.path.splitext(path)[0] + ".md", readme_dir)
+        lines += ["", f"{', '.join(shapes)}: the newest run of {'this shape' if len(shapes) == 1 else 'these shapes'}"
+                  f" ({results.get('date', '—')}, commit `{results.get('commit', '—')}`, command"
+                  f" `{results.get('command', '—')}`; [`{md}`]({md})):", "",
+                  *report.markdown_rows(report.SUMMARY_HEADER, report.summary_rows(results, "", "balanced"))]
+    return lines
 
 
 def newest_skewed(results_dir, results):
@@ -189,9 +223,11 @@ def train_section(mega, baseline, losses_png, readme_dir, paths=()):
     return lines
 
 
-def generate(bench_path, readme_dir, train=None):
-    """The markdown between the markers (no trailing newline); train = (megamoe, baseline, losses png) or None."""
+def generate(bench_path, readme_dir, train=None, others=()):
+    """The markdown between the markers (no trailing newline); train = (megamoe, baseline, losses png) or None;
+    others = runs_for_other_shapes(...): earlier runs' tables of the shapes bench_path lacks."""
     lines = kernel_section(_load(bench_path), bench_path, readme_dir)
+    lines += other_shapes_section(others, readme_dir)
     if train and train[0] and train[1]:
         lines += [""] + train_section(_load(train[0]), _load(train[1]), train[2], readme_dir, train[:2])
     return "\n".join(lines + ["", TARGETS])
@@ -226,7 +262,8 @@ def main(argv=None):
     with open(args.readme, encoding="utf-8", newline="") as f:
         old = f.read()
     try:
-        new = replace_block(old, generate(bench, os.path.dirname(os.path.abspath(args.readme)), train))
+        others = runs_for_other_shapes(bench) if not args.bench else ()
+        new = replace_block(old, generate(bench, os.path.dirname(os.path.abspath(args.readme)), train, others))
     except ValueError as e:
         print(f"error: {args.readme}: {e}", file=sys.stderr)
         return 2

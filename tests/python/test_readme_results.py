@@ -254,3 +254,28 @@ def test_skewed_run_of_an_earlier_commit(tmp_path):
     assert ("Skewed routing (a separate run, commit `0000001`, against that commit's balanced run:"
             " [`results/2027-01-01-test-gpu-0000001-skewed.md`]" in block)
     assert "toy-a fwd 2.00x, fwd+bwd 0.90x." in block  # 540 / 270 from the older balanced run
+
+
+def test_other_shapes_from_earlier_runs(tmp_path):
+    path = synthetic(tmp_path)
+    rec = json.loads(open(path).read())
+    older = dict(rec, date="2027-01-01", commit="0000001", cases=[dict(c, shape="toy-f") for c in rec["cases"]]
+                 + [c for c in rec["cases"] if c["routing"] == "balanced"])
+    oldest = dict(rec, date="2026-12-31", commit="0000002", cases=[dict(c, shape="toy-f") for c in rec["cases"]]
+                  + [dict(c, shape="toy-c") for c in rec["cases"] if c["routing"] == "balanced"])
+    no_peers = dict(rec, date="2026-12-30", commit="0000003", peers={},
+                    cases=[dict(c, shape="toy-d") for c in rec["cases"] if c["routing"] == "balanced"])
+    newer = dict(rec, date="2027-02-01", commit="0000004", cases=[dict(c, shape="toy-e") for c in rec["cases"]])
+    results = os.path.dirname(path)
+    for name, record in (("older", older), ("oldest", oldest), ("no-peers", no_peers), ("newer", newer)):
+        with open(os.path.join(results, f"{name}.json"), "w") as f:
+            json.dump(record, f)
+    others = rr.runs_for_other_shapes(path, results)
+    # toy-a and toy-b are in the run itself, toy-f comes from the newest earlier run, toy-c from the next; toy-d's run has no
+    # peers and toy-e's is newer than the run shown
+    assert [(os.path.basename(p), shapes) for p, shapes in others] == [("older.json", ["toy-f"]),
+                                                                       ("oldest.json", ["toy-c"])]
+    block = rr.generate(path, str(tmp_path), others=others)
+    rows = rows_of(block)
+    assert {"toy-a", "toy-b", "toy-f", "toy-c"} <= set(rows) and "toy-d" not in rows and "toy-e" not in rows
+    assert "toy-f: the newest run of this shape (2027-01-01, commit `0000001`" in block
