@@ -1,6 +1,9 @@
 """Argument checks shared by the adapters: each message names the argument as the framework calls it (megamoe's own
 checks name megamoe's arguments, e.g. topk_weights where torchtitan says topk_scores)."""
 
+import contextlib
+import re
+
 import torch
 
 
@@ -47,3 +50,17 @@ def routing(entry, x, scores_name, scores, ids_name, ids):
 def scores_dtype(scores, x):
     """Routing scores as megamoe takes them: f32 or x's dtype (any other float dtype in f32)."""
     return scores if scores.dtype in (torch.float32, x.dtype) else scores.float()
+
+
+@contextlib.contextmanager
+def framework_names(entry, names):
+    """Re-raise megamoe's ValueError / TypeError with its argument names replaced by the framework's (names: megamoe
+    name -> framework name), prefixed by the adapter's entry point; other exceptions (NotImplementedError for what
+    CUDA cannot run yet) pass unchanged."""
+    try:
+        yield
+    except (ValueError, TypeError) as error:
+        message = str(error)
+        for ours, theirs in names.items():
+            message = re.sub(rf"(?<![\w.]){re.escape(ours)}(?!\w)", theirs, message)
+        raise type(error)(f"{entry}: {message}") from error

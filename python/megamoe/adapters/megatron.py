@@ -40,6 +40,9 @@ from ..layouts import CONCATENATED, HF_TRANSPOSED
 from . import _checks
 
 
+_ROW_NAMES = {"x_sorted": "permuted_local_hidden_states", "scores": "permuted_probs"}
+
+
 class _AddedToMainGrad(torch.autograd.Function):
     """Identity on a parameter's view for megamoe; its backward marks the parameter's gradient as added into its
     main_grad (Megatron DDP's `grad_added_to_main_grad`) and returns a placeholder gradient, so the parameter's
@@ -89,13 +92,15 @@ def _rows(entry, x, tokens_per_expert, permuted_probs, num_experts):
     return tokens_per_expert, _checks.scores_dtype(permuted_probs, x)
 
 
-def _run(x, tokens_per_expert, probs, weights, buffers, layout, activation, recompute):
+def _run(entry, names, x, tokens_per_expert, probs, weights, buffers, layout, activation, recompute):
     """megamoe.grouped_moe on the weights {name: tensor or None} with main_grads {name: buffer or None}; returns
-    Megatron's (output [R, H] in x's dtype, None)."""
+    Megatron's (output [R, H] in x's dtype, None). names: megamoe's weight names -> the caller's, for the errors."""
     main_grads = {name: buffer for name, buffer in buffers.items() if buffer is not None} or None
     w13, w2 = weights["w13"], weights["w2"]
-    out = grouped_moe(x.to(w13.dtype), tokens_per_expert, w13, w2, probs, recompute=recompute, b13=weights.get("b13"),
-                      b2=weights.get("b2"), layout=layout, activation=activation, main_grads=main_grads)  # [R, H]
+    with _checks.framework_names(entry, {**_ROW_NAMES, **names}):
+        out = grouped_moe(x.to(w13.dtype), tokens_per_expert, w13, w2, probs, recompute=recompute,
+                          b13=weights.get("b13"), b2=weights.get("b2"), layout=layout, activation=activation,
+                          main_grads=main_grads)  # [R, H]
     return out.to(x.dtype), None
 
 
@@ -120,8 +125,8 @@ def grouped_mlp(permuted_local_hidden_states, tokens_per_expert, permuted_probs,
     w13, buf13 = _fused_view(entry, "weight1", weight1, (E, H, 2 * I), gradient_accumulation_fusion)
     w2, buf2 = _fused_view(entry, "weight2", weight2, (E, I, H), gradient_accumulation_fusion)
     counts, probs = _rows(entry, permuted_local_hidden_states, tokens_per_expert, permuted_probs, E)
-    return _run(permuted_local_hidden_states, counts, probs, dict(w13=w13, w2=w2), dict(w13=buf13, w2=buf2),
-                HF_TRANSPOSED, activation, recompute)
+    return _run(entry, {"w13": "weight1", "w2": "weight2"}, permuted_local_hidden_states, counts, probs,
+                dict(w13=w13, w2=w2), dict(w13=buf13, w2=buf2), HF_TRANSPOSED, activation, recompute)
 
 
 def _stacked(entry, name, value, per_expert_dims):
@@ -162,4 +167,5 @@ def te_grouped_mlp(permuted_local_hidden_states, tokens_per_expert, permuted_pro
                                                  gradient_accumulation_fusion and in_place)
     counts, probs = _rows(entry, permuted_local_hidden_states, tokens_per_expert, permuted_probs,
                           weights["w13"].shape[0])
-    return _run(permuted_local_hidden_states, counts, probs, weights, buffers, CONCATENATED, activation, recompute)
+    return _run(entry, {key: name for key, (_, name, _) in params.items()}, permuted_local_hidden_states, counts,
+                probs, weights, buffers, CONCATENATED, activation, recompute)

@@ -105,8 +105,10 @@ def expert_compute(experts, x, num_tokens_per_expert, recompute=False):
     args = experts_arguments(experts)
     _checks.tensor(entry, "x", x, 2)
     _checks.counts(entry, "num_tokens_per_expert", num_tokens_per_expert, args.w2.shape[0])
-    out = grouped_moe(x.to(args.w13.dtype), num_tokens_per_expert, args.w13, args.w2, recompute=recompute, w3=args.w3,
-                      b13=args.b13, b2=args.b2, layout=args.layout, activation=args.activation)  # [R, H]
+    with _checks.framework_names(entry, {"x_sorted": "x", "tokens_per_expert": "num_tokens_per_expert"}):
+        out = grouped_moe(x.to(args.w13.dtype), num_tokens_per_expert, args.w13, args.w2, recompute=recompute,
+                          w3=args.w3, b13=args.b13, b2=args.b2, layout=args.layout,
+                          activation=args.activation)  # [R, H]
     return out.to(x.dtype)
 
 

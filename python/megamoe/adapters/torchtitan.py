@@ -38,6 +38,9 @@ from ..ops import moe
 from . import _checks
 
 _TORCHTITAN_NAMES = (("w1_EFD", "w1"), ("w2_EDF", "w2"), ("w3_EFD", "w3"))
+# megamoe's argument names -> this module's, in megamoe's error messages
+_GROUPED_NAMES = {"x_sorted": "x", "tokens_per_expert": "num_tokens_per_expert", "w13": "w1"}
+_ROUTED_NAMES = {"topk_ids": "topk_expert_ids", "topk_weights": "topk_scores", "w13": "w1"}
 
 
 def _accept_torchtitan_names(module, state_dict, prefix, *args):
@@ -76,8 +79,9 @@ class GroupedExperts(nn.Module):
         entry = "megamoe.adapters.torchtitan.GroupedExperts"
         _checks.tensor(entry, "x", x_sorted, 2)
         _checks.counts(entry, "num_tokens_per_expert", num_tokens_per_expert, self.num_experts)
-        out = grouped_moe(x_sorted.to(self.w1.dtype), num_tokens_per_expert, self.w1, self.w2, recompute=self.recompute,
-                          w3=self.w3, layout=SEPARATE)  # [R, H]
+        with _checks.framework_names(entry, _GROUPED_NAMES):
+            out = grouped_moe(x_sorted.to(self.w1.dtype), num_tokens_per_expert, self.w1, self.w2,
+                              recompute=self.recompute, w3=self.w3, layout=SEPARATE)  # [R, H]
         return out.to(x_sorted.dtype)
 
 
@@ -102,6 +106,7 @@ class RoutedExperts(nn.Module):
         if num_tokens_per_expert is not None:
             _checks.counts(entry, "num_tokens_per_expert", num_tokens_per_expert, experts.num_experts)
         x_in = x.to(experts.w1.dtype)  # [T, H]
-        y = moe(x_in, topk_expert_ids, _checks.scores_dtype(topk_scores, x_in), experts.w1, experts.w2,
-                recompute=experts.recompute, w3=experts.w3, layout=SEPARATE)  # [T, H]
+        with _checks.framework_names(entry, _ROUTED_NAMES):
+            y = moe(x_in, topk_expert_ids, _checks.scores_dtype(topk_scores, x_in), experts.w1, experts.w2,
+                    recompute=experts.recompute, w3=experts.w3, layout=SEPARATE)  # [T, H]
         return y.to(x.dtype)
