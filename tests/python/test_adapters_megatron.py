@@ -167,4 +167,4 @@ def test_bad_inputs_name_the_argument(gen):
     with pytest.raises(ValueError, match=r"fc1_weight\[1\]"):
         megatron.te_grouped_mlp(x, counts, probs, [fc1[0], fc1[1][0]], fc2)
     with pytest.raises(ValueError, match="fc2_weight"):
-        megatron.te_grouped_mlp(x, counts, probs, torch.stack(fc1), fc2[:, :, :-1])
+        megatron.te_grouped_mlp(x, counts, probs, torch.stack(fc1), fc2[:, :, :-1].contiguous())
