@@ -8,11 +8,12 @@
     block = megamoe.MoEBlock(hidden, intermediate, num_experts, topk)   # router + experts, nn.Module
     y = megamoe.ep.moe(x, topk_ids, topk_weights, w13_local, w2_local, group)   # experts sharded over ranks
     import megamoe.hf                                     # registers experts_implementation="megamoe" in transformers
+    megamoe.adapters.torchtitan / prime_rl / megatron     # the frameworks' experts interfaces (adapters/)
 
 See README.md for the API and docs/DESIGN.md for the math and the kernels.
 """
 
-from . import ep
+from . import adapters, ep
 from .grouped import GroupedGrads, grouped_backward, grouped_forward, grouped_moe, grouped_path_of
 from .layouts import (CONCATENATED, GPT_OSS, GPT_OSS_ACTIVATION, HF_TRANSPOSED, INTERLEAVED, SEPARATE, SWIGLU,
                       Activation, Layout, clamped_swiglu)
@@ -22,6 +23,8 @@ from .ops import MoEGrads, moe, moe_backward, moe_forward, path_of
 __version__ = "0.1.0"
 
 __all__ = [
+    "adapters",
+    "ep",
     "moe",
     "moe_forward",
     "moe_backward",

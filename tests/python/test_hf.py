@@ -82,9 +82,9 @@ def test_from_config_runs_megamoe(monkeypatch):
     assert model.config._experts_implementation == "megamoe"
     calls = []
 
-    def counting_moe(*args):
+    def counting_moe(*args, **kwargs):
         calls.append(args[0].shape)
-        return megamoe.moe(*args)
+        return megamoe.moe(*args, **kwargs)
 
     monkeypatch.setattr(megamoe.hf, "moe", counting_moe)
     ids, _ = inputs(cfg, 2, 5, "cpu")
@@ -163,25 +163,33 @@ def custom_experts_class(**flags):
 
 
 def run_experts(experts, impl, x, ids, weights):
+    """y and every parameter's gradient of sum(y^2) under experts implementation `impl`."""
     experts.config._experts_implementation = impl
     for p in experts.parameters():
         p.grad = None
     y = experts(x, ids, weights)
     y.square().sum().backward()
-    return [y.detach()] + [p.grad.clone() for p in (experts.gate_up_proj, experts.down_proj)]
+    return [y.detach()] + [p.grad.clone() for p in experts.parameters()]
 
 
-def test_transposed_experts_match_batched_mm():
+@pytest.mark.parametrize("flags", [dict(is_transposed=True), dict(is_transposed=True, has_bias=True), dict(has_bias=True)],
+                         ids=["transposed", "transposed_bias", "bias"])
+def test_stored_layouts_match_batched_mm(flags, recwarn):
+    """Experts stored transposed or with biases: read in place (no copy, no warning), every gradient (biases too) as
+    batched_mm's. (Interleaved experts: gpt-oss, test_hf_models.py.)"""
     config = types.SimpleNamespace(num_experts=4, hidden_size=12, moe_intermediate_size=6, _experts_implementation=None)
-    experts = custom_experts_class(is_transposed=True)(config).double()
+    experts = custom_experts_class(**flags)(config).double()
+    if flags.get("has_bias"):
+        with torch.no_grad():
+            experts.gate_up_proj_bias.normal_()
+            experts.down_proj_bias.normal_()
     gen = torch.Generator().manual_seed(3)
     x = torch.randn(9, 12, generator=gen, dtype=torch.float64)
     ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(9)])  # [T, 2]
     weights = torch.rand(9, 2, generator=gen, dtype=torch.float64)
     expected = run_experts(experts, "batched_mm", x, ids, weights)
-    megamoe.hf._warned_transposed.clear()
-    with pytest.warns(UserWarning, match="transposed"):
-        got = run_experts(experts, "megamoe", x, ids, weights)
+    got = run_experts(experts, "megamoe", x, ids, weights)
+    assert not [w for w in recwarn if "megamoe" in str(w.message)]
     for a, b in zip(got, expected):
         assert rel_err(a, b) < 1e-12
 
@@ -189,10 +197,14 @@ def test_transposed_experts_match_batched_mm():
 def test_unsupported_experts_raise():
     config = types.SimpleNamespace(num_experts=2, hidden_size=4, moe_intermediate_size=3)
     config._experts_implementation = "megamoe"
-    experts = custom_experts_class(has_bias=True)(config)
-    with pytest.raises(NotImplementedError, match="biases"):
+    experts = custom_experts_class()(config)
+    experts.act_fn = ACT2FN["gelu"]
+    with pytest.raises(NotImplementedError, match="activation GELU"):
         experts(torch.randn(3, 4), torch.zeros(3, 1, dtype=torch.int64), torch.ones(3, 1))
     assert megamoe.hf.unsupported_reason(experts) is not None
+    mislabelled = custom_experts_class(is_concatenated=False)(config)  # the default gate splits by chunk
+    with pytest.raises(NotImplementedError, match="is_concatenated=False"):
+        mislabelled(torch.randn(3, 4), torch.zeros(3, 1, dtype=torch.int64), torch.ones(3, 1))
 
 
 def test_load_balancing_loss_matches_hf():
