@@ -1,9 +1,11 @@
 // The C API: validate every argument (a bad one gives a status and a message naming it, never a crash), then
 // dispatch to the CPU reference or the CUDA path. Two entry points share the checks (validate.h) and one dispatch
 // body (run_entry): the whole layer (topk_ids routed by the library) and grouped rows (rows already sorted by
-// expert, tokens_per_expert counts). CUDA tensors with options the CUDA path cannot run are NOT_SUPPORTED before
-// anything runs; megamoe_*_path report the path a call takes. Also the version and the ABI guard
+// expert, tokens_per_expert counts). megamoe_*_path report the path a call takes, and megamoe_path_reason why a call
+// the fused sm_90a kernels would run takes the portable ones (its expert options). Also the version and the ABI guard
 // (megamoe_abi_version, megamoe_struct_size).
+#include <string>
+
 #include "common.h"
 #include "cuda/cuda_path.h"
 #include "layout.h"
@@ -16,6 +18,8 @@ const char* last_error();
 
 namespace megamoe {
 namespace {
+
+thread_local std::string g_path_reason;  // megamoe_path_reason: set by the last megamoe_*_path of this thread
 
 // The device every tensor of the call is on (validated to be one).
 megamoe_device_type_t device_of(const megamoe_forward_params_t& p) {
@@ -31,13 +35,10 @@ megamoe_device_type_t device_of(const megamoe_grouped_backward_params_t& p) {
     return p.x_sorted.device_type;
 }
 
-// Every argument (validate.h), then, for CUDA tensors, whether the CUDA path runs the call's layout, activation and
-// biases (it never computes something else in their place).
+// Every argument (validate.h). Every layout, activation and bias runs on both devices.
 template <typename Params>
 megamoe_status_t validate_for_device(const Params* params, Shape* shape) {
-    MEGAMOE_CHECK(validate(params, shape));
-    if (device_of(*params) == MEGAMOE_DEVICE_CUDA) return cuda::check_supported(Experts::of(*params));
-    return MEGAMOE_STATUS_SUCCESS;
+    return validate(params, shape);
 }
 
 // megamoe_*_workspace_size of every entry point: validate, then ask the path the call would take.
@@ -74,10 +75,12 @@ megamoe_status_t run_entry(const Params* params) {
 template <typename Params>
 megamoe_status_t query_path(const Params* params, megamoe_path_t* path) {
     clear_error();
+    g_path_reason.clear();
     if (path == nullptr) return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "path: NULL");
     Shape shape{};
     MEGAMOE_CHECK(validate_for_device(params, &shape));
-    *path = device_of(*params) == MEGAMOE_DEVICE_CUDA ? cuda::path(*params, shape) : MEGAMOE_PATH_REFERENCE;
+    *path = device_of(*params) == MEGAMOE_DEVICE_CUDA ? cuda::path(*params, shape, &g_path_reason)
+                                                      : MEGAMOE_PATH_REFERENCE;
     return MEGAMOE_STATUS_SUCCESS;
 }
 
@@ -181,6 +184,10 @@ megamoe_status_t megamoe_grouped_forward(const megamoe_grouped_forward_params_t*
 
 megamoe_status_t megamoe_grouped_backward(const megamoe_grouped_backward_params_t* params) {
     return megamoe::run_entry(params);
+}
+
+const char* megamoe_path_reason(void) {
+    return megamoe::g_path_reason.c_str();
 }
 
 megamoe_status_t megamoe_forward_path(const megamoe_forward_params_t* params, megamoe_path_t* path) {

@@ -16,7 +16,7 @@ import pathlib
 import torch
 
 MAX_DIMS = 4
-ABI_VERSION = 3  # MEGAMOE_ABI_VERSION of include/megamoe/megamoe.h that the structs below declare
+ABI_VERSION = 4  # MEGAMOE_ABI_VERSION of include/megamoe/megamoe.h that the structs below declare
 
 STATUS_SUCCESS = 0
 STATUS_INVALID_ARGUMENT = 1

@@ -6,11 +6,14 @@
 //   grouped rows      R rows already sorted by expert, taken as T = R tokens of one slot each (topk = 1); the routing
 //                     reads tokens_per_expert and the gather is the identity (sorted_slot NULL); weight of row r:
 //                     scores[r], or 1 (weights NULL). out, d x_sorted and d scores are y, dx and d topk_weights.
+// Both carry the expert parameters' options (layout.h): w3, b13, b2, the layout and the activation; the sm_90a
+// kernels run only the default ones (default_experts), the portable path every one (layout_steps.h).
 #pragma once
 
 #include <cuda_runtime.h>
 
 #include "common.h"
+#include "layout.h"
 
 namespace megamoe::cuda {
 
@@ -25,6 +28,12 @@ struct Call {
     const void* w2;         // [E, H, I]
     const void* weights;    // [T * topk] per slot, or NULL: 1
     megamoe_dtype_t weights_dtype;
+    const void* w3;   // the separate layout's up projection (shaped as w13), else NULL
+    const void* b13;  // [E, 2I] arranged as w13's rows, or NULL
+    const void* b2;   // [E, H], or NULL
+    WeightLayout layout;
+    Activation<float> activation;
+    bool default_experts;  // concatenated untransposed weights, SwiGLU, no biases
     void* workspace;
     cudaStream_t stream;
     int device_index;
@@ -42,12 +51,15 @@ struct BackwardCall : Call {
     megamoe_tensor_t dweights;  // [T * topk] (grouped rows: dscores)
     megamoe_tensor_t dw13;
     megamoe_tensor_t dw2;
-    bool accumulate_weight_grads;  // dw13 / dw2 are f32 and the gradients are added into them
+    megamoe_tensor_t dw3;          // separate layout
+    megamoe_tensor_t db13;         // with b13
+    megamoe_tensor_t db2;          // with b2
+    bool accumulate_weight_grads;  // the weight gradients are f32 and the gradients are added into them
 };
 
 inline Call make_call(const Shape& shape, const megamoe_tensor_t& experts, bool rows_sorted, const megamoe_tensor_t& x,
-                      const megamoe_tensor_t& w13, const megamoe_tensor_t& w2, const megamoe_tensor_t& weights,
-                      void* workspace, void* stream) {
+                      const Experts& params, const megamoe_tensor_t& weights, void* workspace, void* stream) {
+    const megamoe_tensor_t &w13 = *params.w13, &w2 = *params.w2;
     Call call{};
     call.shape = shape;
     call.experts = experts.data;
@@ -59,6 +71,13 @@ inline Call make_call(const Shape& shape, const megamoe_tensor_t& experts, bool 
     call.w2 = w2.data;
     call.weights = weights.data;
     call.weights_dtype = weights.dtype;
+    call.w3 = params.w3->data;
+    call.b13 = params.b13->data;
+    call.b2 = params.b2->data;
+    call.layout = WeightLayout::of(params.layout, shape.hidden, shape.intermediate);
+    call.activation = Activation<float>::of(params.activation);
+    call.default_experts = call.layout.is_default() && !call.activation.is_clamped() && call.b13 == nullptr &&
+                           call.b2 == nullptr;
     call.workspace = workspace;
     call.stream = static_cast<cudaStream_t>(stream);
     call.device_index = x.device_index;
@@ -73,20 +92,25 @@ inline ForwardCall forward_call(const Call& call, void* y, void* saved_h) {
 }
 
 inline ForwardCall forward_call(const megamoe_forward_params_t& p, const Shape& shape) {
-    return forward_call(make_call(shape, p.topk_ids, false, p.x, p.w13, p.w2, p.topk_weights, p.workspace, p.stream),
-                        p.y.data, p.saved_h.data);
+    return forward_call(
+        make_call(shape, p.topk_ids, false, p.x, Experts::of(p), p.topk_weights, p.workspace, p.stream), p.y.data,
+        p.saved_h.data);
 }
 
 inline ForwardCall forward_call(const megamoe_grouped_forward_params_t& p, const Shape& shape) {
     return forward_call(
-        make_call(shape, p.tokens_per_expert, true, p.x_sorted, p.w13, p.w2, p.scores, p.workspace, p.stream),
+        make_call(shape, p.tokens_per_expert, true, p.x_sorted, Experts::of(p), p.scores, p.workspace, p.stream),
         p.out.data, p.saved_h.data);
 }
 
 inline BackwardCall backward_call(const Call& call, const void* dy, void* saved_h, const megamoe_tensor_t& dx,
-                                  const megamoe_tensor_t& dweights, const megamoe_tensor_t& dw13,
-                                  const megamoe_tensor_t& dw2, int32_t accumulate_weight_grads) {
+                                  const megamoe_tensor_t& dweights, const ExpertGrads& grads) {
     BackwardCall backward{call};
+    const megamoe_tensor_t &dw13 = *grads.dw13, &dw2 = *grads.dw2;
+    const bool accumulate_weight_grads = grads.accumulate;
+    backward.dw3 = *grads.dw3;
+    backward.db13 = *grads.db13;
+    backward.db2 = *grads.db2;
     backward.accumulate_weight_grads = accumulate_weight_grads != 0;
     backward.dy = dy;
     backward.saved_h = saved_h;
@@ -98,14 +122,15 @@ inline BackwardCall backward_call(const Call& call, const void* dy, void* saved_
 }
 
 inline BackwardCall backward_call(const megamoe_backward_params_t& p, const Shape& shape) {
-    return backward_call(make_call(shape, p.topk_ids, false, p.x, p.w13, p.w2, p.topk_weights, p.workspace, p.stream),
-                         p.dy.data, p.saved_h.data, p.dx, p.dtopk_weights, p.dw13, p.dw2, p.accumulate_weight_grads);
+    return backward_call(
+        make_call(shape, p.topk_ids, false, p.x, Experts::of(p), p.topk_weights, p.workspace, p.stream), p.dy.data,
+        p.saved_h.data, p.dx, p.dtopk_weights, ExpertGrads::of(p));
 }
 
 inline BackwardCall backward_call(const megamoe_grouped_backward_params_t& p, const Shape& shape) {
     return backward_call(
-        make_call(shape, p.tokens_per_expert, true, p.x_sorted, p.w13, p.w2, p.scores, p.workspace, p.stream),
-        p.dout.data, p.saved_h.data, p.dx_sorted, p.dscores, p.dw13, p.dw2, p.accumulate_weight_grads);
+        make_call(shape, p.tokens_per_expert, true, p.x_sorted, Experts::of(p), p.scores, p.workspace, p.stream),
+        p.dout.data, p.saved_h.data, p.dx_sorted, p.dscores, ExpertGrads::of(p));
 }
 
 }  // namespace megamoe::cuda

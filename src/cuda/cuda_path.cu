@@ -28,6 +28,8 @@
 //           kernels write p and q in f32, so the portable path needs the larger workspace (BackwardPlan sizes it
 //           for the path the call takes). The K-grouped weight gradients run on sm90/k_grouped_gemm_sm90.h with
 //           the rest of the sm_90a backward, unless MEGAMOE_SM90_WEIGHT_GRADS=0 keeps them on the portable kernel.
+// Non-default expert options (layouts, clamped SwiGLU, biases) run the portable kernels only, through layout_steps.h
+// (the same steps, B read in the weights' layout, dh in w13's row order, bias gradients as per-expert column sums).
 // Both entry points run these same steps on a Call (call.h): grouped rows are T = R tokens of one slot each, their
 // routing a scan of tokens_per_expert (no sort; the gathers are the identity), their weights the scores (or 1); the
 // combine and the dx gather-sum then only scale / copy each row and write 0 for the padding rows past the counts'
@@ -40,11 +42,13 @@
 #include <cstring>
 #include <map>
 #include <mutex>
+#include <string>
 
 #include "cuda/call.h"
 #include "cuda/cuda_utils.h"
 #include "cuda/elementwise.h"
 #include "cuda/grouped_gemm.h"
+#include "cuda/layout_steps.h"
 #include "cuda/routing.h"
 #include "dtype.h"
 #include "sm90/grouped_gemm_sm90.h"
@@ -176,6 +180,7 @@ bool sm90_disabled_by_env() {
 struct ForwardGemms {
     MGroupedGemmArgs up;
     MGroupedGemmArgs down;
+    bool default_experts;  // the only options the sm_90a kernels run
 
     static ForwardGemms make(const Call& call, const RoutingPlan& plan, const ForwardWorkspace& workspace) {
         const Shape& shape = call.shape;
@@ -191,10 +196,14 @@ struct ForwardGemms {
         gemms.down.ldb = shape.intermediate;
         gemms.down.n = shape.hidden;
         gemms.down.k = shape.intermediate;
+        gemms.default_experts = call.default_experts;
         return gemms;
     }
 
-    bool sm90_ok(int device_index) const {
+    bool sm90_ok(int device_index) const { return default_experts && sm90_hardware_ok(device_index); }
+
+    // The device, dtype and alignment suit the sm_90a kernels (the expert options aside).
+    bool sm90_hardware_ok(int device_index) const {
         if (sm90_disabled_by_env()) return false;
         const DeviceInfo info = device_info(device_index);
         return info.major == 9 && info.minor == 0 && sm90::m_grouped_gemm_sm90_supported(up, true) &&
@@ -224,8 +233,8 @@ megamoe_status_t forward_on_device(const ForwardCall& call) {
         MEGAMOE_CUDA_RETURN_IF_ERROR(sm90::launch_m_grouped_gemm_sm90_store(
             gemms.down, BLayout::kNK, workspace.out, shape.hidden, shape.num_slots(), num_sms, stream));
     } else {
-        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_m_grouped_gemm_swiglu(gemms.up, call.saved_h, workspace.act, stream));
-        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_m_grouped_gemm_elem(gemms.down, workspace.out, shape.hidden, stream));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_up(call, gemms.up, call.saved_h, workspace.act, stream));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_down(call, gemms.down, workspace.out, stream));
     }
 
     // Grouped rows: out_r = score_r o_r, 0 past the counts' sum. TODO(#12): without scores the down GEMM could store
@@ -255,6 +264,7 @@ struct BackwardGemms {
     KGroupedGemmArgs dw2;
     const void* dw13_out;  // NULL: not wanted
     const void* dw2_out;
+    bool default_experts;  // the only options the sm_90a kernels run
 
     static BackwardGemms make(const BackwardCall& call, const RoutingPlan& plan, const BackwardWorkspace& workspace) {
         const Shape& shape = call.shape;
@@ -300,10 +310,14 @@ struct BackwardGemms {
         gemms.dw2.n = shape.intermediate;
         gemms.dw13_out = call.dw13.data;
         gemms.dw2_out = call.dw2.data;
+        gemms.default_experts = call.default_experts;
         return gemms;
     }
 
-    bool sm90_ok(int device_index) const {
+    bool sm90_ok(int device_index) const { return default_experts && sm90_hardware_ok(device_index); }
+
+    // The device, dtype and alignment suit the sm_90a kernels (the expert options aside).
+    bool sm90_hardware_ok(int device_index) const {
         if (sm90_disabled_by_env()) return false;
         const DeviceInfo info = device_info(device_index);
         return info.major == 9 && info.minor == 0 && sm90::m_grouped_gemm_sm90_supported(up, true) &&
@@ -319,13 +333,10 @@ struct BackwardGemms {
     }
 };
 
-// A weight gradient (K-grouped GEMM) on the sm_90a kernel or the portable one.
-megamoe_status_t launch_weight_grad(const KGroupedGemmArgs& args, const megamoe_tensor_t& grad, bool use_sm90,
-                                    int num_sms, cudaStream_t stream) {
-    if (use_sm90) {
-        return sm90::launch_k_grouped_gemm_sm90(args, grad.data, grad.dtype, num_sms, stream);
-    }
-    return launch_k_grouped_gemm(args, grad.data, grad.dtype, stream);
+// A weight gradient (K-grouped GEMM) on the sm_90a kernel (the portable one: layout_steps.h).
+megamoe_status_t launch_weight_grad_sm90(const KGroupedGemmArgs& args, const megamoe_tensor_t& grad, int num_sms,
+                                         cudaStream_t stream) {
+    return sm90::launch_k_grouped_gemm_sm90(args, grad.data, grad.dtype, num_sms, stream);
 }
 
 // The sm_90a backward's act buffer (s * a [S, I], then q [S, H], element type) inside the dw13 output, when the call
@@ -353,7 +364,8 @@ struct BackwardPlan {
     BackwardGemms gemms;
     bool use_sm90;
     bool weight_grads_sm90;
-    bool act_in_dw13;  // sm_90a: act is the dw13 output (dw13_as_act_scratch), not carved
+    bool act_in_dw13;              // sm_90a: act is the dw13 output (dw13_as_act_scratch), not carved
+    bool sm90_blocked_by_options;  // the sm_90a kernels would run the call but for its expert options
     size_t workspace_bytes;
 
     static BackwardPlan make(const BackwardCall& call) {
@@ -366,6 +378,8 @@ struct BackwardPlan {
         plan.gemms = BackwardGemms::make(call, plan.routing_plan, plan.workspace);
         plan.use_sm90 = shape.num_slots() > 0 && plan.gemms.sm90_ok(call.device_index);
         plan.weight_grads_sm90 = plan.use_sm90 && plan.gemms.weight_grads_sm90_ok(call.device_index);
+        plan.sm90_blocked_by_options = shape.num_slots() > 0 && !call.default_experts &&
+                                       plan.gemms.sm90_hardware_ok(call.device_index);
         plan.workspace_bytes = portable_carver.bytes_used();
         plan.act_in_dw13 = false;
         if (plan.use_sm90) {
@@ -385,7 +399,7 @@ struct BackwardPlan {
 // computed from the clamped rows, become NaN. The whole layer has no such flag (bad ids only drop their slots).
 megamoe_status_t poison_weight_grads_if_counts_invalid(const BackwardCall& call, const RoutingBuffers& routing) {
     if (routing.counts_invalid == nullptr) return MEGAMOE_STATUS_SUCCESS;
-    for (const megamoe_tensor_t* grad : {&call.dw13, &call.dw2}) {
+    for (const megamoe_tensor_t* grad : {&call.dw13, &call.dw3, &call.dw2, &call.db13, &call.db2}) {
         MEGAMOE_CUDA_RETURN_IF_ERROR(
             launch_fill_nan_if(routing.counts_invalid, grad->data, grad->dtype, numel(*grad), call.stream));
     }
@@ -404,10 +418,10 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
         MEGAMOE_CUDA_RETURN_IF_ERROR(
             zero_if_wanted(call.dx, output_element_bytes(call.dx.dtype), stream, "cudaMemsetAsync(dx)"));
         if (!call.accumulate_weight_grads) {
-            MEGAMOE_CUDA_RETURN_IF_ERROR(
-                zero_if_wanted(call.dw13, output_element_bytes(call.dw13.dtype), stream, "cudaMemsetAsync(dw13)"));
-            MEGAMOE_CUDA_RETURN_IF_ERROR(
-                zero_if_wanted(call.dw2, output_element_bytes(call.dw2.dtype), stream, "cudaMemsetAsync(dw2)"));
+            for (const megamoe_tensor_t* grad : {&call.dw13, &call.dw3, &call.dw2, &call.db13, &call.db2}) {
+                MEGAMOE_CUDA_RETURN_IF_ERROR(
+                    zero_if_wanted(*grad, output_element_bytes(grad->dtype), stream, "cudaMemsetAsync(weight grad)"));
+            }
         }
         if (!call.rows_sorted) return MEGAMOE_STATUS_SUCCESS;  // the sort needs slots; grouped counts are still read
         MEGAMOE_CUDA_RETURN_IF_ERROR(
@@ -429,7 +443,7 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
         MEGAMOE_CUDA_RETURN_IF_ERROR(
             sm90::launch_m_grouped_gemm_sm90_swiglu(gemms.up, workspace.h, nullptr, num_sms, stream));
     } else if (!keep_h) {
-        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_m_grouped_gemm_swiglu(gemms.up, workspace.h, nullptr, stream));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_up(call, gemms.up, workspace.h, nullptr, stream));
     }
 
     int64_t num_ds_parts = 1;
@@ -445,8 +459,7 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
             sm90::launch_m_grouped_gemm_sm90_dswiglu(gemms.d_hidden, epilogue, num_sms, stream));
         num_ds_parts = workspace.num_ds_parts;
     } else {
-        MEGAMOE_CUDA_RETURN_IF_ERROR(
-            launch_m_grouped_gemm_f32(gemms.d_hidden, BLayout::kKN, workspace.p_then_q, intermediate, stream));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_d_hidden(call, gemms.d_hidden, workspace.p_then_q, stream));
         DSwiGLUArgs dswiglu{};
         dswiglu.dtype = dtype;
         dswiglu.h = h;
@@ -461,7 +474,7 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
         dswiglu.weights_dtype = call.weights_dtype;
         dswiglu.intermediate = intermediate;
         dswiglu.max_rows = num_slots;
-        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_dswiglu_rows(dswiglu, stream));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_d_act(call, dswiglu, stream));
     }
 
     if (call.dweights.data != nullptr) {
@@ -479,7 +492,9 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
 
     // dW2 first: on the sm_90a path q is written over s * a, which only dW2 reads.
     if (call.dw2.data != nullptr) {  // dW2[e] = sum dy (s a)^T
-        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_weight_grad(gemms.dw2, call.dw2, weight_grads_sm90, num_sms, stream));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(weight_grads_sm90
+                                         ? launch_weight_grad_sm90(gemms.dw2, call.dw2, num_sms, stream)
+                                         : launch_dw2(call, gemms.dw2, stream));
     }
 
     if (call.dx.data != nullptr) {
@@ -488,8 +503,7 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
             MEGAMOE_CUDA_RETURN_IF_ERROR(sm90::launch_m_grouped_gemm_sm90_store(
                 gemms.d_input, BLayout::kKN, workspace.p_then_q, hidden, num_slots, num_sms, stream));
         } else {
-            MEGAMOE_CUDA_RETURN_IF_ERROR(
-                launch_m_grouped_gemm_f32(gemms.d_input, BLayout::kKN, workspace.p_then_q, hidden, stream));
+            MEGAMOE_CUDA_RETURN_IF_ERROR(launch_d_input(call, gemms.d_input, workspace.p_then_q, stream));
         }
         GatherSumArgs gather{};
         gather.out_dtype = dtype;
@@ -505,9 +519,12 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
         MEGAMOE_CUDA_RETURN_IF_ERROR(launch_gather_sum(gather, stream));
     }
 
-    if (call.dw13.data != nullptr) {  // dW13[e] = sum dh x^T
-        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_weight_grad(gemms.dw13, call.dw13, weight_grads_sm90, num_sms, stream));
+    if (call.dw13.data != nullptr || call.dw3.data != nullptr) {  // dW13[e] = sum dh x^T
+        MEGAMOE_CUDA_RETURN_IF_ERROR(weight_grads_sm90
+                                         ? launch_weight_grad_sm90(gemms.dw13, call.dw13, num_sms, stream)
+                                         : launch_dw13(call, gemms.dw13, stream));
     }
+    MEGAMOE_CUDA_RETURN_IF_ERROR(launch_bias_grads(call, routing, workspace.h, stream));
     return poison_weight_grads_if_counts_invalid(call, routing);
 }
 
@@ -529,15 +546,37 @@ megamoe_status_t run_forward(const ForwardCall& call) {
     return forward_on_device(call);
 }
 
-bool forward_sm90(const ForwardCall& call) {
-    if (call.shape.num_slots() == 0) return false;
+ForwardGemms forward_gemms(const ForwardCall& call) {
     const RoutingPlan plan = make_routing_plan(call);
     WorkspaceCarver carver(call.workspace);
     const ForwardWorkspace workspace = ForwardWorkspace::carve(carver, plan, call.shape);
-    return ForwardGemms::make(call, plan, workspace).sm90_ok(call.device_index);
+    return ForwardGemms::make(call, plan, workspace);
 }
 
-megamoe_path_t backward_path(const BackwardPlan& plan) {
+bool forward_sm90(const ForwardCall& call) {
+    return call.shape.num_slots() > 0 && forward_gemms(call).sm90_ok(call.device_index);
+}
+
+// Why a call whose device and shapes suit the sm_90a kernels runs the portable ones: its expert options.
+std::string blocked_reason(const Call& call) {
+    return std::string(sm90_blocking_option(call)) +
+           ": the fused sm_90a kernels run only the default layout, SwiGLU and no biases (TODO(#12)); this call runs "
+           "the portable CUDA kernels";
+}
+
+megamoe_path_t forward_path(const ForwardCall& call, std::string* reason) {
+    reason->clear();
+    if (forward_sm90(call)) return MEGAMOE_PATH_SM90;
+    if (call.shape.num_slots() > 0 && !call.default_experts && forward_gemms(call).sm90_hardware_ok(call.device_index)) {
+        *reason = blocked_reason(call);
+    }
+    return MEGAMOE_PATH_CUDA_PORTABLE;
+}
+
+megamoe_path_t backward_path(const BackwardCall& call, std::string* reason) {
+    const BackwardPlan plan = BackwardPlan::make(call);
+    reason->clear();
+    if (plan.sm90_blocked_by_options) *reason = blocked_reason(call);
     if (!plan.use_sm90) return MEGAMOE_PATH_CUDA_PORTABLE;
     return plan.weight_grads_sm90 ? MEGAMOE_PATH_SM90 : MEGAMOE_PATH_SM90_PORTABLE_WEIGHT_GRADS;
 }
@@ -597,53 +636,17 @@ bool backward_act_in_dw13(const megamoe_backward_params_t& params, const Shape& 
     return BackwardPlan::make(backward_call(params, shape)).act_in_dw13;
 }
 
-megamoe_status_t check_supported(const Experts& experts) {
-    const megamoe_layout_t& layout = experts.layout;
-    if (layout.gate_up == MEGAMOE_GATE_UP_SEPARATE) {
-        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
-                         "layout.gate_up: separate w1 / w3 is not supported on CUDA yet (TODO(#12)); use CPU tensors");
-    }
-    if (layout.gate_up == MEGAMOE_GATE_UP_INTERLEAVED) {
-        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
-                         "layout.gate_up: interleaved gate / up rows are not supported on CUDA yet (TODO(#12)); use "
-                         "CPU tensors");
-    }
-    if (layout.w13_transposed != 0) {
-        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
-                         "layout.w13_transposed: transposed w13 is not supported on CUDA yet (TODO(#12)); use CPU "
-                         "tensors");
-    }
-    if (layout.w2_transposed != 0) {
-        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
-                         "layout.w2_transposed: transposed w2 is not supported on CUDA yet (TODO(#12)); use CPU "
-                         "tensors");
-    }
-    if (experts.activation.kind != MEGAMOE_ACTIVATION_SWIGLU) {
-        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
-                         "activation.kind: clamped SwiGLU is not supported on CUDA yet (TODO(#12)); use CPU tensors");
-    }
-    if (is_present(*experts.b13)) {
-        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
-                         "b13: a bias of the up projection is not supported on CUDA yet (TODO(#12)); use CPU tensors");
-    }
-    if (is_present(*experts.b2)) {
-        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
-                         "b2: a bias of the down projection is not supported on CUDA yet (TODO(#12)); use CPU tensors");
-    }
-    return MEGAMOE_STATUS_SUCCESS;
+megamoe_path_t path(const megamoe_forward_params_t& params, const Shape& shape, std::string* reason) {
+    return forward_path(forward_call(params, shape), reason);
 }
-
-megamoe_path_t path(const megamoe_forward_params_t& params, const Shape& shape) {
-    return forward_uses_sm90(params, shape) ? MEGAMOE_PATH_SM90 : MEGAMOE_PATH_CUDA_PORTABLE;
+megamoe_path_t path(const megamoe_grouped_forward_params_t& params, const Shape& shape, std::string* reason) {
+    return forward_path(forward_call(params, shape), reason);
 }
-megamoe_path_t path(const megamoe_grouped_forward_params_t& params, const Shape& shape) {
-    return forward_uses_sm90(params, shape) ? MEGAMOE_PATH_SM90 : MEGAMOE_PATH_CUDA_PORTABLE;
+megamoe_path_t path(const megamoe_backward_params_t& params, const Shape& shape, std::string* reason) {
+    return backward_path(backward_call(params, shape), reason);
 }
-megamoe_path_t path(const megamoe_backward_params_t& params, const Shape& shape) {
-    return backward_path(BackwardPlan::make(backward_call(params, shape)));
-}
-megamoe_path_t path(const megamoe_grouped_backward_params_t& params, const Shape& shape) {
-    return backward_path(BackwardPlan::make(backward_call(params, shape)));
+megamoe_path_t path(const megamoe_grouped_backward_params_t& params, const Shape& shape, std::string* reason) {
+    return backward_path(backward_call(params, shape), reason);
 }
 
 }  // namespace megamoe::cuda

@@ -17,22 +17,21 @@
 #pragma once
 
 #include <cstddef>
+#include <string>
 
 #include "common.h"
 #include "layout.h"
 
 namespace megamoe::cuda {
 
-// SUCCESS when the CUDA path computes these expert parameters; else NOT_SUPPORTED naming the first option it does not
-// run (for now all but the default: concatenated untransposed weights, SwiGLU, no biases; TODO(#12)).
-megamoe_status_t check_supported(const Experts& experts);
-
 // The kernels a call with these params runs: the portable path, the fused sm_90a kernels, or (backward) the sm_90a
-// M-grouped GEMMs with the portable weight gradients (forward_uses_sm90 / backward_uses_sm90 below).
-megamoe_path_t path(const megamoe_forward_params_t& params, const Shape& shape);
-megamoe_path_t path(const megamoe_grouped_forward_params_t& params, const Shape& shape);
-megamoe_path_t path(const megamoe_backward_params_t& params, const Shape& shape);
-megamoe_path_t path(const megamoe_grouped_backward_params_t& params, const Shape& shape);
+// M-grouped GEMMs with the portable weight gradients (forward_uses_sm90 / backward_uses_sm90 below). Every layout,
+// activation and bias runs on CUDA; the sm_90a kernels run only the default ones, so a call they would otherwise run
+// takes the portable path, and `reason` names the option ("" when no option moved it there).
+megamoe_path_t path(const megamoe_forward_params_t& params, const Shape& shape, std::string* reason);
+megamoe_path_t path(const megamoe_grouped_forward_params_t& params, const Shape& shape, std::string* reason);
+megamoe_path_t path(const megamoe_backward_params_t& params, const Shape& shape, std::string* reason);
+megamoe_path_t path(const megamoe_grouped_backward_params_t& params, const Shape& shape, std::string* reason);
 
 size_t workspace_size(const megamoe_forward_params_t& params, const Shape& shape);
 size_t workspace_size(const megamoe_grouped_forward_params_t& params, const Shape& shape);

@@ -18,6 +18,9 @@
 // Consecutive blocks are M tiles of one N tile, so the M tiles of an expert share its B tile in L2.
 // SwiGLU epilogue: N tile t holds, as n8 fragments 2p and 2p + 1, the gate rows j and the up rows
 // I + j of the same 8 columns j = 64 t + 8 p + [0, 8), so g and u of one output land in one thread.
+// Gated epilogue (every layout): the same pairing with the up rows read from b_up (w13 + I rows, or w3), or, for
+// interleaved rows, the tile in storage order, whose accumulator pairs (2i, 2i + 1) are (g_i, u_i) in one thread;
+// bias and activation (activation.h) applied in f32 before h and a are rounded.
 //
 // K-grouped: blockIdx.x = (expert, M tile, N tile); the K loop walks the expert's sorted rows 32 at a
 // time (both operands MN-major, rows gathered while loading, their gather indices read one K step
@@ -72,7 +75,7 @@ static_assert(kKMajorPasses * kKMajorRowsPerPass == kBlockM, "loader covers a K-
 static_assert(kMNMajorPasses * kMNMajorRowsPerPass == kBlockK, "loader covers an MN-major tile");
 static_assert(kNumStages >= 2, "cp.async pipeline needs at least two stages");
 
-enum class Epilogue { kStoreF32, kStoreElem, kSwiGLU };
+enum class Epilogue { kStoreF32, kAccumulateF32, kStoreElem, kSwiGLU, kGatedAct };
 
 __device__ __forceinline__ int k_major_offset(int row, int chunk_idx) {
     return row * kBlockK + ((chunk_idx ^ ((row >> 1) & 3)) * kChunkElems);
@@ -215,15 +218,43 @@ struct MGroupedParams {
     int64_t num_experts;
     void* out;  // kStoreF32 (f32) or kStoreElem (element type)
     int64_t ldo;
-    void* h;    // kSwiGLU, may be NULL
-    void* act;  // kSwiGLU, may be NULL
+    void* h;    // kSwiGLU / kGatedAct, may be NULL
+    void* act;  // kSwiGLU / kGatedAct, may be NULL
     bool paired_stores;
+    const uint16_t* b_up;  // kGatedAct, not interleaved: B_0 of the up rows
+    bool interleaved;      // kGatedAct
+    const uint16_t* bias;  // kGatedAct: b13 [E, 2I]; kStoreElem: b2 [E, N]; NULL: none
+    Activation<float> activation;
 };
+
+// kGatedAct: output column `col` of one row from its gate and up accumulators (b13 entries at gate_pos / up_pos of
+// the expert's bias row): h = [g, u] and a = act(g, u), each rounded once.
+template <typename T>
+__device__ __forceinline__ void store_gated(const MGroupedParams& params, int64_t expert_idx, int64_t row_idx,
+                                            int64_t col, float gate, float up, int64_t gate_pos, int64_t up_pos) {
+    const int64_t intermediate = params.n;
+    if (col >= intermediate) return;
+    if (params.bias != nullptr) {
+        const T* bias = reinterpret_cast<const T*>(params.bias) + expert_idx * 2 * intermediate;
+        gate += to_float(bias[gate_pos]);
+        up += to_float(bias[up_pos]);
+    }
+    if (params.h != nullptr) {
+        T* h_row = static_cast<T*>(params.h) + row_idx * 2 * intermediate;
+        h_row[col] = from_float<T>(gate);
+        h_row[intermediate + col] = from_float<T>(up);
+    }
+    if (params.act != nullptr) {
+        static_cast<T*>(params.act)[row_idx * intermediate + col] = from_float<T>(params.activation.forward(gate, up));
+    }
+}
 
 template <typename T, BLayout kBLayout, Epilogue kEpilogue, bool kVec>
 __global__ void __launch_bounds__(kNumThreads, kVec ? kMinBlocksPerSmVec : 1)
     m_grouped_gemm_kernel(const MGroupedParams params) {
     static_assert(kEpilogue != Epilogue::kSwiGLU || kBLayout == BLayout::kNK, "SwiGLU pairs rows of w13 [2I, H]");
+    static_assert(kKMajorRowsPerPass % 16 == 0 && (kMNMajorChunksPerRow % 2) == 0,
+                  "a loader thread's B rows (chunks) are all gate or all up rows in the gated epilogue");
     constexpr bool kBMNMajor = kBLayout == BLayout::kKN;
     extern __shared__ __align__(128) uint16_t smem[];
     uint16_t* smem_a = smem;
@@ -261,11 +292,19 @@ __global__ void __launch_bounds__(kNumThreads, kVec ? kMinBlocksPerSmVec : 1)
     }
 
     const uint16_t* b_expert = params.b + expert_idx * params.b_expert_stride;
+    // kGatedAct pairing blocks of 8 gate / 8 up rows: this thread's rows (kKN: chunks) are the up rows, from b_up.
+    const bool b_thread_up = kEpilogue == Epilogue::kGatedAct && !params.interleaved &&
+                             (kBMNMajor ? mn_major_chunk % 2 == 1 : (k_major_row / 8) % 2 == 1);
+    if (b_thread_up) b_expert = params.b_up + expert_idx * params.b_expert_stride;
     int b_src_rows[kKMajorPasses];
     if constexpr (!kBMNMajor) {
         for (int pass = 0; pass < kKMajorPasses; ++pass) {
             const int local_n = k_major_row + pass * kKMajorRowsPerPass;
-            if constexpr (kEpilogue == Epilogue::kSwiGLU) {
+            if constexpr (kEpilogue == Epilogue::kGatedAct) {
+                const int64_t pair_col = n_tile_idx * (kBlockN / 2) + (local_n / 16) * 8 + local_n % 8;
+                const int64_t b_row = params.interleaved ? n_tile_idx * kBlockN + local_n : pair_col;
+                b_src_rows[pass] = b_row >= (params.interleaved ? 2 * params.n : params.n) ? -1 : static_cast<int>(b_row);
+            } else if constexpr (kEpilogue == Epilogue::kSwiGLU) {
                 const int frag_idx = local_n / 8;
                 const int64_t col = n_tile_idx * (kBlockN / 2) + (frag_idx / 2) * 8 + local_n % 8;
                 b_src_rows[pass] = col >= params.n ? -1 : static_cast<int>(frag_idx % 2 == 0 ? col : params.n + col);
@@ -275,7 +314,16 @@ __global__ void __launch_bounds__(kNumThreads, kVec ? kMinBlocksPerSmVec : 1)
             }
         }
     }
-    const int64_t b_col = n_tile_idx * kBlockN + mn_major_chunk * kChunkElems;
+    // kKN B: this thread's chunk of columns of the B rows and the column count (kGatedAct: the layout's columns).
+    int64_t b_col = n_tile_idx * kBlockN + mn_major_chunk * kChunkElems;
+    int64_t b_num_cols = params.n;
+    if constexpr (kEpilogue == Epilogue::kGatedAct) {
+        if (params.interleaved) {
+            b_num_cols = 2 * params.n;
+        } else {
+            b_col = n_tile_idx * (kBlockN / 2) + (mn_major_chunk / 2) * kChunkElems;
+        }
+    }
 
     auto load_stage = [&](int stage_idx, int k_tile_idx) {
         uint16_t* tile_a = smem_a + stage_idx * kTileElems;
@@ -298,7 +346,7 @@ __global__ void __launch_bounds__(kNumThreads, kVec ? kMinBlocksPerSmVec : 1)
                 const int k_row = mn_major_row + pass * kMNMajorRowsPerPass;
                 const bool valid = k_base + k_row < params.k;
                 const uint16_t* row = b_expert + (valid ? k_base + k_row : 0) * params.ldb;
-                load_chunk<kVec>(tile_b + mn_major_offset(k_row, mn_major_chunk), row, b_col, params.n, valid);
+                load_chunk<kVec>(tile_b + mn_major_offset(k_row, mn_major_chunk), row, b_col, b_num_cols, valid);
             }
         }
     };
@@ -329,14 +377,41 @@ __global__ void __launch_bounds__(kNumThreads, kVec ? kMinBlocksPerSmVec : 1)
             const int local_row = warp_m_idx * kWarpM + frag_m * 16 + half * 8 + lane_idx / 4;
             if (local_row >= num_rows) continue;
             const int64_t row_idx = row_begin + local_row;
-            if constexpr (kEpilogue != Epilogue::kSwiGLU) {
-                using OutT = std::conditional_t<kEpilogue == Epilogue::kStoreF32, float, T>;
+            if constexpr (kEpilogue == Epilogue::kGatedAct) {
+#pragma unroll
+                for (int frag_n = 0; frag_n < kNumFragsN; ++frag_n) {
+                    const float* pair = &acc[frag_m][frag_n][half * 2];
+                    if (params.interleaved) {  // storage columns (2i, 2i + 1) = (g_i, u_i)
+                        const int64_t col =
+                            n_tile_idx * kBlockN + warp_n_idx * kWarpN + frag_n * 8 + (lane_idx % 4) * 2;
+                        store_gated<T>(params, expert_idx, row_idx, col / 2, pair[0], pair[1], col, col + 1);
+                    } else if (frag_n % 2 == 0) {  // fragments 2p (gate) and 2p + 1 (up) of the same columns
+                        const float* up = &acc[frag_m][frag_n + 1][half * 2];
+                        const int64_t col = n_tile_idx * (kBlockN / 2) +
+                                            (warp_n_idx * (kNumFragsN / 2) + frag_n / 2) * 8 + (lane_idx % 4) * 2;
+                        for (int item = 0; item < 2; ++item) {
+                            store_gated<T>(params, expert_idx, row_idx, col + item, pair[item], up[item], col + item,
+                                           params.n + col + item);
+                        }
+                    }
+                }
+            } else if constexpr (kEpilogue != Epilogue::kSwiGLU) {
+                using OutT = std::conditional_t<kEpilogue == Epilogue::kStoreElem, T, float>;
                 OutT* out_row = static_cast<OutT*>(params.out) + row_idx * params.ldo;
 #pragma unroll
                 for (int frag_n = 0; frag_n < kNumFragsN; ++frag_n) {
                     const int64_t col = n_tile_idx * kBlockN + warp_n_idx * kWarpN + frag_n * 8 + (lane_idx % 4) * 2;
-                    store_pair(out_row, col, params.n, acc[frag_m][frag_n][half * 2], acc[frag_m][frag_n][half * 2 + 1],
-                               params.paired_stores);
+                    float first = acc[frag_m][frag_n][half * 2], second = acc[frag_m][frag_n][half * 2 + 1];
+                    if constexpr (kEpilogue == Epilogue::kAccumulateF32) {
+                        accumulate_pair(out_row, col, params.n, first, second, params.paired_stores);
+                        continue;
+                    }
+                    if (kEpilogue == Epilogue::kStoreElem && params.bias != nullptr) {  // b2[e, col], b2[e, col + 1]
+                        const T* bias = reinterpret_cast<const T*>(params.bias) + expert_idx * params.n;
+                        if (col < params.n) first += to_float(bias[col]);
+                        if (col + 1 < params.n) second += to_float(bias[col + 1]);
+                    }
+                    store_pair(out_row, col, params.n, first, second, params.paired_stores);
                 }
             } else {
                 const int64_t intermediate = params.n;
@@ -522,8 +597,11 @@ template <BLayout kBLayout, Epilogue kEpilogue>
 megamoe_status_t dispatch_m_grouped(const MGroupedGemmArgs& args, const MGroupedParams& params, dim3 grid,
                                     cudaStream_t stream, const char* name) {
     const bool b_mn_major = kBLayout == BLayout::kKN;
+    // kKN B's loaded columns: N, or the gated epilogue's 2I storage columns of interleaved rows.
+    const int64_t b_cols = kEpilogue == Epilogue::kGatedAct && args.interleaved ? 2 * args.n : args.n;
+    const bool b_up_ok = kEpilogue != Epilogue::kGatedAct || args.interleaved || is_aligned(args.b_up, 16);
     const bool vec = vec_ok(args.a, args.lda, args.k) && args.b_expert_stride % kChunkElems == 0 &&
-                     vec_ok(args.b, args.ldb, b_mn_major ? args.n : args.k);
+                     vec_ok(args.b, args.ldb, b_mn_major ? b_cols : args.k) && b_up_ok;
     if (args.dtype == MEGAMOE_DTYPE_BF16) {
         return vec ? launch(m_grouped_gemm_kernel<__nv_bfloat16, kBLayout, kEpilogue, true>, params, grid, stream, name)
                    : launch(m_grouped_gemm_kernel<__nv_bfloat16, kBLayout, kEpilogue, false>, params, grid, stream,
@@ -547,6 +625,10 @@ MGroupedParams make_m_grouped_params(const MGroupedGemmArgs& args) {
     params.expert_offsets = args.expert_offsets;
     params.m_tile_offsets = args.m_tile_offsets;
     params.num_experts = args.num_experts;
+    params.b_up = static_cast<const uint16_t*>(args.b_up);
+    params.interleaved = args.interleaved;
+    params.bias = static_cast<const uint16_t*>(args.bias);
+    params.activation = args.activation;
     return params;
 }
 
@@ -556,7 +638,7 @@ constexpr int64_t kMaxGridY = 65535;
 }  // namespace
 
 megamoe_status_t launch_m_grouped_gemm_f32(const MGroupedGemmArgs& args, BLayout b_layout, float* out, int64_t ldo,
-                                           cudaStream_t stream) {
+                                           cudaStream_t stream, bool accumulate) {
     const int64_t num_n_tiles = ceil_div(args.n, kBlockN);
     if (args.max_m_tiles == 0 || num_n_tiles == 0) return MEGAMOE_STATUS_SUCCESS;
     if (args.max_m_tiles > kMaxGridX || num_n_tiles > kMaxGridY) {
@@ -568,13 +650,20 @@ megamoe_status_t launch_m_grouped_gemm_f32(const MGroupedGemmArgs& args, BLayout
     params.ldo = ldo;
     params.paired_stores = ldo % 2 == 0 && is_aligned(out, 8);
     const dim3 grid(static_cast<unsigned>(args.max_m_tiles), static_cast<unsigned>(num_n_tiles));
+    if (accumulate) {
+        return b_layout == BLayout::kNK ? dispatch_m_grouped<BLayout::kNK, Epilogue::kAccumulateF32>(
+                                              args, params, grid, stream, "m_grouped_gemm_accumulate[NK]")
+                                        : dispatch_m_grouped<BLayout::kKN, Epilogue::kAccumulateF32>(
+                                              args, params, grid, stream, "m_grouped_gemm_accumulate[KN]");
+    }
     return b_layout == BLayout::kNK
                ? dispatch_m_grouped<BLayout::kNK, Epilogue::kStoreF32>(args, params, grid, stream, "m_grouped_gemm[NK]")
                : dispatch_m_grouped<BLayout::kKN, Epilogue::kStoreF32>(args, params, grid, stream,
                                                                        "m_grouped_gemm[KN]");
 }
 
-megamoe_status_t launch_m_grouped_gemm_elem(const MGroupedGemmArgs& args, void* out, int64_t ldo, cudaStream_t stream) {
+megamoe_status_t launch_m_grouped_gemm_elem(const MGroupedGemmArgs& args, BLayout b_layout, void* out, int64_t ldo,
+                                            cudaStream_t stream) {
     const int64_t num_n_tiles = ceil_div(args.n, kBlockN);
     if (args.max_m_tiles == 0 || num_n_tiles == 0) return MEGAMOE_STATUS_SUCCESS;
     if (args.max_m_tiles > kMaxGridX || num_n_tiles > kMaxGridY) {
@@ -586,7 +675,10 @@ megamoe_status_t launch_m_grouped_gemm_elem(const MGroupedGemmArgs& args, void* 
     params.ldo = ldo;
     params.paired_stores = ldo % 2 == 0 && is_aligned(out, 4);
     const dim3 grid(static_cast<unsigned>(args.max_m_tiles), static_cast<unsigned>(num_n_tiles));
-    return dispatch_m_grouped<BLayout::kNK, Epilogue::kStoreElem>(args, params, grid, stream, "m_grouped_gemm_elem");
+    return b_layout == BLayout::kNK ? dispatch_m_grouped<BLayout::kNK, Epilogue::kStoreElem>(args, params, grid, stream,
+                                                                                             "m_grouped_gemm_elem[NK]")
+                                    : dispatch_m_grouped<BLayout::kKN, Epilogue::kStoreElem>(args, params, grid, stream,
+                                                                                             "m_grouped_gemm_elem[KN]");
 }
 
 megamoe_status_t launch_m_grouped_gemm_swiglu(const MGroupedGemmArgs& args, void* h, void* act, cudaStream_t stream) {
@@ -602,6 +694,27 @@ megamoe_status_t launch_m_grouped_gemm_swiglu(const MGroupedGemmArgs& args, void
     params.paired_stores = args.n % 2 == 0 && is_aligned(h, 4) && is_aligned(act, 4);
     const dim3 grid(static_cast<unsigned>(args.max_m_tiles), static_cast<unsigned>(num_n_tiles));
     return dispatch_m_grouped<BLayout::kNK, Epilogue::kSwiGLU>(args, params, grid, stream, "m_grouped_gemm_swiglu");
+}
+
+megamoe_status_t launch_m_grouped_gemm_gated(const MGroupedGemmArgs& args, BLayout b_layout, void* h, void* act,
+                                             cudaStream_t stream) {
+    const int64_t num_n_tiles = ceil_div(args.n, kBlockN / 2);  // 64 (gate, up) pairs per tile in every layout
+    if (args.max_m_tiles == 0 || num_n_tiles == 0) return MEGAMOE_STATUS_SUCCESS;
+    if (args.max_m_tiles > kMaxGridX || num_n_tiles > kMaxGridY) {
+        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "m_grouped_gemm_gated: grid %lld x %lld too large",
+                         static_cast<long long>(args.max_m_tiles), static_cast<long long>(num_n_tiles));
+    }
+    if (!args.interleaved && args.b_up == nullptr) {
+        return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "m_grouped_gemm_gated: no B of the up rows");
+    }
+    MGroupedParams params = make_m_grouped_params(args);
+    params.h = h;
+    params.act = act;
+    const dim3 grid(static_cast<unsigned>(args.max_m_tiles), static_cast<unsigned>(num_n_tiles));
+    return b_layout == BLayout::kNK ? dispatch_m_grouped<BLayout::kNK, Epilogue::kGatedAct>(args, params, grid, stream,
+                                                                                            "m_grouped_gemm_gated[NK]")
+                                    : dispatch_m_grouped<BLayout::kKN, Epilogue::kGatedAct>(args, params, grid, stream,
+                                                                                            "m_grouped_gemm_gated[KN]");
 }
 
 megamoe_status_t launch_k_grouped_gemm(const KGroupedGemmArgs& args, void* out, megamoe_dtype_t out_dtype,

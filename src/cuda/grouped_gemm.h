@@ -4,8 +4,9 @@
 //     out[r, n] = sum_k A[a_row(r), k] * B_e(n, k)       for the sorted rows r of expert e
 //   a_row(r) = r, or the token of sorted_slot[r] (sorted_slot[r] / topk) when A is gathered.
 //   B_e is b + e * b_expert_stride, stored [N, K] (BLayout::kNK, K contiguous) or [K, N] (kKN).
-//   Epilogues: f32 store, element-type store (kNK only), or SwiGLU for the up projection (B = w13 [E, 2I, H];
-//   each N tile holds matching gate and up rows, so h = [g, u] and a = silu(g) * u come straight from registers).
+//   Epilogues: f32 store (or add), element-type store (plus a bias), or SwiGLU for the up projection (B = w13
+//   [E, 2I, H]; each N tile holds matching gate and up rows, so h = [g, u] and a = silu(g) * u come straight from
+//   registers), or its gated form for every layout, activation and b13 (launch_m_grouped_gemm_gated).
 //   The grid is sized by host-known bounds; tiles come from the routing's m_tile_offsets.
 //
 // K-grouped (the weight gradients; the rows of the expert are the reduction dimension):
@@ -23,6 +24,7 @@
 
 #include <cstdint>
 
+#include "activation.h"
 #include "common.h"
 
 namespace megamoe::cuda {
@@ -50,18 +52,32 @@ struct MGroupedGemmArgs {
     const int* m_tile_offsets;  // [E + 1] M-tile schedule (kGemmBlockM rows per tile)
     int64_t num_experts;
     int64_t max_m_tiles;  // host bound on m_tile_offsets[E]
+    // The gated-activation up GEMM of the non-default options (launch_m_grouped_gemm_gated) and the down GEMM's bias.
+    const void* b_up;              // concatenated / separate: B_0 of the up rows (up row j is row / column j of it)
+    bool interleaved;              // gate i and up i are the adjacent rows (kKN: columns) 2i and 2i + 1 of B_e
+    const void* bias;              // gated: b13 [E, 2I] arranged as B's rows; element store: b2 [E, N]; NULL: none
+    Activation<float> activation;  // gated
 };
 
-// out[r, n] in f32, row stride ldo.
+// out[r, n] in f32, row stride ldo; `accumulate`: added to the values out holds (out[r, n] += ..., one thread per
+// element: the dX GEMM of the separate layout runs as two GEMMs, gate then up).
 megamoe_status_t launch_m_grouped_gemm_f32(const MGroupedGemmArgs& args, BLayout b_layout, float* out, int64_t ldo,
-                                           cudaStream_t stream);
+                                           cudaStream_t stream, bool accumulate = false);
 
-// out[r, n] in the element type, row stride ldo; B_e is [N, K] (kNK).
-megamoe_status_t launch_m_grouped_gemm_elem(const MGroupedGemmArgs& args, void* out, int64_t ldo, cudaStream_t stream);
+// out[r, n] in the element type, row stride ldo, plus args.bias[e, n] when given (the down GEMM's b2).
+megamoe_status_t launch_m_grouped_gemm_elem(const MGroupedGemmArgs& args, BLayout b_layout, void* out, int64_t ldo,
+                                            cudaStream_t stream);
 
 // Up projection with SwiGLU: B = w13 [E, 2I, H] (kNK), args.n = I. Writes h = [g, u] ([rows, 2I] by sorted row: the
 // layout of saved_h) and a = silu(g) * u ([rows, I]) in the element type; h and act may be NULL (not written).
 megamoe_status_t launch_m_grouped_gemm_swiglu(const MGroupedGemmArgs& args, void* h, void* act, cudaStream_t stream);
+
+// The up projection of every layout, activation and b13 (the non-default options; the default runs _swiglu above):
+// the canonical gate row j is row (kKN: column) j of B_e, or 2j when args.interleaved; the up row j is row j of
+// b_up's expert, or 2j + 1 of B_e. h = [g, u] + b13 (canonical order) and a = args.activation.forward(g, u)
+// (activation.h) in the element type, as _swiglu writes them.
+megamoe_status_t launch_m_grouped_gemm_gated(const MGroupedGemmArgs& args, BLayout b_layout, void* h, void* act,
+                                             cudaStream_t stream);
 
 struct KGroupedGemmArgs {
     megamoe_dtype_t dtype;  // element type of A and B: bf16 or f16

@@ -1,14 +1,13 @@
 // Layouts, activations and biases through the C API on the CPU: the reference against a naive loop written from the
 // storage definitions (every combination, both memory modes, grouped rows), the activation's derivatives against
-// finite differences and at the clamp's boundary, bad input naming the argument, CUDA's NOT_SUPPORTED for every
-// non-default option (CUDA-labelled views: validation only, no GPU), and the path queries.
+// finite differences and at the clamp's boundary, bad input naming the argument, and the path queries (CUDA:
+// test_layouts_cuda.cpp).
 #include <gtest/gtest.h>
 
 #include <functional>
 #include <string>
 
 #include "activation.h"
-#include "cuda/cuda_path.h"
 #include "layout_test_util.h"
 
 namespace megamoe::test {
@@ -256,62 +255,6 @@ TEST(LayoutsApi, BadInputNamesTheArgument) {
                         "x_sorted; layout.gate_up = separate"),
               std::string::npos)
         << megamoe_last_error();
-}
-
-// Labelled CUDA (host memory): validation and the CUDA path's support check run, nothing else does.
-void label_cuda(std::initializer_list<megamoe_tensor_t*> tensors) {
-    for (megamoe_tensor_t* tensor : tensors) {
-        if (is_present(*tensor)) tensor->device_type = MEGAMOE_DEVICE_CUDA;
-    }
-}
-
-TEST(LayoutsApi, CudaRefusesEveryNonDefaultOptionNamingIt) {
-    const struct {
-        LayoutCase layout_case;
-        bool b2_only;
-        const char* message_part;
-    } cases[] = {
-        {{MEGAMOE_GATE_UP_SEPARATE, false, false, false, false}, false, "layout.gate_up: separate w1 / w3"},
-        {{MEGAMOE_GATE_UP_INTERLEAVED, false, false, false, false}, false, "layout.gate_up: interleaved"},
-        {{MEGAMOE_GATE_UP_CONCATENATED, true, false, false, false}, false, "layout.w13_transposed: transposed w13"},
-        {{MEGAMOE_GATE_UP_CONCATENATED, false, true, false, false}, false, "layout.w2_transposed: transposed w2"},
-        {{MEGAMOE_GATE_UP_CONCATENATED, false, false, true, false}, false, "activation.kind: clamped SwiGLU"},
-        {{MEGAMOE_GATE_UP_CONCATENATED, false, false, false, true}, false, "b13: a bias of the up projection"},
-        {{MEGAMOE_GATE_UP_CONCATENATED, false, false, false, true}, true, "b2: a bias of the down projection"},
-    };
-    std::mt19937_64 rng(fresh_seed());
-    for (const auto& c : cases) {
-        LayoutProblem problem(6, 16, 8, 3, 2, c.layout_case);
-        problem.base.dtype = MEGAMOE_DTYPE_BF16;
-        problem.make(rng);
-        HostTensor w13(MEGAMOE_DTYPE_BF16, problem.w13_shape()), w3(MEGAMOE_DTYPE_BF16, problem.w13_shape()),
-            w2(MEGAMOE_DTYPE_BF16, {3, 16, 8}), b13(MEGAMOE_DTYPE_BF16, {3, 16}), b2(MEGAMOE_DTYPE_BF16, {3, 16}),
-            y(MEGAMOE_DTYPE_BF16, {6, 16});
-        if (c.layout_case.w2_transposed) w2 = HostTensor(MEGAMOE_DTYPE_BF16, {3, 8, 16});
-        megamoe_forward_params_t p = problem.base.forward_params(y);
-        p.w13 = w13.view;
-        p.w2 = w2.view;
-        if (c.layout_case.gate_up == MEGAMOE_GATE_UP_SEPARATE) p.w3 = w3.view;
-        if (c.layout_case.biases && !c.b2_only) p.b13 = b13.view;
-        if (c.layout_case.biases) p.b2 = b2.view;
-        p.layout = {c.layout_case.gate_up, c.layout_case.w13_transposed, c.layout_case.w2_transposed};
-        if (c.layout_case.clamped) p.activation = {MEGAMOE_ACTIVATION_CLAMPED_SWIGLU, 7.0, 1.702};
-        label_cuda({&p.x, &p.topk_ids, &p.topk_weights, &p.w13, &p.w3, &p.w2, &p.b13, &p.b2, &p.y});
-        size_t bytes = 0;
-        megamoe_path_t path = MEGAMOE_PATH_REFERENCE;
-        for (const megamoe_status_t status :
-             {megamoe_forward_workspace_size(&p, &bytes), megamoe_forward(&p), megamoe_forward_path(&p, &path)}) {
-            EXPECT_EQ(status, MEGAMOE_STATUS_NOT_SUPPORTED) << c.message_part;
-            const std::string message = megamoe_last_error();
-            EXPECT_NE(message.find(c.message_part), std::string::npos) << message;
-            EXPECT_NE(message.find("not supported on CUDA yet (TODO(#12))"), std::string::npos) << message;
-        }
-    }
-    Experts defaults{};
-    const megamoe_tensor_t absent{};
-    defaults.b13 = &absent;
-    defaults.b2 = &absent;
-    EXPECT_EQ(cuda::check_supported(defaults), MEGAMOE_STATUS_SUCCESS);
 }
 
 TEST(LayoutsApi, PathQueries) {
