@@ -6,12 +6,15 @@ Loading checks the library's ABI (megamoe_abi_version, megamoe_struct_size) agai
 and refuses a library built from other declarations with an ImportError naming it and both versions.
 
 Every call takes its tensors by the params structs' field names and the experts' options (layout and activation,
-layouts.py) as the dict `options` of layouts.op_options(); path() asks which implementation a call would run.
+layouts.py) as the dict `options` of layouts.op_options(); path() asks which implementation a call would run (a Path:
+the name, and the reason when the call's expert options keep it off the fused sm_90a kernels). A CUDA call that runs
+on the portable kernels for that reason warns once per combination of options (warn_portable_once).
 """
 
 import ctypes
 import os
 import pathlib
+import warnings
 
 import torch
 
@@ -209,6 +212,7 @@ def library():
             )
         check_abi(lib, path)
         lib.megamoe_last_error.restype = ctypes.c_char_p
+        lib.megamoe_path_reason.restype = ctypes.c_char_p
         lib.megamoe_version.restype = ctypes.c_int32
         for name, params in _ENTRY_POINTS:
             getattr(lib, f"megamoe_{name}").argtypes = [ctypes.POINTER(params)]
@@ -324,15 +328,56 @@ def params_of(kind, tensors, options=None, **fields):
 def call(kind, tensors, options=None, **fields):
     """Run entry point `kind` on `tensors` (outputs among them, written in place), on the device of its first one."""
     device = next(t for t in tensors.values() if t is not None).device
-    _run(kind, params_of(kind, tensors, options, **fields), device)
+    params = params_of(kind, tensors, options, **fields)
+    if device.type == "cuda":
+        warn_portable_once(kind, params, tensors, options, device)
+    _run(kind, params, device)
+
+
+class Path(str):
+    """The name of an implementation (PATH_NAMES; compares equal to it) with `reason`: why a call the fused sm_90a
+    kernels would run takes the portable CUDA kernels (the expert option that keeps it off them), else None."""
+
+    def __new__(cls, name, reason=None):
+        path = super().__new__(cls, name)
+        path.reason = reason
+        return path
+
+    def __repr__(self):
+        return f"Path({str(self)!r}, reason={self.reason!r})"
+
+
+def _query_path(kind, params):
+    code = ctypes.c_int(0)
+    check(getattr(library(), f"megamoe_{kind}_path")(ctypes.byref(params), ctypes.byref(code)))
+    reason = library().megamoe_path_reason().decode() or None
+    return Path(PATH_NAMES.get(code.value, f"unknown ({code.value})"), reason)
 
 
 def path(kind, tensors, options=None):
-    """The name of the implementation (PATH_NAMES) entry point `kind` would run for these tensors and options."""
-    code = ctypes.c_int(0)
-    check(getattr(library(), f"megamoe_{kind}_path")(ctypes.byref(params_of(kind, tensors, options)),
-                                                      ctypes.byref(code)))
-    return PATH_NAMES.get(code.value, f"unknown ({code.value})")
+    """The implementation (a Path: its name, PATH_NAMES, and the reason when the expert options keep the call off the
+    fused sm_90a kernels) entry point `kind` would run for these tensors and options."""
+    return _query_path(kind, params_of(kind, tensors, options))
+
+
+_checked_portable = set()  # (device, options, which optional expert tensors) already checked
+_DEFAULT_OPTIONS = dict(gate_up="concatenated", w13_transposed=False, w2_transposed=False, activation="swiglu",
+                        limit=0.0, alpha=0.0)
+
+
+def warn_portable_once(kind, params, tensors, options, device):
+    """Warns once per device and combination of expert options when they send a CUDA call to the portable kernels
+    where the fused sm_90a ones would run it (the default options are never checked: no path query)."""
+    experts = tuple(name for name in ("w3", "b13", "b2") if tensors.get(name) is not None)
+    if (not options or options == _DEFAULT_OPTIONS) and not experts:
+        return
+    key = (device.index, tuple(sorted((options or {}).items())), experts)
+    if key in _checked_portable:
+        return
+    _checked_portable.add(key)
+    reason = _query_path(kind, params).reason
+    if reason:
+        warnings.warn(f"megamoe: {reason}", stacklevel=3)
 
 
 def forward_into(x, topk_ids, topk_weights, w13, w2, y, saved_h=None, options=None, **experts):

@@ -28,6 +28,7 @@ struct LayoutCase {
 // The gradients a backward writes, each shaped as its input (absent ones empty).
 struct LayoutGrads {
     HostTensor y, dx, dweights, dw13, dw3, dw2, db13, db2;
+    HostTensor ds_scale;  // naive(): per slot sum_h |dy_h o_h|, the size of the terms of d topk_weights
 };
 
 struct LayoutProblem {
@@ -48,8 +49,8 @@ struct LayoutProblem {
         return layout_case.w13_transposed ? std::vector<int64_t>{E, H, rows} : std::vector<int64_t>{E, rows, H};
     }
 
-    void make(std::mt19937_64& rng) {
-        base.routing = Routing::kSomeDropped;
+    void make(std::mt19937_64& rng, Routing routing = Routing::kSomeDropped) {
+        base.routing = routing;
         base.make(rng);
         const int64_t H = base.hidden, I = base.intermediate, E = base.num_experts;
         w13 = HostTensor(MEGAMOE_DTYPE_F64, w13_shape());
@@ -127,6 +128,7 @@ struct LayoutProblem {
                         HostTensor(MEGAMOE_DTYPE_F64, {w2.view.shape[0], w2.view.shape[1], w2.view.shape[2]}),
                         present(b13) ? HostTensor(MEGAMOE_DTYPE_F64, {b13.view.shape[0], 2 * I}) : HostTensor(),
                         present(b2) ? HostTensor(MEGAMOE_DTYPE_F64, {b2.view.shape[0], H}) : HostTensor()};
+        out.ds_scale = HostTensor(MEGAMOE_DTYPE_F64, {T, topk});
         std::vector<double> gate(I), up(I), act(I), dgate(I), dup(I), proj(I);
         for (int64_t slot = 0; slot < T * topk; ++slot) {
             const auto e = static_cast<int64_t>(base.ids.get(slot));
@@ -150,6 +152,7 @@ struct LayoutProblem {
                 out.y.set(t * H + h, out.y.get(t * H + h) + s * o);
                 const double dy = base.dy.get(t * H + h);
                 ds += dy * o;
+                out.ds_scale.set(slot, out.ds_scale.get(slot) + std::fabs(dy * o));
                 for (int64_t i = 0; i < I; ++i) {
                     proj[i] += w2.get(down_at(e, h, i)) * dy;
                     out.dw2.set(down_at(e, h, i), out.dw2.get(down_at(e, h, i)) + s * dy * act[i]);
