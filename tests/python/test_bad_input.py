@@ -162,37 +162,41 @@ def _as_cuda(params):
 
 
 CUDA_OPTION_CASES = [
-    ("separate", dict(gate_up="separate"), "layout.gate_up: separate w1 / w3 is not supported on CUDA yet (TODO(#12))"),
-    ("interleaved", dict(gate_up="interleaved"), "layout.gate_up: interleaved gate / up rows are not supported"),
-    ("w13_transposed", dict(w13_transposed=True), "layout.w13_transposed: transposed w13 is not supported on CUDA"),
-    ("w2_transposed", dict(w2_transposed=True), "layout.w2_transposed: transposed w2 is not supported on CUDA"),
-    ("clamped", dict(activation="clamped_swiglu", limit=7.0, alpha=1.702),
-     "activation.kind: clamped SwiGLU is not supported on CUDA yet"),
-    ("b13", dict(), "b13: a bias of the up projection is not supported on CUDA yet"),
-    ("b2", dict(), "b2: a bias of the down projection is not supported on CUDA yet"),
+    ("separate", dict(gate_up="separate"), "layout.gate_up = separate"),
+    ("interleaved", dict(gate_up="interleaved"), "layout.gate_up = interleaved"),
+    ("w13_transposed", dict(w13_transposed=True), "layout.w13_transposed = 1"),
+    ("w2_transposed", dict(w2_transposed=True), "layout.w2_transposed = 1"),
+    ("clamped", dict(activation="clamped_swiglu", limit=7.0, alpha=1.702), "activation.kind = clamped SwiGLU"),
+    ("b13", dict(), "b13"),
+    ("b2", dict(), "b2"),
 ]
 
 
 @pytest.mark.parametrize("case", CUDA_OPTION_CASES, ids=[c[0] for c in CUDA_OPTION_CASES])
-def test_cuda_refuses_the_new_options_naming_them(good, case):
+def test_cuda_accepts_the_new_options(good, case):
     """Without a GPU: the C API's validation of CUDA-labelled tensors (the workspace and path queries read no data)
-    gives NOT_SUPPORTED naming the option, which the binding raises as NotImplementedError."""
+    accepts every option; the workspace is the default's, the path the portable one, and its reason (where a Hopper
+    GPU would run the default on the sm_90a kernels) names the option."""
     name, options, text = case
     x, w13, w2 = good["x"].bfloat16(), good["w13"].bfloat16(), good["w2"].bfloat16()
+    default = dict(x=x, topk_ids=good["topk_ids"], topk_weights=good["topk_weights"], w13=w13, w2=w2,
+                   y=torch.empty_like(x))
     if options.get("gate_up") == "separate":
         w13 = w13[:, :I].contiguous()
     if options.get("w13_transposed"):
         w13 = w13.transpose(1, 2).contiguous()
     if options.get("w2_transposed"):
         w2 = w2.transpose(1, 2).contiguous()
-    tensors = dict(x=x, topk_ids=good["topk_ids"], topk_weights=good["topk_weights"], w13=w13, w2=w2,
-                   y=torch.empty_like(x), w3=w13 if name == "separate" else None,
+    tensors = dict(default, w13=w13, w2=w2, w3=w13 if name == "separate" else None,
                    b13=torch.zeros(E, 2 * I, dtype=x.dtype) if name == "b13" else None,
                    b2=torch.zeros(E, H, dtype=x.dtype) if name == "b2" else None)
-    params = _as_cuda(_lib.params_of("forward", tensors, options))
-    lib, size, path = _lib.library(), ctypes.c_size_t(0), ctypes.c_int(0)
-    for status in (lib.megamoe_forward_workspace_size(ctypes.byref(params), ctypes.byref(size)),
-                   lib.megamoe_forward_path(ctypes.byref(params), ctypes.byref(path))):
-        with pytest.raises(NotImplementedError) as info:
-            _lib.check(status)
-        assert text in str(info.value), str(info.value)
+    lib = _lib.library()
+    sizes = []
+    for call_tensors, call_options in ((default, None), (tensors, options)):
+        params, size = _as_cuda(_lib.params_of("forward", call_tensors, call_options)), ctypes.c_size_t(0)
+        _lib.check(lib.megamoe_forward_workspace_size(ctypes.byref(params), ctypes.byref(size)))
+        sizes.append(size.value)
+    assert sizes[0] == sizes[1]
+    path = _lib._query_path("forward", params)
+    assert path == "cuda"
+    assert path.reason is None or text in path.reason, path.reason

@@ -1,67 +1,243 @@
-"""The layouts on a GPU: CUDA runs only the default layout, SwiGLU and no biases for now, so every other option on CUDA
-tensors raises NotImplementedError naming it, from the op and from the path query alike (never a silent fallback),
-while the default reports the kernels it runs; and only the needed gradients are computed there too. Skipped, with
-the reason, where no GPU is present."""
+"""The layouts on a GPU: every layout x activation x bias combination runs on CUDA tensors (the portable kernels; the
+fused sm_90a kernels run only the defaults) and matches the CPU float64 reference on the same bf16 values, whole layer
+and grouped rows, every gradient, with every output NaN-poisoned before the run, reruns bitwise equal and the memory
+modes bitwise equal to each other. The backward's reference reads the CUDA forward's h (so that the clamps of the
+activation decide alike on both sides). path_of names the portable path and the option (the default still reports
+sm90 on a Hopper GPU), a one-time warning says so, and only the needed gradients are computed. Skipped, with the
+reason, where no GPU is present."""
+
+import warnings
 
 import pytest
 import torch
 
 import megamoe
-from layout_models import layout_problem
+from megamoe import _lib
+from conftest import group_rows, rel_err
+from layout_models import ACTIVATIONS, BIASES, COMBINATIONS, LAYOUTS, layout_problem
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests need one")
 
-# (id, layout, activation, biases, what the message names)
-UNSUPPORTED = [
-    ("separate", megamoe.SEPARATE, megamoe.SWIGLU, (False, False), "layout.gate_up: separate w1 / w3"),
-    ("interleaved", megamoe.INTERLEAVED, megamoe.SWIGLU, (False, False), "layout.gate_up: interleaved"),
-    ("hf_transposed", megamoe.HF_TRANSPOSED, megamoe.SWIGLU, (False, False), "layout.w13_transposed"),
-    ("w2_transposed", megamoe.Layout("concatenated", False, True), megamoe.SWIGLU, (False, False),
-     "layout.w2_transposed"),
-    ("clamped", megamoe.CONCATENATED, megamoe.GPT_OSS_ACTIVATION, (False, False), "activation.kind: clamped SwiGLU"),
-    ("b13", megamoe.CONCATENATED, megamoe.SWIGLU, (True, False), "b13: a bias of the up projection"),
-    ("b2", megamoe.CONCATENATED, megamoe.SWIGLU, (False, True), "b2: a bias of the down projection"),
-    ("gpt_oss", megamoe.GPT_OSS, megamoe.GPT_OSS_ACTIVATION, (True, True), "layout.gate_up: interleaved"),
-]
+SHAPE = (37, 72, 40, 5, 2)  # T, H, I, E, topk: tails off every tile, dropped slots
+I = SHAPE[2]
+BF16_TOLERANCE = 2e-2  # as the C++ CUDA tests (kBf16Tolerance): a few bf16 roundings of the intermediates
+GRAD_NAMES = ("dx", "dtopk_weights", "dw13", "dw3", "dw2", "db13", "db2")
+SM90 = torch.cuda.is_available() and torch.cuda.get_device_capability() == (9, 0)
 
 
-def _cuda_problem(layout, biases, gen):
-    x, ids, s, dy, p = layout_problem(64, 64, 32, 4, 2, layout, *biases, dtype=torch.bfloat16, gen=gen)
+def _cuda_problem(layout, biases, gen, shape=SHAPE, routing="dropped"):
+    x, ids, s, dy, p = layout_problem(*shape, layout, *biases, routing=routing, dtype=torch.bfloat16, gen=gen)
     move = lambda t: t.detach().cuda() if t is not None else None  # noqa: E731
     return move(x), ids.cuda(), move(s).float(), move(dy), {name: move(t) for name, t in p.items()}
 
 
-@pytest.mark.parametrize("name,layout,activation,biases,text", UNSUPPORTED, ids=[c[0] for c in UNSUPPORTED])
-def test_cuda_refuses_options_it_does_not_run(name, layout, activation, biases, text, gen):
-    x, ids, s, _, p = _cuda_problem(layout, biases, gen)
-    for call in (megamoe.moe, megamoe.path_of):
-        with pytest.raises(NotImplementedError, match="not supported on CUDA yet") as info:
-            call(x, ids, s, p["w13"], p["w2"], w3=p["w3"], b13=p["b13"], b2=p["b2"], layout=layout,
-                 activation=activation)
-        assert text in str(info.value), str(info.value)
-    counts = torch.tensor([16, 16, 16, 16], device="cuda")
-    with pytest.raises(NotImplementedError, match="not supported on CUDA yet"):
-        megamoe.grouped_moe(x, counts, p["w13"], p["w2"], w3=p["w3"], b13=p["b13"], b2=p["b2"], layout=layout,
-                            activation=activation)
+def _same_bits(a, b):
+    """Bitwise equality (NaN rows left unwritten, e.g. saved_h past the routed rows, compare equal)."""
+    bits = {2: torch.int16, 4: torch.int32, 8: torch.int64}[a.element_size()]
+    return a.dtype == b.dtype and torch.equal(a.view(bits), b.view(bits))
+
+
+def _nan_like(t):
+    return torch.full_like(t, float("nan")) if t is not None else None
+
+
+def _run(x, ids, s, dy, p, options, h_in=None, keep_h=True, poison=True):
+    """Forward (saved_h when keep_h) and backward through the C API into NaN-filled outputs; the backward reads h_in
+    when given (the reference: the CUDA forward's h), else the forward's h. Returns y, the forward's h and the
+    gradients by name."""
+    fill = _nan_like if poison else torch.zeros_like
+    experts = dict(w3=p["w3"], b13=p["b13"], b2=p["b2"])
+    y = fill(x)
+    h = x.new_full((ids.numel(), 2 * I), float("nan")) if keep_h else None
+    _lib.forward_into(x, ids, s, p["w13"], p["w2"], y, h, options, **experts)
+    h_fwd = h.clone() if h is not None else None
+    saved = h_in.clone() if h_in is not None else h
+    grads = dict(dx=fill(x), dtopk_weights=fill(s), dw13=fill(p["w13"]), dw3=_nan_like(p["w3"]), dw2=fill(p["w2"]),
+                 db13=_nan_like(p["b13"]), db2=_nan_like(p["b2"]))
+    _lib.backward_into(dy, x, ids, s, p["w13"], p["w2"], grads["dx"], grads["dtopk_weights"], grads["dw13"],
+                       grads["dw2"], saved, options, dw3=grads["dw3"], db13=grads["db13"], db2=grads["db2"], **experts)
+    if x.is_cuda:
+        torch.cuda.synchronize()
+    return y, h_fwd, grads
+
+
+def _cpu64(tensors):
+    return {k: (v.detach().cpu().double() if v is not None and v.is_floating_point() else
+                (v.cpu() if v is not None else None)) for k, v in tensors.items()}
+
+
+def _check_all_close(got, want, what):
+    for name, value in want.items():
+        if value is None:
+            assert got[name] is None, f"{what}: {name}"
+            continue
+        assert torch.isfinite(got[name]).all(), f"{what}: {name} has unwritten (NaN) or non-finite elements"
+        err = rel_err(got[name], value)
+        assert err < BF16_TOLERANCE, f"{what}: {name} error {err:.3e}"
+
+
+@pytest.mark.parametrize("layout,activation,bias", COMBINATIONS, ids=["-".join(c) for c in COMBINATIONS])
+def test_every_combination_matches_the_reference(layout, activation, bias, gen):
+    x, ids, s, dy, p = _cuda_problem(LAYOUTS[layout], BIASES[bias], gen)
+    options = megamoe.layouts.op_options(LAYOUTS[layout], ACTIVATIONS[activation])
+    y, h, grads = _run(x, ids, s, dy, p, options)
+    c = _cpu64(dict(x=x, s=s, dy=dy, h=h, **p))
+    y_ref, _, ref = _run(c["x"], ids.cpu(), c["s"], c["dy"], {k: c[k] for k in p}, options, h_in=c["h"],
+                         poison=False)
+    what = f"{layout}/{activation}/{bias}"
+    _check_all_close({"y": y, **grads}, {"y": y_ref, **ref}, what)
+    y2, h2, again = _run(x, ids, s, dy, p, options)
+    assert _same_bits(y2, y) and _same_bits(h2, h), f"{what}: the forward's rerun differs"
+    _, _, recomputed = _run(x, ids, s, dy, p, options, keep_h=False)
+    for name in GRAD_NAMES:
+        if grads[name] is not None:
+            assert _same_bits(again[name], grads[name]), f"{what}: {name} rerun differs"
+            if x.is_cuda:  # CUDA rounds h alike in both modes (the CPU reference recomputes it unrounded)
+                assert _same_bits(recomputed[name], grads[name]), f"{what}: {name} keep-h and recompute differ"
+
+
+def _grouped_run(x_sorted, counts, scores, dout, p, options, h_in=None, poison=True):
+    fill = _nan_like if poison else torch.zeros_like
+    experts = dict(w3=p["w3"], b13=p["b13"], b2=p["b2"])
+    out = fill(x_sorted)
+    h = x_sorted.new_full((x_sorted.shape[0], 2 * I), float("nan"))
+    _lib.grouped_forward_into(x_sorted, counts, scores, p["w13"], p["w2"], out, h, options, **experts)
+    h_fwd = h.clone()
+    grads = dict(dx=fill(x_sorted), dtopk_weights=fill(scores), dw13=fill(p["w13"]), dw3=_nan_like(p["w3"]),
+                 dw2=fill(p["w2"]), db13=_nan_like(p["b13"]), db2=_nan_like(p["b2"]))
+    _lib.grouped_backward_into(dout, x_sorted, counts, scores, p["w13"], p["w2"], grads["dx"], grads["dtopk_weights"],
+                               grads["dw13"], grads["dw2"], h_in.clone() if h_in is not None else h, options,
+                               dw3=grads["dw3"], db13=grads["db13"], db2=grads["db2"], **experts)
+    if x_sorted.is_cuda:
+        torch.cuda.synchronize()
+    return out, h_fwd, grads
+
+
+GROUPED_CASES = ([(layout, "clamped_tight", "both") for layout in LAYOUTS] +
+                 [("gpt_oss", activation, bias) for activation in ACTIVATIONS for bias in BIASES])
+
+
+@pytest.mark.parametrize("layout,activation,bias", GROUPED_CASES, ids=["-".join(c) for c in GROUPED_CASES])
+def test_grouped_rows_match_the_reference(layout, activation, bias, gen):
+    """Rows sorted by expert with an empty expert (dropped slots: some experts get none) and 3 padding rows."""
+    x, ids, s, dy, p = _cuda_problem(LAYOUTS[layout], BIASES[bias], gen)
+    x_sorted, counts, scores, _ = group_rows(x, ids, s, SHAPE[3], num_padding=3, gen=gen)
+    counts = counts.cuda()
+    dout = torch.randn(x_sorted.shape, generator=gen).to(x_sorted.dtype).cuda()
+    options = megamoe.layouts.op_options(LAYOUTS[layout], ACTIVATIONS[activation])
+    out, h, grads = _grouped_run(x_sorted, counts, scores, dout, p, options)
+    c = _cpu64(dict(x_sorted=x_sorted, scores=scores, dout=dout, h=h, **p))
+    out_ref, _, ref = _grouped_run(c["x_sorted"], counts.cpu(), c["scores"], c["dout"], {k: c[k] for k in p},
+                                   options, h_in=c["h"], poison=False)
+    what = f"grouped {layout}/{activation}/{bias}"
+    _check_all_close({"out": out, **grads}, {"out": out_ref, **ref}, what)
+    rows = int(counts.sum())
+    assert torch.all(out[rows:] == 0) and torch.all(grads["dx"][rows:] == 0), f"{what}: padding rows"
+    out2, _, again = _grouped_run(x_sorted, counts, scores, dout, p, options)
+    assert _same_bits(out2, out), f"{what}: out rerun differs"
+    for name in GRAD_NAMES:
+        if grads[name] is not None:
+            assert _same_bits(again[name], grads[name]), f"{what}: {name} rerun differs"
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_autograd_through_the_ops_on_cuda(layout, gen):
+    """megamoe.moe and megamoe.grouped_moe with gpt-oss's activation and both biases, differentiated on CUDA, against
+    the CPU float64 op; the gradients come back in each parameter's layout and dtype."""
+    x, ids, s, dy, p = _cuda_problem(LAYOUTS[layout], (True, True), gen)
+    options = dict(layout=LAYOUTS[layout], activation=megamoe.GPT_OSS_ACTIVATION)
+    leaves = {"x": x, "topk_weights": s, **{k: v for k, v in p.items() if v is not None}}
+    for t in leaves.values():
+        t.requires_grad_(True)
+    c = {k: v.detach().cpu().double().requires_grad_() for k, v in leaves.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        y = megamoe.moe(x, ids, s, **{k: leaves.get(k) for k in p}, **options)
+    got = torch.autograd.grad(y, list(leaves.values()), dy)
+    y_ref = megamoe.moe(c["x"], ids.cpu(), c["topk_weights"], **{k: c.get(k) for k in p}, **options)
+    want = torch.autograd.grad(y_ref, list(c.values()), dy.cpu().double())
+    assert rel_err(y, y_ref) < BF16_TOLERANCE
+    for name, a, b, leaf in zip(leaves, got, want, leaves.values()):
+        assert a.dtype == leaf.dtype and a.shape == leaf.shape, name
+        assert rel_err(a, b) < BF16_TOLERANCE, f"{layout}: {name} error {rel_err(a, b):.3e}"
+
+
+# (id, layout, activation, biases, what the reason names)
+OPTION_CASES = [
+    ("separate", megamoe.SEPARATE, megamoe.SWIGLU, (False, False), "layout.gate_up = separate"),
+    ("interleaved", megamoe.INTERLEAVED, megamoe.SWIGLU, (False, False), "layout.gate_up = interleaved"),
+    ("hf_transposed", megamoe.HF_TRANSPOSED, megamoe.SWIGLU, (False, False), "layout.w13_transposed = 1"),
+    ("w2_transposed", megamoe.Layout("concatenated", False, True), megamoe.SWIGLU, (False, False),
+     "layout.w2_transposed = 1"),
+    ("clamped", megamoe.CONCATENATED, megamoe.GPT_OSS_ACTIVATION, (False, False), "activation.kind = clamped SwiGLU"),
+    ("b13", megamoe.CONCATENATED, megamoe.SWIGLU, (True, False), "b13 (a bias of the up projection)"),
+    ("b2", megamoe.CONCATENATED, megamoe.SWIGLU, (False, True), "b2 (a bias of the down projection)"),
+    ("gpt_oss", megamoe.GPT_OSS, megamoe.GPT_OSS_ACTIVATION, (True, True), "layout.gate_up = interleaved"),
+]
+
+ALIGNED = (64, 64, 32, 4, 2)  # sizes the sm_90a kernels take for the default options
+
+
+@pytest.mark.parametrize("name,layout,activation,biases,text", OPTION_CASES, ids=[c[0] for c in OPTION_CASES])
+def test_path_of_names_the_portable_path_and_the_option(name, layout, activation, biases, text, gen):
+    x, ids, s, _, p = _cuda_problem(layout, biases, gen, shape=ALIGNED, routing="random")
+    experts = dict(w3=p["w3"], b13=p["b13"], b2=p["b2"], layout=layout, activation=activation)
+    counts = torch.tensor([32, 32, 32, 32], device="cuda")
+    paths = [megamoe.path_of(x, ids, s, p["w13"], p["w2"], **experts),
+             megamoe.path_of(x, ids, s, p["w13"], p["w2"], backward=True, **experts),
+             megamoe.grouped_path_of(x.repeat(2, 1), counts, p["w13"], p["w2"], **experts),
+             megamoe.grouped_path_of(x.repeat(2, 1), counts, p["w13"], p["w2"], backward=True, **experts)]
+    for path in paths:
+        assert path == "cuda"
+        if SM90:
+            assert path.reason is not None and text in path.reason, path.reason
+            assert "portable CUDA kernels" in path.reason
+        else:
+            assert path.reason is None  # not a Hopper GPU: the option is not what keeps it off sm_90a
+    _lib._checked_portable.clear()
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        megamoe.moe(x, ids, s, p["w13"], p["w2"], **experts)
+        megamoe.moe(x, ids, s, p["w13"], p["w2"], **experts)
+    said = [str(w.message) for w in caught if "portable CUDA kernels" in str(w.message)]
+    assert len(said) == (1 if SM90 else 0), said
+    assert all(text in message for message in said), said
 
 
 def test_path_of_the_default_on_cuda(gen):
-    x, ids, s, _, p = _cuda_problem(megamoe.CONCATENATED, (False, False), gen)
-    sm90 = torch.cuda.get_device_capability() == (9, 0)
-    assert megamoe.path_of(x, ids, s, p["w13"], p["w2"]) == ("sm90" if sm90 else "cuda")
+    x, ids, s, _, p = _cuda_problem(megamoe.CONCATENATED, (False, False), gen, shape=ALIGNED, routing="random")
+    forward = megamoe.path_of(x, ids, s, p["w13"], p["w2"])
+    assert forward == ("sm90" if SM90 else "cuda") and forward.reason is None
     assert megamoe.path_of(x, ids, s, p["w13"], p["w2"], backward=True) in (
-        ("sm90", "sm90+cuda-weight-grads") if sm90 else ("cuda",))
-    counts = torch.tensor([16, 16, 16, 16], device="cuda")
-    assert megamoe.grouped_path_of(x, counts, p["w13"], p["w2"]) == ("sm90" if sm90 else "cuda")
+        ("sm90", "sm90+cuda-weight-grads") if SM90 else ("cuda",))
+    counts = torch.tensor([32, 32, 32, 32], device="cuda")
+    assert megamoe.grouped_path_of(x.repeat(2, 1), counts, p["w13"], p["w2"]) == ("sm90" if SM90 else "cuda")
 
 
-def test_frozen_experts_skip_the_weight_gradients_on_cuda(gen):
-    """dx and d topk_weights of a frozen-experts backward equal the full backward's, bitwise (the skipped GEMMs run
-    after them or not at all)."""
-    x, ids, s, dy, p = _cuda_problem(megamoe.CONCATENATED, (False, False), gen)
+@pytest.mark.parametrize("layout", ["concatenated", "gpt_oss", "separate_transposed"])
+def test_frozen_experts_skip_the_weight_gradients_on_cuda(layout, gen):
+    """dx and d topk_weights of a frozen-experts backward equal the full backward's, bitwise (the skipped GEMMs and
+    column sums run after them or not at all)."""
+    x, ids, s, dy, p = _cuda_problem(LAYOUTS[layout], (True, True), gen)
+    options = dict(layout=LAYOUTS[layout], activation=megamoe.GPT_OSS_ACTIVATION)
     x.requires_grad_(), s.requires_grad_()
-    frozen = torch.autograd.grad(megamoe.moe(x, ids, s, p["w13"], p["w2"]), (x, s), dy)
-    w13, w2 = p["w13"].requires_grad_(), p["w2"].requires_grad_()
-    full = torch.autograd.grad(megamoe.moe(x, ids, s, w13, w2), (x, s, w13, w2), dy)
+    frozen = torch.autograd.grad(megamoe.moe(x, ids, s, **p, **options), (x, s), dy)
+    weights = {k: v.requires_grad_() if v is not None else None for k, v in p.items()}
+    full = torch.autograd.grad(megamoe.moe(x, ids, s, **weights, **options),
+                               (x, s, *[v for v in weights.values() if v is not None]), dy)
     for a, b in zip(frozen, full):
         assert torch.equal(a, b)
+
+
+def test_accumulated_weight_gradients_with_options_on_cuda(gen):
+    """main_grads with gpt-oss's layout, activation and biases: every backward adds the gradient into the f32
+    buffers (the first backward's buffers, added once more, equal twice the gradient up to f32 rounding)."""
+    x, ids, s, dy, p = _cuda_problem(megamoe.GPT_OSS, (True, True), gen)
+    options = dict(layout=megamoe.GPT_OSS, activation=megamoe.GPT_OSS_ACTIVATION)
+    weights = {k: v.requires_grad_() for k, v in p.items() if v is not None}
+    fresh = torch.autograd.grad(megamoe.moe(x, ids, s, **weights, **options), list(weights.values()), dy)
+    buffers = {k: torch.zeros_like(v, dtype=torch.float32) for k, v in weights.items()}
+    for _ in range(2):
+        megamoe.moe(x, ids, s, **weights, **options, main_grads=buffers).backward(dy)
+    for (name, buffer), grad in zip(buffers.items(), fresh):
+        assert rel_err(buffer, 2 * grad.float()) < BF16_TOLERANCE, name
