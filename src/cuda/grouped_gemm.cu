@@ -1,16 +1,5 @@
-// Grouped GEMMs of the portable CUDA path (see grouped_gemm.h for the math of each kind).
-//
-// Tiles: kBlockM x kBlockN x kBlockK = 128 x 128 x 32, 8 warps as 2 (M) x 4 (N), each warp owning a
-// 64 x 32 sub-tile = 4 x 4 mma.sync m16n8k16 fragments with f32 accumulators in registers.
-// Pipeline: kNumStages = 4 shared-memory stages filled by cp.async (or by element loads with zero
-// fill when rows are not 16-byte aligned), one __syncthreads per K step.
-// Shared memory (dynamic, 64 KiB): kNumStages x (A tile + B tile), 8 KiB each, in one of two layouts:
-//   K-major  [128 rows][32 k]: 4 chunks of 16 bytes per row, chunk ^= (row / 2) % 4;
-//   MN-major [32 k][128 cols]: 16 chunks per row, chunk ^= k % 8;
-// both swizzles make every 8-row ldmatrix phase hit 8 distinct bank groups. K-major tiles feed
-// ldmatrix, MN-major tiles ldmatrix.trans.
-// Occupancy: the cp.async kernels are built for 2 blocks per SM (<= 128 registers, no spills; 2 x 64
-// KiB of shared memory), which measured 1.3-1.6x faster than 1 block per SM on an H200.
+// The M-grouped GEMMs of the portable CUDA path (see grouped_gemm.h for the math of each kind; the tiles, pipeline
+// and shared memory are gemm_tile.cuh's).
 //
 // M-grouped: blockIdx.x = M tile of the routing's schedule (tiles past m_tile_offsets[E] exit at
 // once), blockIdx.y = N tile. A rows are gathered through sorted_slot while loading (no copy of the
@@ -21,187 +10,19 @@
 // Gated epilogue (every layout): the same pairing with the up rows read from b_up (w13 + I rows, or w3), or, for
 // interleaved rows, the tile in storage order, whose accumulator pairs (2i, 2i + 1) are (g_i, u_i) in one thread;
 // bias and activation (activation.h) applied in f32 before h and a are rounded.
-//
-// K-grouped: blockIdx.x = (expert, M tile, N tile); the K loop walks the expert's sorted rows 32 at a
-// time (both operands MN-major, rows gathered while loading, their gather indices read one K step
-// ahead), then the tile is stored once: no split-K, so sums are deterministic, and an expert with no
-// rows stores zeros. Accumulating (kAccumulate, f32 out) the epilogue reads, adds and writes each element instead,
-// and a block whose expert has no rows returns at once, leaving its tile of out untouched.
 #include "cuda/grouped_gemm.h"
 
 #include <type_traits>
 
-#include "cuda/cuda_utils.h"
-#include "cuda/mma_sm80.h"
+#include "cuda/gemm_tile.cuh"
 #include "cuda/routing.h"
 
 namespace megamoe::cuda {
 namespace {
 
-constexpr int kBlockM = kGemmBlockM;
-constexpr int kBlockN = 128;
-constexpr int kBlockK = 32;
-constexpr int kNumStages = 4;
-constexpr int kNumThreads = 256;
-constexpr int kWarpSize = 32;
-constexpr int kNumWarpsM = 2;
-constexpr int kNumWarpsN = 4;
-constexpr int kWarpM = kBlockM / kNumWarpsM;
-constexpr int kWarpN = kBlockN / kNumWarpsN;
-constexpr int kNumFragsM = kWarpM / 16;
-constexpr int kNumFragsN = kWarpN / 8;
-constexpr int kChunkElems = 8;  // one 16-byte chunk of 16-bit elements
-constexpr int kTileElems = kBlockM * kBlockK;
-constexpr int kSmemBytes = 2 * kNumStages * kTileElems * static_cast<int>(sizeof(uint16_t));
-// Resident blocks per SM asked of ptxas: 2 caps registers at 128, which the cp.async kernels meet
-// without spills; the element-load fallback needs a few more and keeps 1.
-constexpr int kMinBlocksPerSmVec = 2;
-
-// Loader roles: a K-major tile is 128 rows x 4 chunks, an MN-major tile 32 rows x 16 chunks.
-constexpr int kKMajorChunksPerRow = kBlockK / kChunkElems;
-constexpr int kKMajorRowsPerPass = kNumThreads / kKMajorChunksPerRow;
-constexpr int kKMajorPasses = kBlockM / kKMajorRowsPerPass;
-constexpr int kMNMajorChunksPerRow = kBlockN / kChunkElems;
-constexpr int kMNMajorRowsPerPass = kNumThreads / kMNMajorChunksPerRow;
-constexpr int kMNMajorPasses = kBlockK / kMNMajorRowsPerPass;
-
-static_assert(kNumWarpsM * kNumWarpsN * kWarpSize == kNumThreads, "one warp per 64 x 32 sub-tile");
-static_assert(kBlockM == kBlockN, "A and B tiles share one shared-memory tile shape");
-static_assert(kBlockK == 32, "the K-major swizzle assumes 4 chunks per row");
-static_assert(kMNMajorChunksPerRow == 16, "the MN-major swizzle assumes 16 chunks per row");
-static_assert(kNumFragsN % 2 == 0, "B fragments are loaded two n8 fragments at a time");
-static_assert(kBlockK % 16 == 0, "K steps of mma m16n8k16");
-static_assert(kKMajorPasses * kKMajorRowsPerPass == kBlockM, "loader covers a K-major tile");
-static_assert(kMNMajorPasses * kMNMajorRowsPerPass == kBlockK, "loader covers an MN-major tile");
-static_assert(kNumStages >= 2, "cp.async pipeline needs at least two stages");
+using namespace gemm_tile;  // NOLINT(build/namespaces): the tile constants and helpers of both GEMM files
 
 enum class Epilogue { kStoreF32, kAccumulateF32, kStoreElem, kSwiGLU, kGatedAct };
-
-__device__ __forceinline__ int k_major_offset(int row, int chunk_idx) {
-    return row * kBlockK + ((chunk_idx ^ ((row >> 1) & 3)) * kChunkElems);
-}
-
-__device__ __forceinline__ int mn_major_offset(int k_row, int chunk_idx) {
-    return k_row * kBlockN + ((chunk_idx ^ (k_row & 7)) * kChunkElems);
-}
-
-// Columns [col, col + 8) of `row` into 16 bytes of shared memory; zeros past num_cols or for an
-// invalid row (then `row` is only a mapped address, never read). kVec: one cp.async, which needs the
-// row 16-byte aligned and num_cols % 8 == 0.
-template <bool kVec>
-__device__ __forceinline__ void load_chunk(uint16_t* shared_dst, const uint16_t* row, int64_t col, int64_t num_cols,
-                                           bool row_valid) {
-    if constexpr (kVec) {
-        const bool valid = row_valid && col < num_cols;
-        cp_async_16(shared_dst, valid ? row + col : row, valid);
-    } else {
-        uint32_t words[kChunkElems / 2];
-        for (int pair_idx = 0; pair_idx < kChunkElems / 2; ++pair_idx) {
-            const int64_t first = col + 2 * pair_idx;
-            const uint32_t lo = row_valid && first < num_cols ? row[first] : 0;
-            const uint32_t hi = row_valid && first + 1 < num_cols ? row[first + 1] : 0;
-            words[pair_idx] = lo | (hi << 16);
-        }
-        *reinterpret_cast<uint4*>(shared_dst) = make_uint4(words[0], words[1], words[2], words[3]);
-    }
-}
-
-__device__ __forceinline__ float silu(float value) {
-    return value / (1.0f + __expf(-value));
-}
-
-// A pair of adjacent outputs (col, col + 1) of one row; `paired` means one aligned 8-byte store.
-__device__ __forceinline__ void store_pair(float* row, int64_t col, int64_t num_cols, float first, float second,
-                                           bool paired) {
-    if (paired && col + 1 < num_cols) {
-        *reinterpret_cast<float2*>(row + col) = make_float2(first, second);
-        return;
-    }
-    if (col < num_cols) row[col] = first;
-    if (col + 1 < num_cols) row[col + 1] = second;
-}
-
-// store_pair's f32 outputs added to the values already there: row[col] += first, row[col + 1] += second.
-__device__ __forceinline__ void accumulate_pair(float* row, int64_t col, int64_t num_cols, float first, float second,
-                                                bool paired) {
-    if (paired && col + 1 < num_cols) {
-        float2* pair = reinterpret_cast<float2*>(row + col);
-        const float2 before = *pair;
-        *pair = make_float2(before.x + first, before.y + second);
-        return;
-    }
-    if (col < num_cols) row[col] = row[col] + first;
-    if (col + 1 < num_cols) row[col + 1] = row[col + 1] + second;
-}
-
-template <typename T>
-__device__ __forceinline__ void store_pair(T* row, int64_t col, int64_t num_cols, float first, float second,
-                                           bool paired) {
-    if (paired && col + 1 < num_cols) {
-        *reinterpret_cast<uint32_t*>(row + col) = pack_pair<T>(first, second);
-        return;
-    }
-    if (col < num_cols) row[col] = from_float<T>(first);
-    if (col + 1 < num_cols) row[col + 1] = from_float<T>(second);
-}
-
-// The warp's A fragments of one k16 step: from a K-major tile (ldmatrix) or an MN-major one (.trans).
-template <bool kMNMajor>
-__device__ __forceinline__ void load_a_frags(uint32_t (&a_frags)[kNumFragsM][4], const uint16_t* tile, int warp_m_idx,
-                                             int k_step, int lane_idx) {
-    for (int frag_m = 0; frag_m < kNumFragsM; ++frag_m) {
-        const int m_base = warp_m_idx * kWarpM + frag_m * 16;
-        if constexpr (kMNMajor) {
-            const int k_row = k_step + lane_idx % 8 + (lane_idx / 16) * 8;
-            const int chunk_idx = m_base / kChunkElems + (lane_idx / 8) % 2;
-            ldmatrix_x4_trans(a_frags[frag_m], tile + mn_major_offset(k_row, chunk_idx));
-        } else {
-            const int row = m_base + lane_idx % 16;
-            const int chunk_idx = k_step / kChunkElems + lane_idx / 16;
-            ldmatrix_x4(a_frags[frag_m], tile + k_major_offset(row, chunk_idx));
-        }
-    }
-}
-
-// The warp's B fragments of one k16 step, two n8 fragments per ldmatrix.x4.
-template <bool kMNMajor>
-__device__ __forceinline__ void load_b_frags(uint32_t (&b_frags)[kNumFragsN][2], const uint16_t* tile, int warp_n_idx,
-                                             int k_step, int lane_idx) {
-    for (int frag_n = 0; frag_n < kNumFragsN; frag_n += 2) {
-        const int n_base = warp_n_idx * kWarpN + frag_n * 8;
-        uint32_t regs[4];
-        if constexpr (kMNMajor) {
-            const int k_row = k_step + lane_idx % 8 + ((lane_idx / 8) % 2) * 8;
-            const int chunk_idx = n_base / kChunkElems + lane_idx / 16;
-            ldmatrix_x4_trans(regs, tile + mn_major_offset(k_row, chunk_idx));
-        } else {
-            const int n_row = n_base + lane_idx % 8 + (lane_idx / 16) * 8;
-            const int chunk_idx = k_step / kChunkElems + (lane_idx / 8) % 2;
-            ldmatrix_x4(regs, tile + k_major_offset(n_row, chunk_idx));
-        }
-        b_frags[frag_n][0] = regs[0];
-        b_frags[frag_n][1] = regs[1];
-        b_frags[frag_n + 1][0] = regs[2];
-        b_frags[frag_n + 1][1] = regs[3];
-    }
-}
-
-// All mma of one shared-memory stage.
-template <typename T, bool kAMNMajor, bool kBMNMajor>
-__device__ __forceinline__ void compute_stage(float (&acc)[kNumFragsM][kNumFragsN][4], const uint16_t* tile_a,
-                                              const uint16_t* tile_b, int warp_m_idx, int warp_n_idx, int lane_idx) {
-    for (int k_step = 0; k_step < kBlockK; k_step += 16) {
-        uint32_t a_frags[kNumFragsM][4];
-        uint32_t b_frags[kNumFragsN][2];
-        load_a_frags<kAMNMajor>(a_frags, tile_a, warp_m_idx, k_step, lane_idx);
-        load_b_frags<kBMNMajor>(b_frags, tile_b, warp_n_idx, k_step, lane_idx);
-        for (int frag_m = 0; frag_m < kNumFragsM; ++frag_m) {
-            for (int frag_n = 0; frag_n < kNumFragsN; ++frag_n) {
-                mma_16816<T>(acc[frag_m][frag_n], a_frags[frag_m], b_frags[frag_n]);
-            }
-        }
-    }
-}
 
 struct MGroupedParams {
     const uint16_t* a;
@@ -437,162 +258,8 @@ __global__ void __launch_bounds__(kNumThreads, kVec ? kMinBlocksPerSmVec : 1)
     }
 }
 
-struct KGroupedParams {
-    const uint16_t* a;
-    int64_t lda;
-    const int* a_gather_slots;
-    const uint16_t* b;
-    int64_t ldb;
-    const int* b_gather_slots;
-    int64_t topk;
-    int64_t m;
-    int64_t n;
-    const int* expert_offsets;
-    int64_t num_m_tiles;
-    int64_t num_n_tiles;
-    void* out;
-    bool paired_stores;
-};
-
-template <typename T, typename OutT, bool kVec, bool kAccumulate>
-__global__ void __launch_bounds__(kNumThreads, kVec ? kMinBlocksPerSmVec : 1)
-    k_grouped_gemm_kernel(const KGroupedParams params) {
-    static_assert(!kAccumulate || std::is_same_v<OutT, float>, "accumulation is into f32 outputs");
-    extern __shared__ __align__(128) uint16_t smem[];
-    uint16_t* smem_a = smem;
-    uint16_t* smem_b = smem + kNumStages * kTileElems;
-
-    const int64_t num_tiles_per_expert = params.num_m_tiles * params.num_n_tiles;
-    const int64_t expert_idx = blockIdx.x / num_tiles_per_expert;
-    const int64_t m_tile_idx = (blockIdx.x % num_tiles_per_expert) / params.num_n_tiles;
-    const int64_t n_tile_idx = blockIdx.x % params.num_n_tiles;
-    const int row_begin = params.expert_offsets[expert_idx];
-    const int num_rows = params.expert_offsets[expert_idx + 1] - row_begin;
-    if (kAccumulate && num_rows == 0) return;  // a zero gradient: the accumulated buffer stays as it is
-
-    const int thread_idx = static_cast<int>(threadIdx.x);
-    const int lane_idx = thread_idx % kWarpSize, warp_idx = thread_idx / kWarpSize;
-    const int warp_m_idx = warp_idx / kNumWarpsN, warp_n_idx = warp_idx % kNumWarpsN;
-
-    // Loader: both tiles MN-major; thread owns k rows thread_idx / 16 + 16 p and chunk thread_idx % 16.
-    const int chunk_idx = thread_idx % kMNMajorChunksPerRow, first_k_row = thread_idx / kMNMajorChunksPerRow;
-    const int64_t a_col = m_tile_idx * kBlockM + chunk_idx * kChunkElems;
-    const int64_t b_col = n_tile_idx * kBlockN + chunk_idx * kChunkElems;
-
-    // The source rows of one K tile: gather indices are read one K step before their cp.async is
-    // issued, so the dependent index load never stalls the copy of the stage being refilled.
-    struct TileRows {
-        int a_src_row[kMNMajorPasses];
-        int b_src_row[kMNMajorPasses];
-    };
-    auto fetch_rows = [&](int k_tile_idx) {
-        TileRows rows;
-        for (int pass = 0; pass < kMNMajorPasses; ++pass) {
-            const int local_row = k_tile_idx * kBlockK + first_k_row + pass * kMNMajorRowsPerPass;
-            const int row_idx = row_begin + local_row;
-            rows.a_src_row[pass] = -1;
-            rows.b_src_row[pass] = -1;
-            if (local_row < num_rows) {
-                rows.a_src_row[pass] = params.a_gather_slots != nullptr
-                                           ? static_cast<int>(params.a_gather_slots[row_idx] / params.topk)
-                                           : row_idx;
-                rows.b_src_row[pass] = params.b_gather_slots != nullptr
-                                           ? static_cast<int>(params.b_gather_slots[row_idx] / params.topk)
-                                           : row_idx;
-            }
-        }
-        return rows;
-    };
-    auto load_stage = [&](int stage_idx, const TileRows& rows) {
-        uint16_t* tile_a = smem_a + stage_idx * kTileElems;
-        uint16_t* tile_b = smem_b + stage_idx * kTileElems;
-        for (int pass = 0; pass < kMNMajorPasses; ++pass) {
-            const int k_row = first_k_row + pass * kMNMajorRowsPerPass;
-            const bool valid = rows.a_src_row[pass] >= 0;
-            const int64_t a_src_row = valid ? rows.a_src_row[pass] : 0;
-            const int64_t b_src_row = valid ? rows.b_src_row[pass] : 0;
-            load_chunk<kVec>(tile_a + mn_major_offset(k_row, chunk_idx), params.a + a_src_row * params.lda, a_col,
-                             params.m, valid);
-            load_chunk<kVec>(tile_b + mn_major_offset(k_row, chunk_idx), params.b + b_src_row * params.ldb, b_col,
-                             params.n, valid);
-        }
-    };
-
-    float acc[kNumFragsM][kNumFragsN][4] = {};
-    const int num_k_tiles = static_cast<int>(ceil_div(num_rows, kBlockK));
-    for (int stage_idx = 0; stage_idx < kNumStages - 1; ++stage_idx) {
-        if (stage_idx < num_k_tiles) load_stage(stage_idx, fetch_rows(stage_idx));
-        cp_async_commit();
-    }
-    TileRows next_rows = fetch_rows(kNumStages - 1);
-    for (int k_tile_idx = 0; k_tile_idx < num_k_tiles; ++k_tile_idx) {
-        cp_async_wait<kNumStages - 2>();
-        __syncthreads();  // stage k_tile_idx landed for all; stage k_tile_idx - 1 is free again
-        const int next_tile_idx = k_tile_idx + kNumStages - 1;
-        if (next_tile_idx < num_k_tiles) load_stage(next_tile_idx % kNumStages, next_rows);
-        cp_async_commit();
-        next_rows = fetch_rows(next_tile_idx + 1);
-        const int stage_idx = k_tile_idx % kNumStages;
-        compute_stage<T, true, true>(acc, smem_a + stage_idx * kTileElems, smem_b + stage_idx * kTileElems, warp_m_idx,
-                                     warp_n_idx, lane_idx);
-    }
-
-    OutT* out_expert = static_cast<OutT*>(params.out) + expert_idx * params.m * params.n;
-#pragma unroll
-    for (int frag_m = 0; frag_m < kNumFragsM; ++frag_m) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-            const int64_t m_idx = m_tile_idx * kBlockM + warp_m_idx * kWarpM + frag_m * 16 + half * 8 + lane_idx / 4;
-            if (m_idx >= params.m) continue;
-            OutT* out_row = out_expert + m_idx * params.n;
-#pragma unroll
-            for (int frag_n = 0; frag_n < kNumFragsN; ++frag_n) {
-                const int64_t col = n_tile_idx * kBlockN + warp_n_idx * kWarpN + frag_n * 8 + (lane_idx % 4) * 2;
-                const float first = acc[frag_m][frag_n][half * 2], second = acc[frag_m][frag_n][half * 2 + 1];
-                if constexpr (kAccumulate) {
-                    accumulate_pair(out_row, col, params.n, first, second, params.paired_stores);
-                } else {
-                    store_pair(out_row, col, params.n, first, second, params.paired_stores);
-                }
-            }
-        }
-    }
-}
-
 // ---------------------------------------------------------------------------------------------------
 // Host side: pick the instantiation (element type, aligned or not), size the grid, launch.
-
-// A row-major operand can use 16-byte cp.async when its base, its row stride and its loaded extent
-// (columns are cut into 8-element chunks) are all multiples of 16 bytes / 8 elements.
-bool vec_ok(const void* base, int64_t row_stride, int64_t num_cols) {
-    return is_aligned(base, 16) && row_stride % kChunkElems == 0 && num_cols % kChunkElems == 0;
-}
-
-template <typename Kernel, typename Params>
-megamoe_status_t launch(Kernel kernel, const Params& params, dim3 grid, cudaStream_t stream, const char* name) {
-    MEGAMOE_CUDA_RETURN_IF_ERROR(
-        check_cuda(cudaFuncSetAttribute(kernel, cudaFuncAttributeMaxDynamicSharedMemorySize, kSmemBytes), name));
-    kernel<<<grid, kNumThreads, kSmemBytes, stream>>>(params);
-    return check_launch(name);
-}
-
-// The K-grouped kernel of element type T: output in T, in f32, or added into f32; 16-byte loads or element loads.
-template <typename T>
-megamoe_status_t dispatch_k_grouped(const KGroupedParams& params, bool out_f32, bool accumulate, bool vec, dim3 grid,
-                                    cudaStream_t stream) {
-    const char* name = "k_grouped_gemm";
-    if (accumulate) {
-        return vec ? launch(k_grouped_gemm_kernel<T, float, true, true>, params, grid, stream, name)
-                   : launch(k_grouped_gemm_kernel<T, float, false, true>, params, grid, stream, name);
-    }
-    if (out_f32) {
-        return vec ? launch(k_grouped_gemm_kernel<T, float, true, false>, params, grid, stream, name)
-                   : launch(k_grouped_gemm_kernel<T, float, false, false>, params, grid, stream, name);
-    }
-    return vec ? launch(k_grouped_gemm_kernel<T, T, true, false>, params, grid, stream, name)
-               : launch(k_grouped_gemm_kernel<T, T, false, false>, params, grid, stream, name);
-}
-
 template <BLayout kBLayout, Epilogue kEpilogue>
 megamoe_status_t dispatch_m_grouped(const MGroupedGemmArgs& args, const MGroupedParams& params, dim3 grid,
                                     cudaStream_t stream, const char* name) {
@@ -632,8 +299,6 @@ MGroupedParams make_m_grouped_params(const MGroupedGemmArgs& args) {
     return params;
 }
 
-constexpr int64_t kMaxGridX = 0x7fffffff;
-constexpr int64_t kMaxGridY = 65535;
 
 }  // namespace
 
@@ -715,42 +380,6 @@ megamoe_status_t launch_m_grouped_gemm_gated(const MGroupedGemmArgs& args, BLayo
                                                                                             "m_grouped_gemm_gated[NK]")
                                     : dispatch_m_grouped<BLayout::kKN, Epilogue::kGatedAct>(args, params, grid, stream,
                                                                                             "m_grouped_gemm_gated[KN]");
-}
-
-megamoe_status_t launch_k_grouped_gemm(const KGroupedGemmArgs& args, void* out, megamoe_dtype_t out_dtype,
-                                       cudaStream_t stream) {
-    KGroupedParams params{};
-    params.a = static_cast<const uint16_t*>(args.a);
-    params.lda = args.lda;
-    params.a_gather_slots = args.a_gather_slots;
-    params.b = static_cast<const uint16_t*>(args.b);
-    params.ldb = args.ldb;
-    params.b_gather_slots = args.b_gather_slots;
-    params.topk = args.topk;
-    params.m = args.m;
-    params.n = args.n;
-    params.expert_offsets = args.expert_offsets;
-    params.num_m_tiles = ceil_div(args.m, kBlockM);
-    params.num_n_tiles = ceil_div(args.n, kBlockN);
-    params.out = out;
-    const bool out_f32 = out_dtype == MEGAMOE_DTYPE_F32;
-    if (args.accumulate && !out_f32) {
-        return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "k_grouped_gemm: accumulation needs an f32 output");
-    }
-    params.paired_stores = args.n % 2 == 0 && is_aligned(out, out_f32 ? 8 : 4);
-
-    const int64_t num_blocks = args.num_experts * params.num_m_tiles * params.num_n_tiles;
-    if (num_blocks == 0) return MEGAMOE_STATUS_SUCCESS;
-    if (num_blocks > kMaxGridX) {
-        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "k_grouped_gemm: %lld tiles are too many",
-                         static_cast<long long>(num_blocks));
-    }
-    const dim3 grid(static_cast<unsigned>(num_blocks));
-    const bool vec = vec_ok(args.a, args.lda, args.m) && vec_ok(args.b, args.ldb, args.n);
-    if (args.dtype == MEGAMOE_DTYPE_BF16) {
-        return dispatch_k_grouped<__nv_bfloat16>(params, out_f32, args.accumulate, vec, grid, stream);
-    }
-    return dispatch_k_grouped<__half>(params, out_f32, args.accumulate, vec, grid, stream);
 }
 
 }  // namespace megamoe::cuda
