@@ -79,8 +79,8 @@ megamoe_status_t query_path(const Params* params, megamoe_path_t* path) {
     if (path == nullptr) return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "path: NULL");
     Shape shape{};
     MEGAMOE_CHECK(validate_for_device(params, &shape));
-    *path = device_of(*params) == MEGAMOE_DEVICE_CUDA ? cuda::path(*params, shape, &g_path_reason)
-                                                      : MEGAMOE_PATH_REFERENCE;
+    *path =
+        device_of(*params) == MEGAMOE_DEVICE_CUDA ? cuda::path(*params, shape, &g_path_reason) : MEGAMOE_PATH_REFERENCE;
     return MEGAMOE_STATUS_SUCCESS;
 }
 

@@ -76,8 +76,8 @@ inline Call make_call(const Shape& shape, const megamoe_tensor_t& experts, bool 
     call.b2 = params.b2->data;
     call.layout = WeightLayout::of(params.layout, shape.hidden, shape.intermediate);
     call.activation = Activation<float>::of(params.activation);
-    call.default_experts = call.layout.is_default() && !call.activation.is_clamped() && call.b13 == nullptr &&
-                           call.b2 == nullptr;
+    call.default_experts =
+        call.layout.is_default() && !call.activation.is_clamped() && call.b13 == nullptr && call.b2 == nullptr;
     call.workspace = workspace;
     call.stream = static_cast<cudaStream_t>(stream);
     call.device_index = x.device_index;
@@ -92,9 +92,8 @@ inline ForwardCall forward_call(const Call& call, void* y, void* saved_h) {
 }
 
 inline ForwardCall forward_call(const megamoe_forward_params_t& p, const Shape& shape) {
-    return forward_call(
-        make_call(shape, p.topk_ids, false, p.x, Experts::of(p), p.topk_weights, p.workspace, p.stream), p.y.data,
-        p.saved_h.data);
+    return forward_call(make_call(shape, p.topk_ids, false, p.x, Experts::of(p), p.topk_weights, p.workspace, p.stream),
+                        p.y.data, p.saved_h.data);
 }
 
 inline ForwardCall forward_call(const megamoe_grouped_forward_params_t& p, const Shape& shape) {

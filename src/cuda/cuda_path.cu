@@ -378,8 +378,8 @@ struct BackwardPlan {
         plan.gemms = BackwardGemms::make(call, plan.routing_plan, plan.workspace);
         plan.use_sm90 = shape.num_slots() > 0 && plan.gemms.sm90_ok(call.device_index);
         plan.weight_grads_sm90 = plan.use_sm90 && plan.gemms.weight_grads_sm90_ok(call.device_index);
-        plan.sm90_blocked_by_options = shape.num_slots() > 0 && !call.default_experts &&
-                                       plan.gemms.sm90_hardware_ok(call.device_index);
+        plan.sm90_blocked_by_options =
+            shape.num_slots() > 0 && !call.default_experts && plan.gemms.sm90_hardware_ok(call.device_index);
         plan.workspace_bytes = portable_carver.bytes_used();
         plan.act_in_dw13 = false;
         if (plan.use_sm90) {
@@ -492,9 +492,8 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
 
     // dW2 first: on the sm_90a path q is written over s * a, which only dW2 reads.
     if (call.dw2.data != nullptr) {  // dW2[e] = sum dy (s a)^T
-        MEGAMOE_CUDA_RETURN_IF_ERROR(weight_grads_sm90
-                                         ? launch_weight_grad_sm90(gemms.dw2, call.dw2, num_sms, stream)
-                                         : launch_dw2(call, gemms.dw2, stream));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(weight_grads_sm90 ? launch_weight_grad_sm90(gemms.dw2, call.dw2, num_sms, stream)
+                                                       : launch_dw2(call, gemms.dw2, stream));
     }
 
     if (call.dx.data != nullptr) {
@@ -520,9 +519,8 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
     }
 
     if (call.dw13.data != nullptr || call.dw3.data != nullptr) {  // dW13[e] = sum dh x^T
-        MEGAMOE_CUDA_RETURN_IF_ERROR(weight_grads_sm90
-                                         ? launch_weight_grad_sm90(gemms.dw13, call.dw13, num_sms, stream)
-                                         : launch_dw13(call, gemms.dw13, stream));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(weight_grads_sm90 ? launch_weight_grad_sm90(gemms.dw13, call.dw13, num_sms, stream)
+                                                       : launch_dw13(call, gemms.dw13, stream));
     }
     MEGAMOE_CUDA_RETURN_IF_ERROR(launch_bias_grads(call, routing, workspace.h, stream));
     return poison_weight_grads_if_counts_invalid(call, routing);
@@ -567,7 +565,8 @@ std::string blocked_reason(const Call& call) {
 megamoe_path_t forward_path(const ForwardCall& call, std::string* reason) {
     reason->clear();
     if (forward_sm90(call)) return MEGAMOE_PATH_SM90;
-    if (call.shape.num_slots() > 0 && !call.default_experts && forward_gemms(call).sm90_hardware_ok(call.device_index)) {
+    if (call.shape.num_slots() > 0 && !call.default_experts &&
+        forward_gemms(call).sm90_hardware_ok(call.device_index)) {
         *reason = blocked_reason(call);
     }
     return MEGAMOE_PATH_CUDA_PORTABLE;

@@ -186,7 +186,6 @@ __device__ __forceinline__ void compute_stage(float (&acc)[kNumFragsM][kNumFrags
     }
 }
 
-
 // Host side.
 // A row-major operand can use 16-byte cp.async when its base, its row stride and its loaded extent
 // (columns are cut into 8-element chunks) are all multiples of 16 bytes / 8 elements.
@@ -201,7 +200,6 @@ megamoe_status_t launch(Kernel kernel, const Params& params, dim3 grid, cudaStre
     kernel<<<grid, kNumThreads, kSmemBytes, stream>>>(params);
     return check_launch(name);
 }
-
 
 constexpr int64_t kMaxGridX = 0x7fffffff;
 constexpr int64_t kMaxGridY = 65535;

@@ -124,7 +124,8 @@ __global__ void __launch_bounds__(kNumThreads, kVec ? kMinBlocksPerSmVec : 1)
             if constexpr (kEpilogue == Epilogue::kGatedAct) {
                 const int64_t pair_col = n_tile_idx * (kBlockN / 2) + (local_n / 16) * 8 + local_n % 8;
                 const int64_t b_row = params.interleaved ? n_tile_idx * kBlockN + local_n : pair_col;
-                b_src_rows[pass] = b_row >= (params.interleaved ? 2 * params.n : params.n) ? -1 : static_cast<int>(b_row);
+                b_src_rows[pass] =
+                    b_row >= (params.interleaved ? 2 * params.n : params.n) ? -1 : static_cast<int>(b_row);
             } else if constexpr (kEpilogue == Epilogue::kSwiGLU) {
                 const int frag_idx = local_n / 8;
                 const int64_t col = n_tile_idx * (kBlockN / 2) + (frag_idx / 2) * 8 + local_n % 8;
@@ -298,7 +299,6 @@ MGroupedParams make_m_grouped_params(const MGroupedGemmArgs& args) {
     params.activation = args.activation;
     return params;
 }
-
 
 }  // namespace
 

@@ -154,7 +154,6 @@ megamoe_status_t dispatch_k_grouped(const KGroupedParams& params, bool out_f32, 
                : launch(k_grouped_gemm_kernel<T, T, false, false>, params, grid, stream, name);
 }
 
-
 }  // namespace
 
 megamoe_status_t launch_k_grouped_gemm(const KGroupedGemmArgs& args, void* out, megamoe_dtype_t out_dtype,
@@ -192,6 +191,5 @@ megamoe_status_t launch_k_grouped_gemm(const KGroupedGemmArgs& args, void* out, 
     }
     return dispatch_k_grouped<__half>(params, out_f32, args.accumulate, vec, grid, stream);
 }
-
 
 }  // namespace megamoe::cuda
