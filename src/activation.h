@@ -1,6 +1,6 @@
 // The activation between the two projections, a = act(g, u), and its derivatives, for every path that computes it
-// (the CPU reference now; the CUDA kernels of the non-default options once they exist, TODO(#12)): one definition,
-// __host__ __device__.
+// (the CPU reference; on CUDA the portable kernels of the non-default options: the gated up-GEMM epilogue and the
+// dact_rows kernel): one definition, __host__ __device__.
 //   SwiGLU          a = silu(g) u                      da/dg = u sig(g) (1 + g (1 - sig(g))), da/du = silu(g)
 //   clamped SwiGLU  g' = min(g, limit), u' = clamp(u, -limit, limit) (gpt-oss), a = g' sig(alpha g') (u' + 1)
 //                   da/dg = (u' + 1) sig(alpha g') (1 + alpha g' (1 - sig(alpha g'))) where g < limit, else 0
@@ -8,7 +8,8 @@
 // The clamps pass a NaN through (as torch.clamp does); a value on the limit gets a zero gradient (the minimum-norm
 // subgradient: F.hardtanh's, and torch.clamp's since pytorch#184572; older torch.clamp passes the gradient there).
 // The SwiGLU expressions are those of the portable CUDA row kernel (cuda/elementwise.cu), term for term, which keeps
-// its own copy of them for now (the default path's kernels are left as they are). T is float or double.
+// its own copy of them for the default options (the default path's kernels, and the sm_90a epilogues with their fast
+// division, are left as they are; TODO(#12)). T is float or double.
 #pragma once
 
 #include <cmath>
