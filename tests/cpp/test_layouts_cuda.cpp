@@ -110,17 +110,22 @@ ForwardOut cuda_forward(const LayoutProblem& device, bool keep_h) {
     return first;
 }
 
-// Gradient buffers for `problem`'s backward in the given weight-gradient dtype (d topk_weights in f32).
+// Gradient buffers for `problem`'s backward, each shaped as its input: the weight gradients in `dtype`, dx in
+// `row_dtype`, d topk_weights in f32 (f64 with f64 rows); absent parameters, absent gradients.
 LayoutGrads grad_buffers(const LayoutProblem& problem, megamoe_dtype_t dtype, megamoe_dtype_t row_dtype) {
-    const LayoutGrads shapes = problem.naive();
+    const int64_t T = problem.base.num_tokens, H = problem.base.hidden, E = problem.base.num_experts;
+    const int64_t I = problem.base.intermediate;
+    const auto optional = [&](const HostTensor& param, std::vector<int64_t> dims) {
+        return present(param) ? HostTensor(dtype, std::move(dims)) : HostTensor();
+    };
     return {HostTensor(),
-            converted(shapes.dx, row_dtype),
-            converted(shapes.dweights, row_dtype == kF64 ? kF64 : kF32),
-            converted(shapes.dw13, dtype),
-            converted(shapes.dw3, dtype),
-            converted(shapes.dw2, dtype),
-            converted(shapes.db13, dtype),
-            converted(shapes.db2, dtype)};
+            HostTensor(row_dtype, {T, H}),
+            HostTensor(row_dtype == kF64 ? kF64 : kF32, {T, problem.base.topk}),
+            HostTensor(dtype, problem.w13_shape()),
+            optional(problem.w3, problem.w13_shape()),
+            HostTensor(dtype, dims_of(problem.w2.view)),
+            optional(problem.b13, {E, 2 * I}),
+            optional(problem.b2, {E, H})};
 }
 
 std::vector<HostTensor*> grads_of(LayoutGrads& grads) {
