@@ -6,6 +6,8 @@
 
 #include <functional>
 #include <string>
+#include <utility>
+#include <vector>
 
 #include "activation.h"
 #include "layout_test_util.h"
@@ -255,6 +257,78 @@ TEST(LayoutsApi, BadInputNamesTheArgument) {
                         "x_sorted; layout.gate_up = separate"),
               std::string::npos)
         << megamoe_last_error();
+}
+
+// Labelled CUDA (host memory): validation, the workspace and the path queries run, nothing else does.
+void label_cuda(std::initializer_list<megamoe_tensor_t*> tensors) {
+    for (megamoe_tensor_t* tensor : tensors) {
+        if (is_present(*tensor)) tensor->device_type = MEGAMOE_DEVICE_CUDA;
+    }
+}
+
+// Every option is accepted on CUDA tensors, with the default's workspace (forward and backward: the portable path's
+// buffers serve every layout); the path is the portable one, and its reason (only where a Hopper GPU would take the
+// default on the sm_90a kernels) names the option.
+TEST(LayoutsApi, CudaAcceptsEveryOptionWithTheDefaultsWorkspace) {
+    std::mt19937_64 rng(fresh_seed());
+    const auto sizes = [](const LayoutProblem& problem, megamoe_path_t* path, std::string* reason) {
+        HostTensor y(MEGAMOE_DTYPE_BF16, {6, 16});
+        LayoutGrads grads = problem.naive();  // buffers, in the dtypes CUDA takes: dx bf16, the rest f32
+        for (HostTensor* t :
+             {&grads.dx, &grads.dweights, &grads.dw13, &grads.dw3, &grads.dw2, &grads.db13, &grads.db2}) {
+            if (!present(*t)) continue;
+            *t = HostTensor(t == &grads.dx ? MEGAMOE_DTYPE_BF16 : MEGAMOE_DTYPE_F32,
+                            std::vector<int64_t>(t->view.shape, t->view.shape + t->view.ndim));
+        }
+        megamoe_forward_params_t forward = problem.forward_params(y);
+        megamoe_backward_params_t backward = problem.backward_params(grads);
+        label_cuda({&forward.x, &forward.topk_ids, &forward.topk_weights, &forward.w13, &forward.w3, &forward.w2,
+                    &forward.b13, &forward.b2, &forward.y});
+        label_cuda({&backward.dy, &backward.x, &backward.topk_ids, &backward.topk_weights, &backward.w13, &backward.w3,
+                    &backward.w2, &backward.b13, &backward.b2, &backward.dx, &backward.dtopk_weights, &backward.dw13,
+                    &backward.dw3, &backward.dw2, &backward.db13, &backward.db2});
+        size_t forward_bytes = 0, backward_bytes = 0;
+        EXPECT_EQ(megamoe_forward_workspace_size(&forward, &forward_bytes), MEGAMOE_STATUS_SUCCESS)
+            << megamoe_last_error();
+        EXPECT_EQ(megamoe_backward_workspace_size(&backward, &backward_bytes), MEGAMOE_STATUS_SUCCESS)
+            << megamoe_last_error();
+        EXPECT_EQ(megamoe_forward_path(&forward, path), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
+        *reason = megamoe_path_reason();
+        return std::make_pair(forward_bytes, backward_bytes);
+    };
+    const auto bf16 = [](LayoutProblem& problem) {
+        for (HostTensor* t :
+             {&problem.base.x, &problem.base.dy, &problem.w13, &problem.w3, &problem.w2, &problem.b13, &problem.b2}) {
+            if (!present(*t)) continue;
+            HostTensor converted(MEGAMOE_DTYPE_BF16, std::vector<int64_t>(t->view.shape, t->view.shape + t->view.ndim));
+            for (int64_t idx = 0; idx < t->size(); ++idx) converted.set(idx, t->get(idx));
+            *t = converted;
+        }
+        HostTensor weights(MEGAMOE_DTYPE_F32, {6, 2});
+        for (int64_t idx = 0; idx < weights.size(); ++idx) weights.set(idx, problem.base.weights.get(idx));
+        problem.base.weights = weights;
+    };
+    LayoutProblem defaults(6, 16, 8, 3, 2, {MEGAMOE_GATE_UP_CONCATENATED, false, false, false, false});
+    defaults.make(rng);
+    bf16(defaults);
+    megamoe_path_t path = MEGAMOE_PATH_REFERENCE;
+    std::string reason;
+    const auto default_sizes = sizes(defaults, &path, &reason);
+    EXPECT_EQ(reason, "");
+    for (const LayoutCase& c : all_layout_cases()) {
+        LayoutProblem problem(6, 16, 8, 3, 2, c);
+        problem.make(rng);
+        bf16(problem);
+        path = MEGAMOE_PATH_SM90;
+        EXPECT_EQ(sizes(problem, &path, &reason), default_sizes) << c.gate_up << c.w13_transposed << c.w2_transposed;
+        const bool is_default = c.gate_up == MEGAMOE_GATE_UP_CONCATENATED && !c.w13_transposed && !c.w2_transposed &&
+                                !c.clamped && !c.biases;
+        if (is_default) continue;
+        EXPECT_EQ(path, MEGAMOE_PATH_CUDA_PORTABLE);
+        if (!reason.empty()) {  // a Hopper GPU at device 0: the option is named
+            EXPECT_NE(reason.find("the fused sm_90a kernels run only the default layout"), std::string::npos) << reason;
+        }
+    }
 }
 
 TEST(LayoutsApi, PathQueries) {
