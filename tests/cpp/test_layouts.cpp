@@ -240,9 +240,11 @@ TEST(LayoutsApi, BadInputNamesTheArgument) {
     }
     BadLayoutCall call;  // the forward's outputs against the new inputs, and w3 where the layout has none
     megamoe_forward_params_t forward = call.problem.forward_params(call.y);
-    std::vector<double> shared(6 * 10);  // b2 [3, 10] and y [6, 10] in one buffer of their own: they overlap, and y
-    forward.b2.data = shared.data();     // overlaps nothing else (pointed into b2 as allocated, it could reach the
-    forward.y.data = shared.data();      // next host allocation: x, or another input)
+    // b2 [3, 10] and y [6, 10] in one buffer of their own: they overlap, and y overlaps nothing else (pointed at b2 as
+    // allocated, y's 60 elements could reach the next host allocation: x, or another input).
+    std::vector<double> shared(6 * 10);
+    forward.b2.data = shared.data();
+    forward.y.data = shared.data();
     EXPECT_EQ(megamoe_forward(&forward), MEGAMOE_STATUS_INVALID_ARGUMENT);
     EXPECT_NE(std::string(megamoe_last_error()).find("y: overlaps the memory of b2"), std::string::npos)
         << megamoe_last_error();
