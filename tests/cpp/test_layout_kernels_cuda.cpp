@@ -1,14 +1,19 @@
-// The row kernels of the non-default expert options (src/cuda/layout_rows.h) on their own, against host loops: the
-// per-expert column sums behind db13 / db2 and the activation rows kernel (dh written over h in place, in w13's row
-// order, ds with the bias term). Without a GPU every test skips.
+// The kernels of the non-default expert options on their own, against host loops: the GEMM steps of
+// src/cuda/layout_steps.h (the gated up GEMM for every layout, activation and b13; the down GEMM with a transposed w2
+// and b2; the dX GEMM over dh in w13's row order, the separate layout's two GEMMs added by the f32 accumulating
+// epilogue), and the row kernels of src/cuda/layout_rows.h (the per-expert column sums behind db13 / db2, the
+// activation rows kernel writing dh over h in place). Without a GPU every test skips.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cmath>
 #include <numeric>
+#include <string>
 #include <vector>
 
 #include "cuda/layout_rows.h"
+#include "cuda/layout_steps.h"
 #include "layout_cuda_util.h"
 
 namespace megamoe::test {
@@ -16,6 +21,170 @@ namespace {
 
 constexpr megamoe_dtype_t kBf16 = MEGAMOE_DTYPE_BF16;
 constexpr megamoe_dtype_t kF32 = MEGAMOE_DTYPE_F32;
+
+// Rows of E = 3 experts (one empty, one over two M tiles) with their routing buffers on the device, and a Call of the
+// layout case holding the device weights: what layout_steps.h's GEMM steps read.
+struct GemmStepProblem {
+    static constexpr int64_t kHidden = 40, kIntermediate = 72, kExperts = 3;
+    static constexpr int kCounts[kExperts] = {5, 0, 140};
+    LayoutProblem weights;  // the expert parameters (f64 values that bf16 holds exactly)
+    LayoutProblem device;   // the same in bf16
+    int64_t num_rows = 0;
+    std::vector<int> offsets, tile_offsets;
+    DeviceViews views;
+    const int* offsets_dev = nullptr;
+    const int* tile_offsets_dev = nullptr;
+    cuda::Call call{};
+
+    GemmStepProblem(const LayoutCase& c, std::mt19937_64& rng)
+        : weights(1, kHidden, kIntermediate, kExperts, 1, c), device(1, kHidden, kIntermediate, kExperts, 1, c) {
+        weights.make(rng);
+        for (HostTensor* t : {&weights.w13, &weights.w3, &weights.w2, &weights.b13, &weights.b2}) {
+            round_through(*t, kBf16);
+        }
+        device = weights;
+        for (HostTensor* t : {&device.w13, &device.w3, &device.w2, &device.b13, &device.b2}) *t = converted(*t, kBf16);
+        offsets.push_back(0);
+        tile_offsets.push_back(0);
+        for (const int count : kCounts) {
+            offsets.push_back(offsets.back() + count);
+            tile_offsets.push_back(tile_offsets.back() + (count + cuda::kGemmBlockM - 1) / cuda::kGemmBlockM);
+        }
+        num_rows = offsets.back();
+        HostTensor offsets_host(MEGAMOE_DTYPE_I32, {kExperts + 1}), tiles_host(MEGAMOE_DTYPE_I32, {kExperts + 1});
+        for (int64_t e = 0; e <= kExperts; ++e) {
+            offsets_host.set(e, offsets[static_cast<size_t>(e)]);
+            tiles_host.set(e, tile_offsets[static_cast<size_t>(e)]);
+        }
+        offsets_dev = static_cast<const int*>(views.upload(&offsets_host.view)->view().data);
+        tile_offsets_dev = static_cast<const int*>(views.upload(&tiles_host.view)->view().data);
+        megamoe_tensor_t w13 = device.w13.view, w3 = device.w3.view, w2 = device.w2.view, b13 = device.b13.view,
+                         b2 = device.b2.view;
+        call.shape = {num_rows, kHidden, kIntermediate, kExperts, 1};
+        call.dtype = kBf16;
+        call.w13 = views.upload(&w13)->view().data;
+        call.w2 = views.upload(&w2)->view().data;
+        DeviceTensor* w3_dev = views.upload(&w3);
+        DeviceTensor* b13_dev = views.upload(&b13);
+        DeviceTensor* b2_dev = views.upload(&b2);
+        call.w3 = w3_dev != nullptr ? w3_dev->view().data : nullptr;
+        call.b13 = b13_dev != nullptr ? b13_dev->view().data : nullptr;
+        call.b2 = b2_dev != nullptr ? b2_dev->view().data : nullptr;
+        megamoe_layout_t layout{c.gate_up, c.w13_transposed, c.w2_transposed};
+        call.layout = WeightLayout::of(layout, kHidden, kIntermediate);
+        megamoe_activation_t activation{};
+        if (c.clamped) activation = {MEGAMOE_ACTIVATION_CLAMPED_SWIGLU, LayoutProblem::kLimit, LayoutProblem::kAlpha};
+        call.activation = Activation<float>::of(activation);
+        call.default_experts = call.layout.is_default() && !c.clamped && !c.biases;
+    }
+
+    int64_t expert_of(int64_t row) const {
+        int64_t e = 0;
+        while (offsets[static_cast<size_t>(e) + 1] <= row) ++e;
+        return e;
+    }
+
+    // The default options' GEMM arguments for A [rows, k] (what cuda_path.cu builds; the step adjusts them).
+    cuda::MGroupedGemmArgs args(const void* a, int64_t k, const void* b, int64_t ldb, int64_t n) const {
+        cuda::MGroupedGemmArgs out{};
+        out.dtype = kBf16;
+        out.a = a;
+        out.lda = k;
+        out.num_a_rows = num_rows;
+        out.topk = 1;
+        out.b = b;
+        out.b_expert_stride = n * k;
+        out.ldb = ldb;
+        out.n = n;
+        out.k = k;
+        out.expert_offsets = offsets_dev;
+        out.m_tile_offsets = tile_offsets_dev;
+        out.num_experts = kExperts;
+        out.max_m_tiles = tile_offsets.back();
+        return out;
+    }
+};
+
+void expect_rows_near(const HostTensor& got, const std::vector<double>& want, const std::string& what) {
+    double diff = 0.0, norm = 0.0;
+    for (int64_t idx = 0; idx < got.size(); ++idx) {
+        diff += (got.get(idx) - want[static_cast<size_t>(idx)]) * (got.get(idx) - want[static_cast<size_t>(idx)]);
+        norm += want[static_cast<size_t>(idx)] * want[static_cast<size_t>(idx)];
+    }
+    EXPECT_LT(std::sqrt(diff / std::max(norm, 1e-300)), 1e-2) << what;
+}
+
+TEST(LayoutKernels, GemmStepsEveryLayout) {
+    SKIP_WITHOUT_CUDA();
+    std::mt19937_64 rng(fresh_seed());
+    SCOPED_TRACE("seed " + std::to_string(fresh_seed()));
+    const int64_t H = GemmStepProblem::kHidden, I = GemmStepProblem::kIntermediate;
+    for (const LayoutCase& c : all_layout_cases()) {
+        const std::string what = describe(c);
+        GemmStepProblem problem(c, rng);
+        const LayoutProblem& w = problem.weights;
+        const int64_t R = problem.num_rows;
+        HostTensor x(kBf16, {R, H}), act_in(kBf16, {R, I}), dh(kBf16, {R, 2 * I});
+        x.fill_random(rng, 0.5);
+        act_in.fill_random(rng, 1.0);
+        dh.fill_random(rng, 1.0);
+        DeviceTensor x_dev = upload_view(x.view), act_in_dev = upload_view(act_in.view), dh_dev = upload_view(dh.view);
+        DeviceTensor h_dev(HostTensor(kBf16, {R, 2 * I}).view), act_dev(HostTensor(kBf16, {R, I}).view);
+        DeviceTensor o_dev(HostTensor(kBf16, {R, H}).view), q_dev(HostTensor(kF32, {R, H}).view);
+        for (DeviceTensor* out : {&h_dev, &act_dev, &o_dev, &q_dev}) out->poison();
+
+        const cuda::Call& call = problem.call;
+        cuda::MGroupedGemmArgs up = problem.args(x_dev.view().data, H, call.w13, H, I);
+        up.b_expert_stride = 2 * I * H;  // the default's w13 [E, 2I, H]
+        ASSERT_EQ(cuda::launch_up(call, up, h_dev.view().data, act_dev.view().data, nullptr), MEGAMOE_STATUS_SUCCESS)
+            << megamoe_last_error();
+        ASSERT_EQ(
+            cuda::launch_down(call, problem.args(act_in_dev.view().data, I, call.w2, I, H), o_dev.view().data, nullptr),
+            MEGAMOE_STATUS_SUCCESS)
+            << megamoe_last_error();
+        cuda::MGroupedGemmArgs d_input = problem.args(dh_dev.view().data, 2 * I, call.w13, H, H);
+        d_input.lda = 2 * I;
+        ASSERT_EQ(cuda::launch_d_input(call, d_input, static_cast<float*>(q_dev.view().data), nullptr),
+                  MEGAMOE_STATUS_SUCCESS)
+            << megamoe_last_error();
+        expect_cuda(cudaDeviceSynchronize(), "gemm steps");
+
+        std::vector<double> want_h(static_cast<size_t>(R * 2 * I)), want_act(static_cast<size_t>(R * I));
+        std::vector<double> want_o(static_cast<size_t>(R * H)), want_q(static_cast<size_t>(R * H));
+        const bool interleaved = c.gate_up == MEGAMOE_GATE_UP_INTERLEAVED;
+        for (int64_t r = 0; r < R; ++r) {
+            const int64_t e = problem.expert_of(r);
+            for (int64_t i = 0; i < I; ++i) {
+                double gate = present(w.b13) ? w.b13.get(w.bias13_at(e, i, false)) : 0.0;
+                double up = present(w.b13) ? w.b13.get(w.bias13_at(e, i, true)) : 0.0;
+                for (int64_t k = 0; k < H; ++k) {
+                    gate += w.weight(e, i, k, false) * x.get(r * H + k);
+                    up += w.weight(e, i, k, true) * x.get(r * H + k);
+                }
+                double a = 0.0, d_gate = 0.0, d_up = 0.0;
+                w.activation(gate, up, &a, &d_gate, &d_up);
+                want_h[static_cast<size_t>(r * 2 * I + i)] = gate;
+                want_h[static_cast<size_t>(r * 2 * I + I + i)] = up;
+                want_act[static_cast<size_t>(r * I + i)] = a;
+            }
+            for (int64_t col = 0; col < H; ++col) {
+                double o = present(w.b2) ? w.b2.get(e * H + col) : 0.0, q = 0.0;
+                for (int64_t i = 0; i < I; ++i) {
+                    o += w.w2.get(w.down_at(e, col, i)) * act_in.get(r * I + i);
+                    const double dg = dh.get(r * 2 * I + (interleaved ? 2 * i : i));
+                    const double du = dh.get(r * 2 * I + (interleaved ? 2 * i + 1 : I + i));
+                    q += dg * w.weight(e, i, col, false) + du * w.weight(e, i, col, true);
+                }
+                want_o[static_cast<size_t>(r * H + col)] = o;
+                want_q[static_cast<size_t>(r * H + col)] = q;
+            }
+        }
+        expect_rows_near(h_dev.download(), want_h, what + ": up GEMM h");
+        expect_rows_near(act_dev.download(), want_act, what + ": up GEMM a");
+        expect_rows_near(o_dev.download(), want_o, what + ": down GEMM o");
+        expect_rows_near(q_dev.download(), want_q, what + ": dX GEMM q");
+    }
+}
 
 // db13 / db2's kernel alone: per-expert column sums in row order, gathered and weighted or not, written in bf16 / f32
 // or added into f32 (an expert without rows: zeros, or its buffer untouched).
