@@ -20,9 +20,10 @@ the gradients come back in that layout):
   (OpenAIPrivacyFilterExperts) likewise.
 The gate / up arrangement is the gate's (transformers' default gate splits by chunk: concatenated); an
 `is_concatenated` flag that disagrees with it is refused. Experts megamoe cannot compute (no gate, a custom gate or an
-activation other than SiLU, a post-expert norm, that disagreement) raise NotImplementedError naming the reason. Layouts other than the default, biases and the clamped SwiGLU run on CPU
-tensors; on CUDA tensors megamoe raises NotImplementedError naming the option until its CUDA path has them
-(TODO(#12)), re-raised here naming the experts module, never a silent per-step copy.
+activation other than SiLU, a post-expert norm, that disagreement) raise NotImplementedError naming the reason. Every
+layout, the biases and the clamped SwiGLU run on CPU and CUDA tensors alike (on CUDA, options other than the default
+take the portable kernels for now: megamoe.path_of(...).reason names the option, TODO(#12)); a NotImplementedError of
+megamoe's is re-raised here naming the experts module, never turned into a silent per-step copy.
 
 Expert parallelism (transformers' `DistributedConfig(ep_size=...)`, `transformers.distributed.expert_parallel`): the
 "grouped_gemm" rule shards the experts' dim 0 and sets `num_experts` to the local count; the "ep_dispatch_experts" rule
