@@ -93,7 +93,12 @@ class ExpertsArguments(NamedTuple):
 def _gate(experts):
     """(activation kind, gate / up arrangement) of the experts' gate: transformers' default gate splits by chunk
     (concatenated) into silu(gate) * up; None for a gate megamoe does not know."""
-    gate = getattr(type(experts), "_apply_gate", _default_apply_gate)
+    return _gate_of_class(type(experts))
+
+
+@torch.compiler.assume_constant_result  # a property of the class: torch.compile (2.11) cannot trace __qualname__
+def _gate_of_class(cls):
+    gate = getattr(cls, "_apply_gate", _default_apply_gate)
     if _default_apply_gate is not None and gate is _default_apply_gate:
         return "swiglu", "concatenated"
     arrangement = CLAMPED_SWIGLU_GATES.get((getattr(gate, "__module__", None), getattr(gate, "__qualname__", None)))

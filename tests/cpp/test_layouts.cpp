@@ -4,6 +4,7 @@
 // test_layouts_cuda.cpp).
 #include <gtest/gtest.h>
 
+#include <cstdlib>
 #include <functional>
 #include <string>
 #include <utility>
@@ -271,8 +272,8 @@ void label_cuda(std::initializer_list<megamoe_tensor_t*> tensors) {
     }
 }
 
-// Every option is accepted on CUDA tensors, with the default's workspace (forward and backward: the portable path's
-// buffers serve every layout); the path is the portable one, and its reason (only where a Hopper GPU would take the
+// Every option is accepted on CUDA tensors, with the default's workspace on the portable path (forward and backward:
+// its buffers serve every layout); the path is the portable one, and its reason (only where a Hopper GPU would take the
 // default on the sm_90a kernels) names the option.
 TEST(LayoutsApi, CudaAcceptsEveryOptionWithTheDefaultsWorkspace) {
     std::mt19937_64 rng(fresh_seed());
@@ -318,8 +319,15 @@ TEST(LayoutsApi, CudaAcceptsEveryOptionWithTheDefaultsWorkspace) {
     bf16(defaults);
     megamoe_path_t path = MEGAMOE_PATH_REFERENCE;
     std::string reason;
-    const auto default_sizes = sizes(defaults, &path, &reason);
+    // The portable path's sizes serve every layout; on a Hopper GPU the default itself runs the sm_90a kernels, whose
+    // backward needs less (no f32 p, and s * a / q in the dw13 output): at most the portable sizes.
+    const auto sm90_default_sizes = sizes(defaults, &path, &reason);
     EXPECT_EQ(reason, "");
+    setenv("MEGAMOE_DISABLE_SM90", "1", 1);
+    const auto default_sizes = sizes(defaults, &path, &reason);
+    unsetenv("MEGAMOE_DISABLE_SM90");
+    EXPECT_LE(sm90_default_sizes.first, default_sizes.first);
+    EXPECT_LE(sm90_default_sizes.second, default_sizes.second);
     for (const LayoutCase& c : all_layout_cases()) {
         LayoutProblem problem(6, 16, 8, 3, 2, c);
         problem.make(rng);
