@@ -104,8 +104,7 @@ def plan(topk_ids, num_local_experts, num_chunks, group):
         ids = topk_ids.reshape(-1).long()  # [S]
         bad = (ids < -1) | (ids >= E)  # [S]
         key = torch.where((ids >= 0) & ~bad, ids, E)  # [S]: the expert, or E (dropped / bad: never sent)
-        # [S]: expand, not repeat_interleave(topk), which reads its output size back from the device
-        chunk_of_slot = _chunk_of_token(T, C, device)[:, None].expand(T, topk).reshape(-1)
+        chunk_of_slot = _chunk_of_token(T, C, device)[:, None].expand(T, topk).reshape(-1)  # [S]
         chunk_key = chunk_of_slot * (E + 1) + key  # [S]: by chunk, then expert
         order = torch.sort(chunk_key, stable=True).indices  # [S]: slot of each sorted position
         counts = torch.zeros(C * (E + 1), dtype=torch.int64, device=device)
