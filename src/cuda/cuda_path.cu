@@ -170,9 +170,10 @@ sm90::GatedArgs sm90_gated_args(const Call& call) {
     gated.b_layout = sm90_up_layout(call);
     return gated;
 }
-// Whether the sm_90a kernels take the call's expert options (all but the separate layout).
+// Whether the sm_90a kernels take the call's expert options (all but the separate layout; the biases read as pairs of
+// 16-bit elements).
 bool sm90_options_ok(const Call& call) {
-    return sm90_blocking_option(call) == nullptr;
+    return sm90_blocking_option(call) == nullptr && is_aligned(call.b13, 4) && is_aligned(call.b2, 4);
 }
 
 megamoe_status_t zero_if_wanted(const megamoe_tensor_t& tensor, size_t element_bytes, cudaStream_t stream,

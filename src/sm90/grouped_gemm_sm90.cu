@@ -551,8 +551,9 @@ bool m_grouped_gemm_sm90_supported(const cuda::MGroupedGemmArgs& args, bool swig
 
 megamoe_status_t launch_m_grouped_gemm_sm90_swiglu(const cuda::MGroupedGemmArgs& args, void* h, void* act, int num_sms,
                                                    cudaStream_t stream, const GatedArgs& options) {
-    if (!cuda::is_aligned(h, 16) || !cuda::is_aligned(act, 16) || !cuda::is_aligned(options.bias, 16)) {
-        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "m_grouped_gemm_sm90: outputs and b13 must be 16-byte aligned");
+    if (!cuda::is_aligned(h, 16) || !cuda::is_aligned(act, 16) || !cuda::is_aligned(options.bias, 4)) {
+        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
+                         "m_grouped_gemm_sm90: outputs must be 16-byte aligned, b13 4-byte aligned");
     }
     return options.activation.is_clamped()
                ? launch_gated<ClampedSwiGLUActivation>(args, options, h, act, num_sms, stream)
@@ -585,9 +586,9 @@ megamoe_status_t launch_m_grouped_gemm_sm90_dswiglu(const cuda::MGroupedGemmArgs
 megamoe_status_t launch_m_grouped_gemm_sm90_store(const cuda::MGroupedGemmArgs& args, BLayout b_layout, void* out,
                                                   int64_t ldo, int64_t num_out_rows, int num_sms, cudaStream_t stream,
                                                   const void* bias) {
-    if (!cuda::is_aligned(out, 16) || ldo % kChunkElems != 0 || !cuda::is_aligned(bias, 16)) {
+    if (!cuda::is_aligned(out, 16) || ldo % kChunkElems != 0 || !cuda::is_aligned(bias, 4)) {
         return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
-                         "m_grouped_gemm_sm90: out and b2 must be 16-byte aligned, ldo % 8 == 0");
+                         "m_grouped_gemm_sm90: out must be 16-byte aligned, ldo % 8 == 0, b2 4-byte aligned");
     }
     return bias != nullptr ? launch_store<true>(args, b_layout, out, ldo, num_out_rows, num_sms, stream, bias)
                            : launch_store<false>(args, b_layout, out, ldo, num_out_rows, num_sms, stream, nullptr);

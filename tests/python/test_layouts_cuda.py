@@ -1,10 +1,11 @@
-"""The layouts on a GPU: every layout x activation x bias combination runs on CUDA tensors (the portable kernels; the
-fused sm_90a kernels run only the defaults) and matches the CPU float64 reference on the same bf16 values, whole layer
+"""The layouts on a GPU: every layout x activation x bias combination runs on CUDA tensors (on a Hopper GPU the fused
+sm_90a kernels, which take every option but the separate layout, and again on the portable kernels with
+MEGAMOE_DISABLE_SM90=1; the path asserted) and matches the CPU float64 reference on the same bf16 values, whole layer
 and grouped rows, every gradient, with every output NaN-poisoned before the run, reruns bitwise equal and the memory
 modes bitwise equal to each other. The backward's reference reads the CUDA forward's h (so that the clamps of the
-activation decide alike on both sides). path_of names the portable path and the option (the default still reports
-sm90 on a Hopper GPU), a one-time warning says so, and only the needed gradients are computed. Skipped, with the
-reason, where no GPU is present."""
+activation decide alike on both sides). path_of reports sm90 for the options the sm_90a kernels take and names the
+separate layout when it keeps a call off them, a one-time warning says so, and only the needed gradients are computed.
+Skipped, with the reason, where no GPU is present."""
 
 import warnings
 
@@ -76,9 +77,23 @@ def _check_all_close(got, want, what):
         assert err < BF16_TOLERANCE, f"{what}: {name} error {err:.3e}"
 
 
+def _expect_path(layout, x, ids, s, p, activation, portable):
+    """sm90 where the sm_90a kernels take the options (every layout but the separate one; SHAPE's H and I are multiples
+    of 8) on a Hopper GPU, unless MEGAMOE_DISABLE_SM90; else the portable kernels."""
+    experts = dict(w3=p["w3"], b13=p["b13"], b2=p["b2"], layout=LAYOUTS[layout], activation=ACTIVATIONS[activation])
+    sm90 = SM90 and not portable and LAYOUTS[layout].gate_up != "separate"
+    assert megamoe.path_of(x, ids, s, p["w13"], p["w2"], **experts) == ("sm90" if sm90 else "cuda")
+    assert megamoe.path_of(x, ids, s, p["w13"], p["w2"], backward=True, **experts) in (
+        ("sm90", "sm90+cuda-weight-grads") if sm90 else ("cuda",))
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["default", "portable"])
 @pytest.mark.parametrize("layout,activation,bias", COMBINATIONS, ids=["-".join(c) for c in COMBINATIONS])
-def test_every_combination_matches_the_reference(layout, activation, bias, gen):
+def test_every_combination_matches_the_reference(layout, activation, bias, portable, gen, monkeypatch):
+    if portable:
+        monkeypatch.setenv("MEGAMOE_DISABLE_SM90", "1")
     x, ids, s, dy, p = _cuda_problem(LAYOUTS[layout], BIASES[bias], gen)
+    _expect_path(layout, x, ids, s, p, activation, portable)
     options = megamoe.layouts.op_options(LAYOUTS[layout], ACTIVATIONS[activation])
     y, h, grads = _run(x, ids, s, dy, p, options)
     c = _cpu64(dict(x=x, s=s, dy=dy, h=h, **p))
@@ -117,9 +132,12 @@ GROUPED_CASES = ([(layout, "clamped_tight", "both") for layout in LAYOUTS] +
                  [("gpt_oss", activation, bias) for activation in ACTIVATIONS for bias in BIASES])
 
 
+@pytest.mark.parametrize("portable", [False, True], ids=["default", "portable"])
 @pytest.mark.parametrize("layout,activation,bias", GROUPED_CASES, ids=["-".join(c) for c in GROUPED_CASES])
-def test_grouped_rows_match_the_reference(layout, activation, bias, gen):
+def test_grouped_rows_match_the_reference(layout, activation, bias, portable, gen, monkeypatch):
     """Rows sorted by expert with an empty expert (dropped slots: some experts get none) and 3 padding rows."""
+    if portable:
+        monkeypatch.setenv("MEGAMOE_DISABLE_SM90", "1")
     x, ids, s, dy, p = _cuda_problem(LAYOUTS[layout], BIASES[bias], gen)
     x_sorted, counts, scores, _ = group_rows(x, ids, s, SHAPE[3], num_padding=3, gen=gen)
     counts = counts.cuda()
@@ -162,20 +180,21 @@ def test_autograd_through_the_ops_on_cuda(layout, gen):
         assert rel_err(a, b) < BF16_TOLERANCE, f"{layout}: {name} error {rel_err(a, b):.3e}"
 
 
-# (id, layout, activation, biases, what the reason names)
+# (id, layout, activation, biases, what the reason names: None where the sm_90a kernels take the options)
 OPTION_CASES = [
     ("separate", megamoe.SEPARATE, megamoe.SWIGLU, (False, False), "layout.gate_up = separate"),
-    ("interleaved", megamoe.INTERLEAVED, megamoe.SWIGLU, (False, False), "layout.gate_up = interleaved"),
-    ("hf_transposed", megamoe.HF_TRANSPOSED, megamoe.SWIGLU, (False, False), "layout.w13_transposed = 1"),
-    ("w2_transposed", megamoe.Layout("concatenated", False, True), megamoe.SWIGLU, (False, False),
-     "layout.w2_transposed = 1"),
-    ("clamped", megamoe.CONCATENATED, megamoe.GPT_OSS_ACTIVATION, (False, False), "activation.kind = clamped SwiGLU"),
-    ("b13", megamoe.CONCATENATED, megamoe.SWIGLU, (True, False), "b13 (a bias of the up projection)"),
-    ("b2", megamoe.CONCATENATED, megamoe.SWIGLU, (False, True), "b2 (a bias of the down projection)"),
-    ("gpt_oss", megamoe.GPT_OSS, megamoe.GPT_OSS_ACTIVATION, (True, True), "layout.gate_up = interleaved"),
+    ("separate_gpt_oss", megamoe.Layout("separate", True, True), megamoe.GPT_OSS_ACTIVATION, (True, True),
+     "layout.gate_up = separate"),
+    ("interleaved", megamoe.INTERLEAVED, megamoe.SWIGLU, (False, False), None),
+    ("hf_transposed", megamoe.HF_TRANSPOSED, megamoe.SWIGLU, (False, False), None),
+    ("w2_transposed", megamoe.Layout("concatenated", False, True), megamoe.SWIGLU, (False, False), None),
+    ("clamped", megamoe.CONCATENATED, megamoe.GPT_OSS_ACTIVATION, (False, False), None),
+    ("b13", megamoe.CONCATENATED, megamoe.SWIGLU, (True, False), None),
+    ("b2", megamoe.CONCATENATED, megamoe.SWIGLU, (False, True), None),
+    ("gpt_oss", megamoe.GPT_OSS, megamoe.GPT_OSS_ACTIVATION, (True, True), None),
 ]
 
-ALIGNED = (64, 64, 32, 4, 2)  # sizes the sm_90a kernels take for the default options
+ALIGNED = (64, 64, 32, 4, 2)  # sizes the sm_90a kernels take
 
 
 @pytest.mark.parametrize("name,layout,activation,biases,text", OPTION_CASES, ids=[c[0] for c in OPTION_CASES])
@@ -188,6 +207,10 @@ def test_path_of_names_the_portable_path_and_the_option(name, layout, activation
              megamoe.grouped_path_of(x.repeat(2, 1), counts, p["w13"], p["w2"], **experts),
              megamoe.grouped_path_of(x.repeat(2, 1), counts, p["w13"], p["w2"], backward=True, **experts)]
     for path in paths:
+        if text is None:  # on sm_90a where the GPU is a Hopper one
+            assert path in (("sm90", "sm90+cuda-weight-grads") if SM90 else ("cuda",)), path
+            assert path.reason is None
+            continue
         assert path == "cuda"
         if SM90:
             assert path.reason is not None and text in path.reason, path.reason
@@ -200,7 +223,7 @@ def test_path_of_names_the_portable_path_and_the_option(name, layout, activation
         megamoe.moe(x, ids, s, p["w13"], p["w2"], **experts)
         megamoe.moe(x, ids, s, p["w13"], p["w2"], **experts)
     said = [str(w.message) for w in caught if "portable CUDA kernels" in str(w.message)]
-    assert len(said) == (1 if SM90 else 0), said
+    assert len(said) == (1 if SM90 and text is not None else 0), said
     assert all(text in message for message in said), said
 
 
