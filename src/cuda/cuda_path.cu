@@ -30,7 +30,7 @@
 //           the rest of the sm_90a backward, unless MEGAMOE_SM90_WEIGHT_GRADS=0 keeps them on the portable kernel.
 // Non-default expert options (layouts, clamped SwiGLU, biases) run on the portable kernels through layout_steps.h (the
 // same steps, B read in the weights' layout, dh in w13's row order, bias gradients as per-expert column sums), and on
-// the sm_90a kernels (sm90_*_args below) all but the separate w1 / w3 layout: the gated epilogue takes the activation,
+// the sm_90a kernels (cuda/sm90_args.h) all but the separate w1 / w3 layout: the gated epilogue takes the activation,
 // b13 and the interleaved pairs, B read kKN where w13 is stored transposed; the down GEMM's store epilogue adds b2; the
 // dSwiGLU epilogue writes dh in w13's row order (interleaved: into its own buffer, not over h), ds's bias term
 // <dy, b2[e]> is added to the first ds part by a row kernel; dX and dW13 read dh as w13 stores its rows (transposed:
@@ -56,6 +56,7 @@
 #include "cuda/layout_rows.h"
 #include "cuda/layout_steps.h"
 #include "cuda/routing.h"
+#include "cuda/sm90_args.h"
 #include "dtype.h"
 #include "sm90/grouped_gemm_sm90.h"
 #include "sm90/k_grouped_gemm_sm90.h"
@@ -135,47 +136,6 @@ MGroupedGemmArgs up_gemm_args(megamoe_dtype_t dtype, const void* x, const void* 
     return args;
 }
 
-// The sm_90a kernels' GEMM arguments for the call's layout, from the default ones cuda_path builds (the portable steps
-// adjust those themselves, layout_steps.h): w13 stored transposed is read [K = H, N = 2I] (up, kKN) and [N = H, K = 2I]
-// (dX, kNK), w2 stored transposed [K = I, N = H] (down, kKN) and [N = I, K = H] (dH, kNK).
-BLayout sm90_up_layout(const Call& call) {
-    return call.layout.w13_transposed ? BLayout::kKN : BLayout::kNK;
-}
-BLayout sm90_down_layout(const Call& call) {
-    return call.layout.w2_transposed ? BLayout::kKN : BLayout::kNK;
-}
-BLayout sm90_d_hidden_layout(const Call& call) {
-    return call.layout.w2_transposed ? BLayout::kNK : BLayout::kKN;
-}
-BLayout sm90_d_input_layout(const Call& call) {
-    return call.layout.w13_transposed ? BLayout::kNK : BLayout::kKN;
-}
-MGroupedGemmArgs sm90_up_args(const Call& call, MGroupedGemmArgs args) {
-    if (call.layout.w13_transposed) args.ldb = 2 * call.shape.intermediate;
-    return args;
-}
-MGroupedGemmArgs sm90_w2_args(const Call& call, MGroupedGemmArgs args) {  // down and dH
-    if (call.layout.w2_transposed) args.ldb = call.shape.hidden;
-    return args;
-}
-MGroupedGemmArgs sm90_d_input_args(const Call& call, MGroupedGemmArgs args) {
-    if (call.layout.w13_transposed) args.ldb = 2 * call.shape.intermediate;
-    return args;
-}
-sm90::GatedArgs sm90_gated_args(const Call& call) {
-    sm90::GatedArgs gated{};
-    gated.activation = call.activation;
-    gated.bias = call.b13;
-    gated.interleaved = call.layout.gate_up == MEGAMOE_GATE_UP_INTERLEAVED;
-    gated.b_layout = sm90_up_layout(call);
-    return gated;
-}
-// Whether the sm_90a kernels take the call's expert options (all but the separate layout; the biases read as pairs of
-// 16-bit elements).
-bool sm90_options_ok(const Call& call) {
-    return sm90_blocking_option(call) == nullptr && is_aligned(call.b13, 4) && is_aligned(call.b2, 4);
-}
-
 megamoe_status_t zero_if_wanted(const megamoe_tensor_t& tensor, size_t element_bytes, cudaStream_t stream,
                                 const char* name) {
     const int64_t count = numel(tensor);
@@ -230,7 +190,7 @@ bool sm90_disabled_by_env() {
 struct ForwardGemms {
     MGroupedGemmArgs up;
     MGroupedGemmArgs down;
-    MGroupedGemmArgs sm90_up;  // the same in the weights' layout (sm90_*_args)
+    MGroupedGemmArgs sm90_up;  // the same in the weights' layout (cuda/sm90_args.h)
     MGroupedGemmArgs sm90_down;
     bool options_ok;  // the sm_90a kernels take the call's expert options
 
@@ -317,7 +277,7 @@ struct BackwardGemms {
     MGroupedGemmArgs d_input;
     KGroupedGemmArgs dw13;
     KGroupedGemmArgs dw2;
-    MGroupedGemmArgs sm90_up;  // the M-grouped GEMMs in the weights' layout (sm90_*_args)
+    MGroupedGemmArgs sm90_up;  // the M-grouped GEMMs in the weights' layout (cuda/sm90_args.h)
     MGroupedGemmArgs sm90_d_hidden;
     MGroupedGemmArgs sm90_d_input;
     KGroupedGemmArgs sm90_dw13;  // the K-grouped ones, operands swapped for a transposed weight

@@ -6,17 +6,20 @@
 //   B_e = b + e * b_expert_stride, either [N, K] K-contiguous (BLayout::kNK: w13[e] [2I, H] for up, w2[e] [H, I]
 //   for down) or [K, N] N-contiguous (BLayout::kKN: w2[e] read as [K = H, N = I] for the backward's dH,
 //   w13[e] read as [K = 2I, N = H] for its dX).
-// Epilogues (policy types, m_grouped_epilogue.cuh): SwiGLUEpilogue writes h = [g, u] (by sorted row, as saved_h keeps
-// it) and / or a = silu(g) * u; StoreEpilogue writes acc in the element type (bf16 / f16), by TMA stores where it can;
-// DSwiGLUEpilogue (the backward's dH, acc = p = W2[e]^T dy) reads the row's g, u, s and writes dh = [dg, du], s * a and
-// the tile's partial sum of ds = <p, a> (one per row and n-tile, added in n-tile order later: deterministic). f32
-// accumulation. No atomics: every output element is written once.
+// Epilogues (policy types, m_grouped_epilogue.cuh, m_grouped_dswiglu.cuh): GatedEpilogue (SwiGLUEpilogue by default)
+// writes h = [g, u] (+ b13; by sorted row, as saved_h keeps it) and / or a = act(g, u); StoreEpilogueOf writes acc
+// (+ b2) in the element type (bf16 / f16), by TMA stores where it can; DSwiGLUEpilogueOf (the backward's dH, acc = p =
+// W2[e]^T dy) reads the row's g, u, s and writes dh = [dg, du] (or interleaved), s * a and the tile's partial sum of
+// ds = <p, a> (one per row and n-tile, added in n-tile order later: deterministic). The activation is a compile-time
+// policy (m_grouped_activation.cuh). f32 accumulation. No atomics: every output element is written once.
 //
 // Tiles (TileConfig in m_grouped_config.cuh, chosen per epilogue by ConfigOf): kBlockM = 128 rows (one M tile of the
 // routing's schedule) x kBlockN columns of B_e (cooperative 256, ping-pong 128) x kBlockK = 64 (one 128-byte
 // swizzled row of 16-bit elements). For SwiGLU, the kBlockN rows of the B tile are kBlockN / 2 gate rows (TMA box 0)
-// followed by the matching up rows I + n0 + [0, kBlockN / 2) (box 1): each thread holds g and u of the same
-// outputs, so SwiGLU is register-local; a tile writes kBlockN / 2 columns of a.
+// followed by the matching up rows I + n0 + [0, kBlockN / 2) (box 1; kKN, w13 stored transposed: the first half of
+// the 64-column boxes from gate column n0, the second from I + n0): each thread holds g and u of the same outputs, so
+// SwiGLU is register-local; a tile writes kBlockN / 2 columns of a. Interleaved w13: the B tile is kBlockN rows (or
+// columns) in storage order, and adjacent accumulator columns are a (g, u) pair, again in one thread.
 // Clusters: 2 CTAs run M tiles 2p and 2p + 1 of the schedule with the same n-tile. When both belong to one expert
 // (most pairs: experts span many M tiles) they need the same B tile, and each CTA loads one of its two boxes and
 // multicasts it to both, which halves B's L2 -> SM traffic. Otherwise each CTA loads both boxes for itself.
