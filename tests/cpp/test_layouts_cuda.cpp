@@ -39,6 +39,9 @@ const RaggedShape kShapes[] = {
     {"empty experts, I past one tile of pairs", 20, 40, 72, 8, 3, Routing::kHalfEmpty},
     {"odd H and I (element loads)", 19, 30, 13, 3, 2, Routing::kSomeDropped},
     {"several M tiles per expert", 150, 136, 72, 2, 2, Routing::kRandom},
+    // sm_90a: two n-tiles of gate / up pairs (128 each; the second starts gate columns 128, up columns I + 128 or pair
+    // 128), two n-tiles of H in down / dX, M tiles in shared-B pairs
+    {"two n-tiles of pairs and of H", 200, 264, 200, 2, 2, Routing::kRandom},
 };
 
 // A problem in f64 holding values the device types hold exactly, and its device-typed twin (bf16, weights f32).

@@ -49,7 +49,8 @@ def _run(x, ids, s, dy, p, options, h_in=None, keep_h=True, poison=True):
     fill = _nan_like if poison else torch.zeros_like
     experts = dict(w3=p["w3"], b13=p["b13"], b2=p["b2"])
     y = fill(x)
-    h = x.new_full((ids.numel(), 2 * I), float("nan")) if keep_h else None
+    two_i = 2 * (p["w2"].numel() // (p["w2"].shape[0] * x.shape[1]))  # w2 [E, H, I] or [E, I, H]
+    h = x.new_full((ids.numel(), two_i), float("nan")) if keep_h else None
     _lib.forward_into(x, ids, s, p["w13"], p["w2"], y, h, options, **experts)
     h_fwd = h.clone() if h is not None else None
     saved = h_in.clone() if h_in is not None else h
@@ -115,7 +116,8 @@ def _grouped_run(x_sorted, counts, scores, dout, p, options, h_in=None, poison=T
     fill = _nan_like if poison else torch.zeros_like
     experts = dict(w3=p["w3"], b13=p["b13"], b2=p["b2"])
     out = fill(x_sorted)
-    h = x_sorted.new_full((x_sorted.shape[0], 2 * I), float("nan"))
+    two_i = 2 * (p["w2"].numel() // (p["w2"].shape[0] * x_sorted.shape[1]))
+    h = x_sorted.new_full((x_sorted.shape[0], two_i), float("nan"))
     _lib.grouped_forward_into(x_sorted, counts, scores, p["w13"], p["w2"], out, h, options, **experts)
     h_fwd = h.clone()
     grads = dict(dx=fill(x_sorted), dtopk_weights=fill(scores), dw13=fill(p["w13"]), dw3=_nan_like(p["w3"]),
@@ -126,6 +128,30 @@ def _grouped_run(x_sorted, counts, scores, dout, p, options, h_in=None, poison=T
     if x_sorted.is_cuda:
         torch.cuda.synchronize()
     return out, h_fwd, grads
+
+
+WIDE = (200, 264, 200, 2, 2)  # sm_90a: two n-tiles of gate / up pairs and of H, M tiles in shared-B pairs
+WIDE_CASES = [(layout, "clamped", "both") for layout in LAYOUTS] + [("gpt_oss", "swiglu", "none")]
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["default", "portable"])
+@pytest.mark.parametrize("layout,activation,bias", WIDE_CASES, ids=["-".join(c) for c in WIDE_CASES])
+def test_wide_shape_matches_the_reference(layout, activation, bias, portable, gen, monkeypatch):
+    """I and H past one tile (the second n-tile's gate / up columns, biases and pairs), every layout."""
+    if portable:
+        monkeypatch.setenv("MEGAMOE_DISABLE_SM90", "1")
+    x, ids, s, dy, p = _cuda_problem(LAYOUTS[layout], BIASES[bias], gen, shape=WIDE, routing="random")
+    _expect_path(layout, x, ids, s, p, activation, portable)
+    options = megamoe.layouts.op_options(LAYOUTS[layout], ACTIVATIONS[activation])
+    y, h, grads = _run(x, ids, s, dy, p, options)
+    c = _cpu64(dict(x=x, s=s, dy=dy, h=h, **p))
+    y_ref, _, ref = _run(c["x"], ids.cpu(), c["s"], c["dy"], {k: c[k] for k in p}, options, h_in=c["h"],
+                         poison=False)
+    _check_all_close({"y": y, **grads}, {"y": y_ref, **ref}, f"wide {layout}/{activation}/{bias}")
+    _, _, recomputed = _run(x, ids, s, dy, p, options, keep_h=False)
+    for name in GRAD_NAMES:
+        if grads[name] is not None:
+            assert _same_bits(recomputed[name], grads[name]), f"wide {layout}: {name} keep-h and recompute differ"
 
 
 GROUPED_CASES = ([(layout, "clamped_tight", "both") for layout in LAYOUTS] +
