@@ -487,7 +487,7 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
         MEGAMOE_CUDA_RETURN_IF_ERROR(
             sm90::launch_m_grouped_gemm_sm90_dswiglu(gemms.sm90_d_hidden, epilogue, num_sms, stream));
         num_ds_parts = workspace.num_ds_parts;
-        if (call.b2 != nullptr) {  // ds's bias term <dy, b2[e]>, added to each row's first part
+        if (call.b2 != nullptr && call.dweights.data != nullptr) {  // ds's bias term <dy, b2[e]>, on the first part
             BiasDotArgs bias_dot{};
             bias_dot.dtype = dtype;
             bias_dot.dy = call.dy;
