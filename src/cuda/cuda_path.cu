@@ -603,7 +603,12 @@ bool forward_sm90(const ForwardCall& call) {
 
 // Why a call whose device and shapes suit the sm_90a kernels runs the portable ones: its expert options.
 std::string blocked_reason(const Call& call) {
-    return std::string(sm90_blocking_option(call)) +
+    const char* option = sm90_blocking_option(call);
+    if (option == nullptr) {  // the options are taken, the biases' alignment is not
+        return "b13 / b2 not 4-byte aligned: the fused sm_90a kernels read the biases as pairs of elements; this call "
+               "runs the portable CUDA kernels";
+    }
+    return std::string(option) +
            ": the fused sm_90a kernels run every layout, activation and bias but the separate w1 / w3 layout "
            "(TODO(#12)); this call runs the portable CUDA kernels";
 }
