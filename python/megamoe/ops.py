@@ -409,8 +409,8 @@ def moe(x, topk_ids, topk_weights, w13, w2, recompute=False, *, w3=None, b13=Non
     up projection as w3, layout=megamoe.GPT_OSS gpt-oss's interleaved transposed weights, activation=
     megamoe.clamped_swiglu(7.0, 1.702) its activation; b13 [E, 2I] (arranged as w13's rows) and b2 [E, H] are
     optional biases: o = w2[e] act(w13[e] x_t + b13[e]) + b2[e]. CUDA runs every option; the fused
-    sm_90a kernels only the defaults, so other options run on the portable CUDA kernels (a one-time warning names the
-    option); megamoe.path_of tells which path a call takes and why.
+    sm_90a kernels every one but layout=megamoe.SEPARATE, which runs on the portable CUDA kernels (a one-time warning
+    names it); megamoe.path_of tells which path a call takes and why.
 
     Memory mode when gradients are wanted: by default the forward keeps h = [g, u] ([T*topk, 2I], the fastest
     backward, which writes dh over it: one backward per forward); recompute=True keeps only the inputs and recomputes
@@ -456,7 +456,7 @@ def path_of(x, topk_ids, topk_weights, w13, w2, *, w3=None, b13=None, b2=None, l
     """Which implementation megamoe.moe's forward (backward=True: its backward) runs on these arguments: "reference"
     (CPU tensors), "cuda" (the portable CUDA kernels), "sm90" (the fused Hopper kernels) or "sm90+cuda-weight-grads"
     (backward: sm_90a GEMMs, portable weight gradients), as a str with `.reason`: the expert option that keeps a call
-    the fused sm_90a kernels would otherwise run on the portable ones (e.g. "layout.gate_up = interleaved: ..."), else
+    the fused sm_90a kernels would otherwise run on the portable ones (e.g. "layout.gate_up = separate (w1 / w3): ..."), else
     None. Reads no data (allocates one [T, H] output for the forward's query)."""
     w13, w2, w3, b13, b2 = _replicated_weights("megamoe.path_of", x, topk_ids, topk_weights, w13, w2, w3, b13, b2)
     _check_args(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13, w2=w2, w3=w3, b13=b13, b2=b2)

@@ -28,8 +28,13 @@
 //           kernels write p and q in f32, so the portable path needs the larger workspace (BackwardPlan sizes it
 //           for the path the call takes). The K-grouped weight gradients run on sm90/k_grouped_gemm_sm90.h with
 //           the rest of the sm_90a backward, unless MEGAMOE_SM90_WEIGHT_GRADS=0 keeps them on the portable kernel.
-// Non-default expert options (layouts, clamped SwiGLU, biases) run the portable kernels only, through layout_steps.h
-// (the same steps, B read in the weights' layout, dh in w13's row order, bias gradients as per-expert column sums).
+// Non-default expert options (layouts, clamped SwiGLU, biases) run on the portable kernels through layout_steps.h (the
+// same steps, B read in the weights' layout, dh in w13's row order, bias gradients as per-expert column sums), and on
+// the sm_90a kernels (cuda/sm90_args.h) all but the separate w1 / w3 layout: the gated epilogue takes the activation,
+// b13 and the interleaved pairs, B read kKN where w13 is stored transposed; the down GEMM's store epilogue adds b2; the
+// dSwiGLU epilogue writes dh in w13's row order (interleaved: into its own buffer, not over h), ds's bias term
+// <dy, b2[e]> is added to the first ds part by a row kernel; dX and dW13 read dh as w13 stores its rows (transposed:
+// kNK / the operands swapped), dW2 likewise for a transposed w2; db13 / db2 are the portable column sums on both.
 // Both entry points run these same steps on a Call (call.h): grouped rows are T = R tokens of one slot each, their
 // routing a scan of tokens_per_expert (no sort; the gathers are the identity), their weights the scores (or 1); the
 // combine and the dx gather-sum then only scale / copy each row and write 0 for the padding rows past the counts'
@@ -48,8 +53,10 @@
 #include "cuda/cuda_utils.h"
 #include "cuda/elementwise.h"
 #include "cuda/grouped_gemm.h"
+#include "cuda/layout_rows.h"
 #include "cuda/layout_steps.h"
 #include "cuda/routing.h"
+#include "cuda/sm90_args.h"
 #include "dtype.h"
 #include "sm90/grouped_gemm_sm90.h"
 #include "sm90/k_grouped_gemm_sm90.h"
@@ -75,6 +82,7 @@ struct ForwardWorkspace {
 struct BackwardWorkspace {
     RoutingBuffers routing;
     uint16_t* h;      // [S, 2I] element type: [g, u], then [dg, du]; keep-h mode: saved_h itself (not carved)
+    uint16_t* dh;     // [S, 2I]: h itself, but on the sm_90a path with interleaved dh its own buffer
     uint16_t* act;    // [S, I] element type: s * a (sm_90a path: [S, max(I, H)], later q [S, H] over it)
     float* ds_parts;  // [S, num_ds_parts]: partial sums of ds per row (sm_90a: one per n-tile of I)
     int64_t num_ds_parts;
@@ -85,14 +93,16 @@ struct BackwardWorkspace {
     int* k_schedule;  // sm_90a path: the K-grouped kernel's tile schedule scratch (k_grouped_schedule_ints), else NULL
 
     // act_scratch: on the sm_90a path, the dw13 output when it can hold act (dw13_as_act_scratch), else NULL (carved).
+    // dh_apart: dh gets its own buffer (the sm_90a dSwiGLU epilogue's interleaved dh cannot go over h).
     static BackwardWorkspace carve(WorkspaceCarver& carver, const RoutingPlan& plan, const Shape& shape, bool sm90,
-                                   void* saved_h, void* act_scratch) {
+                                   void* saved_h, void* act_scratch, bool dh_apart = false) {
         BackwardWorkspace workspace;
         const int64_t num_slots = shape.num_slots();
         workspace.routing = RoutingBuffers::carve(carver, plan);
         const int64_t max_cols = std::max(shape.intermediate, shape.hidden);
         workspace.h = saved_h != nullptr ? static_cast<uint16_t*>(saved_h)
                                          : carver.take<uint16_t>(num_slots * 2 * shape.intermediate);
+        workspace.dh = dh_apart ? carver.take<uint16_t>(num_slots * 2 * shape.intermediate) : workspace.h;
         workspace.act = act_scratch != nullptr
                             ? static_cast<uint16_t*>(act_scratch)
                             : carver.take<uint16_t>(num_slots * (sm90 ? max_cols : shape.intermediate));
@@ -180,7 +190,9 @@ bool sm90_disabled_by_env() {
 struct ForwardGemms {
     MGroupedGemmArgs up;
     MGroupedGemmArgs down;
-    bool default_experts;  // the only options the sm_90a kernels run
+    MGroupedGemmArgs sm90_up;  // the same in the weights' layout (cuda/sm90_args.h)
+    MGroupedGemmArgs sm90_down;
+    bool options_ok;  // the sm_90a kernels take the call's expert options
 
     static ForwardGemms make(const Call& call, const RoutingPlan& plan, const ForwardWorkspace& workspace) {
         const Shape& shape = call.shape;
@@ -196,18 +208,20 @@ struct ForwardGemms {
         gemms.down.ldb = shape.intermediate;
         gemms.down.n = shape.hidden;
         gemms.down.k = shape.intermediate;
-        gemms.default_experts = call.default_experts;
+        gemms.sm90_up = sm90_up_args(call, gemms.up);
+        gemms.sm90_down = sm90_w2_args(call, gemms.down);
+        gemms.options_ok = sm90_options_ok(call);
         return gemms;
     }
 
-    bool sm90_ok(int device_index) const { return default_experts && sm90_hardware_ok(device_index); }
+    bool sm90_ok(int device_index) const { return options_ok && sm90_hardware_ok(device_index); }
 
     // The device, dtype and alignment suit the sm_90a kernels (the expert options aside).
     bool sm90_hardware_ok(int device_index) const {
         if (sm90_disabled_by_env()) return false;
         const DeviceInfo info = device_info(device_index);
-        return info.major == 9 && info.minor == 0 && sm90::m_grouped_gemm_sm90_supported(up, true) &&
-               sm90::m_grouped_gemm_sm90_supported(down, false);
+        return info.major == 9 && info.minor == 0 && sm90::m_grouped_gemm_sm90_supported(sm90_up, true) &&
+               sm90::m_grouped_gemm_sm90_supported(sm90_down, false);
     }
 };
 
@@ -228,10 +242,11 @@ megamoe_status_t forward_on_device(const ForwardCall& call) {
     const ForwardGemms gemms = ForwardGemms::make(call, plan, workspace);
     if (gemms.sm90_ok(call.device_index)) {
         const int num_sms = device_info(call.device_index).num_sms;
+        MEGAMOE_CUDA_RETURN_IF_ERROR(sm90::launch_m_grouped_gemm_sm90_swiglu(gemms.sm90_up, call.saved_h, workspace.act,
+                                                                             num_sms, stream, sm90_gated_args(call)));
         MEGAMOE_CUDA_RETURN_IF_ERROR(
-            sm90::launch_m_grouped_gemm_sm90_swiglu(gemms.up, call.saved_h, workspace.act, num_sms, stream));
-        MEGAMOE_CUDA_RETURN_IF_ERROR(sm90::launch_m_grouped_gemm_sm90_store(
-            gemms.down, BLayout::kNK, workspace.out, shape.hidden, shape.num_slots(), num_sms, stream));
+            sm90::launch_m_grouped_gemm_sm90_store(gemms.sm90_down, sm90_down_layout(call), workspace.out, shape.hidden,
+                                                   shape.num_slots(), num_sms, stream, call.b2));
     } else {
         MEGAMOE_CUDA_RETURN_IF_ERROR(launch_up(call, gemms.up, call.saved_h, workspace.act, stream));
         MEGAMOE_CUDA_RETURN_IF_ERROR(launch_down(call, gemms.down, workspace.out, stream));
@@ -262,9 +277,14 @@ struct BackwardGemms {
     MGroupedGemmArgs d_input;
     KGroupedGemmArgs dw13;
     KGroupedGemmArgs dw2;
+    MGroupedGemmArgs sm90_up;  // the M-grouped GEMMs in the weights' layout (cuda/sm90_args.h)
+    MGroupedGemmArgs sm90_d_hidden;
+    MGroupedGemmArgs sm90_d_input;
+    KGroupedGemmArgs sm90_dw13;  // the K-grouped ones, operands swapped for a transposed weight
+    KGroupedGemmArgs sm90_dw2;
     const void* dw13_out;  // NULL: not wanted
     const void* dw2_out;
-    bool default_experts;  // the only options the sm_90a kernels run
+    bool options_ok;  // the sm_90a kernels take the call's expert options
 
     static BackwardGemms make(const BackwardCall& call, const RoutingPlan& plan, const BackwardWorkspace& workspace) {
         const Shape& shape = call.shape;
@@ -278,7 +298,7 @@ struct BackwardGemms {
         gemms.d_hidden.n = shape.intermediate;
         gemms.d_hidden.k = shape.hidden;
         gemms.d_input = gemms.up;
-        gemms.d_input.a = workspace.h;
+        gemms.d_input.a = workspace.dh;
         gemms.d_input.lda = 2 * shape.intermediate;
         gemms.d_input.a_gather_slots = nullptr;
         gemms.d_input.num_a_rows = shape.num_slots();
@@ -293,7 +313,7 @@ struct BackwardGemms {
         weight_grad.schedule = workspace.k_schedule;
         weight_grad.accumulate = call.accumulate_weight_grads;
         gemms.dw13 = weight_grad;
-        gemms.dw13.a = workspace.h;
+        gemms.dw13.a = workspace.dh;
         gemms.dw13.lda = 2 * shape.intermediate;
         gemms.dw13.b = call.x;
         gemms.dw13.ldb = shape.hidden;
@@ -310,26 +330,31 @@ struct BackwardGemms {
         gemms.dw2.n = shape.intermediate;
         gemms.dw13_out = call.dw13.data;
         gemms.dw2_out = call.dw2.data;
-        gemms.default_experts = call.default_experts;
+        gemms.sm90_up = sm90_up_args(call, gemms.up);
+        gemms.sm90_d_hidden = sm90_w2_args(call, gemms.d_hidden);
+        gemms.sm90_d_input = sm90_d_input_args(call, gemms.d_input);
+        gemms.sm90_dw13 = call.layout.w13_transposed ? swapped_operands(gemms.dw13) : gemms.dw13;
+        gemms.sm90_dw2 = call.layout.w2_transposed ? swapped_operands(gemms.dw2) : gemms.dw2;
+        gemms.options_ok = sm90_options_ok(call);
         return gemms;
     }
 
-    bool sm90_ok(int device_index) const { return default_experts && sm90_hardware_ok(device_index); }
+    bool sm90_ok(int device_index) const { return options_ok && sm90_hardware_ok(device_index); }
 
     // The device, dtype and alignment suit the sm_90a kernels (the expert options aside).
     bool sm90_hardware_ok(int device_index) const {
         if (sm90_disabled_by_env()) return false;
         const DeviceInfo info = device_info(device_index);
-        return info.major == 9 && info.minor == 0 && sm90::m_grouped_gemm_sm90_supported(up, true) &&
-               sm90::m_grouped_gemm_sm90_supported(d_hidden, false, BLayout::kKN) &&
-               sm90::m_grouped_gemm_sm90_supported(d_input, false, BLayout::kKN);
+        return info.major == 9 && info.minor == 0 && sm90::m_grouped_gemm_sm90_supported(sm90_up, true) &&
+               sm90::m_grouped_gemm_sm90_supported(sm90_d_hidden, false) &&
+               sm90::m_grouped_gemm_sm90_supported(sm90_d_input, false);
     }
 
     // The weight gradients on the sm_90a K-grouped kernel: opted into, and the M-grouped GEMMs on sm_90a too.
     bool weight_grads_sm90_ok(int device_index) const {
         return sm90_weight_grads_enabled_by_env() && sm90_ok(device_index) &&
-               (dw13_out == nullptr || sm90::k_grouped_gemm_sm90_supported(dw13, dw13_out)) &&
-               (dw2_out == nullptr || sm90::k_grouped_gemm_sm90_supported(dw2, dw2_out));
+               (dw13_out == nullptr || sm90::k_grouped_gemm_sm90_supported(sm90_dw13, dw13_out)) &&
+               (dw2_out == nullptr || sm90::k_grouped_gemm_sm90_supported(sm90_dw2, dw2_out));
     }
 };
 
@@ -379,15 +404,16 @@ struct BackwardPlan {
         plan.use_sm90 = shape.num_slots() > 0 && plan.gemms.sm90_ok(call.device_index);
         plan.weight_grads_sm90 = plan.use_sm90 && plan.gemms.weight_grads_sm90_ok(call.device_index);
         plan.sm90_blocked_by_options =
-            shape.num_slots() > 0 && !call.default_experts && plan.gemms.sm90_hardware_ok(call.device_index);
+            shape.num_slots() > 0 && !sm90_options_ok(call) && plan.gemms.sm90_hardware_ok(call.device_index);
         plan.workspace_bytes = portable_carver.bytes_used();
         plan.act_in_dw13 = false;
         if (plan.use_sm90) {
             WorkspaceCarver carver(call.workspace);
             void* act_scratch = dw13_as_act_scratch(call);
             plan.act_in_dw13 = act_scratch != nullptr;
+            const bool dh_apart = call.layout.gate_up == MEGAMOE_GATE_UP_INTERLEAVED;
             plan.workspace =
-                BackwardWorkspace::carve(carver, plan.routing_plan, shape, true, call.saved_h, act_scratch);
+                BackwardWorkspace::carve(carver, plan.routing_plan, shape, true, call.saved_h, act_scratch, dh_apart);
             plan.gemms = BackwardGemms::make(call, plan.routing_plan, plan.workspace);
             plan.workspace_bytes = carver.bytes_used();
         }
@@ -440,8 +466,8 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
     const bool keep_h = call.saved_h != nullptr;
     const void* h = workspace.h;
     if (!keep_h && use_sm90) {
-        MEGAMOE_CUDA_RETURN_IF_ERROR(
-            sm90::launch_m_grouped_gemm_sm90_swiglu(gemms.up, workspace.h, nullptr, num_sms, stream));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(sm90::launch_m_grouped_gemm_sm90_swiglu(gemms.sm90_up, workspace.h, nullptr,
+                                                                             num_sms, stream, sm90_gated_args(call)));
     } else if (!keep_h) {
         MEGAMOE_CUDA_RETURN_IF_ERROR(launch_up(call, gemms.up, workspace.h, nullptr, stream));
     }
@@ -450,14 +476,32 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
     if (use_sm90) {  // p = dy gathered x w2[e] stays in registers: dh, s * a and ds parts from the epilogue
         sm90::DSwiGLUEpilogueArgs epilogue{};
         epilogue.h = h;
-        epilogue.dh = workspace.h;
+        epilogue.dh = workspace.dh;
         epilogue.act = workspace.act;
         epilogue.ds_parts = workspace.ds_parts;
         epilogue.weights = call.weights;
         epilogue.weights_dtype = call.weights_dtype;
+        epilogue.activation = call.activation;
+        epilogue.dh_interleaved = call.layout.gate_up == MEGAMOE_GATE_UP_INTERLEAVED;
+        epilogue.b_layout = sm90_d_hidden_layout(call);
         MEGAMOE_CUDA_RETURN_IF_ERROR(
-            sm90::launch_m_grouped_gemm_sm90_dswiglu(gemms.d_hidden, epilogue, num_sms, stream));
+            sm90::launch_m_grouped_gemm_sm90_dswiglu(gemms.sm90_d_hidden, epilogue, num_sms, stream));
         num_ds_parts = workspace.num_ds_parts;
+        if (call.b2 != nullptr && call.dweights.data != nullptr) {  // ds's bias term <dy, b2[e]>, on the first part
+            BiasDotArgs bias_dot{};
+            bias_dot.dtype = dtype;
+            bias_dot.dy = call.dy;
+            bias_dot.b2 = call.b2;
+            bias_dot.sorted_slot = routing.sorted_slot;
+            bias_dot.expert_offsets = routing.expert_offsets;
+            bias_dot.num_experts = shape.num_experts;
+            bias_dot.topk = shape.topk;
+            bias_dot.hidden = hidden;
+            bias_dot.ds_parts = workspace.ds_parts;
+            bias_dot.num_ds_parts = num_ds_parts;
+            bias_dot.max_rows = num_slots;
+            MEGAMOE_CUDA_RETURN_IF_ERROR(launch_bias_dot_rows(bias_dot, stream));
+        }
     } else {
         MEGAMOE_CUDA_RETURN_IF_ERROR(launch_d_hidden(call, gemms.d_hidden, workspace.p_then_q, stream));
         DSwiGLUArgs dswiglu{};
@@ -492,15 +536,16 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
 
     // dW2 first: on the sm_90a path q is written over s * a, which only dW2 reads.
     if (call.dw2.data != nullptr) {  // dW2[e] = sum dy (s a)^T
-        MEGAMOE_CUDA_RETURN_IF_ERROR(weight_grads_sm90 ? launch_weight_grad_sm90(gemms.dw2, call.dw2, num_sms, stream)
-                                                       : launch_dw2(call, gemms.dw2, stream));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(weight_grads_sm90
+                                         ? launch_weight_grad_sm90(gemms.sm90_dw2, call.dw2, num_sms, stream)
+                                         : launch_dw2(call, gemms.dw2, stream));
     }
 
     if (call.dx.data != nullptr) {
         // q = dh x w13[e]; then dx_t = sum_j q[row of (t, j)].
         if (use_sm90) {
             MEGAMOE_CUDA_RETURN_IF_ERROR(sm90::launch_m_grouped_gemm_sm90_store(
-                gemms.d_input, BLayout::kKN, workspace.p_then_q, hidden, num_slots, num_sms, stream));
+                gemms.sm90_d_input, sm90_d_input_layout(call), workspace.p_then_q, hidden, num_slots, num_sms, stream));
         } else {
             MEGAMOE_CUDA_RETURN_IF_ERROR(launch_d_input(call, gemms.d_input, workspace.p_then_q, stream));
         }
@@ -519,10 +564,11 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
     }
 
     if (call.dw13.data != nullptr || call.dw3.data != nullptr) {  // dW13[e] = sum dh x^T
-        MEGAMOE_CUDA_RETURN_IF_ERROR(weight_grads_sm90 ? launch_weight_grad_sm90(gemms.dw13, call.dw13, num_sms, stream)
-                                                       : launch_dw13(call, gemms.dw13, stream));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(weight_grads_sm90
+                                         ? launch_weight_grad_sm90(gemms.sm90_dw13, call.dw13, num_sms, stream)
+                                         : launch_dw13(call, gemms.dw13, stream));
     }
-    MEGAMOE_CUDA_RETURN_IF_ERROR(launch_bias_grads(call, routing, workspace.h, stream));
+    MEGAMOE_CUDA_RETURN_IF_ERROR(launch_bias_grads(call, routing, workspace.dh, stream));
     return poison_weight_grads_if_counts_invalid(call, routing);
 }
 
@@ -557,15 +603,20 @@ bool forward_sm90(const ForwardCall& call) {
 
 // Why a call whose device and shapes suit the sm_90a kernels runs the portable ones: its expert options.
 std::string blocked_reason(const Call& call) {
-    return std::string(sm90_blocking_option(call)) +
-           ": the fused sm_90a kernels run only the default layout, SwiGLU and no biases (TODO(#12)); this call runs "
-           "the portable CUDA kernels";
+    const char* option = sm90_blocking_option(call);
+    if (option == nullptr) {  // the options are taken, the biases' alignment is not
+        return "b13 / b2 not 4-byte aligned: the fused sm_90a kernels read the biases as pairs of elements; this call "
+               "runs the portable CUDA kernels";
+    }
+    return std::string(option) +
+           ": the fused sm_90a kernels run every layout, activation and bias but the separate w1 / w3 layout "
+           "(TODO(#12)); this call runs the portable CUDA kernels";
 }
 
 megamoe_path_t forward_path(const ForwardCall& call, std::string* reason) {
     reason->clear();
     if (forward_sm90(call)) return MEGAMOE_PATH_SM90;
-    if (call.shape.num_slots() > 0 && !call.default_experts &&
+    if (call.shape.num_slots() > 0 && !sm90_options_ok(call) &&
         forward_gemms(call).sm90_hardware_ok(call.device_index)) {
         *reason = blocked_reason(call);
     }

@@ -4,6 +4,7 @@
 //   handles columns i, i + 256, ... of the row in order, then H columns likewise for <dy, b2[e]>; a fixed shuffle tree
 //   and the 8 warp sums in warp order give ds (deterministic). Interleaved dh goes through shared memory (2I
 //   elements, dynamic): every thread has read its h values before any dh value is written over the row.
+// bias_dot_rows: dact_rows' bias term alone, per sorted row, added to the row's first ds part.
 // expert_col_sums: block (expert, 256 columns), one thread per column adding the expert's rows in row order.
 #include "cuda/layout_rows.h"
 
@@ -81,6 +82,25 @@ __global__ void __launch_bounds__(kRowThreads) dact_rows_kernel(const DActArgs a
     if (threadIdx.x == 0) args.ds_rows[row_idx] = ds;
 }
 
+// ds_parts[r, 0] += <dy[row of r], b2[e]>: the bias term of ds for the sm_90a dSwiGLU epilogue's partial sums, in
+// dact_rows' order (thread i: columns i, i + 256, ...; block_sum), one thread adding it to the row's first part.
+template <typename T>
+__global__ void __launch_bounds__(kRowThreads) bias_dot_rows_kernel(const BiasDotArgs args) {
+    __shared__ float warp_sums[kRowThreads / kWarpSize];
+    const int64_t row_idx = blockIdx.x;
+    if (row_idx >= args.expert_offsets[args.num_experts]) return;
+    const int64_t slot_idx = slot_of_row(args.sorted_slot, row_idx);
+    const int expert_idx = expert_of_m_tile(args.expert_offsets, args.num_experts, static_cast<int>(row_idx));
+    const T* dy_row = static_cast<const T*>(args.dy) + (slot_idx / args.topk) * args.hidden;
+    const T* bias = static_cast<const T*>(args.b2) + expert_idx * args.hidden;
+    float partial = 0.0f;
+    for (int64_t col = threadIdx.x; col < args.hidden; col += kRowThreads) {
+        partial = fmaf(to_float(dy_row[col]), to_float(bias[col]), partial);
+    }
+    const float dot = block_sum(partial, warp_sums);
+    if (threadIdx.x == 0) args.ds_parts[row_idx * args.num_ds_parts] += dot;
+}
+
 template <typename T, typename OutT, bool kAccumulate>
 __global__ void __launch_bounds__(kColThreads) expert_col_sums_kernel(const ExpertColSumsArgs args) {
     const int64_t expert_idx = blockIdx.x;
@@ -142,6 +162,17 @@ megamoe_status_t launch_dact_rows(const DActArgs& args, cudaStream_t stream) {
     if (args.max_rows == 0) return MEGAMOE_STATUS_SUCCESS;
     return args.dtype == MEGAMOE_DTYPE_BF16 ? launch_dact_rows_typed<__nv_bfloat16>(args, stream)
                                             : launch_dact_rows_typed<__half>(args, stream);
+}
+
+megamoe_status_t launch_bias_dot_rows(const BiasDotArgs& args, cudaStream_t stream) {
+    if (args.max_rows == 0) return MEGAMOE_STATUS_SUCCESS;
+    const dim3 grid(static_cast<unsigned>(args.max_rows));
+    if (args.dtype == MEGAMOE_DTYPE_BF16) {
+        bias_dot_rows_kernel<__nv_bfloat16><<<grid, kRowThreads, 0, stream>>>(args);
+    } else {
+        bias_dot_rows_kernel<__half><<<grid, kRowThreads, 0, stream>>>(args);
+    }
+    return check_launch("bias_dot_rows_kernel");
 }
 
 megamoe_status_t launch_expert_col_sums(const ExpertColSumsArgs& args, cudaStream_t stream) {

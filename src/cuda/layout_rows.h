@@ -41,6 +41,22 @@ struct DActArgs {
 };
 megamoe_status_t launch_dact_rows(const DActArgs& args, cudaStream_t stream);
 
+// The sm_90a path's ds with b2: ds_parts[r * num_ds_parts] += <dy[row of r], b2[e]> for every sorted row r of expert e.
+struct BiasDotArgs {
+    megamoe_dtype_t dtype;      // of dy and b2
+    const void* dy;             // [T, H]: row of slot / topk
+    const void* b2;             // [E, H]
+    const int* sorted_slot;     // [S], or NULL: slot r for row r
+    const int* expert_offsets;  // [E + 1]; rows = expert_offsets[E]
+    int64_t num_experts;
+    int64_t topk;
+    int64_t hidden;
+    float* ds_parts;  // [rows, num_ds_parts]
+    int64_t num_ds_parts;
+    int64_t max_rows;  // host bound on rows (S)
+};
+megamoe_status_t launch_bias_dot_rows(const BiasDotArgs& args, cudaStream_t stream);
+
 struct ExpertColSumsArgs {
     const void* src;  // [*, num_cols] in src_dtype (bf16 / f16)
     megamoe_dtype_t src_dtype;

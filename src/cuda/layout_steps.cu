@@ -25,8 +25,10 @@ megamoe_status_t k_grouped(const KGroupedGemmArgs& args, const megamoe_tensor_t&
     return launch_k_grouped_gemm(args, grad.data, grad.dtype, stream);
 }
 
+}  // namespace
+
 // A K-grouped weight gradient whose output is stored transposed: C^T = B^T A, the operands swapped.
-KGroupedGemmArgs swapped(const KGroupedGemmArgs& args) {
+KGroupedGemmArgs swapped_operands(const KGroupedGemmArgs& args) {
     KGroupedGemmArgs out = args;
     out.a = args.b;
     out.lda = args.ldb;
@@ -39,16 +41,8 @@ KGroupedGemmArgs swapped(const KGroupedGemmArgs& args) {
     return out;
 }
 
-}  // namespace
-
 const char* sm90_blocking_option(const Call& call) {
     if (separate(call)) return "layout.gate_up = separate (w1 / w3)";
-    if (interleaved(call)) return "layout.gate_up = interleaved";
-    if (call.layout.w13_transposed) return "layout.w13_transposed = 1";
-    if (call.layout.w2_transposed) return "layout.w2_transposed = 1";
-    if (call.activation.is_clamped()) return "activation.kind = clamped SwiGLU";
-    if (call.b13 != nullptr) return "b13 (a bias of the up projection)";
-    if (call.b2 != nullptr) return "b2 (a bias of the down projection)";
     return nullptr;
 }
 
@@ -132,13 +126,14 @@ megamoe_status_t launch_dw13(const BackwardCall& call, const KGroupedGemmArgs& a
     const int64_t intermediate = call.shape.intermediate;
     if (!separate(call)) {  // dh in w13's row order: [E, 2I, H] as stored, or its transpose
         if (call.dw13.data == nullptr) return MEGAMOE_STATUS_SUCCESS;
-        return k_grouped(call.layout.w13_transposed ? swapped(args) : args, call.dw13, stream);
+        return k_grouped(call.layout.w13_transposed ? swapped_operands(args) : args, call.dw13, stream);
     }
     KGroupedGemmArgs half = args;  // dh's gate columns [0, I) -> dw13, up columns [I, 2I) -> dw3
     half.m = intermediate;
     for (const megamoe_tensor_t* grad : {&call.dw13, &call.dw3}) {
         if (grad->data != nullptr) {
-            MEGAMOE_CUDA_RETURN_IF_ERROR(k_grouped(call.layout.w13_transposed ? swapped(half) : half, *grad, stream));
+            MEGAMOE_CUDA_RETURN_IF_ERROR(
+                k_grouped(call.layout.w13_transposed ? swapped_operands(half) : half, *grad, stream));
         }
         half.a = advance(args.a, intermediate);
     }
@@ -146,7 +141,7 @@ megamoe_status_t launch_dw13(const BackwardCall& call, const KGroupedGemmArgs& a
 }
 
 megamoe_status_t launch_dw2(const BackwardCall& call, const KGroupedGemmArgs& args, cudaStream_t stream) {
-    return k_grouped(call.layout.w2_transposed ? swapped(args) : args, call.dw2, stream);
+    return k_grouped(call.layout.w2_transposed ? swapped_operands(args) : args, call.dw2, stream);
 }
 
 megamoe_status_t launch_bias_grads(const BackwardCall& call, const RoutingBuffers& routing, const void* dh,

@@ -6,17 +6,20 @@
 //   B_e = b + e * b_expert_stride, either [N, K] K-contiguous (BLayout::kNK: w13[e] [2I, H] for up, w2[e] [H, I]
 //   for down) or [K, N] N-contiguous (BLayout::kKN: w2[e] read as [K = H, N = I] for the backward's dH,
 //   w13[e] read as [K = 2I, N = H] for its dX).
-// Epilogues (policy types, m_grouped_epilogue.cuh): SwiGLUEpilogue writes h = [g, u] (by sorted row, as saved_h keeps
-// it) and / or a = silu(g) * u; StoreEpilogue writes acc in the element type (bf16 / f16), by TMA stores where it can;
-// DSwiGLUEpilogue (the backward's dH, acc = p = W2[e]^T dy) reads the row's g, u, s and writes dh = [dg, du], s * a and
-// the tile's partial sum of ds = <p, a> (one per row and n-tile, added in n-tile order later: deterministic). f32
-// accumulation. No atomics: every output element is written once.
+// Epilogues (policy types, m_grouped_epilogue.cuh, m_grouped_dswiglu.cuh): GatedEpilogue (SwiGLUEpilogue by default)
+// writes h = [g, u] (+ b13; by sorted row, as saved_h keeps it) and / or a = act(g, u); StoreEpilogueOf writes acc
+// (+ b2) in the element type (bf16 / f16), by TMA stores where it can; DSwiGLUEpilogueOf (the backward's dH, acc = p =
+// W2[e]^T dy) reads the row's g, u, s and writes dh = [dg, du] (or interleaved), s * a and the tile's partial sum of
+// ds = <p, a> (one per row and n-tile, added in n-tile order later: deterministic). The activation is a compile-time
+// policy (m_grouped_activation.cuh). f32 accumulation. No atomics: every output element is written once.
 //
 // Tiles (TileConfig in m_grouped_config.cuh, chosen per epilogue by ConfigOf): kBlockM = 128 rows (one M tile of the
 // routing's schedule) x kBlockN columns of B_e (cooperative 256, ping-pong 128) x kBlockK = 64 (one 128-byte
 // swizzled row of 16-bit elements). For SwiGLU, the kBlockN rows of the B tile are kBlockN / 2 gate rows (TMA box 0)
-// followed by the matching up rows I + n0 + [0, kBlockN / 2) (box 1): each thread holds g and u of the same
-// outputs, so SwiGLU is register-local; a tile writes kBlockN / 2 columns of a.
+// followed by the matching up rows I + n0 + [0, kBlockN / 2) (box 1; kKN, w13 stored transposed: the first half of
+// the 64-column boxes from gate column n0, the second from I + n0): each thread holds g and u of the same outputs, so
+// SwiGLU is register-local; a tile writes kBlockN / 2 columns of a. Interleaved w13: the B tile is kBlockN rows (or
+// columns) in storage order, and adjacent accumulator columns are a (g, u) pair, again in one thread.
 // Clusters: 2 CTAs run M tiles 2p and 2p + 1 of the schedule with the same n-tile. When both belong to one expert
 // (most pairs: experts span many M tiles) they need the same B tile, and each CTA loads one of its two boxes and
 // multicasts it to both, which halves B's L2 -> SM traffic. Otherwise each CTA loads both boxes for itself.
@@ -77,6 +80,7 @@
 #include "sm90/epilogue.cuh"
 #include "sm90/launch.h"
 #include "sm90/m_grouped_config.cuh"
+#include "sm90/m_grouped_dswiglu.cuh"
 #include "sm90/m_grouped_epilogue.cuh"
 #include "sm90/ptx.h"
 
@@ -170,7 +174,7 @@ __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensor
             }
         }
         const auto b_first_row =
-            static_cast<int32_t>(tile.n_tile_idx * (Epi::kGateUpPairs ? Config::kBBoxRows : Config::kBlockN));
+            static_cast<int32_t>(tile.n_tile_idx * (Epi::kGateUpHalves ? Config::kBBoxRows : Config::kBlockN));
         for (int k_block_idx = 0; k_block_idx < num_k_blocks; ++k_block_idx) {
             mbarrier_wait(&smem.empty[stage_idx], phase ^ 1);
             uint8_t* tile_a = smem.a[stage_idx];
@@ -186,7 +190,14 @@ __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensor
                 // A shared B tile: boxes [cta_rank, cta_rank + 1) x kKNBoxesPerCta, multicast to both CTAs.
 #pragma unroll
                 for (int box_idx = 0; box_idx < Config::kKNNumBoxes; ++box_idx) {
-                    const auto b_col = static_cast<int32_t>(tile.n_tile_idx * Config::kBlockN + box_idx * kKNBoxCols);
+                    auto b_col = static_cast<int32_t>(tile.n_tile_idx * Config::kBlockN + box_idx * kKNBoxCols);
+                    if constexpr (Epi::kGateUpHalves) {  // boxes [0, half): gate columns; [half, ..): up, n on
+                        constexpr int kHalfBoxes = Config::kKNNumBoxes / 2;
+                        static_assert(kHalfBoxes * 2 == Config::kKNNumBoxes, "kKN gate / up halves are whole boxes");
+                        b_col = static_cast<int32_t>(tile.n_tile_idx * (Config::kBlockN / 2) +
+                                                     (box_idx % kHalfBoxes) * kKNBoxCols +
+                                                     (box_idx < kHalfBoxes ? 0 : params.n));
+                    }
                     uint8_t* box = tile_b + box_idx * kKNBoxBytes;
                     if (!tile.shared_b) {
                         tma_load_3d(box, b_map, full, b_col, k_begin, tile.expert_idx);
@@ -369,14 +380,15 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 // ---------------------------------------------------------------------------------------------------
 // Host side: the TMA descriptors of B and of the store epilogue's output, the launch.
 
-// B as a 3-D tensor [E, rows_per_expert, cols] (cols innermost, 128-byte swizzle): kNK rows of B_e are the N
-// rows, cols K, boxes of b_box_rows x kBlockK; kKN rows are K, cols N, boxes of kBlockK x kKNBoxCols.
-bool encode_b_tensor_map(const cuda::MGroupedGemmArgs& args, BLayout b_layout, int64_t rows_per_expert, int b_box_rows,
-                         CUtensorMap* map) {
+// B as a 3-D tensor [E, rows_per_expert, cols_per_row] (cols innermost, 128-byte swizzle): kNK rows of B_e are the N
+// rows, cols K, boxes of b_box_rows x kBlockK; kKN rows are K, cols N, boxes of kBlockK x kKNBoxCols. N is 2n for
+// gate / up pairs.
+bool encode_b_tensor_map(const cuda::MGroupedGemmArgs& args, BLayout b_layout, int64_t rows_per_expert,
+                         int64_t cols_per_row, int b_box_rows, CUtensorMap* map) {
     const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
     if (encode == nullptr) return false;
     const bool nk = b_layout == BLayout::kNK;
-    const cuuint64_t dims[3] = {static_cast<cuuint64_t>(nk ? args.k : args.n), static_cast<cuuint64_t>(rows_per_expert),
+    const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols_per_row), static_cast<cuuint64_t>(rows_per_expert),
                                 static_cast<cuuint64_t>(args.num_experts)};
     const cuuint64_t strides[2] = {static_cast<cuuint64_t>(args.ldb * kElemBytes),
                                    static_cast<cuuint64_t>(args.b_expert_stride * kElemBytes)};
@@ -407,10 +419,10 @@ MainloopParams make_mainloop_params(const cuda::MGroupedGemmArgs& args) {
 template <typename T, class Epi, BLayout kBLayout>
 megamoe_status_t launch_typed(const cuda::MGroupedGemmArgs& args, const KernelParams<typename Epi::Params>& params,
                               const CUtensorMap& a_map, const CUtensorMap& out_map, int64_t rows_per_expert,
-                              int num_sms, cudaStream_t stream) {
+                              int64_t cols_per_row, int num_sms, cudaStream_t stream) {
     using Config = ConfigOf<Epi>;
     CUtensorMap b_map;
-    if (!encode_b_tensor_map(args, kBLayout, rows_per_expert, Config::kBBoxRows, &b_map)) {
+    if (!encode_b_tensor_map(args, kBLayout, rows_per_expert, cols_per_row, Config::kBBoxRows, &b_map)) {
         return set_error(MEGAMOE_STATUS_CUDA_ERROR, "m_grouped_gemm_sm90: cuTensorMapEncodeTiled failed");
     }
     const int64_t max_tiles = ceil_div(args.max_m_tiles, kClusterSize) * params.mainloop.num_n_tiles;  // cluster tiles
@@ -426,23 +438,107 @@ template <class Epi, BLayout kBLayout>
 megamoe_status_t launch(const cuda::MGroupedGemmArgs& args, const typename Epi::Params& epilogue, int num_sms,
                         cudaStream_t stream, const CUtensorMap& a_map = CUtensorMap{},
                         const CUtensorMap& out_map = CUtensorMap{}) {
-    static_assert(!Epi::kGateUpPairs || kBLayout == BLayout::kNK, "gate / up pairs are rows of w13 read [N, K]");
+    static_assert(!Epi::kGateUpHalves || Epi::kGateUpPairs, "gate / up halves are pairs");
     using Config = ConfigOf<Epi>;
     constexpr bool kPairs = Epi::kGateUpPairs;
     KernelParams<typename Epi::Params> params{make_mainloop_params(args), epilogue};
     params.mainloop.num_n_tiles = ceil_div(args.n, kPairs ? Config::kBlockN / 2 : Config::kBlockN);
-    params.mainloop.second_box_row_offset = kPairs ? args.n : Config::kBBoxRows;
+    params.mainloop.second_box_row_offset = Epi::kGateUpHalves ? args.n : Config::kBBoxRows;
     if (args.max_m_tiles == 0 || params.mainloop.num_n_tiles == 0) return MEGAMOE_STATUS_SUCCESS;
-    const int64_t rows_per_expert = kBLayout == BLayout::kKN ? args.k : (kPairs ? 2 * args.n : args.n);
+    const int64_t b_n = kPairs ? 2 * args.n : args.n;  // N extent of B_e
+    const int64_t rows_per_expert = kBLayout == BLayout::kKN ? args.k : b_n;
+    const int64_t cols_per_row = kBLayout == BLayout::kKN ? b_n : args.k;
     return args.dtype == MEGAMOE_DTYPE_BF16
-               ? launch_typed<__nv_bfloat16, Epi, kBLayout>(args, params, a_map, out_map, rows_per_expert, num_sms,
-                                                            stream)
-               : launch_typed<__half, Epi, kBLayout>(args, params, a_map, out_map, rows_per_expert, num_sms, stream);
+               ? launch_typed<__nv_bfloat16, Epi, kBLayout>(args, params, a_map, out_map, rows_per_expert, cols_per_row,
+                                                            num_sms, stream)
+               : launch_typed<__half, Epi, kBLayout>(args, params, a_map, out_map, rows_per_expert, cols_per_row,
+                                                     num_sms, stream);
+}
+
+// The gated (up) epilogue for the call's options: activation Act, b13 (kBias), interleaved pairs, B kNK or kKN.
+template <class Act, bool kBias, bool kInterleaved>
+megamoe_status_t launch_gated_as(const cuda::MGroupedGemmArgs& args, const GatedArgs& options, void* h, void* act,
+                                 int num_sms, cudaStream_t stream) {
+    using Epi = GatedEpilogue<GatedOptions<Act, kBias, kInterleaved>>;
+    typename Epi::Params epilogue{};
+    epilogue.out = act;
+    epilogue.ldo = args.n;
+    epilogue.h = h;
+    if constexpr (Act::kClamped) {
+        epilogue.limit = options.activation.limit;
+        epilogue.alpha = options.activation.alpha;
+    }
+    if constexpr (kBias) epilogue.bias = options.bias;
+    return options.b_layout == BLayout::kNK ? launch<Epi, BLayout::kNK>(args, epilogue, num_sms, stream)
+                                            : launch<Epi, BLayout::kKN>(args, epilogue, num_sms, stream);
+}
+
+template <class Act>
+megamoe_status_t launch_gated(const cuda::MGroupedGemmArgs& args, const GatedArgs& options, void* h, void* act,
+                              int num_sms, cudaStream_t stream) {
+    if (options.bias != nullptr) {
+        return options.interleaved ? launch_gated_as<Act, true, true>(args, options, h, act, num_sms, stream)
+                                   : launch_gated_as<Act, true, false>(args, options, h, act, num_sms, stream);
+    }
+    return options.interleaved ? launch_gated_as<Act, false, true>(args, options, h, act, num_sms, stream)
+                               : launch_gated_as<Act, false, false>(args, options, h, act, num_sms, stream);
+}
+
+// The dSwiGLU epilogue for activation Act, dh in the interleaved order or [dg, du]; B = w2 read kKN, or kNK when w2
+// is stored transposed.
+template <class Act, bool kInterleaved>
+megamoe_status_t launch_dswiglu(const cuda::MGroupedGemmArgs& args, const DSwiGLUEpilogueArgs& epilogue, int num_sms,
+                                cudaStream_t stream) {
+    using Epi = DSwiGLUEpilogueOf<Act, kInterleaved>;
+    typename Epi::Params params{};
+    params.h = epilogue.h;
+    params.dh = epilogue.dh;
+    params.act = epilogue.act;
+    params.ds_parts = epilogue.ds_parts;
+    params.weights = epilogue.weights;
+    params.weights_dtype = epilogue.weights_dtype;
+    if constexpr (Act::kClamped) {
+        params.limit = epilogue.activation.limit;
+        params.alpha = epilogue.activation.alpha;
+    }
+    return epilogue.b_layout == BLayout::kKN ? launch<Epi, BLayout::kKN>(args, params, num_sms, stream)
+                                             : launch<Epi, BLayout::kNK>(args, params, num_sms, stream);
+}
+
+// The store epilogue (kBias: + b2[e]) on B read b_layout.
+template <bool kBias>
+megamoe_status_t launch_store(const cuda::MGroupedGemmArgs& args, BLayout b_layout, void* out, int64_t ldo,
+                              int64_t num_out_rows, int num_sms, cudaStream_t stream, const void* bias) {
+    using Epi = StoreEpilogueOf<kBias>;
+    typename Epi::Params params{};
+    if constexpr (kBias) params.bias = bias;
+    params.out = out;
+    params.ldo = ldo;
+    // The output's tensor map: boxes of kTmaStoreRows x kTmaStoreCols, clipped at n; only whole boxes inside an
+    // expert's rows are stored, so the row extent (the caller's buffer) is a bound. Store coordinates are int32
+    // (rows below num_out_rows, columns below n + kBlockN). Without the map every row goes out from registers.
+    CUtensorMap out_map{};
+    params.tma_store = out != nullptr && num_out_rows > 0 && num_out_rows <= INT32_MAX &&
+                       args.n <= INT32_MAX - ConfigOf<Epi>::kBlockN && ldo >= args.n &&
+                       encode_2d_sw128_map(args.dtype, out, num_out_rows, args.n, ldo, kTmaStoreRows, kTmaStoreCols,
+                                           CU_TENSOR_MAP_L2_PROMOTION_NONE, &out_map);
+    // A (not gathered: the caller checked m_grouped_gemm_sm90_supported) by TMA boxes of kBlockM rows x kBlockK, zero
+    // fill past num_a_rows and K.
+    if (args.a_gather_slots != nullptr) {
+        return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "m_grouped_gemm_sm90: the store epilogue takes A unpermuted");
+    }
+    CUtensorMap a_map{};
+    if (!encode_2d_sw128_map(args.dtype, args.a, args.num_a_rows, args.k, args.lda, kBlockM, kBlockK,
+                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, &a_map)) {
+        return set_error(MEGAMOE_STATUS_CUDA_ERROR, "m_grouped_gemm_sm90: cuTensorMapEncodeTiled failed for A");
+    }
+    return b_layout == BLayout::kNK ? launch<Epi, BLayout::kNK>(args, params, num_sms, stream, a_map, out_map)
+                                    : launch<Epi, BLayout::kKN>(args, params, num_sms, stream, a_map, out_map);
 }
 
 }  // namespace
 
-bool m_grouped_gemm_sm90_supported(const cuda::MGroupedGemmArgs& args, bool swiglu, BLayout b_layout) {
+bool m_grouped_gemm_sm90_supported(const cuda::MGroupedGemmArgs& args, bool swiglu, BLayout /*b_layout*/) {
     constexpr int64_t kMaxTmaCoord = INT32_MAX;
     const bool dtype_ok = args.dtype == MEGAMOE_DTYPE_BF16 || args.dtype == MEGAMOE_DTYPE_F16;
     const bool sizes_ok = args.n > 0 && args.k > 0 && args.k % kChunkElems == 0 && args.n % kChunkElems == 0 &&
@@ -453,20 +549,18 @@ bool m_grouped_gemm_sm90_supported(const cuda::MGroupedGemmArgs& args, bool swig
                       (args.a_gather_slots != nullptr || (args.num_a_rows > 0 && args.num_a_rows <= kMaxTmaCoord));
     const bool b_ok =
         cuda::is_aligned(args.b, 16) && args.ldb % kChunkElems == 0 && args.b_expert_stride % kChunkElems == 0;
-    const bool layout_ok = !swiglu || b_layout == BLayout::kNK;
-    return dtype_ok && sizes_ok && a_ok && b_ok && layout_ok && tensor_map_encoder() != nullptr;
+    return dtype_ok && sizes_ok && a_ok && b_ok && tensor_map_encoder() != nullptr;
 }
 
 megamoe_status_t launch_m_grouped_gemm_sm90_swiglu(const cuda::MGroupedGemmArgs& args, void* h, void* act, int num_sms,
-                                                   cudaStream_t stream) {
-    if (!cuda::is_aligned(h, 16) || !cuda::is_aligned(act, 16)) {
-        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "m_grouped_gemm_sm90: outputs must be 16-byte aligned");
+                                                   cudaStream_t stream, const GatedArgs& options) {
+    if (!cuda::is_aligned(h, 16) || !cuda::is_aligned(act, 16) || !cuda::is_aligned(options.bias, 4)) {
+        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
+                         "m_grouped_gemm_sm90: outputs must be 16-byte aligned, b13 4-byte aligned");
     }
-    SwiGLUEpilogue::Params epilogue{};
-    epilogue.out = act;
-    epilogue.ldo = args.n;
-    epilogue.h = h;
-    return launch<SwiGLUEpilogue, BLayout::kNK>(args, epilogue, num_sms, stream);
+    return options.activation.is_clamped()
+               ? launch_gated<ClampedSwiGLUActivation>(args, options, h, act, num_sms, stream)
+               : launch_gated<SwiGLUActivation>(args, options, h, act, num_sms, stream);
 }
 
 int64_t dswiglu_sm90_num_ds_parts(int64_t intermediate) {
@@ -480,46 +574,27 @@ megamoe_status_t launch_m_grouped_gemm_sm90_dswiglu(const cuda::MGroupedGemmArgs
         !cuda::is_aligned(epilogue.act, 16)) {
         return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "m_grouped_gemm_sm90: h, dh and act must be 16-byte aligned");
     }
-    DSwiGLUEpilogue::Params params{};
-    params.h = epilogue.h;
-    params.dh = epilogue.dh;
-    params.act = epilogue.act;
-    params.ds_parts = epilogue.ds_parts;
-    params.weights = epilogue.weights;
-    params.weights_dtype = epilogue.weights_dtype;
-    return launch<DSwiGLUEpilogue, BLayout::kKN>(args, params, num_sms, stream);
+    if (epilogue.dh_interleaved && epilogue.dh == epilogue.h) {
+        return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "m_grouped_gemm_sm90: interleaved dh cannot go over h");
+    }
+    if (epilogue.activation.is_clamped()) {
+        return epilogue.dh_interleaved
+                   ? launch_dswiglu<ClampedSwiGLUActivation, true>(args, epilogue, num_sms, stream)
+                   : launch_dswiglu<ClampedSwiGLUActivation, false>(args, epilogue, num_sms, stream);
+    }
+    return epilogue.dh_interleaved ? launch_dswiglu<SwiGLUActivation, true>(args, epilogue, num_sms, stream)
+                                   : launch_dswiglu<SwiGLUActivation, false>(args, epilogue, num_sms, stream);
 }
 
 megamoe_status_t launch_m_grouped_gemm_sm90_store(const cuda::MGroupedGemmArgs& args, BLayout b_layout, void* out,
-                                                  int64_t ldo, int64_t num_out_rows, int num_sms, cudaStream_t stream) {
-    if (!cuda::is_aligned(out, 16) || ldo % kChunkElems != 0) {
+                                                  int64_t ldo, int64_t num_out_rows, int num_sms, cudaStream_t stream,
+                                                  const void* bias) {
+    if (!cuda::is_aligned(out, 16) || ldo % kChunkElems != 0 || !cuda::is_aligned(bias, 4)) {
         return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
-                         "m_grouped_gemm_sm90: out must be 16-byte aligned, ldo % 8 == 0");
+                         "m_grouped_gemm_sm90: out must be 16-byte aligned, ldo % 8 == 0, b2 4-byte aligned");
     }
-    StoreEpilogue::Params params{};
-    params.out = out;
-    params.ldo = ldo;
-    // The output's tensor map: boxes of kTmaStoreRows x kTmaStoreCols, clipped at n; only whole boxes inside an
-    // expert's rows are stored, so the row extent (the caller's buffer) is a bound. Store coordinates are int32
-    // (rows below num_out_rows, columns below n + kBlockN). Without the map every row goes out from registers.
-    CUtensorMap out_map{};
-    params.tma_store = out != nullptr && num_out_rows > 0 && num_out_rows <= INT32_MAX &&
-                       args.n <= INT32_MAX - ConfigOf<StoreEpilogue>::kBlockN && ldo >= args.n &&
-                       encode_2d_sw128_map(args.dtype, out, num_out_rows, args.n, ldo, kTmaStoreRows, kTmaStoreCols,
-                                           CU_TENSOR_MAP_L2_PROMOTION_NONE, &out_map);
-    // A (not gathered: the caller checked m_grouped_gemm_sm90_supported) by TMA boxes of kBlockM rows x kBlockK, zero
-    // fill past num_a_rows and K.
-    if (args.a_gather_slots != nullptr) {
-        return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "m_grouped_gemm_sm90: the store epilogue takes A unpermuted");
-    }
-    CUtensorMap a_map{};
-    if (!encode_2d_sw128_map(args.dtype, args.a, args.num_a_rows, args.k, args.lda, kBlockM, kBlockK,
-                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, &a_map)) {
-        return set_error(MEGAMOE_STATUS_CUDA_ERROR, "m_grouped_gemm_sm90: cuTensorMapEncodeTiled failed for A");
-    }
-    return b_layout == BLayout::kNK
-               ? launch<StoreEpilogue, BLayout::kNK>(args, params, num_sms, stream, a_map, out_map)
-               : launch<StoreEpilogue, BLayout::kKN>(args, params, num_sms, stream, a_map, out_map);
+    return bias != nullptr ? launch_store<true>(args, b_layout, out, ldo, num_out_rows, num_sms, stream, bias)
+                           : launch_store<false>(args, b_layout, out, ldo, num_out_rows, num_sms, stream, nullptr);
 }
 
 }  // namespace megamoe::sm90

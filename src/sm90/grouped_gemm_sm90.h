@@ -14,6 +14,7 @@
 
 #include <cstdint>
 
+#include "activation.h"
 #include "common.h"
 #include "cuda/grouped_gemm.h"
 
@@ -24,11 +25,19 @@ namespace megamoe::sm90 {
 bool m_grouped_gemm_sm90_supported(const cuda::MGroupedGemmArgs& args, bool swiglu,
                                    cuda::BLayout b_layout = cuda::BLayout::kNK);
 
-// Up projection with SwiGLU (B = w13 [E, 2I, H], args.n = I): h = [g, u] ([rows, 2I] by sorted row, the layout of
-// saved_h) and a = silu(g) * u ([rows, I]) in the element type; either may be NULL. `num_sms`: bound on the
-// persistent kernel's grid (the number of co-resident clusters of the device is asked of the runtime).
+// The expert options of the up projection's gated epilogue (all zero: the default, SwiGLU on concatenated rows).
+struct GatedArgs {
+    Activation<float> activation;  // SwiGLU or clamped SwiGLU (limit, alpha)
+    const void* bias;              // b13 [E, 2I] arranged as w13's rows, or NULL
+    bool interleaved;              // w13's gate / up rows (columns when transposed) interleaved: g_i 2i, u_i 2i + 1
+    cuda::BLayout b_layout;        // kNK: w13 [E, 2I, H]; kKN: stored transposed, [E, H, 2I] (args.ldb = 2I)
+};
+
+// Up projection with the gated activation (B = w13, args.n = I): h = [g, u] (+ b13; [rows, 2I] by sorted row, the
+// layout of saved_h whatever w13's) and a = act(g, u) ([rows, I]) in the element type; either may be NULL. `num_sms`:
+// bound on the persistent kernel's grid (the number of co-resident clusters of the device is asked of the runtime).
 megamoe_status_t launch_m_grouped_gemm_sm90_swiglu(const cuda::MGroupedGemmArgs& args, void* h, void* act, int num_sms,
-                                                   cudaStream_t stream);
+                                                   cudaStream_t stream, const GatedArgs& options = GatedArgs{});
 
 // What the dH GEMM's dSwiGLU epilogue reads and writes besides its accumulators p = W2[e]^T dy.
 struct DSwiGLUEpilogueArgs {
@@ -38,21 +47,26 @@ struct DSwiGLUEpilogueArgs {
     float* ds_parts;                // [rows, dswiglu_sm90_num_ds_parts(I)] out: ds per row and n-tile
     const void* weights;            // topk_weights [T * topk]; s of row r = weights[a_gather_slots[r]] (NULL: 1)
     megamoe_dtype_t weights_dtype;  // f32 or the element type
+    Activation<float> activation;   // SwiGLU or clamped SwiGLU
+    bool dh_interleaved;            // dh in the interleaved layout's row order (then dh must not be h)
+    cuda::BLayout b_layout;         // kKN: w2 [E, H, I]; kNK: stored transposed, [E, I, H]
 };
 
 // Partial sums of ds per row that launch_m_grouped_gemm_sm90_dswiglu writes (one per 256-column n-tile of I).
 int64_t dswiglu_sm90_num_ds_parts(int64_t intermediate);
 
-// dH with dSwiGLU fused (A = dy gathered by sorted slot, B = w2[e] read [K = H, N = I] (kKN), args.n = I): p never
-// leaves registers; writes dh, s * a and the ds partial sums of `epilogue` (math of cuda::launch_dswiglu_rows).
+// dH with dSwiGLU fused (A = dy gathered by sorted slot, B = w2[e] read [K = H, N = I] (kKN; kNK when transposed),
+// args.n = I): p never leaves registers; writes dh, s * a and the ds partial sums <p, a> of `epilogue` (math of
+// cuda::launch_dswiglu_rows, or of the activation's backward).
 megamoe_status_t launch_m_grouped_gemm_sm90_dswiglu(const cuda::MGroupedGemmArgs& args,
                                                     const DSwiGLUEpilogueArgs& epilogue, int num_sms,
                                                     cudaStream_t stream);
 
 // out[r, n] = sum_k A[a_row(r), k] B_e(n, k) in the element type, row stride ldo (a multiple of 8); B_e stored
 // [N, K] (kNK) or [K, N] (kKN). `out` holds num_out_rows rows (at least the sorted rows, expert_offsets[E]; the
-// extent of the TMA stores' tensor map).
+// extent of the TMA stores' tensor map). `bias`: b2 [E, N] added to each row of expert e (NULL: none).
 megamoe_status_t launch_m_grouped_gemm_sm90_store(const cuda::MGroupedGemmArgs& args, cuda::BLayout b_layout, void* out,
-                                                  int64_t ldo, int64_t num_out_rows, int num_sms, cudaStream_t stream);
+                                                  int64_t ldo, int64_t num_out_rows, int num_sms, cudaStream_t stream,
+                                                  const void* bias = nullptr);
 
 }  // namespace megamoe::sm90

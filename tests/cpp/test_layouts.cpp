@@ -272,9 +272,11 @@ void label_cuda(std::initializer_list<megamoe_tensor_t*> tensors) {
     }
 }
 
-// Every option is accepted on CUDA tensors, with the default's workspace on the portable path (forward and backward:
-// its buffers serve every layout); the path is the portable one, and its reason (only where a Hopper GPU would take the
-// default on the sm_90a kernels) names the option.
+// Every option is accepted on CUDA tensors, with the default's forward workspace. The separate layout takes the
+// portable path, and its reason (only where a Hopper GPU would take the default on the sm_90a kernels) names it; every
+// other option takes the default's path with no reason, and the default's backward workspace too, but for the
+// interleaved layout on sm_90a (its dh has a buffer of its own there). With MEGAMOE_DISABLE_SM90=1 every option has the
+// default's workspaces (the portable path's buffers serve every layout).
 TEST(LayoutsApi, CudaAcceptsEveryOptionWithTheDefaultsWorkspace) {
     std::mt19937_64 rng(fresh_seed());
     const auto sizes = [](const LayoutProblem& problem, megamoe_path_t* path, std::string* reason) {
@@ -317,30 +319,35 @@ TEST(LayoutsApi, CudaAcceptsEveryOptionWithTheDefaultsWorkspace) {
     LayoutProblem defaults(6, 16, 8, 3, 2, {MEGAMOE_GATE_UP_CONCATENATED, false, false, false, false});
     defaults.make(rng);
     bf16(defaults);
-    megamoe_path_t path = MEGAMOE_PATH_REFERENCE;
-    std::string reason;
-    // The portable path's sizes serve every layout; on a Hopper GPU the default itself runs the sm_90a kernels, whose
-    // backward needs less (no f32 p, and s * a / q in the dw13 output): at most the portable sizes.
-    const auto sm90_default_sizes = sizes(defaults, &path, &reason);
-    EXPECT_EQ(reason, "");
-    setenv("MEGAMOE_DISABLE_SM90", "1", 1);
-    const auto default_sizes = sizes(defaults, &path, &reason);
-    unsetenv("MEGAMOE_DISABLE_SM90");
-    EXPECT_LE(sm90_default_sizes.first, default_sizes.first);
-    EXPECT_LE(sm90_default_sizes.second, default_sizes.second);
-    for (const LayoutCase& c : all_layout_cases()) {
-        LayoutProblem problem(6, 16, 8, 3, 2, c);
-        problem.make(rng);
-        bf16(problem);
-        path = MEGAMOE_PATH_SM90;
-        EXPECT_EQ(sizes(problem, &path, &reason), default_sizes) << c.gate_up << c.w13_transposed << c.w2_transposed;
-        const bool is_default = c.gate_up == MEGAMOE_GATE_UP_CONCATENATED && !c.w13_transposed && !c.w2_transposed &&
-                                !c.clamped && !c.biases;
-        if (is_default) continue;
-        EXPECT_EQ(path, MEGAMOE_PATH_CUDA_PORTABLE);
-        if (!reason.empty()) {  // a Hopper GPU at device 0: the option is named
-            EXPECT_NE(reason.find("the fused sm_90a kernels run only the default layout"), std::string::npos) << reason;
+    for (const bool portable : {false, true}) {
+        if (portable) setenv("MEGAMOE_DISABLE_SM90", "1", 1);
+        megamoe_path_t default_path = MEGAMOE_PATH_REFERENCE, path = MEGAMOE_PATH_REFERENCE;
+        std::string reason;
+        const auto default_sizes = sizes(defaults, &default_path, &reason);
+        EXPECT_EQ(reason, "");
+        for (const LayoutCase& c : all_layout_cases()) {
+            SCOPED_TRACE(describe(c) + (portable ? ", MEGAMOE_DISABLE_SM90=1" : ""));
+            LayoutProblem problem(6, 16, 8, 3, 2, c);
+            problem.make(rng);
+            bf16(problem);
+            const auto got = sizes(problem, &path, &reason);
+            EXPECT_EQ(got.first, default_sizes.first);
+            const bool same_path_kind = c.gate_up != MEGAMOE_GATE_UP_SEPARATE;
+            if (same_path_kind) {
+                EXPECT_EQ(path, default_path);
+                EXPECT_EQ(reason, "");
+                const bool own_dh = c.gate_up == MEGAMOE_GATE_UP_INTERLEAVED && default_path == MEGAMOE_PATH_SM90;
+                if (!own_dh) EXPECT_EQ(got.second, default_sizes.second);
+                continue;
+            }
+            EXPECT_EQ(path, MEGAMOE_PATH_CUDA_PORTABLE);
+            if (default_path == MEGAMOE_PATH_CUDA_PORTABLE) EXPECT_EQ(got.second, default_sizes.second);
+            if (!reason.empty()) {  // a Hopper GPU at device 0: the layout is named
+                EXPECT_NE(reason.find("layout.gate_up = separate"), std::string::npos) << reason;
+                EXPECT_NE(reason.find("but the separate w1 / w3 layout"), std::string::npos) << reason;
+            }
         }
+        if (portable) unsetenv("MEGAMOE_DISABLE_SM90");
     }
 }
 

@@ -3,13 +3,16 @@
 // topk = 1, T = 1, dropped slots, sizes off every tile, odd sizes that force element loads), whole layer and grouped
 // rows, both memory modes; outputs poisoned with NaN before each run, every run twice and bitwise equal; accumulated
 // weight gradients; only the wanted gradients; the path query naming the option (the new row kernels on their own:
-// test_layout_kernels_cuda.cpp).
+// test_layout_kernels_cuda.cpp). The sm_90a kernels take every option but the separate layout (H and I multiples of
+// 8): on a Hopper GPU each combination runs there (the path asserted) and again on the portable kernels
+// (MEGAMOE_DISABLE_SM90=1), both against the reference; elsewhere, and for the other shapes, on the portable kernels.
 // The backward's reference reads the CUDA forward's h (rounded as the device rounds it), so that the clamps of the
 // activation decide alike on both sides. Without a GPU every test skips (the CPU-only API test runs anywhere).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <numeric>
 #include <string>
 #include <vector>
@@ -36,6 +39,9 @@ const RaggedShape kShapes[] = {
     {"empty experts, I past one tile of pairs", 20, 40, 72, 8, 3, Routing::kHalfEmpty},
     {"odd H and I (element loads)", 19, 30, 13, 3, 2, Routing::kSomeDropped},
     {"several M tiles per expert", 150, 136, 72, 2, 2, Routing::kRandom},
+    // sm_90a: two n-tiles of gate / up pairs (128 each; the second starts gate columns 128, up columns I + 128 or pair
+    // 128), two n-tiles of H in down / dX, M tiles in shared-B pairs
+    {"two n-tiles of pairs and of H", 200, 264, 200, 2, 2, Routing::kRandom},
 };
 
 // A problem in f64 holding values the device types hold exactly, and its device-typed twin (bf16, weights f32).
@@ -77,6 +83,16 @@ struct ForwardOut {
     HostTensor y, h;
 };
 
+// The path a call of `problem` should take: sm_90a on a Hopper GPU unless the separate layout, sizes off multiples of
+// 8 or MEGAMOE_DISABLE_SM90; else the portable kernels.
+bool expect_sm90(const LayoutProblem& problem) {
+    std::string reason;
+    const char* disabled = std::getenv("MEGAMOE_DISABLE_SM90");
+    const bool portable = disabled != nullptr && disabled[0] != '\0' && std::string(disabled) != "0";
+    return sm90_available(&reason) && !portable && problem.layout_case.gate_up != MEGAMOE_GATE_UP_SEPARATE &&
+           problem.base.hidden % 8 == 0 && problem.base.intermediate % 8 == 0;
+}
+
 // The CUDA forward of the device twin (saved_h when keep_h), twice: the outputs poisoned before each run, the second
 // run's bits equal to the first's.
 ForwardOut cuda_forward(const LayoutProblem& device, bool keep_h) {
@@ -92,6 +108,9 @@ ForwardOut cuda_forward(const LayoutProblem& device, bool keep_h) {
     DeviceTensor* h_dev = views.upload(&p.saved_h);
     DeviceTensor workspace;
     bind_workspace(p, megamoe_forward_workspace_size, workspace);
+    megamoe_path_t path = MEGAMOE_PATH_REFERENCE;
+    EXPECT_EQ(megamoe_forward_path(&p, &path), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
+    EXPECT_EQ(path, expect_sm90(device) ? MEGAMOE_PATH_SM90 : MEGAMOE_PATH_CUDA_PORTABLE) << megamoe_path_reason();
     ForwardOut first;
     for (int run = 0; run < 2; ++run) {
         y_dev->poison();
@@ -164,6 +183,13 @@ LayoutGrads cuda_backward(const LayoutProblem& device, const BackwardOptions& op
     for (megamoe_tensor_t* view : outputs) out_dev.push_back(views.upload(view));
     DeviceTensor workspace;
     bind_workspace(p, megamoe_backward_workspace_size, workspace);
+    megamoe_path_t path = MEGAMOE_PATH_REFERENCE;
+    EXPECT_EQ(megamoe_backward_path(&p, &path), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
+    if (expect_sm90(device)) {  // the weight gradients may stay portable (their own conditions)
+        EXPECT_TRUE(path == MEGAMOE_PATH_SM90 || path == MEGAMOE_PATH_SM90_PORTABLE_WEIGHT_GRADS) << path;
+    } else {
+        EXPECT_EQ(path, MEGAMOE_PATH_CUDA_PORTABLE) << megamoe_path_reason();
+    }
     LayoutGrads first;
     for (int run = 0; run < 2; ++run) {
         std::vector<HostTensor*> initial = grads_of(host);
@@ -224,8 +250,7 @@ void expect_grads_near(const LayoutGrads& got, const LayoutGrads& want, const Ho
     expect_near_reference(got.db2, want.db2, what + " db2");
 }
 
-TEST(LayoutsCuda, EveryCombinationMatchesTheReference) {
-    SKIP_WITHOUT_CUDA();
+void every_combination_matches_the_reference() {
     std::mt19937_64 rng(fresh_seed());
     SCOPED_TRACE("seed " + std::to_string(fresh_seed()));
     for (const RaggedShape& shape : kShapes) {
@@ -263,10 +288,20 @@ TEST(LayoutsCuda, EveryCombinationMatchesTheReference) {
     }
 }
 
+TEST(LayoutsCuda, EveryCombinationMatchesTheReference) {
+    SKIP_WITHOUT_CUDA();
+    every_combination_matches_the_reference();
+}
+
+TEST(LayoutsCuda, EveryCombinationOnThePortablePath) {
+    SKIP_WITHOUT_CUDA();
+    const ScopedEnv portable("MEGAMOE_DISABLE_SM90", "1");
+    every_combination_matches_the_reference();
+}
+
 // Weight gradients added into f32 buffers (accumulate_weight_grads): buffer + gradient, and the experts without rows
 // (the odd ones here) left bitwise as they were; also with f32 gradients written (not accumulated).
-TEST(LayoutsCuda, AccumulatedAndF32WeightGradients) {
-    SKIP_WITHOUT_CUDA();
+void accumulated_and_f32_weight_gradients() {
     std::mt19937_64 rng(fresh_seed());
     SCOPED_TRACE("seed " + std::to_string(fresh_seed()));
     const RaggedShape shape = {"empty experts", 23, 40, 24, 6, 2, Routing::kHalfEmpty};
@@ -307,6 +342,13 @@ TEST(LayoutsCuda, AccumulatedAndF32WeightGradients) {
     }
 }
 
+TEST(LayoutsCuda, AccumulatedAndF32WeightGradients) {
+    SKIP_WITHOUT_CUDA();
+    accumulated_and_f32_weight_gradients();
+    const ScopedEnv portable("MEGAMOE_DISABLE_SM90", "1");
+    accumulated_and_f32_weight_gradients();
+}
+
 // Each gradient asked for alone is bitwise the one of the full backward (the others are skipped, not needed).
 TEST(LayoutsCuda, OnlyTheWantedGradients) {
     SKIP_WITHOUT_CUDA();
@@ -329,8 +371,7 @@ TEST(LayoutsCuda, OnlyTheWantedGradients) {
 }
 
 // Grouped rows: rows sorted by expert (an empty expert, padding rows past the counts' sum), scores, every option.
-TEST(LayoutsCuda, GroupedRowsMatchTheReference) {
-    SKIP_WITHOUT_CUDA();
+void grouped_rows_match_the_reference() {
     std::mt19937_64 rng(fresh_seed());
     SCOPED_TRACE("seed " + std::to_string(fresh_seed()));
     const int64_t H = 40, I = 24, E = 4, R = 20;
@@ -480,8 +521,15 @@ TEST(LayoutsCuda, GroupedRowsMatchTheReference) {
     }
 }
 
-// The option that moves a call off the sm_90a kernels is named by megamoe_path_reason; the default reports sm90 on a
-// Hopper GPU (elsewhere the portable path, with no reason).
+TEST(LayoutsCuda, GroupedRowsMatchTheReference) {
+    SKIP_WITHOUT_CUDA();
+    grouped_rows_match_the_reference();
+    const ScopedEnv portable("MEGAMOE_DISABLE_SM90", "1");
+    grouped_rows_match_the_reference();
+}
+
+// The options the sm_90a kernels take report sm90 on a Hopper GPU with no reason (elsewhere the portable path, with no
+// reason); the one that moves a call off them (the separate layout) is named by megamoe_path_reason.
 TEST(LayoutsCuda, PathReasonNamesTheOption) {
     SKIP_WITHOUT_CUDA();
     std::mt19937_64 rng(fresh_seed());
@@ -494,11 +542,13 @@ TEST(LayoutsCuda, PathReasonNamesTheOption) {
     } cases[] = {
         {{MEGAMOE_GATE_UP_CONCATENATED, false, false, false, false}, nullptr},
         {{MEGAMOE_GATE_UP_SEPARATE, false, false, false, false}, "layout.gate_up = separate"},
-        {{MEGAMOE_GATE_UP_INTERLEAVED, false, false, false, false}, "layout.gate_up = interleaved"},
-        {{MEGAMOE_GATE_UP_CONCATENATED, true, false, false, false}, "layout.w13_transposed = 1"},
-        {{MEGAMOE_GATE_UP_CONCATENATED, false, true, false, false}, "layout.w2_transposed = 1"},
-        {{MEGAMOE_GATE_UP_CONCATENATED, false, false, true, false}, "activation.kind = clamped SwiGLU"},
-        {{MEGAMOE_GATE_UP_CONCATENATED, false, false, false, true}, "b13"},
+        {{MEGAMOE_GATE_UP_INTERLEAVED, false, false, false, false}, nullptr},
+        {{MEGAMOE_GATE_UP_CONCATENATED, true, false, false, false}, nullptr},
+        {{MEGAMOE_GATE_UP_CONCATENATED, false, true, false, false}, nullptr},
+        {{MEGAMOE_GATE_UP_CONCATENATED, false, false, true, false}, nullptr},
+        {{MEGAMOE_GATE_UP_CONCATENATED, false, false, false, true}, nullptr},
+        {{MEGAMOE_GATE_UP_INTERLEAVED, true, true, true, true}, nullptr},  // gpt-oss
+        {{MEGAMOE_GATE_UP_SEPARATE, true, true, true, true}, "layout.gate_up = separate"},
     };
     for (const auto& c : cases) {
         const Twins twins = make_twins(shape, c.layout_case, rng);

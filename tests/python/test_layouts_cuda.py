@@ -1,10 +1,11 @@
-"""The layouts on a GPU: every layout x activation x bias combination runs on CUDA tensors (the portable kernels; the
-fused sm_90a kernels run only the defaults) and matches the CPU float64 reference on the same bf16 values, whole layer
+"""The layouts on a GPU: every layout x activation x bias combination runs on CUDA tensors (on a Hopper GPU the fused
+sm_90a kernels, which take every option but the separate layout, and again on the portable kernels with
+MEGAMOE_DISABLE_SM90=1; the path asserted) and matches the CPU float64 reference on the same bf16 values, whole layer
 and grouped rows, every gradient, with every output NaN-poisoned before the run, reruns bitwise equal and the memory
 modes bitwise equal to each other. The backward's reference reads the CUDA forward's h (so that the clamps of the
-activation decide alike on both sides). path_of names the portable path and the option (the default still reports
-sm90 on a Hopper GPU), a one-time warning says so, and only the needed gradients are computed. Skipped, with the
-reason, where no GPU is present."""
+activation decide alike on both sides). path_of reports sm90 for the options the sm_90a kernels take and names the
+separate layout when it keeps a call off them, a one-time warning says so, and only the needed gradients are computed.
+Skipped, with the reason, where no GPU is present."""
 
 import warnings
 
@@ -48,7 +49,8 @@ def _run(x, ids, s, dy, p, options, h_in=None, keep_h=True, poison=True):
     fill = _nan_like if poison else torch.zeros_like
     experts = dict(w3=p["w3"], b13=p["b13"], b2=p["b2"])
     y = fill(x)
-    h = x.new_full((ids.numel(), 2 * I), float("nan")) if keep_h else None
+    two_i = 2 * (p["w2"].numel() // (p["w2"].shape[0] * x.shape[1]))  # w2 [E, H, I] or [E, I, H]
+    h = x.new_full((ids.numel(), two_i), float("nan")) if keep_h else None
     _lib.forward_into(x, ids, s, p["w13"], p["w2"], y, h, options, **experts)
     h_fwd = h.clone() if h is not None else None
     saved = h_in.clone() if h_in is not None else h
@@ -76,9 +78,23 @@ def _check_all_close(got, want, what):
         assert err < BF16_TOLERANCE, f"{what}: {name} error {err:.3e}"
 
 
+def _expect_path(layout, x, ids, s, p, activation, portable):
+    """sm90 where the sm_90a kernels take the options (every layout but the separate one; SHAPE's H and I are multiples
+    of 8) on a Hopper GPU, unless MEGAMOE_DISABLE_SM90; else the portable kernels."""
+    experts = dict(w3=p["w3"], b13=p["b13"], b2=p["b2"], layout=LAYOUTS[layout], activation=ACTIVATIONS[activation])
+    sm90 = SM90 and not portable and LAYOUTS[layout].gate_up != "separate"
+    assert megamoe.path_of(x, ids, s, p["w13"], p["w2"], **experts) == ("sm90" if sm90 else "cuda")
+    assert megamoe.path_of(x, ids, s, p["w13"], p["w2"], backward=True, **experts) in (
+        ("sm90", "sm90+cuda-weight-grads") if sm90 else ("cuda",))
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["default", "portable"])
 @pytest.mark.parametrize("layout,activation,bias", COMBINATIONS, ids=["-".join(c) for c in COMBINATIONS])
-def test_every_combination_matches_the_reference(layout, activation, bias, gen):
+def test_every_combination_matches_the_reference(layout, activation, bias, portable, gen, monkeypatch):
+    if portable:
+        monkeypatch.setenv("MEGAMOE_DISABLE_SM90", "1")
     x, ids, s, dy, p = _cuda_problem(LAYOUTS[layout], BIASES[bias], gen)
+    _expect_path(layout, x, ids, s, p, activation, portable)
     options = megamoe.layouts.op_options(LAYOUTS[layout], ACTIVATIONS[activation])
     y, h, grads = _run(x, ids, s, dy, p, options)
     c = _cpu64(dict(x=x, s=s, dy=dy, h=h, **p))
@@ -100,7 +116,8 @@ def _grouped_run(x_sorted, counts, scores, dout, p, options, h_in=None, poison=T
     fill = _nan_like if poison else torch.zeros_like
     experts = dict(w3=p["w3"], b13=p["b13"], b2=p["b2"])
     out = fill(x_sorted)
-    h = x_sorted.new_full((x_sorted.shape[0], 2 * I), float("nan"))
+    two_i = 2 * (p["w2"].numel() // (p["w2"].shape[0] * x_sorted.shape[1]))
+    h = x_sorted.new_full((x_sorted.shape[0], two_i), float("nan"))
     _lib.grouped_forward_into(x_sorted, counts, scores, p["w13"], p["w2"], out, h, options, **experts)
     h_fwd = h.clone()
     grads = dict(dx=fill(x_sorted), dtopk_weights=fill(scores), dw13=fill(p["w13"]), dw3=_nan_like(p["w3"]),
@@ -113,13 +130,40 @@ def _grouped_run(x_sorted, counts, scores, dout, p, options, h_in=None, poison=T
     return out, h_fwd, grads
 
 
+WIDE = (200, 264, 200, 2, 2)  # sm_90a: two n-tiles of gate / up pairs and of H, M tiles in shared-B pairs
+WIDE_CASES = [(layout, "clamped", "both") for layout in LAYOUTS] + [("gpt_oss", "swiglu", "none")]
+
+
+@pytest.mark.parametrize("portable", [False, True], ids=["default", "portable"])
+@pytest.mark.parametrize("layout,activation,bias", WIDE_CASES, ids=["-".join(c) for c in WIDE_CASES])
+def test_wide_shape_matches_the_reference(layout, activation, bias, portable, gen, monkeypatch):
+    """I and H past one tile (the second n-tile's gate / up columns, biases and pairs), every layout."""
+    if portable:
+        monkeypatch.setenv("MEGAMOE_DISABLE_SM90", "1")
+    x, ids, s, dy, p = _cuda_problem(LAYOUTS[layout], BIASES[bias], gen, shape=WIDE, routing="random")
+    _expect_path(layout, x, ids, s, p, activation, portable)
+    options = megamoe.layouts.op_options(LAYOUTS[layout], ACTIVATIONS[activation])
+    y, h, grads = _run(x, ids, s, dy, p, options)
+    c = _cpu64(dict(x=x, s=s, dy=dy, h=h, **p))
+    y_ref, _, ref = _run(c["x"], ids.cpu(), c["s"], c["dy"], {k: c[k] for k in p}, options, h_in=c["h"],
+                         poison=False)
+    _check_all_close({"y": y, **grads}, {"y": y_ref, **ref}, f"wide {layout}/{activation}/{bias}")
+    _, _, recomputed = _run(x, ids, s, dy, p, options, keep_h=False)
+    for name in GRAD_NAMES:
+        if grads[name] is not None:
+            assert _same_bits(recomputed[name], grads[name]), f"wide {layout}: {name} keep-h and recompute differ"
+
+
 GROUPED_CASES = ([(layout, "clamped_tight", "both") for layout in LAYOUTS] +
                  [("gpt_oss", activation, bias) for activation in ACTIVATIONS for bias in BIASES])
 
 
+@pytest.mark.parametrize("portable", [False, True], ids=["default", "portable"])
 @pytest.mark.parametrize("layout,activation,bias", GROUPED_CASES, ids=["-".join(c) for c in GROUPED_CASES])
-def test_grouped_rows_match_the_reference(layout, activation, bias, gen):
+def test_grouped_rows_match_the_reference(layout, activation, bias, portable, gen, monkeypatch):
     """Rows sorted by expert with an empty expert (dropped slots: some experts get none) and 3 padding rows."""
+    if portable:
+        monkeypatch.setenv("MEGAMOE_DISABLE_SM90", "1")
     x, ids, s, dy, p = _cuda_problem(LAYOUTS[layout], BIASES[bias], gen)
     x_sorted, counts, scores, _ = group_rows(x, ids, s, SHAPE[3], num_padding=3, gen=gen)
     counts = counts.cuda()
@@ -162,20 +206,21 @@ def test_autograd_through_the_ops_on_cuda(layout, gen):
         assert rel_err(a, b) < BF16_TOLERANCE, f"{layout}: {name} error {rel_err(a, b):.3e}"
 
 
-# (id, layout, activation, biases, what the reason names)
+# (id, layout, activation, biases, what the reason names: None where the sm_90a kernels take the options)
 OPTION_CASES = [
     ("separate", megamoe.SEPARATE, megamoe.SWIGLU, (False, False), "layout.gate_up = separate"),
-    ("interleaved", megamoe.INTERLEAVED, megamoe.SWIGLU, (False, False), "layout.gate_up = interleaved"),
-    ("hf_transposed", megamoe.HF_TRANSPOSED, megamoe.SWIGLU, (False, False), "layout.w13_transposed = 1"),
-    ("w2_transposed", megamoe.Layout("concatenated", False, True), megamoe.SWIGLU, (False, False),
-     "layout.w2_transposed = 1"),
-    ("clamped", megamoe.CONCATENATED, megamoe.GPT_OSS_ACTIVATION, (False, False), "activation.kind = clamped SwiGLU"),
-    ("b13", megamoe.CONCATENATED, megamoe.SWIGLU, (True, False), "b13 (a bias of the up projection)"),
-    ("b2", megamoe.CONCATENATED, megamoe.SWIGLU, (False, True), "b2 (a bias of the down projection)"),
-    ("gpt_oss", megamoe.GPT_OSS, megamoe.GPT_OSS_ACTIVATION, (True, True), "layout.gate_up = interleaved"),
+    ("separate_gpt_oss", megamoe.Layout("separate", True, True), megamoe.GPT_OSS_ACTIVATION, (True, True),
+     "layout.gate_up = separate"),
+    ("interleaved", megamoe.INTERLEAVED, megamoe.SWIGLU, (False, False), None),
+    ("hf_transposed", megamoe.HF_TRANSPOSED, megamoe.SWIGLU, (False, False), None),
+    ("w2_transposed", megamoe.Layout("concatenated", False, True), megamoe.SWIGLU, (False, False), None),
+    ("clamped", megamoe.CONCATENATED, megamoe.GPT_OSS_ACTIVATION, (False, False), None),
+    ("b13", megamoe.CONCATENATED, megamoe.SWIGLU, (True, False), None),
+    ("b2", megamoe.CONCATENATED, megamoe.SWIGLU, (False, True), None),
+    ("gpt_oss", megamoe.GPT_OSS, megamoe.GPT_OSS_ACTIVATION, (True, True), None),
 ]
 
-ALIGNED = (64, 64, 32, 4, 2)  # sizes the sm_90a kernels take for the default options
+ALIGNED = (64, 64, 32, 4, 2)  # sizes the sm_90a kernels take
 
 
 @pytest.mark.parametrize("name,layout,activation,biases,text", OPTION_CASES, ids=[c[0] for c in OPTION_CASES])
@@ -188,6 +233,10 @@ def test_path_of_names_the_portable_path_and_the_option(name, layout, activation
              megamoe.grouped_path_of(x.repeat(2, 1), counts, p["w13"], p["w2"], **experts),
              megamoe.grouped_path_of(x.repeat(2, 1), counts, p["w13"], p["w2"], backward=True, **experts)]
     for path in paths:
+        if text is None:  # on sm_90a where the GPU is a Hopper one
+            assert path in (("sm90", "sm90+cuda-weight-grads") if SM90 else ("cuda",)), path
+            assert path.reason is None
+            continue
         assert path == "cuda"
         if SM90:
             assert path.reason is not None and text in path.reason, path.reason
@@ -200,7 +249,7 @@ def test_path_of_names_the_portable_path_and_the_option(name, layout, activation
         megamoe.moe(x, ids, s, p["w13"], p["w2"], **experts)
         megamoe.moe(x, ids, s, p["w13"], p["w2"], **experts)
     said = [str(w.message) for w in caught if "portable CUDA kernels" in str(w.message)]
-    assert len(said) == (1 if SM90 else 0), said
+    assert len(said) == (1 if SM90 and text is not None else 0), said
     assert all(text in message for message in said), said
 
 

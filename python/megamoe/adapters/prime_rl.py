@@ -22,8 +22,9 @@ without a gate (gate_proj None) are refused by validate with a ValueError naming
     out = compute(experts, x_sorted, num_tokens_per_expert)   # [R, H] in x's dtype
 
 Computes in the weights' dtype. Expert-parallel DTensor weights (Shard(0)) are read through their local experts
-(megamoe.grouped_moe). Every storage runs on CPU and CUDA; on CUDA, options other than the default layout take the
-portable kernels for now (megamoe.grouped_path_of(...).reason names the option).
+(megamoe.grouped_moe). Every storage runs on CPU and CUDA; on CUDA, the separate w1 / w3 layout takes the
+portable kernels for now (megamoe.grouped_path_of(...).reason names it); every other storage the sm_90a kernels on a
+Hopper GPU.
 """
 
 from typing import NamedTuple, Optional
