@@ -7,6 +7,8 @@ activation decide alike on both sides). path_of reports sm90 for the options the
 separate layout when it keeps a call off them, a one-time warning says so, and only the needed gradients are computed.
 Skipped, with the reason, where no GPU is present."""
 
+import os
+import random
 import warnings
 
 import pytest
@@ -290,3 +292,52 @@ def test_accumulated_weight_gradients_with_options_on_cuda(gen):
         megamoe.moe(x, ids, s, **weights, **options, main_grads=buffers).backward(dy)
     for (name, buffer), grad in zip(buffers.items(), fresh):
         assert rel_err(buffer, 2 * grad.float()) < BF16_TOLERANCE, name
+
+
+GPU_SWEEP_SEED = int(os.environ.get("MEGAMOE_SWEEP_SEED", "12"))
+GPU_SWEEP_CASES = int(os.environ.get("MEGAMOE_GPU_SWEEP_CASES", "32"))  # raise it for a longer sweep
+
+
+def _gpu_sweep_case(index):
+    """Case `index` of the GPU sweep: larger than the CPU sweep's (tiles and their tails), H and I multiples of 8 in
+    half the cases (the sm_90a kernels' condition) and any size in the others (the portable kernels)."""
+    rng = random.Random(GPU_SWEEP_SEED * 100019 + index)
+    aligned = rng.random() < 0.5
+    size = (lambda lo, hi: 8 * rng.randint(lo // 8, hi // 8)) if aligned else rng.randint
+    E = rng.choice([1, 2, 3, 5, 8, 16])
+    case = dict(T=rng.choice([0, 1, 3, 17, 64, 150, 300]), H=size(8, 272), I=size(8, 208), E=E,
+                topk=rng.randint(1, min(E, 4)), routing=rng.choice(["random", "dropped", "one_expert", "half_empty"]),
+                layout=rng.choice(list(LAYOUTS)), activation=rng.choice(list(ACTIVATIONS)),
+                bias=rng.choice(list(BIASES)), keep_h=rng.random() < 0.5)
+    if case["routing"] == "half_empty" and E == 1:
+        case["routing"] = "random"
+    return case
+
+
+@pytest.mark.parametrize("index", range(GPU_SWEEP_CASES))
+def test_seeded_sweep_on_cuda(index, gen):
+    """Random shapes (T = 0 and tails off every tile included), routings, layouts, activations, biases and memory
+    modes on CUDA against the CPU float64 reference on the same bf16 values (the backward's reference reads the CUDA
+    forward's h), outputs NaN-poisoned; the case is fixed by MEGAMOE_SWEEP_SEED and its index, the data by the test's
+    seed; the path is whichever the call takes (printed); recompute mode bitwise equal to keep-h."""
+    c = _gpu_sweep_case(index)
+    x, ids, s, dy, p = _cuda_problem(LAYOUTS[c["layout"]], BIASES[c["bias"]], gen,
+                                     shape=(c["T"], c["H"], c["I"], c["E"], c["topk"]), routing=c["routing"])
+    experts = dict(w3=p["w3"], b13=p["b13"], b2=p["b2"], layout=LAYOUTS[c["layout"]],
+                   activation=ACTIVATIONS[c["activation"]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        print(c, "path:", megamoe.path_of(x, ids, s, p["w13"], p["w2"], **experts))
+    options = megamoe.layouts.op_options(LAYOUTS[c["layout"]], ACTIVATIONS[c["activation"]])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        y, h, grads = _run(x, ids, s, dy, p, options, keep_h=True)
+        recomputed = None if c["keep_h"] else _run(x, ids, s, dy, p, options, keep_h=False)[2]
+    cpu = _cpu64(dict(x=x, s=s, dy=dy, h=h, **p))
+    y_ref, _, ref = _run(cpu["x"], ids.cpu(), cpu["s"], cpu["dy"], {k: cpu[k] for k in p}, options, h_in=cpu["h"],
+                         poison=False)
+    _check_all_close({"y": y, **grads}, {"y": y_ref, **ref}, str(c))
+    if recomputed is not None and x.is_cuda:  # CUDA rounds h alike in both modes: bitwise the same gradients
+        for name in GRAD_NAMES:
+            if grads[name] is not None:
+                assert _same_bits(recomputed[name], grads[name]), f"{c}: {name} keep-h and recompute differ"
