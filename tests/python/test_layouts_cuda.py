@@ -90,6 +90,22 @@ def _expect_path(layout, x, ids, s, p, activation, portable):
         ("sm90", "sm90+cuda-weight-grads") if sm90 else ("cuda",))
 
 
+def _check_layer(x, ids, s, dy, p, options, what):
+    """The whole layer on CUDA (keep-h) against the CPU float64 reference on the same values (its backward reading the
+    CUDA forward's h), then recompute mode bitwise equal to keep-h on CUDA (h rounded alike in both). Returns the
+    forward's y and h and the keep-h gradients."""
+    y, h, grads = _run(x, ids, s, dy, p, options)
+    c = _cpu64(dict(x=x, s=s, dy=dy, h=h, **p))
+    y_ref, _, ref = _run(c["x"], ids.cpu(), c["s"], c["dy"], {k: c[k] for k in p}, options, h_in=c["h"],
+                         poison=False)
+    _check_all_close({"y": y, **grads}, {"y": y_ref, **ref}, what)
+    _, _, recomputed = _run(x, ids, s, dy, p, options, keep_h=False)
+    for name in GRAD_NAMES:
+        if grads[name] is not None and x.is_cuda:  # the CPU reference recomputes h unrounded
+            assert _same_bits(recomputed[name], grads[name]), f"{what}: {name} keep-h and recompute differ"
+    return y, h, grads
+
+
 @pytest.mark.parametrize("portable", [False, True], ids=["default", "portable"])
 @pytest.mark.parametrize("layout,activation,bias", COMBINATIONS, ids=["-".join(c) for c in COMBINATIONS])
 def test_every_combination_matches_the_reference(layout, activation, bias, portable, gen, monkeypatch):
@@ -98,20 +114,13 @@ def test_every_combination_matches_the_reference(layout, activation, bias, porta
     x, ids, s, dy, p = _cuda_problem(LAYOUTS[layout], BIASES[bias], gen)
     _expect_path(layout, x, ids, s, p, activation, portable)
     options = megamoe.layouts.op_options(LAYOUTS[layout], ACTIVATIONS[activation])
-    y, h, grads = _run(x, ids, s, dy, p, options)
-    c = _cpu64(dict(x=x, s=s, dy=dy, h=h, **p))
-    y_ref, _, ref = _run(c["x"], ids.cpu(), c["s"], c["dy"], {k: c[k] for k in p}, options, h_in=c["h"],
-                         poison=False)
     what = f"{layout}/{activation}/{bias}"
-    _check_all_close({"y": y, **grads}, {"y": y_ref, **ref}, what)
+    y, h, grads = _check_layer(x, ids, s, dy, p, options, what)
     y2, h2, again = _run(x, ids, s, dy, p, options)
     assert _same_bits(y2, y) and _same_bits(h2, h), f"{what}: the forward's rerun differs"
-    _, _, recomputed = _run(x, ids, s, dy, p, options, keep_h=False)
     for name in GRAD_NAMES:
         if grads[name] is not None:
             assert _same_bits(again[name], grads[name]), f"{what}: {name} rerun differs"
-            if x.is_cuda:  # CUDA rounds h alike in both modes (the CPU reference recomputes it unrounded)
-                assert _same_bits(recomputed[name], grads[name]), f"{what}: {name} keep-h and recompute differ"
 
 
 def _grouped_run(x_sorted, counts, scores, dout, p, options, h_in=None, poison=True):
@@ -145,15 +154,7 @@ def test_wide_shape_matches_the_reference(layout, activation, bias, portable, ge
     x, ids, s, dy, p = _cuda_problem(LAYOUTS[layout], BIASES[bias], gen, shape=WIDE, routing="random")
     _expect_path(layout, x, ids, s, p, activation, portable)
     options = megamoe.layouts.op_options(LAYOUTS[layout], ACTIVATIONS[activation])
-    y, h, grads = _run(x, ids, s, dy, p, options)
-    c = _cpu64(dict(x=x, s=s, dy=dy, h=h, **p))
-    y_ref, _, ref = _run(c["x"], ids.cpu(), c["s"], c["dy"], {k: c[k] for k in p}, options, h_in=c["h"],
-                         poison=False)
-    _check_all_close({"y": y, **grads}, {"y": y_ref, **ref}, f"wide {layout}/{activation}/{bias}")
-    _, _, recomputed = _run(x, ids, s, dy, p, options, keep_h=False)
-    for name in GRAD_NAMES:
-        if grads[name] is not None:
-            assert _same_bits(recomputed[name], grads[name]), f"wide {layout}: {name} keep-h and recompute differ"
+    _check_layer(x, ids, s, dy, p, options, f"wide {layout}/{activation}/{bias}")
 
 
 GROUPED_CASES = ([(layout, "clamped_tight", "both") for layout in LAYOUTS] +
@@ -308,7 +309,7 @@ def _gpu_sweep_case(index):
     case = dict(T=rng.choice([0, 1, 3, 17, 64, 150, 300]), H=size(8, 272), I=size(8, 208), E=E,
                 topk=rng.randint(1, min(E, 4)), routing=rng.choice(["random", "dropped", "one_expert", "half_empty"]),
                 layout=rng.choice(list(LAYOUTS)), activation=rng.choice(list(ACTIVATIONS)),
-                bias=rng.choice(list(BIASES)), keep_h=rng.random() < 0.5)
+                bias=rng.choice(list(BIASES)))
     if case["routing"] == "half_empty" and E == 1:
         case["routing"] = "random"
     return case
@@ -317,9 +318,9 @@ def _gpu_sweep_case(index):
 @pytest.mark.parametrize("index", range(GPU_SWEEP_CASES))
 def test_seeded_sweep_on_cuda(index, gen):
     """Random shapes (T = 0 and tails off every tile included), routings, layouts, activations, biases and memory
-    modes on CUDA against the CPU float64 reference on the same bf16 values (the backward's reference reads the CUDA
-    forward's h), outputs NaN-poisoned; the case is fixed by MEGAMOE_SWEEP_SEED and its index, the data by the test's
-    seed; the path is whichever the call takes (printed); recompute mode bitwise equal to keep-h."""
+    modes on CUDA against the CPU float64 reference on the same bf16 values (_check_layer), outputs NaN-poisoned;
+    the case is fixed by MEGAMOE_SWEEP_SEED and its index, the data by the test's seed; the path is whichever the
+    call takes (printed)."""
     c = _gpu_sweep_case(index)
     x, ids, s, dy, p = _cuda_problem(LAYOUTS[c["layout"]], BIASES[c["bias"]], gen,
                                      shape=(c["T"], c["H"], c["I"], c["E"], c["topk"]), routing=c["routing"])
@@ -331,13 +332,4 @@ def test_seeded_sweep_on_cuda(index, gen):
     options = megamoe.layouts.op_options(LAYOUTS[c["layout"]], ACTIVATIONS[c["activation"]])
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        y, h, grads = _run(x, ids, s, dy, p, options, keep_h=True)
-        recomputed = None if c["keep_h"] else _run(x, ids, s, dy, p, options, keep_h=False)[2]
-    cpu = _cpu64(dict(x=x, s=s, dy=dy, h=h, **p))
-    y_ref, _, ref = _run(cpu["x"], ids.cpu(), cpu["s"], cpu["dy"], {k: cpu[k] for k in p}, options, h_in=cpu["h"],
-                         poison=False)
-    _check_all_close({"y": y, **grads}, {"y": y_ref, **ref}, str(c))
-    if recomputed is not None and x.is_cuda:  # CUDA rounds h alike in both modes: bitwise the same gradients
-        for name in GRAD_NAMES:
-            if grads[name] is not None:
-                assert _same_bits(recomputed[name], grads[name]), f"{c}: {name} keep-h and recompute differ"
+        _check_layer(x, ids, s, dy, p, options, str(c))
