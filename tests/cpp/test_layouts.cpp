@@ -336,8 +336,10 @@ TEST(LayoutsApi, CudaAcceptsEveryOptionWithTheDefaultsWorkspace) {
             if (same_path_kind) {
                 EXPECT_EQ(path, default_path);
                 EXPECT_EQ(reason, "");
-                const bool own_dh = c.gate_up == MEGAMOE_GATE_UP_INTERLEAVED && default_path == MEGAMOE_PATH_SM90;
-                if (!own_dh) EXPECT_EQ(got.second, default_sizes.second);
+                // On sm_90a the backward's size also depends on where these host buffers happen to lie (act goes into
+                // the dw13 output only when it is 256-byte aligned) and interleaved dh has a buffer of its own: the
+                // portable run (MEGAMOE_DISABLE_SM90=1) checks the backward sizes.
+                if (default_path != MEGAMOE_PATH_SM90) EXPECT_EQ(got.second, default_sizes.second);
                 continue;
             }
             EXPECT_EQ(path, MEGAMOE_PATH_CUDA_PORTABLE);
