@@ -13,13 +13,14 @@ import argparse
 import datetime
 import json
 import os
-import subprocess
 
 import torch
 
 import megamoe
 import megamoe.hf  # noqa: F401  (registers experts_implementation="megamoe")
-from timing import CudaTimer, HostTimer, per_call
+from bench import device_name, git_commit
+from report import slug
+from timing import CudaTimer, HostTimer, per_call, rel_diff
 
 IMPLEMENTATIONS = ("megamoe", "grouped_mm")
 
@@ -62,11 +63,6 @@ def run(model, experts, impl, x, ids, weights, dy=None):
     return y, torch.autograd.grad(y, [xg, wg, *params], dy)
 
 
-def rel_err(a, b):
-    a, b = a.double(), b.double()
-    return ((a - b).norm() / b.norm().clamp_min(1e-30)).item()
-
-
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--tokens", type=int, default=8192)
@@ -96,7 +92,7 @@ def main(argv=None):
     errors = {}
     for impl in impls + ["eager"]:  # eager in bf16: the error a bf16 implementation is expected to have
         y, grads = run(model, experts, impl, x, ids, weights, dy)
-        errors[impl] = {"y": rel_err(y, want), **{n: rel_err(g, w) for n, g, w in zip(names, grads, want_grads)}}
+        errors[impl] = {"y": rel_diff(y, want), **{n: rel_diff(g, w) for n, g, w in zip(names, grads, want_grads)}}
     del want, want_grads
 
     timer = CudaTimer() if args.device == "cuda" else HostTimer()
@@ -106,11 +102,9 @@ def main(argv=None):
             "fwd_ms": per_call(lambda: run(model, experts, impl, x, ids, weights), timer, 2, args.iters, 5.0)["ms"],
             "fwdbwd_ms": per_call(lambda: run(model, experts, impl, x, ids, weights, dy), timer, 2, args.iters,
                                   5.0)["ms"]}
-    commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                            cwd=os.path.dirname(os.path.abspath(__file__))).stdout.strip() or os.environ.get(
-        "MEGAMOE_COMMIT", "unknown")
-    gpu = torch.cuda.get_device_name() if args.device == "cuda" else "cpu"
-    record = {"date": datetime.date.today().isoformat(), "gpu": gpu, "commit": os.environ.get("MEGAMOE_COMMIT", commit),
+    commit, _ = git_commit()
+    gpu = device_name(args.device)
+    record = {"date": datetime.date.today().isoformat(), "gpu": gpu, "commit": commit,
               "args": vars(args), "megamoe_path": str(path), "megamoe_path_reason": getattr(path, "reason", None),
               "errors": errors, "times": times}
     base = times.get("grouped_mm", times[impls[0]])
@@ -130,7 +124,7 @@ def main(argv=None):
     print(json.dumps(errors, indent=1))
     if args.out:
         os.makedirs(args.out, exist_ok=True)
-        stem = os.path.join(args.out, f"{record['date']}-{gpu.lower().replace(' ', '-')}-{record['commit']}-gpt-oss")
+        stem = os.path.join(args.out, f"{record['date']}-{slug(gpu)}-{slug(commit)}-gpt-oss")
         with open(stem + ".json", "w") as f:
             json.dump(record, f, indent=1)
         with open(stem + ".md", "w") as f:
