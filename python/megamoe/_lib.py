@@ -78,6 +78,9 @@ class CActivation(ctypes.Structure):
 _EXPERT_FIELDS = [("w3", Tensor), ("b13", Tensor), ("b2", Tensor)]
 _EXPERT_GRAD_FIELDS = [("dw3", Tensor), ("db13", Tensor), ("db2", Tensor)]
 _OPTION_FIELDS = [("layout", CLayout), ("activation", CActivation)]
+# accumulation precision, the caller's workspace and stream: after the tensors of every params struct
+_RUN_FIELDS = [("accum", ctypes.c_int), ("workspace", ctypes.c_void_p), ("workspace_bytes", ctypes.c_size_t),
+               ("stream", ctypes.c_void_p)]
 
 
 class ForwardParams(ctypes.Structure):
@@ -89,10 +92,7 @@ class ForwardParams(ctypes.Structure):
         ("w2", Tensor),
         ("y", Tensor),
         ("saved_h", Tensor),
-        ("accum", ctypes.c_int),
-        ("workspace", ctypes.c_void_p),
-        ("workspace_bytes", ctypes.c_size_t),
-        ("stream", ctypes.c_void_p),
+        *_RUN_FIELDS,
         *_EXPERT_FIELDS,
         *_OPTION_FIELDS,
     ]
@@ -111,10 +111,7 @@ class BackwardParams(ctypes.Structure):
         ("dtopk_weights", Tensor),
         ("dw13", Tensor),
         ("dw2", Tensor),
-        ("accum", ctypes.c_int),
-        ("workspace", ctypes.c_void_p),
-        ("workspace_bytes", ctypes.c_size_t),
-        ("stream", ctypes.c_void_p),
+        *_RUN_FIELDS,
         *_EXPERT_FIELDS,
         *_EXPERT_GRAD_FIELDS,
         *_OPTION_FIELDS,
@@ -131,10 +128,7 @@ class GroupedForwardParams(ctypes.Structure):
         ("w2", Tensor),
         ("out", Tensor),
         ("saved_h", Tensor),
-        ("accum", ctypes.c_int),
-        ("workspace", ctypes.c_void_p),
-        ("workspace_bytes", ctypes.c_size_t),
-        ("stream", ctypes.c_void_p),
+        *_RUN_FIELDS,
         *_EXPERT_FIELDS,
         *_OPTION_FIELDS,
     ]
@@ -153,10 +147,7 @@ class GroupedBackwardParams(ctypes.Structure):
         ("dscores", Tensor),
         ("dw13", Tensor),
         ("dw2", Tensor),
-        ("accum", ctypes.c_int),
-        ("workspace", ctypes.c_void_p),
-        ("workspace_bytes", ctypes.c_size_t),
-        ("stream", ctypes.c_void_p),
+        *_RUN_FIELDS,
         *_EXPERT_FIELDS,
         *_EXPERT_GRAD_FIELDS,
         *_OPTION_FIELDS,
