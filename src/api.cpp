@@ -2,8 +2,8 @@
 // dispatch to the CPU reference or the CUDA path. Two entry points share the checks (validate.h) and one dispatch
 // body (run_entry): the whole layer (topk_ids routed by the library) and grouped rows (rows already sorted by
 // expert, tokens_per_expert counts). megamoe_*_path report the path a call takes, and megamoe_path_reason why a call
-// the fused sm_90a kernels would run takes the portable ones (its expert options). Also the version and the ABI guard
-// (megamoe_abi_version, megamoe_struct_size).
+// the fused sm_90a kernels would run takes the portable ones (its expert parameters' alignment). Also the version and
+// the ABI guard (megamoe_abi_version, megamoe_struct_size).
 #include <string>
 
 #include "common.h"

@@ -54,9 +54,9 @@
  *                 is zero where a clamp is active (g >= limit, |u| >= limit: the minimum-norm subgradient)
  * With them, per routed slot: h = [g, u] = W13[e] x + b13[e], a = act(g, u), o = W2[e] a + b2[e], y = sum_j s o;
  * saved_h holds h (bias included) as [g, u] (the I gate columns, then the I up columns) whatever the layout. CUDA runs
- * every option: the fused sm_90a kernels run only the default layout, SwiGLU and no biases (TODO(#12)), so any other
- * option runs on the portable CUDA kernels of the same device; megamoe_*_path() tell which path a call would take and
- * megamoe_path_reason() names the option that kept it off the sm_90a kernels.
+ * every option, on the fused sm_90a kernels too (a Hopper GPU; w3 16-byte aligned as w13, b13 / b2 4-byte aligned,
+ * else the portable CUDA kernels of the same device); megamoe_*_path() tell which path a call would take and
+ * megamoe_path_reason() names what kept it off the sm_90a kernels.
  *
  * Weight gradients accumulated in place (both backwards, accumulate_weight_grads = 1; Megatron's fp32 main_grad,
  * FSDP2's fp32 reduce): every present one of dw13, dw3, dw2, db13, db2 must be f32 and already hold values; the
@@ -308,10 +308,10 @@ MEGAMOE_API megamoe_status_t megamoe_grouped_forward_path(const megamoe_grouped_
 MEGAMOE_API megamoe_status_t megamoe_grouped_backward_path(const megamoe_grouped_backward_params_t* params,
                                                            megamoe_path_t* path);
 /* Why the last successful megamoe_*_path call of this thread returned the portable path for a call the fused sm_90a
- * kernels would otherwise run: the expert option that keeps it off them, e.g. "layout.gate_up = interleaved: the
- * fused sm_90a kernels run only the default layout, SwiGLU and no biases ...". "" when no option did (the default
- * options, CPU tensors, or a device / shape the sm_90a kernels do not run anyway) or after a failed query. Never
- * NULL; valid until the thread's next megamoe_*_path call. */
+ * kernels would otherwise run: the expert parameter that keeps it off them, e.g. "w3 not 16-byte aligned: the fused
+ * sm_90a kernels read it by TMA, as w13; this call runs the portable CUDA kernels". "" when none did (CPU tensors, or
+ * a device / shape the sm_90a kernels do not run anyway) or after a failed query. Never NULL; valid until the
+ * thread's next megamoe_*_path call. */
 MEGAMOE_API const char* megamoe_path_reason(void);
 /* A fixed name for a path: "reference", "cuda", "sm90", "sm90+cuda-weight-grads". Never NULL. */
 MEGAMOE_API const char* megamoe_path_string(megamoe_path_t path);

@@ -327,7 +327,8 @@ def call(kind, tensors, options=None, **fields):
 
 class Path(str):
     """The name of an implementation (PATH_NAMES; compares equal to it) with `reason`: why a call the fused sm_90a
-    kernels would run takes the portable CUDA kernels (the expert option that keeps it off them), else None."""
+    kernels would run takes the portable CUDA kernels (the expert parameter that keeps it off them: a misaligned w3 or
+    bias), else None."""
 
     def __new__(cls, name, reason=None):
         path = super().__new__(cls, name)

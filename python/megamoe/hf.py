@@ -21,9 +21,8 @@ the gradients come back in that layout):
 The gate / up arrangement is the gate's (transformers' default gate splits by chunk: concatenated); an
 `is_concatenated` flag that disagrees with it is refused. Experts megamoe cannot compute (no gate, a custom gate or an
 activation other than SiLU, a post-expert norm, that disagreement) raise NotImplementedError naming the reason. Every
-layout, the biases and the clamped SwiGLU run on CPU and CUDA tensors alike (on CUDA, the separate w1 / w3 storage
-takes the portable kernels for now: megamoe.path_of(...).reason names it, TODO(#12); every other option the fused
-sm_90a kernels on a Hopper GPU); a NotImplementedError of
+layout, the biases and the clamped SwiGLU run on CPU and CUDA tensors alike (on CUDA every option on the fused sm_90a
+kernels on a Hopper GPU); a NotImplementedError of
 megamoe's is re-raised here naming the experts module, never turned into a silent per-step copy.
 
 Expert parallelism (transformers' `DistributedConfig(ep_size=...)`, `transformers.distributed.expert_parallel`): the

@@ -455,9 +455,8 @@ def path_of(x, topk_ids, topk_weights, w13, w2, *, w3=None, b13=None, b2=None, l
             backward=False):
     """Which implementation megamoe.moe's forward (backward=True: its backward) runs on these arguments: "reference"
     (CPU tensors), "cuda" (the portable CUDA kernels), "sm90" (the fused Hopper kernels) or "sm90+cuda-weight-grads"
-    (backward: sm_90a GEMMs, portable weight gradients), as a str with `.reason`: the expert option that keeps a call
-    the fused sm_90a kernels would otherwise run on the portable ones (e.g. "layout.gate_up = separate (w1 / w3): ..."), else
-    None. Reads no data (allocates one [T, H] output for the forward's query)."""
+    (backward: sm_90a GEMMs, portable weight gradients), as a str with `.reason`: what keeps a call the fused sm_90a
+    kernels would otherwise run on the portable ones (e.g. "w3 not 16-byte aligned: ..."), else None. Reads no data (allocates one [T, H] output for the forward's query)."""
     w13, w2, w3, b13, b2 = _replicated_weights("megamoe.path_of", x, topk_ids, topk_weights, w13, w2, w3, b13, b2)
     _check_args(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13, w2=w2, w3=w3, b13=b13, b2=b2)
     x, topk_ids, topk_weights, w13, w2, w3, b13, b2 = _all_contiguous(

@@ -30,11 +30,13 @@
 //           the rest of the sm_90a backward, unless MEGAMOE_SM90_WEIGHT_GRADS=0 keeps them on the portable kernel.
 // Non-default expert options (layouts, clamped SwiGLU, biases) run on the portable kernels through layout_steps.h (the
 // same steps, B read in the weights' layout, dh in w13's row order, bias gradients as per-expert column sums), and on
-// the sm_90a kernels (cuda/sm90_args.h) all but the separate w1 / w3 layout: the gated epilogue takes the activation,
-// b13 and the interleaved pairs, B read kKN where w13 is stored transposed; the down GEMM's store epilogue adds b2; the
-// dSwiGLU epilogue writes dh in w13's row order (interleaved: into its own buffer, not over h), ds's bias term
-// <dy, b2[e]> is added to the first ds part by a row kernel; dX and dW13 read dh as w13 stores its rows (transposed:
-// kNK / the operands swapped), dW2 likewise for a transposed w2; db13 / db2 are the portable column sums on both.
+// the sm_90a kernels (cuda/sm90_args.h) every layout: the gated epilogue takes the activation, b13 and the interleaved
+// pairs, B read kKN where w13 is stored transposed; the down GEMM's store epilogue adds b2; the dSwiGLU epilogue writes
+// dh in w13's row order (interleaved: into its own buffer, not over h), ds's bias term <dy, b2[e]> is added to the
+// first ds part by a row kernel; dX and dW13 read dh as w13 stores its rows (transposed: kNK / the operands swapped),
+// dW2 likewise for a transposed w2; db13 / db2 are the portable column sums on both. The separate layout reads w1 and
+// w3 in place: the up GEMM's up boxes and dX's K rows [I, 2I) from a second tensor map over w3, dw13 and dw3 as two
+// K-grouped GEMMs over dh's gate and up columns. Misaligned biases or w3 keep a call on the portable kernels.
 // Both entry points run these same steps on a Call (call.h): grouped rows are T = R tokens of one slot each, their
 // routing a scan of tokens_per_expert (no sort; the gathers are the identity), their weights the scores (or 1); the
 // combine and the dx gather-sum then only scale / copy each row and write 0 for the padding rows past the counts'
@@ -280,11 +282,9 @@ struct BackwardGemms {
     MGroupedGemmArgs sm90_up;  // the M-grouped GEMMs in the weights' layout (cuda/sm90_args.h)
     MGroupedGemmArgs sm90_d_hidden;
     MGroupedGemmArgs sm90_d_input;
-    KGroupedGemmArgs sm90_dw13;  // the K-grouped ones, operands swapped for a transposed weight
-    KGroupedGemmArgs sm90_dw2;
-    const void* dw13_out;  // NULL: not wanted
-    const void* dw2_out;
-    bool options_ok;  // the sm_90a kernels take the call's expert options
+    KGroupedGemmArgs sm90_dw2;  // the K-grouped one, operands swapped for a transposed w2 (dW13: sm90_dw13_args)
+    const void* dw2_out;        // NULL: not wanted
+    bool options_ok;            // the sm_90a kernels take the call's expert options
 
     static BackwardGemms make(const BackwardCall& call, const RoutingPlan& plan, const BackwardWorkspace& workspace) {
         const Shape& shape = call.shape;
@@ -328,12 +328,10 @@ struct BackwardGemms {
         gemms.dw2.ldb = shape.intermediate;
         gemms.dw2.m = shape.hidden;
         gemms.dw2.n = shape.intermediate;
-        gemms.dw13_out = call.dw13.data;
         gemms.dw2_out = call.dw2.data;
         gemms.sm90_up = sm90_up_args(call, gemms.up);
         gemms.sm90_d_hidden = sm90_w2_args(call, gemms.d_hidden);
         gemms.sm90_d_input = sm90_d_input_args(call, gemms.d_input);
-        gemms.sm90_dw13 = call.layout.w13_transposed ? swapped_operands(gemms.dw13) : gemms.dw13;
         gemms.sm90_dw2 = call.layout.w2_transposed ? swapped_operands(gemms.dw2) : gemms.dw2;
         gemms.options_ok = sm90_options_ok(call);
         return gemms;
@@ -351,9 +349,8 @@ struct BackwardGemms {
     }
 
     // The weight gradients on the sm_90a K-grouped kernel: opted into, and the M-grouped GEMMs on sm_90a too.
-    bool weight_grads_sm90_ok(int device_index) const {
-        return sm90_weight_grads_enabled_by_env() && sm90_ok(device_index) &&
-               (dw13_out == nullptr || sm90::k_grouped_gemm_sm90_supported(sm90_dw13, dw13_out)) &&
+    bool weight_grads_sm90_ok(const BackwardCall& call) const {
+        return sm90_weight_grads_enabled_by_env() && sm90_ok(call.device_index) && sm90_dw13_ok(call, dw13) &&
                (dw2_out == nullptr || sm90::k_grouped_gemm_sm90_supported(sm90_dw2, dw2_out));
     }
 };
@@ -402,7 +399,7 @@ struct BackwardPlan {
             BackwardWorkspace::carve(portable_carver, plan.routing_plan, shape, false, call.saved_h, nullptr);
         plan.gemms = BackwardGemms::make(call, plan.routing_plan, plan.workspace);
         plan.use_sm90 = shape.num_slots() > 0 && plan.gemms.sm90_ok(call.device_index);
-        plan.weight_grads_sm90 = plan.use_sm90 && plan.gemms.weight_grads_sm90_ok(call.device_index);
+        plan.weight_grads_sm90 = plan.use_sm90 && plan.gemms.weight_grads_sm90_ok(call);
         plan.sm90_blocked_by_options =
             shape.num_slots() > 0 && !sm90_options_ok(call) && plan.gemms.sm90_hardware_ok(call.device_index);
         plan.workspace_bytes = portable_carver.bytes_used();
@@ -564,9 +561,8 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
     }
 
     if (call.dw13.data != nullptr || call.dw3.data != nullptr) {  // dW13[e] = sum dh x^T
-        MEGAMOE_CUDA_RETURN_IF_ERROR(weight_grads_sm90
-                                         ? launch_weight_grad_sm90(gemms.sm90_dw13, call.dw13, num_sms, stream)
-                                         : launch_dw13(call, gemms.dw13, stream));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(weight_grads_sm90 ? launch_sm90_dw13(call, gemms.dw13, num_sms, stream)
+                                                       : launch_dw13(call, gemms.dw13, stream));
     }
     MEGAMOE_CUDA_RETURN_IF_ERROR(launch_bias_grads(call, routing, workspace.dh, stream));
     return poison_weight_grads_if_counts_invalid(call, routing);
@@ -601,16 +597,11 @@ bool forward_sm90(const ForwardCall& call) {
     return call.shape.num_slots() > 0 && forward_gemms(call).sm90_ok(call.device_index);
 }
 
-// Why a call whose device and shapes suit the sm_90a kernels runs the portable ones: its expert options.
+// Why a call whose device and shapes suit the sm_90a kernels runs the portable ones: its expert parameters' alignment.
 std::string blocked_reason(const Call& call) {
-    const char* option = sm90_blocking_option(call);
-    if (option == nullptr) {  // the options are taken, the biases' alignment is not
-        return "b13 / b2 not 4-byte aligned: the fused sm_90a kernels read the biases as pairs of elements; this call "
-               "runs the portable CUDA kernels";
-    }
-    return std::string(option) +
-           ": the fused sm_90a kernels run every layout, activation and bias but the separate w1 / w3 layout "
-           "(TODO(#12)); this call runs the portable CUDA kernels";
+    const char* blocker = sm90_options_blocker(call);
+    return std::string(blocker != nullptr ? blocker : "the expert options") +
+           "; this call runs the portable CUDA kernels";
 }
 
 megamoe_path_t forward_path(const ForwardCall& call, std::string* reason) {

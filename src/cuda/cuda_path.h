@@ -26,8 +26,8 @@ namespace megamoe::cuda {
 
 // The kernels a call with these params runs: the portable path, the fused sm_90a kernels, or (backward) the sm_90a
 // M-grouped GEMMs with the portable weight gradients (forward_uses_sm90 / backward_uses_sm90 below). Every layout,
-// activation and bias runs on CUDA; the sm_90a kernels run only the default ones, so a call they would otherwise run
-// takes the portable path, and `reason` names the option ("" when no option moved it there).
+// activation and bias runs on CUDA, on the sm_90a kernels too; a call they would otherwise run but for a misaligned w3
+// or bias takes the portable path, and `reason` names it ("" when nothing of the expert parameters moved it there).
 megamoe_path_t path(const megamoe_forward_params_t& params, const Shape& shape, std::string* reason);
 megamoe_path_t path(const megamoe_grouped_forward_params_t& params, const Shape& shape, std::string* reason);
 megamoe_path_t path(const megamoe_backward_params_t& params, const Shape& shape, std::string* reason);

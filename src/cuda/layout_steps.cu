@@ -41,11 +41,6 @@ KGroupedGemmArgs swapped_operands(const KGroupedGemmArgs& args) {
     return out;
 }
 
-const char* sm90_blocking_option(const Call& call) {
-    if (separate(call)) return "layout.gate_up = separate (w1 / w3)";
-    return nullptr;
-}
-
 megamoe_status_t launch_up(const Call& call, const MGroupedGemmArgs& args, void* h, void* act, cudaStream_t stream) {
     if (call.default_experts) return launch_m_grouped_gemm_swiglu(args, h, act, stream);
     const int64_t hidden = call.shape.hidden, intermediate = call.shape.intermediate;

@@ -25,10 +25,6 @@
 
 namespace megamoe::cuda {
 
-// The option that keeps the call off the fused sm_90a kernels ("layout.gate_up = separate (w1 / w3)"), or NULL where
-// the sm_90a kernels take the call's options (every other layout, activation and bias).
-const char* sm90_blocking_option(const Call& call);
-
 // A K-grouped weight gradient whose output is stored transposed: C^T = B^T A, the operands swapped.
 KGroupedGemmArgs swapped_operands(const KGroupedGemmArgs& args);
 

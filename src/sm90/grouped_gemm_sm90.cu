@@ -82,6 +82,7 @@
 #include "sm90/m_grouped_config.cuh"
 #include "sm90/m_grouped_dswiglu.cuh"
 #include "sm90/m_grouped_epilogue.cuh"
+#include "sm90/m_grouped_host.cuh"
 #include "sm90/ptx.h"
 
 namespace megamoe::sm90 {
@@ -146,12 +147,18 @@ struct CtaTiles {
 };
 
 // Producer warpgroup: B by TMA, A by TMA or gathered by cp.async, stage by stage, for every tile of this CTA.
-template <class Config, class Epi, BLayout kBLayout, class Storage>
+// `b_second_map`: the second B map of kBSource kUpHalf / kKHalves (else unused).
+template <class Config, class Epi, BLayout kBLayout, BSource kBSource, class Storage>
 __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensorMap* b_map,
-                                        const MainloopParams& params, const typename Epi::Params& epilogue,
-                                        Storage& smem, int num_m_tiles, int64_t num_tiles, int num_k_blocks,
-                                        uint32_t cta_rank, int thread_idx) {
+                                        const CUtensorMap* b_second_map, const MainloopParams& params,
+                                        const typename Epi::Params& epilogue, Storage& smem, int num_m_tiles,
+                                        int64_t num_tiles, int num_k_blocks, uint32_t cta_rank, int thread_idx) {
     constexpr int kNumStages = num_stages<Config, Epi::kStaging>();
+    constexpr bool kUpHalf = kBSource == BSource::kUpHalf;
+    constexpr bool kKHalves = kBSource == BSource::kKHalves;
+    static_assert(!kUpHalf || Epi::kGateUpHalves, "a second map for the up half: gate / up halves");
+    static_assert(!kKHalves || (Epi::kTmaA && !Epi::kGateUpPairs), "K halves: A by TMA, plain N columns");
+    const int num_k_blocks_per_map = kKHalves ? num_k_blocks / 2 : num_k_blocks;
     if (Epi::kTmaA && thread_idx != 0) return;  // thread 0 loads both tiles
     const int chunk_idx = thread_idx % kChunksPerRow;
     const int first_row = thread_idx / kChunksPerRow;
@@ -180,10 +187,17 @@ __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensor
             uint8_t* tile_a = smem.a[stage_idx];
             uint8_t* tile_b = smem.b[stage_idx];
             uint64_t* full = &smem.full[stage_idx];
-            const int32_t k_begin = k_block_idx * kBlockK;
+            const bool second_k_half = kKHalves && k_block_idx >= num_k_blocks_per_map;
+            const int32_t k_begin = (second_k_half ? k_block_idx - num_k_blocks_per_map : k_block_idx) * kBlockK;
+            const CUtensorMap* k_map = second_k_half ? b_second_map : b_map;  // B's map for this K block
             if constexpr (Epi::kTmaA) {  // rows past the expert's end: the next expert's, results not stored
                 mbarrier_arrive_expect_tx(full, kATileBytes);
-                tma_load_2d(tile_a, a_map, full, k_begin, static_cast<int32_t>(tile.row_begin));
+                if constexpr (kKHalves) {
+                    tma_load_3d(tile_a, a_map, full, k_begin, second_k_half ? 1 : 0,
+                                static_cast<int32_t>(tile.row_begin));
+                } else {
+                    tma_load_2d(tile_a, a_map, full, k_begin, static_cast<int32_t>(tile.row_begin));
+                }
             }
             if (thread_idx == 0 && kBLayout == BLayout::kKN) {
                 mbarrier_arrive_expect_tx(full, Config::kBTileBytes);
@@ -191,18 +205,21 @@ __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensor
 #pragma unroll
                 for (int box_idx = 0; box_idx < Config::kKNNumBoxes; ++box_idx) {
                     auto b_col = static_cast<int32_t>(tile.n_tile_idx * Config::kBlockN + box_idx * kKNBoxCols);
+                    const CUtensorMap* box_map = k_map;
                     if constexpr (Epi::kGateUpHalves) {  // boxes [0, half): gate columns; [half, ..): up, n on
                         constexpr int kHalfBoxes = Config::kKNNumBoxes / 2;
                         static_assert(kHalfBoxes * 2 == Config::kKNNumBoxes, "kKN gate / up halves are whole boxes");
-                        b_col = static_cast<int32_t>(tile.n_tile_idx * (Config::kBlockN / 2) +
-                                                     (box_idx % kHalfBoxes) * kKNBoxCols +
-                                                     (box_idx < kHalfBoxes ? 0 : params.n));
+                        const bool up = box_idx >= kHalfBoxes;  // kUpHalf: the up columns from K 0 of the second map
+                        b_col =
+                            static_cast<int32_t>(tile.n_tile_idx * (Config::kBlockN / 2) +
+                                                 (box_idx % kHalfBoxes) * kKNBoxCols + (up && !kUpHalf ? params.n : 0));
+                        if (kUpHalf && up) box_map = b_second_map;
                     }
                     uint8_t* box = tile_b + box_idx * kKNBoxBytes;
                     if (!tile.shared_b) {
-                        tma_load_3d(box, b_map, full, b_col, k_begin, tile.expert_idx);
+                        tma_load_3d(box, box_map, full, b_col, k_begin, tile.expert_idx);
                     } else if (box_idx / Config::kKNBoxesPerCta == static_cast<int>(cta_rank)) {
-                        tma_load_3d_multicast(box, b_map, full, b_col, k_begin, tile.expert_idx, kClusterMask);
+                        tma_load_3d_multicast(box, box_map, full, b_col, k_begin, tile.expert_idx, kClusterMask);
                     }
                 }
             } else if (thread_idx == 0) {
@@ -213,10 +230,11 @@ __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensor
                     const auto b_row =
                         static_cast<int32_t>(b_first_row + (box_idx == 0 ? 0 : params.second_box_row_offset));
                     uint8_t* box = tile_b + box_idx * Config::kBBoxBytes;
+                    const CUtensorMap* box_map = kUpHalf && box_idx == 1 ? b_second_map : k_map;
                     if (!tile.shared_b) {
-                        tma_load_3d(box, b_map, full, k_begin, b_row, tile.expert_idx);
+                        tma_load_3d(box, box_map, full, k_begin, b_row, tile.expert_idx);
                     } else if (box_idx == static_cast<int>(cta_rank)) {
-                        tma_load_3d_multicast(box, b_map, full, k_begin, b_row, tile.expert_idx, kClusterMask);
+                        tma_load_3d_multicast(box, box_map, full, k_begin, b_row, tile.expert_idx, kClusterMask);
                     }
                 }
             }
@@ -332,11 +350,13 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Mainlo
     Epi::finish(lane_idx);
 }
 
-template <typename T, class Epi, BLayout kBLayout>
+// `b_second_map` (after the others, so the kBSource::kOne kernels' parameters keep their offsets): B's second map.
+template <typename T, class Epi, BLayout kBLayout, BSource kBSource>
 __global__ void __launch_bounds__(kNumThreads, 1)
     m_grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                                const __grid_constant__ CUtensorMap out_map,
-                               const KernelParams<typename Epi::Params> params) {
+                               const KernelParams<typename Epi::Params> params,
+                               const __grid_constant__ CUtensorMap b_second_map) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using Config = ConfigOf<Epi>;
     using Storage = SharedStorage<Config, Epi::kStaging>;
@@ -353,6 +373,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         }
         fence_barrier_init();
         prefetch_tensor_map(&b_map);
+        if (kBSource != BSource::kOne) prefetch_tensor_map(&b_second_map);
         if (Epi::kTmaA) prefetch_tensor_map(&a_map);
         Epi::prefetch_maps(params.epilogue, &out_map);
     }
@@ -362,12 +383,13 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const MainloopParams& mainloop = params.mainloop;
     const int num_m_tiles = mainloop.m_tile_offsets[mainloop.num_experts];
     const int64_t num_tiles = ceil_div(num_m_tiles, kClusterSize) * mainloop.num_n_tiles;  // cluster tiles
-    const auto num_k_blocks = static_cast<int>(ceil_div(mainloop.k, kBlockK));
+    const int num_k_maps = kBSource == BSource::kKHalves ? 2 : 1;  // K halves: the K blocks of each map in turn
+    const auto num_k_blocks = static_cast<int>(num_k_maps * ceil_div(mainloop.k, kBlockK));
     const int warpgroup_idx = __shfl_sync(0xffffffffu, thread_idx / kWarpgroupThreads, 0);
     if (warpgroup_idx == 0) {
         setmaxnreg_dec<kProducerRegs>();
-        produce<Config, Epi, kBLayout>(&a_map, &b_map, mainloop, params.epilogue, smem, num_m_tiles, num_tiles,
-                                       num_k_blocks, cta_rank, thread_idx);
+        produce<Config, Epi, kBLayout, kBSource>(&a_map, &b_map, &b_second_map, mainloop, params.epilogue, smem,
+                                                 num_m_tiles, num_tiles, num_k_blocks, cta_rank, thread_idx);
     } else {
         setmaxnreg_inc<kConsumerRegs>();
         consume<T, Config, Epi, kBLayout>(&out_map, mainloop, params.epilogue, smem, num_m_tiles, num_tiles,
@@ -378,81 +400,52 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Host side: the TMA descriptors of B and of the store epilogue's output, the launch.
+// Host side (the tensor maps of A and B and the mainloop's params: m_grouped_host.cuh): the launch.
 
-// B as a 3-D tensor [E, rows_per_expert, cols_per_row] (cols innermost, 128-byte swizzle): kNK rows of B_e are the N
-// rows, cols K, boxes of b_box_rows x kBlockK; kKN rows are K, cols N, boxes of kBlockK x kKNBoxCols. N is 2n for
-// gate / up pairs.
-bool encode_b_tensor_map(const cuda::MGroupedGemmArgs& args, BLayout b_layout, int64_t rows_per_expert,
-                         int64_t cols_per_row, int b_box_rows, CUtensorMap* map) {
-    const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
-    if (encode == nullptr) return false;
-    const bool nk = b_layout == BLayout::kNK;
-    const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols_per_row), static_cast<cuuint64_t>(rows_per_expert),
-                                static_cast<cuuint64_t>(args.num_experts)};
-    const cuuint64_t strides[2] = {static_cast<cuuint64_t>(args.ldb * kElemBytes),
-                                   static_cast<cuuint64_t>(args.b_expert_stride * kElemBytes)};
-    const cuuint32_t box[3] = {nk ? static_cast<cuuint32_t>(kBlockK) : static_cast<cuuint32_t>(kKNBoxCols),
-                               nk ? static_cast<cuuint32_t>(b_box_rows) : static_cast<cuuint32_t>(kBlockK), 1};
-    const cuuint32_t element_strides[3] = {1, 1, 1};
-    const CUtensorMapDataType data_type =
-        args.dtype == MEGAMOE_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-    return encode(map, data_type, 3, const_cast<void*>(args.b), dims, strides, box, element_strides,
-                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
-
-MainloopParams make_mainloop_params(const cuda::MGroupedGemmArgs& args) {
-    MainloopParams params{};
-    params.a = static_cast<const uint16_t*>(args.a);
-    params.lda = args.lda;
-    params.a_gather_slots = args.a_gather_slots;
-    params.topk = args.topk;
-    params.n = args.n;
-    params.k = args.k;
-    params.expert_offsets = args.expert_offsets;
-    params.m_tile_offsets = args.m_tile_offsets;
-    params.num_experts = args.num_experts;
-    return params;
-}
-
-template <typename T, class Epi, BLayout kBLayout>
+template <typename T, class Epi, BLayout kBLayout, BSource kBSource>
 megamoe_status_t launch_typed(const cuda::MGroupedGemmArgs& args, const KernelParams<typename Epi::Params>& params,
                               const CUtensorMap& a_map, const CUtensorMap& out_map, int64_t rows_per_expert,
                               int64_t cols_per_row, int num_sms, cudaStream_t stream) {
     using Config = ConfigOf<Epi>;
     CUtensorMap b_map;
-    if (!encode_b_tensor_map(args, kBLayout, rows_per_expert, cols_per_row, Config::kBBoxRows, &b_map)) {
+    CUtensorMap b_second_map{};
+    if (!encode_b_tensor_map(args, args.b, kBLayout, rows_per_expert, cols_per_row, Config::kBBoxRows, &b_map) ||
+        (kBSource != BSource::kOne && !encode_b_tensor_map(args, args.b_up, kBLayout, rows_per_expert, cols_per_row,
+                                                           Config::kBBoxRows, &b_second_map))) {
         return set_error(MEGAMOE_STATUS_CUDA_ERROR, "m_grouped_gemm_sm90: cuTensorMapEncodeTiled failed");
     }
     const int64_t max_tiles = ceil_div(args.max_m_tiles, kClusterSize) * params.mainloop.num_n_tiles;  // cluster tiles
     const int64_t max_clusters = std::min<int64_t>(std::max(num_sms, kClusterSize) / kClusterSize, max_tiles);
-    return launch_cluster_kernel<kClusterSize>(m_grouped_gemm_sm90_kernel<T, Epi, kBLayout>, Epi::name(kBLayout),
-                                               kNumThreads, smem_bytes<Config, Epi::kStaging>(), max_clusters, stream,
-                                               a_map, b_map, out_map, params);
+    return launch_cluster_kernel<kClusterSize>(m_grouped_gemm_sm90_kernel<T, Epi, kBLayout, kBSource>,
+                                               Epi::name(kBLayout), kNumThreads, smem_bytes<Config, Epi::kStaging>(),
+                                               max_clusters, stream, a_map, b_map, out_map, params, b_second_map);
 }
 
-// `a_map`: A's tensor map where Epi::kTmaA; `out_map`: the store epilogue's output tensor map where its params say
-// tma_store; else unused.
-template <class Epi, BLayout kBLayout>
+// `a_map`: A's tensor map where Epi::kTmaA (kBSource::kKHalves: encode_a_halves_map's); `out_map`: the store
+// epilogue's output tensor map where its params say tma_store; else unused. kBSource other than kOne: the second B
+// map over args.b_up (kUpHalf: B_e has n rows in each tensor; kKHalves: args.k / 2 rows of K in each).
+template <class Epi, BLayout kBLayout, BSource kBSource = BSource::kOne>
 megamoe_status_t launch(const cuda::MGroupedGemmArgs& args, const typename Epi::Params& epilogue, int num_sms,
                         cudaStream_t stream, const CUtensorMap& a_map = CUtensorMap{},
                         const CUtensorMap& out_map = CUtensorMap{}) {
     static_assert(!Epi::kGateUpHalves || Epi::kGateUpPairs, "gate / up halves are pairs");
     using Config = ConfigOf<Epi>;
     constexpr bool kPairs = Epi::kGateUpPairs;
+    constexpr bool kUpHalf = kBSource == BSource::kUpHalf;
     KernelParams<typename Epi::Params> params{make_mainloop_params(args), epilogue};
     params.mainloop.num_n_tiles = ceil_div(args.n, kPairs ? Config::kBlockN / 2 : Config::kBlockN);
-    params.mainloop.second_box_row_offset = Epi::kGateUpHalves ? args.n : Config::kBBoxRows;
+    params.mainloop.second_box_row_offset = kUpHalf ? 0 : Epi::kGateUpHalves ? args.n : Config::kBBoxRows;
+    if (kBSource == BSource::kKHalves) params.mainloop.k = args.k / 2;
     if (args.max_m_tiles == 0 || params.mainloop.num_n_tiles == 0) return MEGAMOE_STATUS_SUCCESS;
-    const int64_t b_n = kPairs ? 2 * args.n : args.n;  // N extent of B_e
-    const int64_t rows_per_expert = kBLayout == BLayout::kKN ? args.k : b_n;
-    const int64_t cols_per_row = kBLayout == BLayout::kKN ? b_n : args.k;
+    const int64_t b_n = kPairs && !kUpHalf ? 2 * args.n : args.n;  // N extent of B_e (of each tensor)
+    const int64_t b_k = params.mainloop.k;                         // K extent of B_e (of each tensor)
+    const int64_t rows_per_expert = kBLayout == BLayout::kKN ? b_k : b_n;
+    const int64_t cols_per_row = kBLayout == BLayout::kKN ? b_n : b_k;
     return args.dtype == MEGAMOE_DTYPE_BF16
-               ? launch_typed<__nv_bfloat16, Epi, kBLayout>(args, params, a_map, out_map, rows_per_expert, cols_per_row,
-                                                            num_sms, stream)
-               : launch_typed<__half, Epi, kBLayout>(args, params, a_map, out_map, rows_per_expert, cols_per_row,
-                                                     num_sms, stream);
+               ? launch_typed<__nv_bfloat16, Epi, kBLayout, kBSource>(args, params, a_map, out_map, rows_per_expert,
+                                                                      cols_per_row, num_sms, stream)
+               : launch_typed<__half, Epi, kBLayout, kBSource>(args, params, a_map, out_map, rows_per_expert,
+                                                               cols_per_row, num_sms, stream);
 }
 
 // The gated (up) epilogue for the call's options: activation Act, b13 (kBias), interleaved pairs, B kNK or kKN.
@@ -469,6 +462,13 @@ megamoe_status_t launch_gated_as(const cuda::MGroupedGemmArgs& args, const Gated
         epilogue.alpha = options.activation.alpha;
     }
     if constexpr (kBias) epilogue.bias = options.bias;
+    if constexpr (!kInterleaved) {  // the separate layout: the up half from w3 (args.b_up)
+        if (args.b_up != nullptr) {
+            return options.b_layout == BLayout::kNK
+                       ? launch<Epi, BLayout::kNK, BSource::kUpHalf>(args, epilogue, num_sms, stream)
+                       : launch<Epi, BLayout::kKN, BSource::kUpHalf>(args, epilogue, num_sms, stream);
+        }
+    }
     return options.b_layout == BLayout::kNK ? launch<Epi, BLayout::kNK>(args, epilogue, num_sms, stream)
                                             : launch<Epi, BLayout::kKN>(args, epilogue, num_sms, stream);
 }
@@ -528,9 +528,18 @@ megamoe_status_t launch_store(const cuda::MGroupedGemmArgs& args, BLayout b_layo
         return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "m_grouped_gemm_sm90: the store epilogue takes A unpermuted");
     }
     CUtensorMap a_map{};
-    if (!encode_2d_sw128_map(args.dtype, args.a, args.num_a_rows, args.k, args.lda, kBlockM, kBlockK,
-                             CU_TENSOR_MAP_L2_PROMOTION_L2_256B, &a_map)) {
+    const bool k_halves = args.b_up != nullptr;  // the separate layout's dX: K rows [k / 2, k) of B from w3
+    if (k_halves ? !encode_a_halves_map(args, args.k / 2, &a_map)
+                 : !encode_2d_sw128_map(args.dtype, args.a, args.num_a_rows, args.k, args.lda, kBlockM, kBlockK,
+                                        CU_TENSOR_MAP_L2_PROMOTION_L2_256B, &a_map)) {
         return set_error(MEGAMOE_STATUS_CUDA_ERROR, "m_grouped_gemm_sm90: cuTensorMapEncodeTiled failed for A");
+    }
+    if constexpr (!kBias) {  // b2 is the down GEMM's, the K halves dX's (launch_m_grouped_gemm_sm90_store checks)
+        if (k_halves) {
+            return b_layout == BLayout::kNK
+                       ? launch<Epi, BLayout::kNK, BSource::kKHalves>(args, params, num_sms, stream, a_map, out_map)
+                       : launch<Epi, BLayout::kKN, BSource::kKHalves>(args, params, num_sms, stream, a_map, out_map);
+        }
     }
     return b_layout == BLayout::kNK ? launch<Epi, BLayout::kNK>(args, params, num_sms, stream, a_map, out_map)
                                     : launch<Epi, BLayout::kKN>(args, params, num_sms, stream, a_map, out_map);
@@ -557,6 +566,10 @@ megamoe_status_t launch_m_grouped_gemm_sm90_swiglu(const cuda::MGroupedGemmArgs&
     if (!cuda::is_aligned(h, 16) || !cuda::is_aligned(act, 16) || !cuda::is_aligned(options.bias, 4)) {
         return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
                          "m_grouped_gemm_sm90: outputs must be 16-byte aligned, b13 4-byte aligned");
+    }
+    if (!second_b_ok(args, false) || (args.b_up != nullptr && options.interleaved)) {
+        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
+                         "m_grouped_gemm_sm90: w3 must be 16-byte aligned, its rows the up half of the pairs");
     }
     return options.activation.is_clamped()
                ? launch_gated<ClampedSwiGLUActivation>(args, options, h, act, num_sms, stream)
@@ -592,6 +605,10 @@ megamoe_status_t launch_m_grouped_gemm_sm90_store(const cuda::MGroupedGemmArgs& 
     if (!cuda::is_aligned(out, 16) || ldo % kChunkElems != 0 || !cuda::is_aligned(bias, 4)) {
         return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
                          "m_grouped_gemm_sm90: out must be 16-byte aligned, ldo % 8 == 0, b2 4-byte aligned");
+    }
+    if (!second_b_ok(args, true) || (args.b_up != nullptr && bias != nullptr)) {
+        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
+                         "m_grouped_gemm_sm90: the K halves' w3 must be 16-byte aligned, k / 2 % 8 == 0, no bias");
     }
     return bias != nullptr ? launch_store<true>(args, b_layout, out, ldo, num_out_rows, num_sms, stream, bias)
                            : launch_store<false>(args, b_layout, out, ldo, num_out_rows, num_sms, stream, nullptr);

@@ -56,6 +56,22 @@ inline bool encode_2d_sw128_map(megamoe_dtype_t dtype, const void* data, int64_t
                   CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
 }
 
+// A 3-D tensor map over 16-bit elements (`dtype`): dims innermost first, strides of dims 1 and 2 in bytes (multiples
+// of 16), boxes of box[0] x box[1] x box[2] (box[0]: at most one 128-byte row), 128-byte swizzle, zero fill out of
+// bounds. False when the encoder is missing or refuses.
+inline bool encode_3d_sw128_map(megamoe_dtype_t dtype, const void* data, const cuuint64_t (&dims)[3],
+                                const cuuint64_t (&byte_strides)[2], const cuuint32_t (&box)[3],
+                                CUtensorMapL2promotion l2_promotion, CUtensorMap* map) {
+    const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
+    if (encode == nullptr) return false;
+    const cuuint32_t element_strides[3] = {1, 1, 1};
+    const CUtensorMapDataType data_type =
+        dtype == MEGAMOE_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
+    return encode(map, data_type, 3, const_cast<void*>(data), dims, byte_strides, box, element_strides,
+                  CU_TENSOR_MAP_INTERLEAVE_NONE, CU_TENSOR_MAP_SWIZZLE_128B, l2_promotion,
+                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+}
+
 // Clusters of `kernel` that fit on the device at once, for a launch `config` with its dynamic shared memory (asked,
 // and the kernel's shared-memory limit raised to it, once per device and kernel): a persistent grid must not exceed
 // it, or the clusters left over would run a second wave of tiles.

@@ -63,6 +63,15 @@ static_assert(kWgmmaM / kWarpsPerWarpgroup == kTmaStoreRows && kTmaStoreCols * k
 
 using cuda::BLayout;
 
+// Where a B tile's boxes come from: one tensor map over B_e, or two (the separate layout: w1 and w3, same shape).
+enum class BSource {
+    kOne,      // one map
+    kUpHalf,   // gate / up halves: the gate box(es) from the first map, the up box(es) from the second at the same rows
+               // (kNK) or columns (kKN): the separate layout's up GEMM
+    kKHalves,  // K = 2 k: K blocks [0, ceil(k / kBlockK)) from the first map, as many again from the second, each from
+               // K 0 of its map; A (by TMA) a 3-D map [rows, 2, k] over its halves: the separate layout's dX GEMM
+};
+
 // How the two consumer warpgroups share the work.
 enum class Schedule {
     kCooperative,  // both on one 128 x 256 tile, 64 rows each, in step: the tensor cores idle during the epilogue
@@ -154,7 +163,7 @@ struct MainloopParams {
     const int* a_gather_slots;  // NULL: a_row(r) = r; else a_gather_slots[r] / topk
     int64_t topk;
     int64_t n;                      // output columns: I (SwiGLU, dSwiGLU) or N (store)
-    int64_t k;                      // K
+    int64_t k;                      // K (BSource::kKHalves: of one half)
     int64_t second_box_row_offset;  // rows from the first to the second B box: I (gate / up pairs) or kBBoxRows
     const int* expert_offsets;      // [E + 1]
     const int* m_tile_offsets;      // [E + 1]

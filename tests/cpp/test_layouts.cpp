@@ -272,11 +272,10 @@ void label_cuda(std::initializer_list<megamoe_tensor_t*> tensors) {
     }
 }
 
-// Every option is accepted on CUDA tensors, with the default's forward workspace. The separate layout takes the
-// portable path, and its reason (only where a Hopper GPU would take the default on the sm_90a kernels) names it; every
-// other option takes the default's path with no reason, and the default's backward workspace too, but for the
-// interleaved layout on sm_90a (its dh has a buffer of its own there). With MEGAMOE_DISABLE_SM90=1 every option has the
-// default's workspaces (the portable path's buffers serve every layout).
+// Every option is accepted on CUDA tensors, with the default's forward workspace. Every option (the separate layout
+// included) takes the default's path with no reason, and the default's backward workspace too, but for the interleaved
+// layout on sm_90a (its dh has a buffer of its own there). With MEGAMOE_DISABLE_SM90=1 every option has the default's
+// workspaces (the portable path's buffers serve every layout).
 TEST(LayoutsApi, CudaAcceptsEveryOptionWithTheDefaultsWorkspace) {
     std::mt19937_64 rng(fresh_seed());
     const auto sizes = [](const LayoutProblem& problem, megamoe_path_t* path, std::string* reason) {
@@ -332,22 +331,12 @@ TEST(LayoutsApi, CudaAcceptsEveryOptionWithTheDefaultsWorkspace) {
             bf16(problem);
             const auto got = sizes(problem, &path, &reason);
             EXPECT_EQ(got.first, default_sizes.first);
-            const bool same_path_kind = c.gate_up != MEGAMOE_GATE_UP_SEPARATE;
-            if (same_path_kind) {
-                EXPECT_EQ(path, default_path);
-                EXPECT_EQ(reason, "");
-                // On sm_90a the backward's size also depends on where these host buffers happen to lie (act goes into
-                // the dw13 output only when it is 256-byte aligned) and interleaved dh has a buffer of its own: the
-                // portable run (MEGAMOE_DISABLE_SM90=1) checks the backward sizes.
-                if (default_path != MEGAMOE_PATH_SM90) EXPECT_EQ(got.second, default_sizes.second);
-                continue;
-            }
-            EXPECT_EQ(path, MEGAMOE_PATH_CUDA_PORTABLE);
-            if (default_path == MEGAMOE_PATH_CUDA_PORTABLE) EXPECT_EQ(got.second, default_sizes.second);
-            if (!reason.empty()) {  // a Hopper GPU at device 0: the layout is named
-                EXPECT_NE(reason.find("layout.gate_up = separate"), std::string::npos) << reason;
-                EXPECT_NE(reason.find("but the separate w1 / w3 layout"), std::string::npos) << reason;
-            }
+            EXPECT_EQ(path, default_path);
+            EXPECT_EQ(reason, "");
+            // On sm_90a the backward's size also depends on where these host buffers happen to lie (act goes into
+            // the dw13 output only when it is 256-byte aligned) and interleaved dh has a buffer of its own: the
+            // portable run (MEGAMOE_DISABLE_SM90=1) checks the backward sizes.
+            if (default_path != MEGAMOE_PATH_SM90) EXPECT_EQ(got.second, default_sizes.second);
         }
         if (portable) unsetenv("MEGAMOE_DISABLE_SM90");
     }

@@ -2,12 +2,13 @@
 // device holds) for every layout x activation x bias on ragged shapes (empty experts, one expert taking every slot,
 // topk = 1, T = 1, dropped slots, sizes off every tile, odd sizes that force element loads), whole layer and grouped
 // rows, both memory modes; outputs poisoned with NaN before each run, every run twice and bitwise equal; accumulated
-// weight gradients; only the wanted gradients; the path query naming the option (the new row kernels on their own:
-// test_layout_kernels_cuda.cpp). The sm_90a kernels take every option but the separate layout (H and I multiples of
-// 8): on a Hopper GPU each combination runs there (the path asserted) and again on the portable kernels
-// (MEGAMOE_DISABLE_SM90=1), both against the reference; elsewhere, and for the other shapes, on the portable kernels.
-// The backward's reference reads the CUDA forward's h (rounded as the device rounds it), so that the clamps of the
-// activation decide alike on both sides. Without a GPU every test skips (the CPU-only API test runs anywhere).
+// weight gradients; only the wanted gradients; the path query naming what keeps a call off the sm_90a kernels (the new
+// row kernels on their own: test_layout_kernels_cuda.cpp). The sm_90a kernels take every option, the separate layout
+// included (H and I multiples of 8, w3 16-byte aligned): on a Hopper GPU each combination runs there (the path
+// asserted) and again on the portable kernels (MEGAMOE_DISABLE_SM90=1), both against the reference; elsewhere, and for
+// the other shapes, on the portable kernels. The backward's reference reads the CUDA forward's h (rounded as the device
+// rounds it), so that the clamps of the activation decide alike on both sides. Without a GPU every test skips (the
+// CPU-only API test runs anywhere).
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -83,14 +84,13 @@ struct ForwardOut {
     HostTensor y, h;
 };
 
-// The path a call of `problem` should take: sm_90a on a Hopper GPU unless the separate layout, sizes off multiples of
-// 8 or MEGAMOE_DISABLE_SM90; else the portable kernels.
+// The path a call of `problem` should take: sm_90a on a Hopper GPU (every layout) unless sizes off multiples of 8 or
+// MEGAMOE_DISABLE_SM90; else the portable kernels.
 bool expect_sm90(const LayoutProblem& problem) {
     std::string reason;
     const char* disabled = std::getenv("MEGAMOE_DISABLE_SM90");
     const bool portable = disabled != nullptr && disabled[0] != '\0' && std::string(disabled) != "0";
-    return sm90_available(&reason) && !portable && problem.layout_case.gate_up != MEGAMOE_GATE_UP_SEPARATE &&
-           problem.base.hidden % 8 == 0 && problem.base.intermediate % 8 == 0;
+    return sm90_available(&reason) && !portable && problem.base.hidden % 8 == 0 && problem.base.intermediate % 8 == 0;
 }
 
 // The CUDA forward of the device twin (saved_h when keep_h), twice: the outputs poisoned before each run, the second
@@ -528,8 +528,9 @@ TEST(LayoutsCuda, GroupedRowsMatchTheReference) {
     grouped_rows_match_the_reference();
 }
 
-// The options the sm_90a kernels take report sm90 on a Hopper GPU with no reason (elsewhere the portable path, with no
-// reason); the one that moves a call off them (the separate layout) is named by megamoe_path_reason.
+// The options the sm_90a kernels take (all of them) report sm90 on a Hopper GPU with no reason (elsewhere the portable
+// path, with no reason); what moves a call off them (here a misaligned w3 of the separate layout) is named by
+// megamoe_path_reason.
 TEST(LayoutsCuda, PathReasonNamesTheOption) {
     SKIP_WITHOUT_CUDA();
     std::mt19937_64 rng(fresh_seed());
@@ -539,24 +540,35 @@ TEST(LayoutsCuda, PathReasonNamesTheOption) {
     const struct {
         LayoutCase layout_case;
         const char* option;
+        bool misaligned_w3;  // w3 one element past its allocation's start
     } cases[] = {
-        {{MEGAMOE_GATE_UP_CONCATENATED, false, false, false, false}, nullptr},
-        {{MEGAMOE_GATE_UP_SEPARATE, false, false, false, false}, "layout.gate_up = separate"},
-        {{MEGAMOE_GATE_UP_INTERLEAVED, false, false, false, false}, nullptr},
-        {{MEGAMOE_GATE_UP_CONCATENATED, true, false, false, false}, nullptr},
-        {{MEGAMOE_GATE_UP_CONCATENATED, false, true, false, false}, nullptr},
-        {{MEGAMOE_GATE_UP_CONCATENATED, false, false, true, false}, nullptr},
-        {{MEGAMOE_GATE_UP_CONCATENATED, false, false, false, true}, nullptr},
-        {{MEGAMOE_GATE_UP_INTERLEAVED, true, true, true, true}, nullptr},  // gpt-oss
-        {{MEGAMOE_GATE_UP_SEPARATE, true, true, true, true}, "layout.gate_up = separate"},
+        {{MEGAMOE_GATE_UP_CONCATENATED, false, false, false, false}, nullptr, false},
+        {{MEGAMOE_GATE_UP_SEPARATE, false, false, false, false}, nullptr, false},
+        {{MEGAMOE_GATE_UP_INTERLEAVED, false, false, false, false}, nullptr, false},
+        {{MEGAMOE_GATE_UP_CONCATENATED, true, false, false, false}, nullptr, false},
+        {{MEGAMOE_GATE_UP_CONCATENATED, false, true, false, false}, nullptr, false},
+        {{MEGAMOE_GATE_UP_CONCATENATED, false, false, true, false}, nullptr, false},
+        {{MEGAMOE_GATE_UP_CONCATENATED, false, false, false, true}, nullptr, false},
+        {{MEGAMOE_GATE_UP_INTERLEAVED, true, true, true, true}, nullptr, false},  // gpt-oss
+        {{MEGAMOE_GATE_UP_SEPARATE, true, true, true, true}, nullptr, false},
+        {{MEGAMOE_GATE_UP_SEPARATE, false, false, false, false}, "w3 not 16-byte aligned", true},
+        {{MEGAMOE_GATE_UP_SEPARATE, true, true, true, true}, "w3 not 16-byte aligned", true},
     };
     for (const auto& c : cases) {
         const Twins twins = make_twins(shape, c.layout_case, rng);
         HostTensor y(kBf16, {shape.num_tokens, shape.hidden});
         megamoe_forward_params_t p = twins.device.forward_params(y);
         DeviceViews views;
-        for (megamoe_tensor_t* view : {&p.x, &p.topk_ids, &p.topk_weights, &p.w13, &p.w3, &p.w2, &p.b13, &p.b2, &p.y}) {
+        for (megamoe_tensor_t* view : {&p.x, &p.topk_ids, &p.topk_weights, &p.w13, &p.w2, &p.b13, &p.b2, &p.y}) {
             views.upload(view);
+        }
+        DeviceTensor w3;  // separate only: aligned, or misaligned_w3
+        if (p.w3.data != nullptr) {
+            w3 = DeviceTensor(p.w3, c.misaligned_w3 ? 1 : 0);
+            expect_cuda(cudaMemcpy(w3.view().data, p.w3.data, static_cast<size_t>(numel(p.w3)) * dtype_size(p.w3.dtype),
+                                   cudaMemcpyHostToDevice),
+                        "upload w3");
+            p.w3 = w3.view();
         }
         megamoe_path_t path = MEGAMOE_PATH_REFERENCE;
         ASSERT_EQ(megamoe_forward_path(&p, &path), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();

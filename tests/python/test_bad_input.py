@@ -162,8 +162,8 @@ def _as_cuda(params):
 
 
 CUDA_OPTION_CASES = [
-    ("separate", dict(gate_up="separate"), "layout.gate_up = separate"),
-    ("interleaved", dict(gate_up="interleaved"), None),  # None: the sm_90a kernels take the option
+    ("separate", dict(gate_up="separate"), None),  # None: the sm_90a kernels take the option
+    ("interleaved", dict(gate_up="interleaved"), None),
     ("w13_transposed", dict(w13_transposed=True), None),
     ("w2_transposed", dict(w2_transposed=True), None),
     ("clamped", dict(activation="clamped_swiglu", limit=7.0, alpha=1.702), None),
@@ -175,9 +175,8 @@ CUDA_OPTION_CASES = [
 @pytest.mark.parametrize("case", CUDA_OPTION_CASES, ids=[c[0] for c in CUDA_OPTION_CASES])
 def test_cuda_accepts_the_new_options(good, case):
     """Without a GPU: the C API's validation of CUDA-labelled tensors (the workspace and path queries read no data)
-    accepts every option; the workspace is the default's; the separate layout takes the portable path, and its reason
-    (where a Hopper GPU would run the default on the sm_90a kernels) names it; every other option the default's path,
-    with no reason."""
+    accepts every option; the workspace is the default's; every option (the separate layout included) takes the
+    default's path, with no reason."""
     name, options, text = case
     x, w13, w2 = good["x"].bfloat16(), good["w13"].bfloat16(), good["w2"].bfloat16()
     default = dict(x=x, topk_ids=good["topk_ids"], topk_weights=good["topk_weights"], w13=w13, w2=w2,

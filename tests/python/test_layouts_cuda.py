@@ -1,10 +1,11 @@
 """The layouts on a GPU: every layout x activation x bias combination runs on CUDA tensors (on a Hopper GPU the fused
-sm_90a kernels, which take every option but the separate layout, and again on the portable kernels with
+sm_90a kernels, which take every option, the separate layout included, and again on the portable kernels with
 MEGAMOE_DISABLE_SM90=1; the path asserted) and matches the CPU float64 reference on the same bf16 values, whole layer
 and grouped rows, every gradient, with every output NaN-poisoned before the run, reruns bitwise equal and the memory
 modes bitwise equal to each other. The backward's reference reads the CUDA forward's h (so that the clamps of the
-activation decide alike on both sides). path_of reports sm90 for the options the sm_90a kernels take and names the
-separate layout when it keeps a call off them, a one-time warning says so, and only the needed gradients are computed.
+activation decide alike on both sides). path_of reports sm90 for the options the sm_90a kernels take (all of them) and
+names what keeps a call off them (a misaligned w3), a one-time warning says so, and only the needed gradients are
+computed.
 Skipped, with the reason, where no GPU is present."""
 
 import os
@@ -81,10 +82,10 @@ def _check_all_close(got, want, what):
 
 
 def _expect_path(layout, x, ids, s, p, activation, portable):
-    """sm90 where the sm_90a kernels take the options (every layout but the separate one; SHAPE's H and I are multiples
-    of 8) on a Hopper GPU, unless MEGAMOE_DISABLE_SM90; else the portable kernels."""
+    """sm90 where the sm_90a kernels take the options (every layout; SHAPE's H and I are multiples of 8) on a Hopper GPU,
+    unless MEGAMOE_DISABLE_SM90; else the portable kernels."""
     experts = dict(w3=p["w3"], b13=p["b13"], b2=p["b2"], layout=LAYOUTS[layout], activation=ACTIVATIONS[activation])
-    sm90 = SM90 and not portable and LAYOUTS[layout].gate_up != "separate"
+    sm90 = SM90 and not portable
     assert megamoe.path_of(x, ids, s, p["w13"], p["w2"], **experts) == ("sm90" if sm90 else "cuda")
     assert megamoe.path_of(x, ids, s, p["w13"], p["w2"], backward=True, **experts) in (
         ("sm90", "sm90+cuda-weight-grads") if sm90 else ("cuda",))
@@ -209,11 +210,14 @@ def test_autograd_through_the_ops_on_cuda(layout, gen):
         assert rel_err(a, b) < BF16_TOLERANCE, f"{layout}: {name} error {rel_err(a, b):.3e}"
 
 
-# (id, layout, activation, biases, what the reason names: None where the sm_90a kernels take the options)
+# (id, layout, activation, biases, what the reason names: None where the sm_90a kernels take the options; a
+# misaligned w3, one element past its storage's start, is what keeps the separate layout off them)
 OPTION_CASES = [
-    ("separate", megamoe.SEPARATE, megamoe.SWIGLU, (False, False), "layout.gate_up = separate"),
-    ("separate_gpt_oss", megamoe.Layout("separate", True, True), megamoe.GPT_OSS_ACTIVATION, (True, True),
-     "layout.gate_up = separate"),
+    ("separate", megamoe.SEPARATE, megamoe.SWIGLU, (False, False), None),
+    ("separate_gpt_oss", megamoe.Layout("separate", True, True), megamoe.GPT_OSS_ACTIVATION, (True, True), None),
+    ("separate_misaligned_w3", megamoe.SEPARATE, megamoe.SWIGLU, (False, False), "w3 not 16-byte aligned"),
+    ("separate_gpt_oss_misaligned_w3", megamoe.Layout("separate", True, True), megamoe.GPT_OSS_ACTIVATION,
+     (True, True), "w3 not 16-byte aligned"),
     ("interleaved", megamoe.INTERLEAVED, megamoe.SWIGLU, (False, False), None),
     ("hf_transposed", megamoe.HF_TRANSPOSED, megamoe.SWIGLU, (False, False), None),
     ("w2_transposed", megamoe.Layout("concatenated", False, True), megamoe.SWIGLU, (False, False), None),
@@ -226,9 +230,19 @@ OPTION_CASES = [
 ALIGNED = (64, 64, 32, 4, 2)  # sizes the sm_90a kernels take
 
 
+def _misaligned_copy(t):
+    """t's values in a contiguous tensor one element past its storage's start (2 bytes: not 16-byte aligned)."""
+    storage = torch.empty(t.numel() + 1, dtype=t.dtype, device=t.device)
+    out = storage[1:].view(t.shape)
+    out.copy_(t)
+    return out
+
+
 @pytest.mark.parametrize("name,layout,activation,biases,text", OPTION_CASES, ids=[c[0] for c in OPTION_CASES])
 def test_path_of_names_the_portable_path_and_the_option(name, layout, activation, biases, text, gen):
     x, ids, s, _, p = _cuda_problem(layout, biases, gen, shape=ALIGNED, routing="random")
+    if name.endswith("misaligned_w3"):
+        p["w3"] = _misaligned_copy(p["w3"])
     experts = dict(w3=p["w3"], b13=p["b13"], b2=p["b2"], layout=layout, activation=activation)
     counts = torch.tensor([32, 32, 32, 32], device="cuda")
     paths = [megamoe.path_of(x, ids, s, p["w13"], p["w2"], **experts),

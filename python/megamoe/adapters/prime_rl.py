@@ -22,9 +22,8 @@ without a gate (gate_proj None) are refused by validate with a ValueError naming
     out = compute(experts, x_sorted, num_tokens_per_expert)   # [R, H] in x's dtype
 
 Computes in the weights' dtype. Expert-parallel DTensor weights (Shard(0)) are read through their local experts
-(megamoe.grouped_moe). Every storage runs on CPU and CUDA; on CUDA, the separate w1 / w3 layout takes the
-portable kernels for now (megamoe.grouped_path_of(...).reason names it); every other storage the sm_90a kernels on a
-Hopper GPU.
+(megamoe.grouped_moe). Every storage runs on CPU and CUDA; on CUDA, the sm_90a kernels on a Hopper GPU (the separate
+w1 / w3 layout too, read in place; megamoe.grouped_path_of(...).reason names what would keep a call off them).
 """
 
 from typing import NamedTuple, Optional

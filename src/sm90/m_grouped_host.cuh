@@ -1,0 +1,57 @@
+// Host side of the fused Hopper M-grouped GEMM (grouped_gemm_sm90.cu): the tensor maps of B (one, or the separate
+// layout's two) and of the K halves' A, the mainloop's params from the GEMM arguments.
+#pragma once
+
+#include "cuda/cuda_utils.h"
+#include "cuda/grouped_gemm.h"
+#include "sm90/launch.h"
+#include "sm90/m_grouped_config.cuh"
+
+namespace megamoe::sm90::m_grouped {
+
+// B as a 3-D tensor [E, rows_per_expert, cols_per_row] (cols innermost, 128-byte swizzle) from `b`, B_0 of args.b or
+// of args.b_up (the same strides): kNK rows of B_e are the N rows, cols K, boxes of b_box_rows x kBlockK; kKN rows are
+// K, cols N, boxes of kBlockK x kKNBoxCols. N is 2n for gate / up pairs in one tensor.
+inline bool encode_b_tensor_map(const cuda::MGroupedGemmArgs& args, const void* b, BLayout b_layout,
+                                int64_t rows_per_expert, int64_t cols_per_row, int b_box_rows, CUtensorMap* map) {
+    const bool nk = b_layout == BLayout::kNK;
+    const cuuint64_t dims[3] = {static_cast<cuuint64_t>(cols_per_row), static_cast<cuuint64_t>(rows_per_expert),
+                                static_cast<cuuint64_t>(args.num_experts)};
+    const cuuint64_t strides[2] = {static_cast<cuuint64_t>(args.ldb * kElemBytes),
+                                   static_cast<cuuint64_t>(args.b_expert_stride * kElemBytes)};
+    const cuuint32_t box[3] = {nk ? static_cast<cuuint32_t>(kBlockK) : static_cast<cuuint32_t>(kKNBoxCols),
+                               nk ? static_cast<cuuint32_t>(b_box_rows) : static_cast<cuuint32_t>(kBlockK), 1};
+    return encode_3d_sw128_map(args.dtype, b, dims, strides, box, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, map);
+}
+
+// BSource::kKHalves: A [num_a_rows, 2 k] (row stride lda) as a 3-D tensor [num_a_rows, 2, k], boxes of kBlockM rows x
+// 1 x kBlockK: a box never reads past its half (zero fill past k), so a K block straddling k stays in its half.
+inline bool encode_a_halves_map(const cuda::MGroupedGemmArgs& args, int64_t half_k, CUtensorMap* map) {
+    const cuuint64_t dims[3] = {static_cast<cuuint64_t>(half_k), 2, static_cast<cuuint64_t>(args.num_a_rows)};
+    const cuuint64_t strides[2] = {static_cast<cuuint64_t>(half_k * kElemBytes),
+                                   static_cast<cuuint64_t>(args.lda * kElemBytes)};
+    const cuuint32_t box[3] = {static_cast<cuuint32_t>(kBlockK), 1, static_cast<cuuint32_t>(kBlockM)};
+    return encode_3d_sw128_map(args.dtype, args.a, dims, strides, box, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, map);
+}
+
+inline MainloopParams make_mainloop_params(const cuda::MGroupedGemmArgs& args) {
+    MainloopParams params{};
+    params.a = static_cast<const uint16_t*>(args.a);
+    params.lda = args.lda;
+    params.a_gather_slots = args.a_gather_slots;
+    params.topk = args.topk;
+    params.n = args.n;
+    params.k = args.k;
+    params.expert_offsets = args.expert_offsets;
+    params.m_tile_offsets = args.m_tile_offsets;
+    params.num_experts = args.num_experts;
+    return params;
+}
+
+// The separate layout's second B tensor (args.b_up, w3): aligned as B (its strides are B's); the K halves of dX whole
+// 16-byte chunks.
+inline bool second_b_ok(const cuda::MGroupedGemmArgs& args, bool k_halves) {
+    return args.b_up == nullptr || (cuda::is_aligned(args.b_up, 16) && (!k_halves || (args.k / 2) % kChunkElems == 0));
+}
+
+}  // namespace megamoe::sm90::m_grouped
