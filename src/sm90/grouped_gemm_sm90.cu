@@ -268,7 +268,7 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Mainlo
     constexpr int kTileStep = Config::kPingPong ? kNumConsumers : 1;  // tiles of the CTA's sequence per own tile
     const int lane_idx = thread_idx % kWarpSize;
     const int warp_idx = (thread_idx % kWarpgroupThreads) / kWarpSize;
-    uint32_t warp_staging = 0;  // the warp's staging boxes of TMA stores
+    uint32_t warp_staging = 0;  // the warp's staging (TMA store boxes, dSwiGLU's sub-tile slots)
     if constexpr (Epi::kStaging) {
         warp_staging = shared_address(smem.staging.boxes) +
                        static_cast<uint32_t>((consumer_idx * kWarpsPerWarpgroup + warp_idx) * kWarpStagingBytes);
@@ -288,7 +288,7 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Mainlo
             block_has_rows[block] = (first_row_block + block) * kWgmmaM < tile.num_rows;
         }
         const typename Epi::TileState epilogue_state =  // its loads stay in flight during the mainloop
-            Epi::template begin_tile<Config>(params, epilogue, tile, first_row_block, warp_idx, lane_idx);
+            Epi::template begin_tile<Config>(params, epilogue, tile, first_row_block, warp_staging, warp_idx, lane_idx);
 #pragma unroll
         for (int reg_idx = 0; reg_idx < Config::kNumAccRegs; ++reg_idx) acc[reg_idx] = 0.0f;
         if (Config::kPingPong && seq_idx > 0) {  // the CTA's previous tile is the other consumer's

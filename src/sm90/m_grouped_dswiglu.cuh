@@ -68,6 +68,36 @@ static_assert(kWarpStagingBytes % kDSwiGLUSlotBytes == 0 && kDSwiGLUSlotBytes % 
 static_assert(kDSwiGLUPasses * kDSwiGLURowsPerPass == kDSwiGLUSubRows, "a warp copies a slot in whole passes");
 static_assert(kDSwiGLUSubCols % 16 == 0, "a sub-tile is whole 16 x 16 ldmatrix / stmatrix x4 blocks");
 
+// The lane's 16-byte chunks of a sub-tile slot as a warp copies it (cp.async in, ld.shared out): pass p, row
+// 8 p + l / 4 of the warp's 16, chunk l % 4 (a quad: one row's 64 bytes).
+__device__ __forceinline__ int dswiglu_copy_row(int pass, int lane_idx) {
+    return pass * kDSwiGLURowsPerPass + lane_idx / kDSwiGLUChunksPerRow;
+}
+
+// g, u of sub-tile `sub_tile` (tile columns [32 s, 32 s + 32)) of the warp's 16 rows from tile row warp_first_row on
+// into buffer s % 2 of its slots at `staging`, by 16-byte cp.async (zero fill for rows past the tile's end and columns
+// past I: I % 8 == 0, so a chunk is all in or all out), as one cp.async group of the thread.
+template <class Config>
+__device__ __forceinline__ void load_dswiglu_sub_tile(const MainloopParams& params, const void* h, const Tile& tile,
+                                                      uint32_t staging, int warp_first_row, int sub_tile,
+                                                      int lane_idx) {
+    const int buffer = sub_tile % kDSwiGLUBuffers;
+    const int chunk = lane_idx % kDSwiGLUChunksPerRow;
+    const int64_t col = tile.n_tile_idx * Config::kBlockN + sub_tile * kDSwiGLUSubCols + chunk * 8;
+    const auto* h_elems = static_cast<const uint16_t*>(h);
+    const uint32_t gate_slot = staging + static_cast<uint32_t>(2 * buffer * kDSwiGLUSlotBytes);
+#pragma unroll
+    for (int pass = 0; pass < kDSwiGLUPasses; ++pass) {
+        const int row = dswiglu_copy_row(pass, lane_idx);
+        const bool valid = warp_first_row + row < tile.num_rows && col < params.n;
+        const uint16_t* gate = valid ? h_elems + (tile.row_begin + warp_first_row + row) * 2 * params.n + col : h_elems;
+        const uint32_t offset = swizzle_64b_offset(row, chunk);
+        cp_async_16_to(gate_slot + offset, gate, valid);
+        cp_async_16_to(gate_slot + kDSwiGLUSlotBytes + offset, valid ? gate + params.n : h_elems, valid);
+    }
+    cuda::cp_async_commit();
+}
+
 // dSwiGLU epilogue of one consumer warp's 16 rows of a row block (rows and fragments as in store_tile): acc = p =
 // W2[e]^T dy of the tile's I columns, `staging` the warp's slots (shared address). Sub-tiles of 32 columns: g, u come
 // by 16-byte cp.async into a buffer (zero fill for rows past the tile's end and columns past I), the next sub-tile's
@@ -77,8 +107,9 @@ static_assert(kDSwiGLUSubCols % 16 == 0, "a sub-tile is whole 16 x 16 ldmatrix /
 // lane's (dg, du) pairs stored from registers, 8 bytes per fragment). No quad transposes. dh may be h itself (in
 // place): a sub-tile's g, u have landed before its dh is stored, and sub-tiles touch disjoint columns. Each lane
 // sums its p a of each row in column order; the quad's partial sums (a fixed shuffle order) give the row's sum over
-// the tile's columns. Columns past I hold p = 0 (B zero-filled) and read no h.
-template <typename T, class Act, bool kInterleaved, class Config, int kFirstReg, int kNumRegs>
+// the tile's columns. Columns past I hold p = 0 (B zero-filled) and read no h. kFirstLoaded: the first sub-tile's
+// loads were issued when the tile started (begin_tile), so their latency hides under the mainloop.
+template <typename T, class Act, bool kInterleaved, class Config, int kFirstReg, bool kFirstLoaded, int kNumRegs>
 __device__ __forceinline__ void store_tile_dswiglu(const MainloopParams& params, const DSwiGLUParamsOf<Act>& epilogue,
                                                    const Tile& tile, const float (&acc)[kNumRegs],
                                                    const RowWeights& weights, uint32_t staging, int row_block,
@@ -93,33 +124,20 @@ __device__ __forceinline__ void store_tile_dswiglu(const MainloopParams& params,
     const int first_row = warp_first_row + lane_idx / 4;  // the lane's accumulator rows: + 0, + 8
     const int64_t first_col = tile.n_tile_idx * Config::kBlockN;
     const int64_t intermediate = params.n;
-    const T* h = static_cast<const T*>(epilogue.h);
     T* dh = static_cast<T*>(epilogue.dh);
     T* act = static_cast<T*>(epilogue.act);
     auto row_valid = [&](int half) { return first_row + half * 8 < tile.num_rows; };  // the same for a quad's lanes
     auto row_idx = [&](int half) { return tile.row_begin + first_row + half * 8; };
     auto slot = [&](int slot_idx) { return staging + static_cast<uint32_t>(slot_idx * kDSwiGLUSlotBytes); };
-    // The lane's 16-byte chunks of a slot (cp.async in, ld.shared out): pass p, row 8 p + l / 4, chunk l % 4.
-    const int copy_chunk = lane_idx % kDSwiGLUChunksPerRow;
-    auto copy_row = [&](int pass) { return pass * kDSwiGLURowsPerPass + lane_idx / kDSwiGLUChunksPerRow; };
+    const int copy_chunk = lane_idx % kDSwiGLUChunksPerRow;  // the lane's chunks of a slot: dswiglu_copy_row
+    auto copy_row = [&](int pass) { return dswiglu_copy_row(pass, lane_idx); };
     auto copy_col = [&](int sub_tile) { return first_col + sub_tile * kDSwiGLUSubCols + copy_chunk * 8; };
     // ldmatrix / stmatrix x4 of 16 x 16 block m: lane l addresses row l % 8 of matrix l / 8 (rows 8 (l / 8 % 2) ..,
     // columns 16 m + 8 (l / 16) ..), so register i is fragment 2 m + i / 2 of accumulator row half i % 2.
     const int matrix_row = lane_idx / 8 % 2 * 8 + lane_idx % 8;
     auto matrix_offset = [&](int block) { return swizzle_64b_offset(matrix_row, block * 2 + lane_idx / 16); };
-    auto load_sub_tile = [&](int sub_tile) {  // g, u of the sub-tile into its buffer, one cp.async group
-        const int buffer = sub_tile % kDSwiGLUBuffers;
-        const int64_t col = copy_col(sub_tile);
-#pragma unroll
-        for (int pass = 0; pass < kDSwiGLUPasses; ++pass) {
-            const int row = copy_row(pass);
-            const bool valid = warp_first_row + row < tile.num_rows && col < intermediate;
-            const T* gate = valid ? h + (tile.row_begin + warp_first_row + row) * 2 * intermediate + col : h;
-            const uint32_t offset = swizzle_64b_offset(row, copy_chunk);
-            cp_async_16_to(slot(2 * buffer) + offset, gate, valid);
-            cp_async_16_to(slot(2 * buffer + 1) + offset, valid ? gate + intermediate : h, valid);
-        }
-        cuda::cp_async_commit();
+    auto load_sub_tile = [&](int sub_tile) {
+        load_dswiglu_sub_tile<Config>(params, epilogue.h, tile, staging, warp_first_row, sub_tile, lane_idx);
     };
     auto store_slot = [&](uint32_t slot_addr, T* out, int64_t row_stride, int sub_tile) {  // 16-byte chunks, masked
         const int64_t col = copy_col(sub_tile);
@@ -134,7 +152,7 @@ __device__ __forceinline__ void store_tile_dswiglu(const MainloopParams& params,
         }
     };
     float ds[2] = {0.0f, 0.0f};
-    load_sub_tile(0);
+    if constexpr (!kFirstLoaded) load_sub_tile(0);
 #pragma unroll
     for (int sub_tile = 0; sub_tile < kNumSubTiles; ++sub_tile) {
         const int buffer = sub_tile % kDSwiGLUBuffers;
@@ -228,10 +246,12 @@ struct DSwiGLUEpilogueOf : NoEpilogueHooks {
         RowWeights row_weights[2];  // per row block of the consumer (at most two)
     };
 
+    // The rows' weights, and the g, u loads of the first row block's first sub-tile into the warp's slots (free: the
+    // previous tile's epilogue has read them out), so their latency hides under the mainloop.
     template <class Config>
     __device__ __forceinline__ static TileState begin_tile(const MainloopParams& mainloop, const Params& params,
-                                                           const Tile& tile, int first_row_block, int warp_idx,
-                                                           int lane_idx) {
+                                                           const Tile& tile, int first_row_block, uint32_t warp_staging,
+                                                           int warp_idx, int lane_idx) {
         static_assert(Config::kRowBlocks <= 2, "TileState holds two row blocks' weights");
         TileState state{};
 #pragma unroll
@@ -239,6 +259,8 @@ struct DSwiGLUEpilogueOf : NoEpilogueHooks {
             state.row_weights[block] =
                 load_row_weights(mainloop, params, tile, first_row_block + block, warp_idx, lane_idx);
         }
+        load_dswiglu_sub_tile<Config>(mainloop, params.h, tile, warp_staging,
+                                      first_row_block * kWgmmaM + warp_idx * kDSwiGLUSubRows, 0, lane_idx);
         return state;
     }
     // Starts the L2 prefetch of the g, u row segments that `tile` reads in its epilogue, a whole mainloop later
@@ -266,7 +288,7 @@ struct DSwiGLUEpilogueOf : NoEpilogueHooks {
                                                  const Params& params, const Tile& tile, const float (&acc)[kNumRegs],
                                                  const TileState& state, uint32_t warp_staging, int row_block,
                                                  int warp_idx, int lane_idx) {
-        store_tile_dswiglu<T, Act, kInterleaved, Config, kLocalBlock * Config::kBlockRegs>(
+        store_tile_dswiglu<T, Act, kInterleaved, Config, kLocalBlock * Config::kBlockRegs, kLocalBlock == 0>(
             mainloop, params, tile, acc, state.row_weights[kLocalBlock], warp_staging, row_block, warp_idx, lane_idx);
     }
 };
