@@ -98,9 +98,9 @@ struct TileConfig {
 };
 
 // Shared memory of one CTA (the dynamic allocation, aligned to 1024 bytes by the kernel): the pipeline's stages, for
-// the store and dSwiGLU epilogues the per-warp staging (TMA store boxes, sub-tile slots), then the stages' full and empty barriers. The stage count is
-// what the shared-memory budget holds (at most kMaxStages): its sizeof plus the alignment slack is the launch's
-// request.
+// the store and dSwiGLU epilogues the per-warp staging (TMA store boxes, sub-tile slots), then the stages' full and
+// empty barriers. The stage count is what the shared-memory budget holds (at most kMaxStages): its sizeof plus the
+// alignment slack is the launch's request.
 struct NoStaging {};
 struct StoreStaging {
     alignas(kSwizzleAtomBytes) uint8_t boxes[kStagingBytes];
