@@ -46,8 +46,10 @@
 //     stays in flight, and the stage it read is released when the next batch has been issued: one arrive per warp
 //     on the empty barrier of both CTAs (the next fill lands in both). A row block without valid rows skips its
 //     wgmmas but keeps the pipeline going. The epilogue (per row block) transposes accumulator pairs across each
-//     quad of lanes and stores 16-byte chunks (64 contiguous bytes per row per warp store); dSwiGLU loads its g, u
-//     chunks one batch ahead of their math and stores, and its rows' weights when the tile starts. The store epilogue:
+//     quad of lanes and stores 16-byte chunks (64 contiguous bytes per row per warp store). dSwiGLU goes through
+//     each warp's 4 KiB of shared memory instead, 16 x 32 sub-tiles: g, u by cp.async (the first sub-tile's issued
+//     when the tile starts, with its rows' weights; then one sub-tile ahead), ldmatrix into the accumulator layout,
+//     dg, du, s a by stmatrix and out by 16-byte loads and global stores; no quad transposes. The store epilogue:
 //     a warp whose 16 rows all lie in the expert stages them 64 columns at a time with stmatrix in one of its two 2 KiB
 //     boxes (128-byte swizzle) and lane 0 stores each box by TMA (2-D map over [num_out_rows, n], clipped at n), so the
 //     warp is back at its MMAs once its last store is issued; a TMA store cannot stop at the expert's end (the rows
@@ -64,7 +66,8 @@
 // of the atom), 8-row K atoms 1024 bytes apart, N blocks one box apart; a shared tile is multicast as half the
 // boxes from each CTA.
 // Shared memory (SharedStorage, dynamic, 1024-byte aligned): kNumStages x (A tile 16 KiB + B tile kBlockN x 128 B),
-// for the store epilogue the staging boxes (2 x 2 KiB per consumer warp, 32 KiB), then the full and empty mbarriers;
+// for the store and dSwiGLU epilogues the per-warp staging (4 KiB per consumer warp, 32 KiB: two TMA store boxes or
+// four sub-tile slots), then the full and empty mbarriers;
 // the stage count is the most that fits 227 KiB (cooperative: 4 stages of 48 KiB; ping-pong: 7 of 32 KiB). What was
 // measured of the tile shapes and schedules: docs/DESIGN.md.
 #include "sm90/grouped_gemm_sm90.h"
@@ -286,7 +289,7 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Mainlo
     constexpr int kTileStep = Config::kPingPong ? kNumConsumers : 1;  // tiles of the CTA's sequence per own tile
     const int lane_idx = thread_idx % kWarpSize;
     const int warp_idx = (thread_idx % kWarpgroupThreads) / kWarpSize;
-    uint32_t warp_staging = 0;  // the warp's staging boxes of TMA stores
+    uint32_t warp_staging = 0;  // the warp's staging (TMA store boxes, dSwiGLU's sub-tile slots)
     if constexpr (Epi::kStaging) {
         warp_staging = shared_address(smem.staging.boxes) +
                        static_cast<uint32_t>((consumer_idx * kWarpsPerWarpgroup + warp_idx) * kWarpStagingBytes);
@@ -306,7 +309,7 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Mainlo
             block_has_rows[block] = (first_row_block + block) * kWgmmaM < tile.num_rows;
         }
         const typename Epi::TileState epilogue_state =  // its loads stay in flight during the mainloop
-            Epi::template begin_tile<Config>(params, epilogue, tile, first_row_block, warp_idx, lane_idx);
+            Epi::template begin_tile<Config>(params, epilogue, tile, first_row_block, warp_staging, warp_idx, lane_idx);
 #pragma unroll
         for (int reg_idx = 0; reg_idx < Config::kNumAccRegs; ++reg_idx) acc[reg_idx] = 0.0f;
         if (Config::kPingPong && seq_idx > 0) {  // the CTA's previous tile is the other consumer's

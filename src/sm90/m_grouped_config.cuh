@@ -45,7 +45,8 @@ constexpr int kMaxStages = 8;
 // kKN: boxes of 64 N columns (one 128-byte swizzled row) x kBlockK rows of K.
 constexpr int kKNBoxCols = kSwizzleBytes / kElemBytes;
 constexpr int kKNBoxBytes = kKNBoxCols * kBlockK * kElemBytes;
-// The store epilogue's TMA stores: 2 staging boxes of 16 rows x 128 bytes per consumer warp (epilogue.cuh).
+// Per consumer warp, 4 KiB of staging: the store epilogue's 2 TMA store boxes of 16 rows x 128 bytes (epilogue.cuh),
+// or the dSwiGLU epilogue's 4 sub-tile slots of 16 rows x 64 bytes (m_grouped_dswiglu.cuh).
 constexpr int kWarpStagingBytes = kTmaStoreBuffers * kTmaStoreBoxBytes;
 constexpr int kStagingBytes = kNumConsumers * kWarpsPerWarpgroup * kWarpStagingBytes;
 
@@ -106,9 +107,9 @@ struct TileConfig {
 };
 
 // Shared memory of one CTA (the dynamic allocation, aligned to 1024 bytes by the kernel): the pipeline's stages, for
-// the store epilogue the staging boxes of its TMA stores, then the stages' full and empty barriers. The stage count is
-// what the shared-memory budget holds (at most kMaxStages): its sizeof plus the alignment slack is the launch's
-// request.
+// the store and dSwiGLU epilogues the per-warp staging (TMA store boxes, sub-tile slots), then the stages' full and
+// empty barriers. The stage count is what the shared-memory budget holds (at most kMaxStages): its sizeof plus the
+// alignment slack is the launch's request.
 struct NoStaging {};
 struct StoreStaging {
     alignas(kSwizzleAtomBytes) uint8_t boxes[kStagingBytes];
@@ -134,7 +135,7 @@ constexpr int fit_stages() {
     }
 }
 
-// kStaging: the epilogue stages its TMA stores in shared memory (the epilogue policy's kStaging).
+// kStaging: the epilogue has per-warp staging in shared memory (the epilogue policy's kStaging).
 template <class Config, bool kStaging>
 constexpr int num_stages() {
     return fit_stages<kMaxStages, Config::kBTileBytes, kStaging>();
@@ -151,7 +152,7 @@ constexpr int smem_bytes() {
 using Cooperative = TileConfig<Schedule::kCooperative>;
 using PingPong = TileConfig<Schedule::kPingPong>;
 static_assert(num_stages<Cooperative, true>() == 4 && num_stages<Cooperative, false>() == 4,
-              "the cooperative 128 x 256 tile: 4 stages of 48 KiB (with staging: + 32 KiB of boxes)");
+              "the cooperative 128 x 256 tile: 4 stages of 48 KiB (with staging: + 32 KiB)");
 static_assert(num_stages<PingPong, false>() == 7, "the ping-pong 128 x 128 tile: 7 stages of 32 KiB");
 static_assert(smem_bytes<Cooperative, true>() <= kMaxSmemBytes && smem_bytes<PingPong, true>() <= kMaxSmemBytes,
               "stages and the staging boxes of TMA stores exceed the shared memory of an SM");

@@ -49,132 +49,186 @@ __device__ __forceinline__ RowWeights load_row_weights(const MainloopParams& par
     return weights;
 }
 
-// dSwiGLU epilogue of one consumer warpgroup (rows and fragments as in store_tile): acc = p = W2[e]^T dy of the
-// tile's I columns. Each lane reads its 16-byte chunks of g and u in batches of kLoadBatch groups, software-pipelined:
-// the next batch's loads are issued before the current batch is computed and stored, so a lane waits for L2 (the
-// producer prefetched the rows there) once per tile instead of once per batch. A batch's chunks are quad-transposed
-// into the accumulator layout; then ds += p a, da = s p, dg = da u sigmoid(g) (1 + g (1 - sigmoid(g))),
-// du = da silu(g), and s a, transposed back into chunks and stored. dh may be h itself (in place): a batch is loaded
-// before it is stored, and batches touch disjoint columns. The quad's partial sums of ds (a fixed shuffle order) give
-// the row's sum over the tile's columns. Columns past I hold p = 0 (B zero-filled) and read no h.
-template <typename T, class Act, bool kInterleaved, class Config, int kFirstReg, int kNumRegs>
+// The dSwiGLU epilogue's shared memory, per consumer warp (its kWarpStagingBytes of the policy's StoreStaging): slots
+// of one sub-tile matrix, the warp's kDSwiGLUSubRows accumulator rows of the row block x kDSwiGLUSubCols 16-bit
+// columns, 64-byte rows in the 64-byte swizzle (swizzle_64b_offset: TMA's SWIZZLE_64B of a 16 x 32 box). Slots 2 b and
+// 2 b + 1 (buffer b) hold g and u of the sub-tiles with sub-tile index % 2 == b, so the next sub-tile's g, u are in
+// flight while the current one is computed; the current buffer then takes its outputs dg, du, then s * a.
+constexpr int kDSwiGLUSubRows = kWgmmaM / kWarpsPerWarpgroup;            // 16: a warp's rows of a row block
+constexpr int kDSwiGLUSubCols = kSwizzle64RowBytes / kElemBytes;         // 32
+constexpr int kDSwiGLUSlotBytes = kDSwiGLUSubRows * kSwizzle64RowBytes;  // 1 KiB
+constexpr int kDSwiGLUBuffers = 2;
+constexpr int kDSwiGLUSlots = 2 * kDSwiGLUBuffers;                     // g, u per buffer
+constexpr int kDSwiGLUChunksPerRow = kSwizzle64RowBytes / 16;          // 16-byte chunks per sub-tile row
+constexpr int kDSwiGLURowsPerPass = kWarpSize / kDSwiGLUChunksPerRow;  // a warp's 16-byte accesses: rows per pass
+constexpr int kDSwiGLUPasses = kDSwiGLUSubRows / kDSwiGLURowsPerPass;
+static_assert(kDSwiGLUSlots * kDSwiGLUSlotBytes <= kWarpStagingBytes, "the sub-tile slots fit in a warp's staging");
+static_assert(kWarpStagingBytes % kDSwiGLUSlotBytes == 0 && kDSwiGLUSlotBytes % 512 == 0,
+              "slots start on a 64-byte swizzle atom (8 rows of 64 bytes)");
+static_assert(kDSwiGLUPasses * kDSwiGLURowsPerPass == kDSwiGLUSubRows, "a warp copies a slot in whole passes");
+static_assert(kDSwiGLUSubCols % 16 == 0, "a sub-tile is whole 16 x 16 ldmatrix / stmatrix x4 blocks");
+
+// The lane's 16-byte chunks of a sub-tile slot as a warp copies it (cp.async in, ld.shared out): pass p, row
+// 8 p + l / 4 of the warp's 16, chunk l % 4 (a quad: one row's 64 bytes).
+__device__ __forceinline__ int dswiglu_copy_row(int pass, int lane_idx) {
+    return pass * kDSwiGLURowsPerPass + lane_idx / kDSwiGLUChunksPerRow;
+}
+
+// g, u of sub-tile `sub_tile` (tile columns [32 s, 32 s + 32)) of the warp's 16 rows from tile row warp_first_row on
+// into buffer s % 2 of its slots at `staging`, by 16-byte cp.async (zero fill for rows past the tile's end and columns
+// past I: I % 8 == 0, so a chunk is all in or all out), as one cp.async group of the thread.
+template <class Config>
+__device__ __forceinline__ void load_dswiglu_sub_tile(const MainloopParams& params, const void* h, const Tile& tile,
+                                                      uint32_t staging, int warp_first_row, int sub_tile,
+                                                      int lane_idx) {
+    const int buffer = sub_tile % kDSwiGLUBuffers;
+    const int chunk = lane_idx % kDSwiGLUChunksPerRow;
+    const int64_t col = tile.n_tile_idx * Config::kBlockN + sub_tile * kDSwiGLUSubCols + chunk * 8;
+    const auto* h_elems = static_cast<const uint16_t*>(h);
+    const uint32_t gate_slot = staging + static_cast<uint32_t>(2 * buffer * kDSwiGLUSlotBytes);
+#pragma unroll
+    for (int pass = 0; pass < kDSwiGLUPasses; ++pass) {
+        const int row = dswiglu_copy_row(pass, lane_idx);
+        const bool valid = warp_first_row + row < tile.num_rows && col < params.n;
+        const uint16_t* gate = valid ? h_elems + (tile.row_begin + warp_first_row + row) * 2 * params.n + col : h_elems;
+        const uint32_t offset = swizzle_64b_offset(row, chunk);
+        cp_async_16_to(gate_slot + offset, gate, valid);
+        cp_async_16_to(gate_slot + kDSwiGLUSlotBytes + offset, valid ? gate + params.n : h_elems, valid);
+    }
+    cuda::cp_async_commit();
+}
+
+// dSwiGLU epilogue of one consumer warp's 16 rows of a row block (rows and fragments as in store_tile): acc = p =
+// W2[e]^T dy of the tile's I columns, `staging` the warp's slots (shared address). Sub-tiles of 32 columns: g, u come
+// by 16-byte cp.async into a buffer (zero fill for rows past the tile's end and columns past I), the next sub-tile's
+// issued before the current one is read, and ldmatrix reads them straight into the accumulator layout; then ds += p a,
+// da = s p, dg = da u sigmoid(g) (1 + g (1 - sigmoid(g))), du = da silu(g) (the activation policy), and dg, du, s a go
+// back by stmatrix into the buffer and out by 16-byte loads from it and stores to global memory (interleaved dh: each
+// lane's (dg, du) pairs stored from registers, 8 bytes per fragment). No quad transposes. dh may be h itself (in
+// place): a sub-tile's g, u have landed before its dh is stored, and sub-tiles touch disjoint columns. Each lane
+// sums its p a of each row in column order; the quad's partial sums (a fixed shuffle order) give the row's sum over
+// the tile's columns. Columns past I hold p = 0 (B zero-filled) and read no h. kFirstLoaded: the first sub-tile's
+// loads were issued when the tile started (begin_tile), so their latency hides under the mainloop.
+template <typename T, class Act, bool kInterleaved, class Config, int kFirstReg, bool kFirstLoaded, int kNumRegs>
 __device__ __forceinline__ void store_tile_dswiglu(const MainloopParams& params, const DSwiGLUParamsOf<Act>& epilogue,
                                                    const Tile& tile, const float (&acc)[kNumRegs],
-                                                   const RowWeights& weights, int row_block, int warp_idx,
-                                                   int lane_idx) {
-    constexpr int kFragsPerChunk = 4;
-    constexpr int kNumGroups = Config::kBlockN / 8 / kFragsPerChunk;  // 16-byte chunks per lane and row
-    constexpr int kLoadBatch = 2;
-    constexpr int kBatchesPerHalf = kNumGroups / kLoadBatch;
-    constexpr int kNumBatches = 2 * kBatchesPerHalf;  // both rows of the thread, one after the other
-    static_assert(kNumGroups % kLoadBatch == 0, "g, u chunks are loaded in whole batches");
+                                                   const RowWeights& weights, uint32_t staging, int row_block,
+                                                   int warp_idx, int lane_idx) {
+    constexpr int kNumSubTiles = Config::kBlockN / kDSwiGLUSubCols;
+    constexpr int kMatrixBlocks = kDSwiGLUSubCols / 16;  // 16 x 16 blocks (one x4 each) per sub-tile
+    static_assert(Config::kBlockN % kDSwiGLUSubCols == 0, "the tile's columns are whole sub-tiles");
+    static_assert(kNumSubTiles % kDSwiGLUBuffers == 0, "sub-tiles take the buffers in turn");
     static_assert(kFirstReg + Config::kBlockRegs <= kNumRegs, "the row block's accumulators are the consumer's");
     const int quad_lane = lane_idx % 4;
-    const int first_row = row_block * kWgmmaM + warp_idx * 16 + lane_idx / 4;
+    const int warp_first_row = row_block * kWgmmaM + warp_idx * kDSwiGLUSubRows;
+    const int first_row = warp_first_row + lane_idx / 4;  // the lane's accumulator rows: + 0, + 8
     const int64_t first_col = tile.n_tile_idx * Config::kBlockN;
     const int64_t intermediate = params.n;
-    const T* h = static_cast<const T*>(epilogue.h);
     T* dh = static_cast<T*>(epilogue.dh);
     T* act = static_cast<T*>(epilogue.act);
     auto row_valid = [&](int half) { return first_row + half * 8 < tile.num_rows; };  // the same for a quad's lanes
     auto row_idx = [&](int half) { return tile.row_begin + first_row + half * 8; };
-    auto chunk_col = [&](int batch_idx, int batch_group) {
-        return first_col +
-               (((batch_idx % kBatchesPerHalf) * kLoadBatch + batch_group) * kFragsPerChunk + quad_lane) * 8;
+    auto slot = [&](int slot_idx) { return staging + static_cast<uint32_t>(slot_idx * kDSwiGLUSlotBytes); };
+    const int copy_chunk = lane_idx % kDSwiGLUChunksPerRow;  // the lane's chunks of a slot: dswiglu_copy_row
+    auto copy_row = [&](int pass) { return dswiglu_copy_row(pass, lane_idx); };
+    auto copy_col = [&](int sub_tile) { return first_col + sub_tile * kDSwiGLUSubCols + copy_chunk * 8; };
+    // ldmatrix / stmatrix x4 of 16 x 16 block m: lane l addresses row l % 8 of matrix l / 8 (rows 8 (l / 8 % 2) ..,
+    // columns 16 m + 8 (l / 16) ..), so register i is fragment 2 m + i / 2 of accumulator row half i % 2.
+    const int matrix_row = lane_idx / 8 % 2 * 8 + lane_idx % 8;
+    auto matrix_offset = [&](int block) { return swizzle_64b_offset(matrix_row, block * 2 + lane_idx / 16); };
+    auto load_sub_tile = [&](int sub_tile) {
+        load_dswiglu_sub_tile<Config>(params, epilogue.h, tile, staging, warp_first_row, sub_tile, lane_idx);
     };
-    auto load_batch = [&](int batch_idx, uint32_t(&gate)[kLoadBatch][kFragsPerChunk],
-                          uint32_t(&up)[kLoadBatch][kFragsPerChunk]) {
-        const int half = batch_idx / kBatchesPerHalf;
-        const T* h_row = h + row_idx(half) * 2 * intermediate;
+    auto store_slot = [&](uint32_t slot_addr, T* out, int64_t row_stride, int sub_tile) {  // 16-byte chunks, masked
+        const int64_t col = copy_col(sub_tile);
 #pragma unroll
-        for (int batch_group = 0; batch_group < kLoadBatch; ++batch_group) {
-            const int64_t col = chunk_col(batch_idx, batch_group);
-#pragma unroll
-            for (int word_idx = 0; word_idx < kFragsPerChunk; ++word_idx) gate[batch_group][word_idx] = 0;
-#pragma unroll
-            for (int word_idx = 0; word_idx < kFragsPerChunk; ++word_idx) up[batch_group][word_idx] = 0;
-            if (row_valid(half) && col < intermediate) {
-                load_chunk(h_row, col, gate[batch_group]);
-                load_chunk(h_row + intermediate, col, up[batch_group]);
+        for (int pass = 0; pass < kDSwiGLUPasses; ++pass) {
+            const int row = copy_row(pass);
+            uint32_t words[4];
+            ld_shared_v4(slot_addr + swizzle_64b_offset(row, copy_chunk), words);
+            if (warp_first_row + row < tile.num_rows && col < intermediate) {
+                store_chunk(out + (tile.row_begin + warp_first_row + row) * row_stride, col, words);
             }
         }
     };
-    uint32_t gate_next[kLoadBatch][kFragsPerChunk], up_next[kLoadBatch][kFragsPerChunk];
-    load_batch(0, gate_next, up_next);
-    float ds = 0.0f;
+    float ds[2] = {0.0f, 0.0f};
+    if constexpr (!kFirstLoaded) load_sub_tile(0);
 #pragma unroll
-    for (int batch_idx = 0; batch_idx < kNumBatches; ++batch_idx) {
-        const int half = batch_idx / kBatchesPerHalf;
-        uint32_t gate_batch[kLoadBatch][kFragsPerChunk], up_batch[kLoadBatch][kFragsPerChunk];
-#pragma unroll
-        for (int batch_group = 0; batch_group < kLoadBatch; ++batch_group) {
-#pragma unroll
-            for (int word_idx = 0; word_idx < kFragsPerChunk; ++word_idx) {
-                gate_batch[batch_group][word_idx] = gate_next[batch_group][word_idx];
-                up_batch[batch_group][word_idx] = up_next[batch_group][word_idx];
-            }
+    for (int sub_tile = 0; sub_tile < kNumSubTiles; ++sub_tile) {
+        const int buffer = sub_tile % kDSwiGLUBuffers;
+        if (sub_tile + 1 < kNumSubTiles) {  // the other buffer: its previous outputs were read out last sub-tile
+            load_sub_tile(sub_tile + 1);
+            cuda::cp_async_wait<1>();
+        } else {
+            cuda::cp_async_wait<0>();
         }
-        if (batch_idx + 1 < kNumBatches) load_batch(batch_idx + 1, gate_next, up_next);
-        const float weight = weights.weight[half];
-        T* dh_row = dh + row_idx(half) * 2 * intermediate;
-        T* act_row = act + row_idx(half) * intermediate;
+        __syncwarp();  // every lane's copies of this sub-tile have landed
+        uint32_t gate_regs[kMatrixBlocks][4], up_regs[kMatrixBlocks][4];
 #pragma unroll
-        for (int batch_group = 0; batch_group < kLoadBatch; ++batch_group) {
-            const int group_idx = (batch_idx % kBatchesPerHalf) * kLoadBatch + batch_group;
-            const int64_t col = chunk_col(batch_idx, batch_group);
-            const bool valid = row_valid(half) && col < intermediate;
-            uint32_t(&gate_words)[kFragsPerChunk] = gate_batch[batch_group];
-            uint32_t(&up_words)[kFragsPerChunk] = up_batch[batch_group];
-            quad_transpose(gate_words, quad_lane);
-            quad_transpose(up_words, quad_lane);
-            uint32_t dgate_words[kFragsPerChunk], dup_words[kFragsPerChunk], act_words[kFragsPerChunk];
+        for (int block = 0; block < kMatrixBlocks; ++block) {
+            ldmatrix_x4(slot(2 * buffer) + matrix_offset(block), gate_regs[block]);
+            ldmatrix_x4(slot(2 * buffer + 1) + matrix_offset(block), up_regs[block]);
+        }
+        uint32_t dgate_regs[kMatrixBlocks][4], dup_regs[kMatrixBlocks][4], act_regs[kMatrixBlocks][4];
 #pragma unroll
-            for (int word_idx = 0; word_idx < kFragsPerChunk; ++word_idx) {
-                const int reg_idx = kFirstReg + (group_idx * kFragsPerChunk + word_idx) * 4 + half * 2;
+        for (int block = 0; block < kMatrixBlocks; ++block) {
+#pragma unroll
+            for (int matrix = 0; matrix < 4; ++matrix) {
+                const int half = matrix % 2;
+                const int frag_idx = sub_tile * 2 * kMatrixBlocks + block * 2 + matrix / 2;
+                const int reg_idx = kFirstReg + frag_idx * 4 + half * 2;
+                const float weight = weights.weight[half];
                 float gate[2], up[2], d_gate[2], d_up[2], scaled_act[2];
-                cuda::unpack_pair<T>(gate_words[word_idx], gate[0], gate[1]);
-                cuda::unpack_pair<T>(up_words[word_idx], up[0], up[1]);
+                cuda::unpack_pair<T>(gate_regs[block][matrix], gate[0], gate[1]);
+                cuda::unpack_pair<T>(up_regs[block][matrix], up[0], up[1]);
 #pragma unroll
                 for (int item_idx = 0; item_idx < 2; ++item_idx) {
                     const float p = acc[reg_idx + item_idx];
                     float activation;
                     Act::backward(epilogue, gate[item_idx], up[item_idx], weight * p, activation, d_gate[item_idx],
                                   d_up[item_idx]);
-                    ds = fmaf(p, activation, ds);
+                    ds[half] = fmaf(p, activation, ds[half]);
                     scaled_act[item_idx] = weight * activation;
                 }
                 if constexpr (kInterleaved) {  // dh positions 2i .. 2i + 3 of the pair's columns i, i + 1: 8 bytes
-                    const int64_t frag_col = first_col + (group_idx * kFragsPerChunk + word_idx) * 8 + 2 * quad_lane;
+                    const int64_t frag_col = first_col + frag_idx * 8 + 2 * quad_lane;
                     if (row_valid(half) && frag_col < intermediate) {
-                        store_words2(dh_row, 2 * frag_col, cuda::pack_pair<T>(d_gate[0], d_up[0]),
-                                     cuda::pack_pair<T>(d_gate[1], d_up[1]));
+                        store_words2(dh + row_idx(half) * 2 * intermediate, 2 * frag_col,
+                                     cuda::pack_pair<T>(d_gate[0], d_up[0]), cuda::pack_pair<T>(d_gate[1], d_up[1]));
                     }
                 } else {
-                    dgate_words[word_idx] = cuda::pack_pair<T>(d_gate[0], d_gate[1]);
-                    dup_words[word_idx] = cuda::pack_pair<T>(d_up[0], d_up[1]);
+                    dgate_regs[block][matrix] = cuda::pack_pair<T>(d_gate[0], d_gate[1]);
+                    dup_regs[block][matrix] = cuda::pack_pair<T>(d_up[0], d_up[1]);
                 }
-                act_words[word_idx] = cuda::pack_pair<T>(scaled_act[0], scaled_act[1]);
-            }
-            if constexpr (!kInterleaved) {
-                quad_transpose(dgate_words, quad_lane);
-                quad_transpose(dup_words, quad_lane);
-            }
-            quad_transpose(act_words, quad_lane);
-            if (valid) {
-                if constexpr (!kInterleaved) {
-                    store_chunk(dh_row, col, dgate_words);
-                    store_chunk(dh_row + intermediate, col, dup_words);
-                }
-                store_chunk(act_row, col, act_words);
+                act_regs[block][matrix] = cuda::pack_pair<T>(scaled_act[0], scaled_act[1]);
             }
         }
-        if (batch_idx % kBatchesPerHalf == kBatchesPerHalf - 1) {  // the half's row is done: its ds part
-            ds += __shfl_xor_sync(0xffffffffu, ds, 1);
-            ds += __shfl_xor_sync(0xffffffffu, ds, 2);
-            if (row_valid(half) && quad_lane == 0) {
-                epilogue.ds_parts[row_idx(half) * params.num_n_tiles + tile.n_tile_idx] = ds;
+        __syncwarp();                   // every lane's ldmatrix has read the buffer before stmatrix overwrites it
+        if constexpr (!kInterleaved) {  // dg, du through the buffer's g, u slots
+#pragma unroll
+            for (int block = 0; block < kMatrixBlocks; ++block) {
+                stmatrix_x4(slot(2 * buffer) + matrix_offset(block), dgate_regs[block]);
+                stmatrix_x4(slot(2 * buffer + 1) + matrix_offset(block), dup_regs[block]);
             }
-            ds = 0.0f;
+            __syncwarp();
+            store_slot(slot(2 * buffer), dh, 2 * intermediate, sub_tile);
+            store_slot(slot(2 * buffer + 1), dh + intermediate, 2 * intermediate, sub_tile);
+            __syncwarp();  // read out before s a overwrites the g slot
+        }
+#pragma unroll
+        for (int block = 0; block < kMatrixBlocks; ++block) {
+            stmatrix_x4(slot(2 * buffer) + matrix_offset(block), act_regs[block]);
+        }
+        __syncwarp();
+        store_slot(slot(2 * buffer), act, intermediate, sub_tile);
+        __syncwarp();  // read out before the next sub-tile's loads refill the buffer
+    }
+#pragma unroll
+    for (int half = 0; half < 2; ++half) {  // the row's ds part
+        ds[half] += __shfl_xor_sync(0xffffffffu, ds[half], 1);
+        ds[half] += __shfl_xor_sync(0xffffffffu, ds[half], 2);
+        if (row_valid(half) && quad_lane == 0) {
+            epilogue.ds_parts[row_idx(half) * params.num_n_tiles + tile.n_tile_idx] = ds[half];
         }
     }
 }
@@ -186,16 +240,18 @@ struct DSwiGLUEpilogueOf : NoEpilogueHooks {
     static constexpr bool kTmaA = false;
     static constexpr bool kGateUpPairs = false;
     static constexpr bool kGateUpHalves = false;
-    static constexpr bool kStaging = false;
+    static constexpr bool kStaging = true;  // the sub-tile slots of store_tile_dswiglu
     static constexpr const char* name(BLayout) { return "m_grouped_gemm_sm90[dswiglu, kn]"; }
     struct TileState {
         RowWeights row_weights[2];  // per row block of the consumer (at most two)
     };
 
+    // The rows' weights, and the g, u loads of the first row block's first sub-tile into the warp's slots (free: the
+    // previous tile's epilogue has read them out), so their latency hides under the mainloop.
     template <class Config>
     __device__ __forceinline__ static TileState begin_tile(const MainloopParams& mainloop, const Params& params,
-                                                           const Tile& tile, int first_row_block, int warp_idx,
-                                                           int lane_idx) {
+                                                           const Tile& tile, int first_row_block, uint32_t warp_staging,
+                                                           int warp_idx, int lane_idx) {
         static_assert(Config::kRowBlocks <= 2, "TileState holds two row blocks' weights");
         TileState state{};
 #pragma unroll
@@ -203,6 +259,8 @@ struct DSwiGLUEpilogueOf : NoEpilogueHooks {
             state.row_weights[block] =
                 load_row_weights(mainloop, params, tile, first_row_block + block, warp_idx, lane_idx);
         }
+        load_dswiglu_sub_tile<Config>(mainloop, params.h, tile, warp_staging,
+                                      first_row_block * kWgmmaM + warp_idx * kDSwiGLUSubRows, 0, lane_idx);
         return state;
     }
     // Starts the L2 prefetch of the g, u row segments that `tile` reads in its epilogue, a whole mainloop later
@@ -228,12 +286,14 @@ struct DSwiGLUEpilogueOf : NoEpilogueHooks {
     template <typename T, class Config, int kLocalBlock, int kNumRegs>
     __device__ __forceinline__ static void store(const CUtensorMap*, const MainloopParams& mainloop,
                                                  const Params& params, const Tile& tile, const float (&acc)[kNumRegs],
-                                                 const TileState& state, uint32_t, int row_block, int warp_idx,
-                                                 int lane_idx) {
-        store_tile_dswiglu<T, Act, kInterleaved, Config, kLocalBlock * Config::kBlockRegs>(
-            mainloop, params, tile, acc, state.row_weights[kLocalBlock], row_block, warp_idx, lane_idx);
+                                                 const TileState& state, uint32_t warp_staging, int row_block,
+                                                 int warp_idx, int lane_idx) {
+        store_tile_dswiglu<T, Act, kInterleaved, Config, kLocalBlock * Config::kBlockRegs, kLocalBlock == 0>(
+            mainloop, params, tile, acc, state.row_weights[kLocalBlock], warp_staging, row_block, warp_idx, lane_idx);
     }
 };
 using DSwiGLUEpilogue = DSwiGLUEpilogueOf<SwiGLUActivation, false>;
+static_assert(num_stages<ConfigOf<DSwiGLUEpilogue>, true>() == num_stages<ConfigOf<DSwiGLUEpilogue>, false>(),
+              "dSwiGLU's sub-tile slots fit beside the pipeline stages without costing one");
 
 }  // namespace megamoe::sm90::m_grouped

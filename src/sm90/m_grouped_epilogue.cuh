@@ -235,7 +235,8 @@ __device__ __forceinline__ void add_row_bias(const MainloopParams& params, const
 // by TMA boxes, else rows gathered by cp.async); kGateUpPairs (a B tile holds gate / up pairs: n counts the pairs,
 // B_e has 2n rows); kGateUpHalves (the pairs as a box of gate rows and a box of the matching up rows, n apart; else the
 // B tile is 2n's rows in storage order, interleaved);
-// kStaging (shared memory for TMA stores); TileState with begin_tile (per consumer and tile, before its mainloop);
+// kStaging (per-warp shared memory: staging of TMA stores, dSwiGLU's sub-tile slots); TileState with begin_tile (per
+// consumer and tile, before its mainloop: it may issue loads into the warp's staging, free by then);
 // producer_tile (the producer, when it starts a tile); store (one row block); prefetch_maps (thread 0 at start),
 // finish (each consumer thread at the end) and name (the kernel's, in error messages).
 
@@ -244,8 +245,8 @@ struct NoEpilogueHooks {
     struct TileState {};
 
     template <class Config, class Params>
-    __device__ __forceinline__ static TileState begin_tile(const MainloopParams&, const Params&, const Tile&, int, int,
-                                                           int) {
+    __device__ __forceinline__ static TileState begin_tile(const MainloopParams&, const Params&, const Tile&, int,
+                                                           uint32_t, int, int) {
         return {};
     }
     template <class Config, class Params>

@@ -6,7 +6,8 @@
 //              on an mbarrier; 2-D and 3-D stores from shared memory in bulk async-groups, commit_group and
 //              wait_group (.read: until the stores have read their shared memory);
 //   cp.async   16-byte copy to a shared-memory address; arrival on an mbarrier once a thread's copies landed;
-//   stmatrix   four 8 x 8 b16 matrices from the mma fragment layout to shared memory;
+//   stmatrix   four 8 x 8 b16 matrices from the mma fragment layout to shared memory; ldmatrix, the other way;
+//   ld.shared  a 16-byte vector load from a shared-memory address;
 //   proxies    fence.proxy.async: generic-proxy writes to shared memory (cp.async, st.shared, stmatrix) before
 //              the async proxy (wgmma, TMA) reads them;
 //   wgmma      shared-memory matrix descriptors (K-major and MN-major, 128-byte swizzle), fence / commit / wait, and
@@ -38,6 +39,14 @@ constexpr int kSwizzleAtomBytes = 8 * kSwizzleBytes;
 // and as wgmma's 128-byte swizzle mode reads it.
 __device__ __forceinline__ uint32_t swizzle_128b_offset(int row, int chunk_idx) {
     return static_cast<uint32_t>(row * kSwizzleBytes + ((chunk_idx ^ (row & 7)) << 4));
+}
+
+// The 64-byte swizzle of a tile of 64-byte rows (512-byte aligned): 16-byte chunk `chunk_idx` (0..3) of row `row` at
+// chunk_idx ^ (row / 2) % 4, as TMA's SWIZZLE_64B writes a box of 64-byte rows. The 8 rows of an 8 x 8 b16 matrix
+// (ldmatrix, stmatrix), and two rows' 4 chunks (8 lanes of 16-byte accesses), fall in 8 distinct bank groups.
+constexpr int kSwizzle64RowBytes = 64;
+__device__ __forceinline__ uint32_t swizzle_64b_offset(int row, int chunk_idx) {
+    return static_cast<uint32_t>(row * kSwizzle64RowBytes + ((chunk_idx ^ ((row >> 1) & 3)) << 4));
 }
 
 __device__ __forceinline__ void mbarrier_init(uint64_t* barrier, uint32_t arrival_count) {
@@ -280,6 +289,24 @@ __device__ __forceinline__ void bulk_wait_group() {
 __device__ __forceinline__ void stmatrix_x4(uint32_t shared_addr, const uint32_t (&regs)[4]) {
     asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};\n" ::"r"(shared_addr), "r"(regs[0]),
                  "r"(regs[1]), "r"(regs[2]), "r"(regs[3])
+                 : "memory");
+}
+
+// Four 8 x 8 b16 matrices from shared memory into the mma fragment layout (the inverse of stmatrix_x4: register i of
+// lane l gets row l / 4, columns 2 (l % 4) and + 1 of matrix i), lane l giving the address of row l % 8 of matrix
+// l / 8 (16 bytes).
+__device__ __forceinline__ void ldmatrix_x4(uint32_t shared_addr, uint32_t (&regs)[4]) {
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(regs[0]), "=r"(regs[1]), "=r"(regs[2]), "=r"(regs[3])
+                 : "r"(shared_addr)
+                 : "memory");
+}
+
+// 16 bytes from a shared-memory address (16-byte aligned), as one vector load.
+__device__ __forceinline__ void ld_shared_v4(uint32_t shared_addr, uint32_t (&words)[4]) {
+    asm volatile("ld.shared.v4.b32 {%0, %1, %2, %3}, [%4];\n"
+                 : "=r"(words[0]), "=r"(words[1]), "=r"(words[2]), "=r"(words[3])
+                 : "r"(shared_addr)
                  : "memory");
 }
 
