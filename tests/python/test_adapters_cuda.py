@@ -11,7 +11,7 @@ import torch
 from adapter_cases import counts_of, grads, randn, routing
 from conftest import rel_err
 from megamoe.adapters import megatron, prime_rl, torchtitan
-from test_adapters_prime_rl import make_experts
+from test_adapters_prime_rl import make_experts, prime_rl_reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests need one")
 
@@ -30,13 +30,18 @@ def _bf16_cuda(tensors):
     return cuda, cpu
 
 
-def _check(ours, want, what):
+def _check(ours, want, what, plain_bf16=None):
+    """ours (bf16 on the GPU) against want (float64 on the CPU): within BF16_TOLERANCE, or, where the framework's plain
+    PyTorch computation in bf16 on the same device (plain_bf16) is itself further off, within 3x its error."""
     for name, value in want.items():
         got = ours[name]
         assert got is not None and got.device.type == DEVICE, f"{what}: {name}"
         assert torch.isfinite(got.float()).all(), f"{what}: {name} not finite"
         err = rel_err(got.detach().cpu().double(), value)
-        assert err < BF16_TOLERANCE, f"{what}: {name} error {err:.3e}"
+        bound = BF16_TOLERANCE
+        if plain_bf16 is not None:
+            bound = max(bound, 3 * rel_err(plain_bf16[name].detach().cpu().double(), value))
+        assert err < bound, f"{what}: {name} error {err:.3e} (bound {bound:.3e})"
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
@@ -73,17 +78,20 @@ def test_prime_rl_expert_compute_on_cuda(storage, case, gen):
     x = randn(gen, R, H)
     dout = torch.randn(R, H, generator=gen, dtype=torch.float64)
     results = []
-    for device, dtype in ((DEVICE, torch.bfloat16), ("cpu", torch.float64)):
+    for device, dtype, fn in ((DEVICE, torch.bfloat16, prime_rl.MegamoeExpertCompute()),
+                              ("cpu", torch.float64, prime_rl.MegamoeExpertCompute()),
+                              (DEVICE, torch.bfloat16, prime_rl_reference)):
         experts = make_experts(storage, H, I, E, gen)
         experts.load_state_dict({k: v.to(torch.bfloat16).to(dtype) for k, v in experts64.state_dict().items()})
-        experts.to(device)
+        experts.to(device=device, dtype=dtype)  # load_state_dict keeps the parameters' float64
         xd = x.detach().to(torch.bfloat16).to(dtype).to(device).requires_grad_()
         leaves = {"x": xd, **dict(experts.named_parameters())}
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            results.append(grads(lambda: prime_rl.MegamoeExpertCompute()(experts, xd, counts.to(device)), leaves,
-                                 dout.to(dtype).to(device)))
-    _check(*results, f"prime-rl {storage} {case[0]}")
+            results.append(grads(lambda: fn(experts, xd, counts.to(device)), leaves, dout.to(dtype).to(device)))
+    # gpt-oss's clamps (gate scale 3: most gates clamped) make dx sensitive to every bf16 rounding: the bound is
+    # also 3x the error of prime-rl's plain per-expert loop in bf16 on the same device.
+    _check(results[0], results[1], f"prime-rl {storage} {case[0]}", plain_bf16=results[2])
     assert results[0]["out"][-2:].abs().max() == 0
 
 
