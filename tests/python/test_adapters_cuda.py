@@ -72,6 +72,13 @@ def test_torchtitan_routed_experts_on_cuda(case, gen):
 def test_prime_rl_expert_compute_on_cuda(storage, case, gen):
     _, T, H, I, E, topk, kind = case
     experts64 = make_experts(storage, H, I, E, gen)
+    if storage == "gpt_oss":
+        # make_experts's gates (scale 3) are clamped almost everywhere, which leaves dx to the few entries whose
+        # bf16 rounding lands on the other side of a clamp than float64's: noise, not a check of the wiring. At scale
+        # 0.3 the clamps rarely engage; test_layouts_cuda checks them on the GPU against a reference that reads the
+        # GPU forward's own pre-activations, and bench_gpt_oss.py against Hugging Face's eager gpt-oss experts.
+        with torch.no_grad():
+            experts64.gate_up_proj.mul_(0.1)
     ids, _ = routing(T, E, topk, kind, gen)
     counts = counts_of(ids, E)
     R = int(counts.sum()) + 2  # two padding rows
@@ -89,8 +96,7 @@ def test_prime_rl_expert_compute_on_cuda(storage, case, gen):
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
             results.append(grads(lambda: fn(experts, xd, counts.to(device)), leaves, dout.to(dtype).to(device)))
-    # gpt-oss's clamps (gate scale 3: most gates clamped) make dx sensitive to every bf16 rounding: the bound is
-    # also 3x the error of prime-rl's plain per-expert loop in bf16 on the same device.
+    # The bound is also 3x the error of prime-rl's plain per-expert loop in bf16 on the same device.
     _check(results[0], results[1], f"prime-rl {storage} {case[0]}", plain_bf16=results[2])
     assert results[0]["out"][-2:].abs().max() == 0
 
