@@ -408,9 +408,9 @@ def moe(x, topk_ids, topk_weights, w13, w2, recompute=False, *, w3=None, b13=Non
     Other layouts and activations (megamoe.Layout, megamoe.Activation; layouts.py): layout=megamoe.SEPARATE takes the
     up projection as w3, layout=megamoe.GPT_OSS gpt-oss's interleaved transposed weights, activation=
     megamoe.clamped_swiglu(7.0, 1.702) its activation; b13 [E, 2I] (arranged as w13's rows) and b2 [E, H] are
-    optional biases: o = w2[e] act(w13[e] x_t + b13[e]) + b2[e]. CUDA runs every option; the fused
-    sm_90a kernels every one but layout=megamoe.SEPARATE, which runs on the portable CUDA kernels (a one-time warning
-    names it); megamoe.path_of tells which path a call takes and why.
+    optional biases: o = w2[e] act(w13[e] x_t + b13[e]) + b2[e]. CUDA runs every option, on the fused
+    sm_90a kernels on a Hopper GPU (a w3 or bias too misaligned for them takes the portable CUDA kernels, and a
+    one-time warning names it); megamoe.path_of tells which path a call takes and why.
 
     Memory mode when gradients are wanted: by default the forward keeps h = [g, u] ([T*topk, 2I], the fastest
     backward, which writes dh over it: one backward per forward); recompute=True keeps only the inputs and recomputes

@@ -90,6 +90,18 @@ class WorkspaceCarver {
     size_t num_bytes_ = 0;
 };
 
+// The element type the CUDA path computes in for `dtype` (bf16, else f16: the entry points accept no other), as the
+// argument of `launch(ElementTag<T>{})`: one place that maps a call's dtype to its kernels' template argument.
+template <typename T>
+struct ElementTag {
+    using Type = T;
+};
+template <class Launch>
+decltype(auto) with_element_type(megamoe_dtype_t dtype, Launch&& launch) {
+    if (dtype == MEGAMOE_DTYPE_BF16) return launch(ElementTag<__nv_bfloat16>{});
+    return launch(ElementTag<__half>{});
+}
+
 // Element conversions of the two 16-bit types the CUDA path computes in.
 template <typename T>
 __device__ __forceinline__ float to_float(T value);

@@ -188,32 +188,23 @@ megamoe_status_t launch_gather_sum(const GatherSumArgs& args, cudaStream_t strea
                      is_aligned(args.rows, kGatherColsPerThread * (rows_f32 ? sizeof(float) : sizeof(uint16_t))) &&
                      is_aligned(args.out, 8);
     const dim3 grid(static_cast<unsigned>(args.num_tokens), static_cast<unsigned>(num_col_tiles));
-    if (args.out_dtype == MEGAMOE_DTYPE_BF16) {
-        using T = __nv_bfloat16;
+    with_element_type(args.out_dtype, [&](auto tag) {
+        using T = typename decltype(tag)::Type;
         if (rows_f32) {
             gather_sum_kernel<T, float><<<grid, kGatherThreads, 0, stream>>>(args, vec);
         } else {
             gather_sum_kernel<T, T><<<grid, kGatherThreads, 0, stream>>>(args, vec);
         }
-    } else {
-        using T = __half;
-        if (rows_f32) {
-            gather_sum_kernel<T, float><<<grid, kGatherThreads, 0, stream>>>(args, vec);
-        } else {
-            gather_sum_kernel<T, T><<<grid, kGatherThreads, 0, stream>>>(args, vec);
-        }
-    }
+    });
     return check_launch("gather_sum_kernel");
 }
 
 megamoe_status_t launch_dswiglu_rows(const DSwiGLUArgs& args, cudaStream_t stream) {
     if (args.max_rows == 0) return MEGAMOE_STATUS_SUCCESS;
     const dim3 grid(static_cast<unsigned>(args.max_rows));
-    if (args.dtype == MEGAMOE_DTYPE_BF16) {
-        dswiglu_rows_kernel<__nv_bfloat16><<<grid, kRowThreads, 0, stream>>>(args);
-    } else {
-        dswiglu_rows_kernel<__half><<<grid, kRowThreads, 0, stream>>>(args);
-    }
+    with_element_type(args.dtype, [&](auto tag) {
+        dswiglu_rows_kernel<typename decltype(tag)::Type><<<grid, kRowThreads, 0, stream>>>(args);
+    });
     return check_launch("dswiglu_rows_kernel");
 }
 

@@ -270,13 +270,11 @@ megamoe_status_t dispatch_m_grouped(const MGroupedGemmArgs& args, const MGrouped
     const bool b_up_ok = kEpilogue != Epilogue::kGatedAct || args.interleaved || is_aligned(args.b_up, 16);
     const bool vec = vec_ok(args.a, args.lda, args.k) && args.b_expert_stride % kChunkElems == 0 &&
                      vec_ok(args.b, args.ldb, b_mn_major ? b_cols : args.k) && b_up_ok;
-    if (args.dtype == MEGAMOE_DTYPE_BF16) {
-        return vec ? launch(m_grouped_gemm_kernel<__nv_bfloat16, kBLayout, kEpilogue, true>, params, grid, stream, name)
-                   : launch(m_grouped_gemm_kernel<__nv_bfloat16, kBLayout, kEpilogue, false>, params, grid, stream,
-                            name);
-    }
-    return vec ? launch(m_grouped_gemm_kernel<__half, kBLayout, kEpilogue, true>, params, grid, stream, name)
-               : launch(m_grouped_gemm_kernel<__half, kBLayout, kEpilogue, false>, params, grid, stream, name);
+    return with_element_type(args.dtype, [&](auto tag) {
+        using T = typename decltype(tag)::Type;
+        return vec ? launch(m_grouped_gemm_kernel<T, kBLayout, kEpilogue, true>, params, grid, stream, name)
+                   : launch(m_grouped_gemm_kernel<T, kBLayout, kEpilogue, false>, params, grid, stream, name);
+    });
 }
 
 MGroupedParams make_m_grouped_params(const MGroupedGemmArgs& args) {

@@ -186,10 +186,9 @@ megamoe_status_t launch_k_grouped_gemm(const KGroupedGemmArgs& args, void* out, 
     }
     const dim3 grid(static_cast<unsigned>(num_blocks));
     const bool vec = vec_ok(args.a, args.lda, args.m) && vec_ok(args.b, args.ldb, args.n);
-    if (args.dtype == MEGAMOE_DTYPE_BF16) {
-        return dispatch_k_grouped<__nv_bfloat16>(params, out_f32, args.accumulate, vec, grid, stream);
-    }
-    return dispatch_k_grouped<__half>(params, out_f32, args.accumulate, vec, grid, stream);
+    return with_element_type(args.dtype, [&](auto tag) {
+        return dispatch_k_grouped<typename decltype(tag)::Type>(params, out_f32, args.accumulate, vec, grid, stream);
+    });
 }
 
 }  // namespace megamoe::cuda

@@ -160,18 +160,16 @@ megamoe_status_t launch_col_sums_typed(const ExpertColSumsArgs& args, dim3 grid,
 
 megamoe_status_t launch_dact_rows(const DActArgs& args, cudaStream_t stream) {
     if (args.max_rows == 0) return MEGAMOE_STATUS_SUCCESS;
-    return args.dtype == MEGAMOE_DTYPE_BF16 ? launch_dact_rows_typed<__nv_bfloat16>(args, stream)
-                                            : launch_dact_rows_typed<__half>(args, stream);
+    return with_element_type(
+        args.dtype, [&](auto tag) { return launch_dact_rows_typed<typename decltype(tag)::Type>(args, stream); });
 }
 
 megamoe_status_t launch_bias_dot_rows(const BiasDotArgs& args, cudaStream_t stream) {
     if (args.max_rows == 0) return MEGAMOE_STATUS_SUCCESS;
     const dim3 grid(static_cast<unsigned>(args.max_rows));
-    if (args.dtype == MEGAMOE_DTYPE_BF16) {
-        bias_dot_rows_kernel<__nv_bfloat16><<<grid, kRowThreads, 0, stream>>>(args);
-    } else {
-        bias_dot_rows_kernel<__half><<<grid, kRowThreads, 0, stream>>>(args);
-    }
+    with_element_type(args.dtype, [&](auto tag) {
+        bias_dot_rows_kernel<typename decltype(tag)::Type><<<grid, kRowThreads, 0, stream>>>(args);
+    });
     return check_launch("bias_dot_rows_kernel");
 }
 
@@ -186,8 +184,9 @@ megamoe_status_t launch_expert_col_sums(const ExpertColSumsArgs& args, cudaStrea
         return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "expert_col_sums: accumulation needs an f32 output");
     }
     const dim3 grid(static_cast<unsigned>(args.num_experts), static_cast<unsigned>(num_col_tiles));
-    return args.src_dtype == MEGAMOE_DTYPE_BF16 ? launch_col_sums_typed<__nv_bfloat16>(args, grid, stream)
-                                                : launch_col_sums_typed<__half>(args, grid, stream);
+    return with_element_type(args.src_dtype, [&](auto tag) {
+        return launch_col_sums_typed<typename decltype(tag)::Type>(args, grid, stream);
+    });
 }
 
 }  // namespace megamoe::cuda

@@ -615,17 +615,12 @@ megamoe_status_t launch_k_grouped_gemm_sm90(const cuda::KGroupedGemmArgs& args, 
     }
     CUtensorMap out_map{};
     params.tma_store = !f32_out && encode_out_map(args.dtype, out, args.num_experts, args.m, args.n, &out_map);
-    if (args.accumulate) {
-        return args.dtype == MEGAMOE_DTYPE_BF16
-                   ? launch_typed<__nv_bfloat16, float, true>(a_map, b_map, out_map, params, num_sms, stream)
-                   : launch_typed<__half, float, true>(a_map, b_map, out_map, params, num_sms, stream);
-    }
-    if (args.dtype == MEGAMOE_DTYPE_BF16) {
-        return f32_out ? launch_typed<__nv_bfloat16, float>(a_map, b_map, out_map, params, num_sms, stream)
-                       : launch_typed<__nv_bfloat16, __nv_bfloat16>(a_map, b_map, out_map, params, num_sms, stream);
-    }
-    return f32_out ? launch_typed<__half, float>(a_map, b_map, out_map, params, num_sms, stream)
-                   : launch_typed<__half, __half>(a_map, b_map, out_map, params, num_sms, stream);
+    return cuda::with_element_type(args.dtype, [&](auto tag) {
+        using T = typename decltype(tag)::Type;
+        if (args.accumulate) return launch_typed<T, float, true>(a_map, b_map, out_map, params, num_sms, stream);
+        return f32_out ? launch_typed<T, float>(a_map, b_map, out_map, params, num_sms, stream)
+                       : launch_typed<T, T>(a_map, b_map, out_map, params, num_sms, stream);
+    });
 }
 
 }  // namespace megamoe::sm90
