@@ -71,6 +71,7 @@
 #include "cuda/cuda_utils.h"
 #include "sm90/epilogue.cuh"
 #include "sm90/k_grouped_config.cuh"
+#include "sm90/k_grouped_host.cuh"
 #include "sm90/launch.h"
 #include "sm90/ptx.h"
 
@@ -507,33 +508,7 @@ __global__ void __launch_bounds__(kOrderThreads)
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Host side: the TMA descriptors of the ungathered operands, the cluster launch.
-
-// An ungathered operand as a 2-D tensor [kMaxTmaRows, cols] (cols innermost, 128-byte swizzle), boxes of
-// kMnBlockElems columns x kBlockK rows. Only whole k-blocks inside an expert's rows are loaded, so the row extent
-// is a bound, never reached; columns past `cols` are zero-filled.
-bool encode_operand_map(megamoe_dtype_t dtype, const void* data, int64_t ld, int64_t cols, CUtensorMap* map) {
-    return encode_2d_sw128_map(dtype, data, kMaxTmaRows, cols, ld, kBlockK, kMnBlockElems,
-                               CU_TENSOR_MAP_L2_PROMOTION_L2_256B, map);
-}
-
-// The element-type output [E, M, N] as a 3-D tensor map (N innermost, 128-byte swizzle), boxes of kTmaStoreCols
-// columns x kTmaStoreRows rows of one expert: the epilogue's TMA stores, clipped at M and N.
-bool encode_out_map(megamoe_dtype_t dtype, void* out, int64_t num_experts, int64_t m, int64_t n, CUtensorMap* map) {
-    const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
-    if (encode == nullptr) return false;
-    const cuuint64_t dims[3] = {static_cast<cuuint64_t>(n), static_cast<cuuint64_t>(m),
-                                static_cast<cuuint64_t>(num_experts)};
-    const cuuint64_t strides[2] = {static_cast<cuuint64_t>(n * kElemBytes),
-                                   static_cast<cuuint64_t>(m * n * kElemBytes)};
-    const cuuint32_t box[3] = {static_cast<cuuint32_t>(kTmaStoreCols), static_cast<cuuint32_t>(kTmaStoreRows), 1};
-    const cuuint32_t element_strides[3] = {1, 1, 1};
-    const CUtensorMapDataType data_type =
-        dtype == MEGAMOE_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-    return encode(map, data_type, 3, out, dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
-}
+// Host side: the cluster launch (the tensor maps: k_grouped_host.cuh).
 
 template <typename T, typename OutT, bool kAccumulate = false>
 megamoe_status_t launch_typed(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUtensorMap& out_map,
@@ -542,15 +517,6 @@ megamoe_status_t launch_typed(const CUtensorMap& a_map, const CUtensorMap& b_map
     return launch_cluster_kernel<kClusterSize>(k_grouped_gemm_sm90_kernel<T, OutT, kAccumulate>, "k_grouped_gemm_sm90",
                                                kNumThreads, kSmemBytes, max_clusters, stream, a_map, b_map, out_map,
                                                params);
-}
-
-// The operand, by TMA when it is not gathered and its tensor map can be made (else by cp.async, zeroed map).
-Operand make_operand(megamoe_dtype_t dtype, const void* data, int64_t ld, const int* gather_slots, int64_t cols,
-                     CUtensorMap* map) {
-    *map = CUtensorMap{};
-    Operand operand{static_cast<const uint16_t*>(data), static_cast<int>(ld), gather_slots, false};
-    operand.tma = gather_slots == nullptr && encode_operand_map(dtype, data, ld, cols, map);
-    return operand;
 }
 
 }  // namespace
