@@ -127,9 +127,7 @@ struct BackwardGemms {
 
     // The device, dtype and alignment suit the sm_90a kernels (the expert options aside).
     bool sm90_hardware_ok(int device_index) const {
-        if (sm90_disabled_by_env()) return false;
-        const DeviceInfo info = device_info(device_index);
-        return info.major == 9 && info.minor == 0 && sm90::m_grouped_gemm_sm90_supported(sm90_up, true) &&
+        return sm90_device_ok(device_index) && sm90::m_grouped_gemm_sm90_supported(sm90_up, true) &&
                sm90::m_grouped_gemm_sm90_supported(sm90_d_hidden, false) &&
                sm90::m_grouped_gemm_sm90_supported(sm90_d_input, false);
     }

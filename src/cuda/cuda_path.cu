@@ -117,9 +117,11 @@ bool sm90_weight_grads_enabled_by_env() {
     return value == nullptr || value[0] == '\0' || std::strcmp(value, "0") != 0;
 }
 
-bool sm90_disabled_by_env() {
-    const char* value = std::getenv("MEGAMOE_DISABLE_SM90");
-    return value != nullptr && value[0] != '\0' && std::strcmp(value, "0") != 0;
+bool sm90_device_ok(int device_index) {
+    const char* disabled = std::getenv("MEGAMOE_DISABLE_SM90");
+    if (disabled != nullptr && disabled[0] != '\0' && std::strcmp(disabled, "0") != 0) return false;
+    const DeviceInfo info = device_info(device_index);
+    return info.major == 9 && info.minor == 0;
 }
 
 RoutingPlan make_routing_plan(const Call& call) {

@@ -34,7 +34,10 @@ struct DeviceInfo {
 DeviceInfo device_info(int device_index);
 
 bool sm90_weight_grads_enabled_by_env();  // MEGAMOE_SM90_WEIGHT_GRADS unset or not "0"
-bool sm90_disabled_by_env();              // MEGAMOE_DISABLE_SM90 set and not "0"
+
+// The device is compute capability 9.0 and MEGAMOE_DISABLE_SM90 (set and not "0") does not keep calls off the sm_90a
+// kernels.
+bool sm90_device_ok(int device_index);
 
 RoutingPlan make_routing_plan(const Call& call);
 
