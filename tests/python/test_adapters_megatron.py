@@ -68,7 +68,8 @@ def test_te_grouped_mlp_matches_megatron(case, storage, activation, gen):
     if storage == "grouped":
         leaves = {"x": x, "probs": probs, "fc1": fc1, "fc2": fc2, "b1": b1, "b2": b2}
         args = (fc1, fc2, b1, b2)
-    else:  # TE's weight0 ... weight{E-1}: separate leaves per expert
+    else:  # TE's weight0 ... weight{E-1}: separate leaves per expert (scattered: stacked, warned once; every
+        # layout of a list in test_adapters_megatron_lists.py)
         per = [[randn(gen, *t.shape[1:]) for _ in range(E)] for t in (fc1, fc2, b1, b2)]
         leaves = {"x": x, "probs": probs, **{f"p{i}_{e}": t for i, ts in enumerate(per) for e, t in enumerate(ts)}}
         args = tuple(per)
