@@ -132,6 +132,18 @@ def test_an_optimizer_step_is_seen_by_the_next_call(gen):
     assert rel_err(out, reference(x, counts, probs, *(torch.stack(ts) for ts in lists))) < 1e-12
 
 
+def test_an_inplace_update_before_the_backward_raises(gen):
+    """The [E, ...] alias is a view of weight0 (autograd refuses a backward through it after weight0 changed in
+    place); the other experts' versions are checked by the list's backward."""
+    x, counts, probs, dout, lists = problem(gen, biases=False)
+    for expert in (0, 2):
+        out, _ = megatron.te_grouped_mlp(x, counts, probs, *lists)
+        with torch.no_grad():
+            lists[0][expert].add_(1.0)
+        with pytest.raises(RuntimeError, match="inplace"):
+            out.backward(dout)
+
+
 def main_grad_block(gen, ts, layout="ascending", ddp=True):
     """main_grads of the weights `ts`: f32 views of one block (already holding values), Megatron DDP's flags."""
     E, shape = len(ts), ts[0].shape

@@ -205,10 +205,20 @@ class _ExpertList(torch.autograd.Function):
     def forward(ctx, in_place, fused, *params):
         ctx.params = params if fused else None  # leaf Parameters, kept by reference (not saved activations)
         ctx.set_materialize_grads(False)
-        return _block(params) if in_place else torch.stack(params)
+        if not in_place:
+            ctx.aliased = None
+            return torch.stack(params)
+        # The alias shares params[0]'s version counter only: the others' are checked here in the backward.
+        ctx.aliased = [(param, param._version) for param in params[1:]]
+        return _block(params)
 
     @staticmethod
     def backward(ctx, grad):
+        for index, (param, version) in enumerate(ctx.aliased or (), start=1):
+            if param._version != version:
+                raise RuntimeError(f"megamoe.adapters.megatron: expert {index}'s weight of a per-expert list read in "
+                                   f"place was modified by an inplace operation between the forward and the backward "
+                                   f"(version {param._version}, {version} at the forward)")
         if ctx.params is not None:
             grads = []
             for param in ctx.params:
