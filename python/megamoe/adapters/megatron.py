@@ -6,26 +6,41 @@ None)` (megatron/core/transformer/moe/experts.py); the probs scale each row's ac
 too, so out_r = p_r (W2[e] act(W1[e] x_r + b1[e]) + b2[e]): megamoe.grouped_moe with scores = probs. Gated experts
 (gated_linear_unit, swiglu): fc1's output is [gate, up] halves (torch.chunk(2)).
 
-Two weight storages, both read in place (no per-step copy):
+Two weight storages, read in place (no per-step copy; TE's per-expert lists where their memory allows, below):
 
     grouped_mlp        legacy GroupedMLP (removed from Megatron in #3410; megatron/core/transformer/moe/experts.py
                        before it): weight1 [H, E*2I], weight2 [E*I, H], which its grouped GEMM reads as the views
                        weight1.view(E, H, 2I) and weight2.view(E, I, H): megamoe.HF_TRANSPOSED on those views.
     te_grouped_mlp     TEGroupedMLP with moe_single_grouped_weight (TE GroupedLinear's one `weight` [E, out, in]):
                        fc1 [E, 2I, H], fc2 [E, H, I]: megamoe's default layout; biases [E, 2I], [E, H]
-                       (moe_single_grouped_bias). TE's default, one Parameter per expert (weight0 ... weight{E-1},
-                       fc1 [2I, H] and fc2 [H, I] each), is accepted as a list and stacked on every call: a copy of
-                       the experts' weights per forward (and their gradients flow back through the stack to each
-                       weight), because megamoe's C API reads one [E, ...] tensor per weight (TODO(#12): a pointer
-                       array per expert).
+                       (moe_single_grouped_bias); or TE's default, one Parameter per expert (weight0 ... weight{E-1},
+                       fc1 [2I, H] and fc2 [H, I] each; bias0 ...), passed as lists.
+
+Per-expert lists. megamoe's C API reads one row-major [E, ...] tensor per weight, so a list is read in place (no
+copy) where its E tensors are one contiguous block in expert order: same shape, dtype and device, contiguous each,
+views of one storage with data_ptr(e) = data_ptr(0) + e * numel (elements). It is then one autograd Function whose
+forward is an as_strided alias of that block and whose backward hands each weight_e its slice of the gradient
+(grad.unbind(0), views); an optimizer's in-place update of any weight_e is seen by the next call, and one between a
+forward and its backward raises. Every other layout is stacked (copied) on each call, with one warning per argument
+naming pack_expert_parameters: equally spaced with gaps (step > numel), descending addresses (Megatron DDP lays a
+bucket's parameters out in reverse registration order; in expert order that block would need a negative stride,
+which as_strided cannot take), separate storages, non-contiguous tensors. Mixed shapes, dtypes or devices in a list,
+or lists of different lengths, raise ValueError naming the argument. Under torch.compile lists are always stacked
+(their addresses are not read while tracing). pack_expert_parameters(module_or_params) copies each list into one
+new [E, ...] buffer once and re-points each parameter's .data (and main_grad) at its view, so later calls read it in
+place; frameworks that re-home parameters (Megatron DDP's contiguous param / grad buffers) must be wrapped first and
+packed after, or their lists fall back to the copy (see its docstring for what that means for DDP's buffers).
 
 Gradient accumulation fusion (Megatron's gradient_accumulation_fusion, DDP's fp32 `param.main_grad`):
 `gradient_accumulation_fusion=True` adds each weight's (and bias's) gradient into its `main_grad` in megamoe's
 weight-gradient epilogue (megamoe's main_grads: `main_grad += grad`, f32, no extra pass) and autograd returns no
 gradient for it. Where a parameter has Megatron DDP's `grad_added_to_main_grad` attribute, the backward sets it to
 True and hands autograd a placeholder gradient (zeros where `zero_out_wgrad`, else uninitialised), as Megatron's own
-fused-wgrad linear layers do, so DDP's per-parameter backward hooks still run (they skip the add for it). Needs the
-single-tensor storages (a per-expert list has E separate main_grad buffers: its gradients come back through autograd).
+fused-wgrad linear layers do, so DDP's per-parameter backward hooks still run (they skip the add for it). A per-expert
+list fuses where its main_grads are one contiguous f32 block in expert order (the rule above; the weights themselves
+may be copied): megamoe adds into that block, and every weight_e with `grad_added_to_main_grad` is marked and gets its
+placeholder. Main_grads in any other layout raise ValueError naming `<argument>[0 ... E-1]`'s main_grads (pack them,
+or pass gradient_accumulation_fusion=False: Megatron DDP's hooks then add each weight's .grad into its main_grad).
 
 tokens_per_expert may be on the host (Megatron's all-to-all dispatcher keeps it there): it is copied to x's device
 (non-blocking); on the device megamoe reads it there (no host sync). Not computed: moe_apply_probs_on_input, GLU
@@ -279,9 +294,10 @@ def te_grouped_mlp(permuted_local_hidden_states, tokens_per_expert, permuted_pro
     """Megatron's TEGroupedMLP forward on megamoe.
 
     fc1_weight [E, 2I, H] (gate rows, then up rows) and fc2_weight [E, H, I]: TE GroupedLinear's single grouped
-    weights, read in place; or lists of E per-expert weights [2I, H] / [H, I] (TE's weight0 ... weight{E-1}),
-    stacked on each call (copied). fc1_bias [E, 2I] / fc2_bias [E, H] (or per-expert lists) optional. Rows, probs,
-    returns and options as grouped_mlp; gradient_accumulation_fusion needs the single grouped tensors.
+    weights, read in place; or lists of E per-expert weights [2I, H] / [H, I] (TE's weight0 ... weight{E-1}), read
+    in place when they are one contiguous block in expert order, else stacked on each call (a copy, warned once per
+    argument; module docstring). fc1_bias [E, 2I] / fc2_bias [E, H] (or per-expert lists) optional. Rows, probs,
+    returns and options as grouped_mlp; gradient_accumulation_fusion for a list needs its main_grads in one block.
     """
     entry = "megamoe.adapters.megatron.te_grouped_mlp"
     params = dict(w13=(fc1_weight, "fc1_weight", 2), w2=(fc2_weight, "fc2_weight", 2),
@@ -345,10 +361,14 @@ def pack_expert_parameters(module_or_params, *, main_grad=True):
     so optimizers and hooks keep them; values unchanged); with main_grad (and every parameter of the list having a
     `main_grad`) the main_grads likewise. Returns the [E, ...] weight buffers, one per list.
 
-    Frameworks that re-home parameters (Megatron DDP's contiguous param / grad buffers, built when DDP wraps the
-    model) undo this: call it after them, or the lists fall back to the per-call copy (which warns). Note that it
-    then moves the parameters (and main_grads) out of those buffers: Megatron DDP reduces its grad buffer, not the
-    main_grad attribute, so there pass main_grad=False (and gradient_accumulation_fusion=False for those lists).
+    Frameworks that re-home parameters when they wrap the model (Megatron DDP's contiguous param / grad buffers)
+    undo a pack done before them: call it after them, or the lists fall back to the per-call copy (which warns).
+    Lists those buffers already hold as one block in expert order are left where they are (nothing is copied); a
+    descending one (Megatron DDP's reverse registration order) or one with gaps is moved. Moving takes the
+    parameters (and main_grads) out of the framework's buffers, which it may read directly (Megatron DDP reduces its
+    grad buffer, its distributed optimizer all-gathers into its param buffer): move only where the framework
+    follows param.data / param.main_grad; main_grad=False at least leaves every main_grad in DDP's grad buffer (then
+    use gradient_accumulation_fusion=False for those lists: DDP's hooks add each .grad into its main_grad).
     """
     entry = "megamoe.adapters.megatron.pack_expert_parameters"
     if isinstance(module_or_params, torch.nn.Module):
