@@ -11,7 +11,6 @@ import warnings
 import pytest
 import torch
 
-import megamoe
 from adapter_cases import ROUTINGS, assert_close, grads, randn
 from conftest import rel_err
 from megamoe.adapters import megatron
@@ -293,7 +292,8 @@ def test_bad_lists_name_the_argument(gen):
     with pytest.raises(ValueError, match=r"fc2_weight\[1\] has dtype"):
         megatron.te_grouped_mlp(x, counts, probs, fc1, [fc2[0], fc2[1].float()] + fc2[2:])
     with pytest.raises(ValueError, match=r"fc2_weight\[3\] has device"):
-        megatron.te_grouped_mlp(x, counts, probs, fc1, fc2[:3] + [torch.empty(H, I, dtype=torch.float64, device="meta")])
+        meta = torch.empty(H, I, dtype=torch.float64, device="meta")
+        megatron.te_grouped_mlp(x, counts, probs, fc1, fc2[:3] + [meta])
     with pytest.raises(ValueError, match=r"fc2_weight has 3 experts, fc1_weight 4"):
         megatron.te_grouped_mlp(x, counts, probs, fc1, fc2[:3])
     with pytest.raises(ValueError, match=r"fc2_bias has 3 experts"):

@@ -158,8 +158,8 @@ def _per_expert(entry, name, tensors, per_expert_dims):
     for index, tensor in enumerate(tensors):
         _checks.tensor(entry, f"{name}[{index}]", tensor, per_expert_dims)
         first = tensors[0]
-        for what, got, want in (("shape", tuple(tensor.shape), tuple(first.shape)), ("dtype", tensor.dtype, first.dtype),
-                                ("device", tensor.device, first.device)):
+        for what, got, want in (("shape", tuple(tensor.shape), tuple(first.shape)),
+                                ("dtype", tensor.dtype, first.dtype), ("device", tensor.device, first.device)):
             if got != want:
                 raise ValueError(f"{entry}: {name}[{index}] has {what} {got}, {name}[0] {want} (the experts of a list "
                                  "must agree)")
@@ -280,9 +280,9 @@ def _expert_list(entry, name, tensors, fusion):
         buffers.append(main_grad)
     grads_in_place, why = _in_place(buffers)
     if not grads_in_place:
-        raise ValueError(f"{entry}: gradient_accumulation_fusion needs the main_grads of {name}[0 ... {len(tensors) - 1}]"
-                         f" as one contiguous f32 block in expert order (megamoe adds into it in place); they are "
-                         f"{why}. Call megamoe.adapters.megatron.pack_expert_parameters, or pass "
+        raise ValueError(f"{entry}: gradient_accumulation_fusion needs the main_grads of {name}[0 ... "
+                         f"{len(tensors) - 1}] as one contiguous f32 block in expert order (megamoe adds into it in "
+                         f"place); they are {why}. Call megamoe.adapters.megatron.pack_expert_parameters, or pass "
                          "gradient_accumulation_fusion=False (Megatron DDP's hooks then add each .grad into its "
                          "main_grad)")
     return _ExpertList.apply(in_place, True, *tensors), _block(buffers)
@@ -341,7 +341,7 @@ def _expert_groups(module):
 
 
 def _pack(tensors, set_one):
-    """Copy E tensors into one new [E, ...] block (unless they are one already); set_one(e, its slice) re-points each."""
+    """Copy E tensors into one new [E, ...] block (unless they are one already); set_one(e, slice) re-points each."""
     if _in_place(tensors)[0]:
         return _block(tensors)
     with torch.no_grad():
