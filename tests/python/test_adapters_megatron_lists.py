@@ -282,6 +282,15 @@ def test_pack_expert_parameters_on_lists(gen):
     assert megatron._in_place(single)[0]
     with pytest.raises(TypeError, match="module_or_params"):
         megatron.pack_expert_parameters(torch.zeros(3))
+    fresh = expert_list(gen, E, (6, 5), "scattered")
+    pointers = [t.data_ptr() for t in fresh]
+    with pytest.raises(ValueError, match=r"module_or_params\[1\]\[2\] has shape"):
+        megatron.pack_expert_parameters([fresh, scattered[:2] + [down[0]]])
+    assert [t.data_ptr() for t in fresh] == pointers  # checked before anything moved
+    mixed = GroupedLinear(gen, E, 6, 5)
+    mixed.weight2 = torch.nn.Parameter(torch.zeros(5, 6, dtype=torch.float64))
+    with pytest.raises(ValueError, match=r"inner.weight\{e\}\[2\] has shape"):
+        megatron.pack_expert_parameters(torch.nn.ModuleDict(dict(inner=mixed)))
 
 
 def test_bad_lists_name_the_argument(gen):

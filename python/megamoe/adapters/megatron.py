@@ -325,18 +325,20 @@ def te_grouped_mlp(permuted_local_hidden_states, tokens_per_expert, permuted_pro
 
 
 def _expert_groups(module):
-    """The per-expert parameter lists of a module and its submodules: each module's own parameters named
-    <prefix>0 ... <prefix>{E-1} (TE GroupedLinear's weight0 ..., bias0 ...), E >= 2, in expert order."""
+    """(name, list) of each per-expert parameter list of a module and its submodules: each module's own parameters
+    named <prefix>0 ... <prefix>{E-1} (TE GroupedLinear's weight0 ..., bias0 ...), E >= 2, in expert order; name is
+    the qualified <prefix>{e} (e.g. "fc1.weight{e}")."""
     groups = []
-    for submodule in module.modules():
+    for path, submodule in module.named_modules():
         by_prefix = {}
         for name, param in submodule.named_parameters(recurse=False):
             match = re.fullmatch(r"(.*?)(\d+)", name)
             if match:
                 by_prefix.setdefault(match.group(1), {})[int(match.group(2))] = param
-        for numbered in by_prefix.values():
+        for prefix, numbered in by_prefix.items():
             if len(numbered) >= 2 and sorted(numbered) == list(range(len(numbered))):
-                groups.append([numbered[e] for e in range(len(numbered))])
+                qualified = f"{path}.{prefix}" if path else prefix
+                groups.append((qualified + "{e}", [numbered[e] for e in range(len(numbered))]))
     return groups
 
 
@@ -374,18 +376,21 @@ def pack_expert_parameters(module_or_params, *, main_grad=True):
     if isinstance(module_or_params, torch.nn.Module):
         groups = _expert_groups(module_or_params)
     elif isinstance(module_or_params, (list, tuple)) and all(isinstance(p, (list, tuple)) for p in module_or_params):
-        groups = [list(group) for group in module_or_params]
+        groups = [(f"module_or_params[{index}]", list(group)) for index, group in enumerate(module_or_params)]
     elif isinstance(module_or_params, (list, tuple)):
-        groups = [list(module_or_params)]
+        groups = [("module_or_params", list(module_or_params))]
     else:
         raise TypeError(f"{entry}: module_or_params must be an nn.Module or a list of parameters, got "
                         f"{type(module_or_params).__name__}")
-    blocks = []
-    for index, group in enumerate(groups):
-        tensors = _per_expert(entry, f"module_or_params[{index}]", group, None)
-        blocks.append(_pack(tensors, lambda e, view, tensors=tensors: setattr(tensors[e], "data", view)))
+    checked = []  # every list checked before anything moves
+    for name, group in groups:
+        tensors = _per_expert(entry, name, group, None)
         grads = [getattr(t, "main_grad", None) for t in tensors]
-        if main_grad and all(g is not None for g in grads):
-            _pack(_per_expert(entry, f"module_or_params[{index}].main_grad", grads, None),
-                  lambda e, view, tensors=tensors: setattr(tensors[e], "main_grad", view))
+        use_grads = main_grad and all(g is not None for g in grads)
+        checked.append((tensors, _per_expert(entry, f"{name} main_grads", grads, None) if use_grads else None))
+    blocks = []
+    for tensors, grads in checked:
+        blocks.append(_pack(tensors, lambda e, view, tensors=tensors: setattr(tensors[e], "data", view)))
+        if grads is not None:
+            _pack(grads, lambda e, view, tensors=tensors: setattr(tensors[e], "main_grad", view))
     return blocks
