@@ -7,7 +7,8 @@ storage in place (none of the frameworks is imported; each module mirrors its pu
     prime_rl.MegamoeExpertCompute / expert_compute  prime-rl's ExpertCompute on grouped rows (w1/w2/w3, gate_up_proj,
                                                   gate_proj + up_proj, gpt-oss experts with biases)
     megatron.grouped_mlp / te_grouped_mlp         permuted rows, tokens_per_expert, permuted_probs; fp32 main_grad
-                                                  accumulation (gradient_accumulation_fusion)
+                                                  accumulation (gradient_accumulation_fusion); TE's per-expert
+                                                  weight lists in place (megatron.pack_expert_parameters)
 
 Hugging Face transformers is megamoe.hf (an experts implementation registered in transformers' ExpertsInterface).
 """

@@ -6,32 +6,50 @@ None)` (megatron/core/transformer/moe/experts.py); the probs scale each row's ac
 too, so out_r = p_r (W2[e] act(W1[e] x_r + b1[e]) + b2[e]): megamoe.grouped_moe with scores = probs. Gated experts
 (gated_linear_unit, swiglu): fc1's output is [gate, up] halves (torch.chunk(2)).
 
-Two weight storages, both read in place (no per-step copy):
+Two weight storages, read in place (no per-step copy; TE's per-expert lists where their memory allows, below):
 
     grouped_mlp        legacy GroupedMLP (removed from Megatron in #3410; megatron/core/transformer/moe/experts.py
                        before it): weight1 [H, E*2I], weight2 [E*I, H], which its grouped GEMM reads as the views
                        weight1.view(E, H, 2I) and weight2.view(E, I, H): megamoe.HF_TRANSPOSED on those views.
     te_grouped_mlp     TEGroupedMLP with moe_single_grouped_weight (TE GroupedLinear's one `weight` [E, out, in]):
                        fc1 [E, 2I, H], fc2 [E, H, I]: megamoe's default layout; biases [E, 2I], [E, H]
-                       (moe_single_grouped_bias). TE's default, one Parameter per expert (weight0 ... weight{E-1},
-                       fc1 [2I, H] and fc2 [H, I] each), is accepted as a list and stacked on every call: a copy of
-                       the experts' weights per forward (and their gradients flow back through the stack to each
-                       weight), because megamoe's C API reads one [E, ...] tensor per weight (TODO(#12): a pointer
-                       array per expert).
+                       (moe_single_grouped_bias); or TE's default, one Parameter per expert (weight0 ... weight{E-1},
+                       fc1 [2I, H] and fc2 [H, I] each; bias0 ...), passed as lists.
+
+Per-expert lists. megamoe's C API reads one row-major [E, ...] tensor per weight, so a list is read in place (no
+copy) where its E tensors are one contiguous block in expert order: same shape, dtype and device, contiguous each,
+views of one storage with data_ptr(e) = data_ptr(0) + e * numel (elements). It is then one autograd Function whose
+forward is an as_strided alias of that block and whose backward hands each weight_e its slice of the gradient
+(grad.unbind(0), views); an optimizer's in-place update of any weight_e is seen by the next call, and one between a
+forward and its backward raises. Every other layout is stacked (copied) on each call, with one warning per argument
+naming pack_expert_parameters: equally spaced with gaps (step > numel), descending addresses (Megatron DDP lays a
+bucket's parameters out in reverse registration order; in expert order that block would need a negative stride,
+which as_strided cannot take), separate storages, non-contiguous tensors. Mixed shapes, dtypes or devices in a list,
+or lists of different lengths, raise ValueError naming the argument. Under torch.compile lists are always stacked
+(their addresses are not read while tracing). pack_expert_parameters(module_or_params) copies each list into one
+new [E, ...] buffer once and re-points each parameter's .data (and main_grad) at its view, so later calls read it in
+place; frameworks that re-home parameters (Megatron DDP's contiguous param / grad buffers) must be wrapped first and
+packed after, or their lists fall back to the copy (see its docstring for what that means for DDP's buffers).
 
 Gradient accumulation fusion (Megatron's gradient_accumulation_fusion, DDP's fp32 `param.main_grad`):
 `gradient_accumulation_fusion=True` adds each weight's (and bias's) gradient into its `main_grad` in megamoe's
 weight-gradient epilogue (megamoe's main_grads: `main_grad += grad`, f32, no extra pass) and autograd returns no
 gradient for it. Where a parameter has Megatron DDP's `grad_added_to_main_grad` attribute, the backward sets it to
 True and hands autograd a placeholder gradient (zeros where `zero_out_wgrad`, else uninitialised), as Megatron's own
-fused-wgrad linear layers do, so DDP's per-parameter backward hooks still run (they skip the add for it). Needs the
-single-tensor storages (a per-expert list has E separate main_grad buffers: its gradients come back through autograd).
+fused-wgrad linear layers do, so DDP's per-parameter backward hooks still run (they skip the add for it). A per-expert
+list fuses where its main_grads are one contiguous f32 block in expert order (the rule above; the weights themselves
+may be copied): megamoe adds into that block, and every weight_e with `grad_added_to_main_grad` is marked and gets its
+placeholder. Main_grads in any other layout raise ValueError naming `<argument>[0 ... E-1]`'s main_grads (pack them,
+or pass gradient_accumulation_fusion=False: Megatron DDP's hooks then add each weight's .grad into its main_grad).
 
 tokens_per_expert may be on the host (Megatron's all-to-all dispatcher keeps it there): it is copied to x's device
 (non-blocking); on the device megamoe reads it there (no host sync). Not computed: moe_apply_probs_on_input, GLU
 interleaving (moe_mlp_glu_interleave_size), activations other than SwiGLU and gpt-oss's clamped SwiGLU (Megatron's
 quick_gelu with activation_func_clamp_value 7 and glu_linear_offset 1: activation=megamoe.clamped_swiglu(7.0, 1.702)).
 """
+
+import re
+import warnings
 
 import torch
 
@@ -129,16 +147,145 @@ def grouped_mlp(permuted_local_hidden_states, tokens_per_expert, permuted_probs,
                 dict(w13=w13, w2=w2), dict(w13=buf13, w2=buf2), HF_TRANSPOSED, activation, recompute)
 
 
-def _stacked(entry, name, value, per_expert_dims):
-    """A single grouped tensor as it is, or a list / tuple of per-expert tensors stacked on dim 0 (a copy)."""
-    if isinstance(value, (list, tuple)):
-        if not value:
-            raise ValueError(f"{entry}: {name} is an empty list (one tensor per expert expected)")
-        for index, tensor in enumerate(value):
-            _checks.tensor(entry, f"{name}[{index}]", tensor, per_expert_dims)
-        return torch.stack(list(value)), False
-    _checks.tensor(entry, name, value, per_expert_dims + 1)
-    return value, True
+_warned = set()  # the list arguments whose fallback copy has been warned about (once each)
+
+
+def _per_expert(entry, name, tensors, per_expert_dims):
+    """A list / tuple of per-expert tensors, checked: non-empty, each a tensor of `per_expert_dims` dimensions, all of
+    the first one's shape, dtype and device (ValueError naming `name[index]` otherwise)."""
+    if not tensors:
+        raise ValueError(f"{entry}: {name} is an empty list (one tensor per expert expected)")
+    for index, tensor in enumerate(tensors):
+        _checks.tensor(entry, f"{name}[{index}]", tensor, per_expert_dims)
+        first = tensors[0]
+        for what, got, want in (("shape", tuple(tensor.shape), tuple(first.shape)),
+                                ("dtype", tensor.dtype, first.dtype), ("device", tensor.device, first.device)):
+            if got != want:
+                raise ValueError(f"{entry}: {name}[{index}] has {what} {got}, {name}[0] {want} (the experts of a list "
+                                 "must agree)")
+    return list(tensors)
+
+
+def _spacing(tensors):
+    """How E tensors of one shape and dtype lie in memory: ("ascending" or "descending", step) when they are
+    contiguous views of one storage at equally spaced offsets (step elements apart, step >= numel: no overlap), in
+    expert order or in reverse; else (None, why)."""
+    first = tensors[0]
+    if not all(t.is_contiguous() for t in tensors):
+        return None, "not contiguous each"
+    base = first.untyped_storage().data_ptr()
+    if any(t.untyped_storage().data_ptr() != base for t in tensors):
+        return None, "not views of one storage"
+    offsets = [t.storage_offset() for t in tensors]  # elements of the tensors' (common) dtype
+    step = offsets[1] - offsets[0] if len(tensors) > 1 else first.numel()
+    if any(offset - offsets[0] != e * step for e, offset in enumerate(offsets)):
+        return None, "not equally spaced in one storage"
+    if step >= first.numel():
+        return "ascending", step
+    if -step >= first.numel():
+        return "descending", -step
+    return None, "overlapping in one storage"
+
+
+def _in_place(tensors):
+    """(True, None) where `tensors` (E per-expert tensors) are one contiguous [E, ...] block in expert order: the
+    only stacked layout megamoe's kernels read without a copy; else (False, why not)."""
+    order, step_or_why = _spacing(tensors)
+    step, numel = step_or_why, tensors[0].numel()
+    if order == "ascending" and step == numel:
+        return True, None
+    if order == "ascending":
+        return False, (f"equally spaced with gaps ({step} elements apart, {numel} each; megamoe's kernels read one "
+                       "contiguous [E, ...] block)")
+    if order == "descending":
+        return False, ("laid out in descending address order (as Megatron DDP's buffers lay out parameters, in "
+                       "reverse registration order; a view of them in expert order would need a negative stride)")
+    return False, step_or_why
+
+
+def _block(tensors):
+    """The [E, ...] alias of E per-expert tensors that _in_place accepted (no copy)."""
+    first = tensors[0]
+    return first.as_strided((len(tensors), *first.shape), (first.numel(), *first.stride()), first.storage_offset())
+
+
+class _ExpertList(torch.autograd.Function):
+    """E per-expert parameters as the one [E, ...] tensor megamoe reads: an alias of their common storage where they
+    are one contiguous block in expert order (in_place; no copy), else torch.stack (a copy). The backward hands
+    each parameter its slice of the gradient (grad.unbind(0): views, no copy); with fused (their gradient added into
+    their main_grads by megamoe, so none comes back) it marks those with Megatron DDP's grad_added_to_main_grad and
+    returns them a placeholder gradient, as _AddedToMainGrad does for one tensor, and None to the others."""
+
+    @staticmethod
+    def forward(ctx, in_place, fused, *params):
+        ctx.params = params if fused else None  # leaf Parameters, kept by reference (not saved activations)
+        ctx.set_materialize_grads(False)
+        if not in_place:
+            ctx.aliased = None
+            return torch.stack(params)
+        # The alias shares params[0]'s version counter only: the others' are checked here in the backward.
+        ctx.aliased = [(param, param._version) for param in params[1:]]
+        return _block(params)
+
+    @staticmethod
+    def backward(ctx, grad):
+        for index, (param, version) in enumerate(ctx.aliased or (), start=1):
+            if param._version != version:
+                raise RuntimeError(f"megamoe.adapters.megatron: expert {index}'s weight of a per-expert list read in "
+                                   f"place was modified by an inplace operation between the forward and the backward "
+                                   f"(version {param._version}, {version} at the forward)")
+        if ctx.params is not None:
+            grads = []
+            for param in ctx.params:
+                if not hasattr(param, "grad_added_to_main_grad"):
+                    grads.append(None)
+                    continue
+                param.grad_added_to_main_grad = True
+                make = torch.zeros if getattr(param, "zero_out_wgrad", False) else torch.empty
+                grads.append(make(param.shape, dtype=param.dtype, device=param.device))
+        elif grad is None:
+            grads = [None] * len(ctx.needs_input_grad[2:])
+        else:
+            grads = grad.unbind(0)
+        return (None, None, *grads)
+
+
+def _expert_list(entry, name, tensors, fusion):
+    """(the [E, ...] tensor megamoe reads for the per-expert list `tensors`, its main_grad buffer or None)."""
+    compiling = torch.compiler.is_compiling()
+    in_place, why = (False, None) if compiling else _in_place(tensors)
+    if not in_place and not compiling and name not in _warned:
+        _warned.add(name)
+        warnings.warn(f"{entry}: {name} is a list of per-expert tensors {why}: stacking (copying) them on every call; "
+                      "megamoe.adapters.megatron.pack_expert_parameters puts them in one buffer read in place "
+                      "(warned once per argument)", stacklevel=3)
+    wanted = [t.requires_grad for t in tensors]
+    if not (fusion and any(wanted)):
+        return _ExpertList.apply(in_place, False, *tensors), None
+    if not all(wanted):
+        raise ValueError(f"{entry}: gradient_accumulation_fusion: {name} mixes experts that require grad and experts "
+                         "that do not")
+    if compiling:
+        raise ValueError(f"{entry}: gradient_accumulation_fusion with {name} as a per-expert list runs eagerly only "
+                         "(its main_grads' layout is read from their addresses)")
+    buffers = []
+    for index, tensor in enumerate(tensors):
+        main_grad = getattr(tensor, "main_grad", None)
+        if main_grad is None:
+            raise ValueError(f"{entry}: gradient_accumulation_fusion needs {name}[{index}].main_grad (an f32 buffer "
+                             f"shaped as {name}[{index}]), which is not set")
+        if main_grad.shape != tensor.shape or main_grad.dtype != torch.float32 or main_grad.device != tensor.device:
+            raise ValueError(f"{entry}: {name}[{index}].main_grad is {main_grad.dtype} {tuple(main_grad.shape)} on "
+                             f"{main_grad.device}, not float32 {tuple(tensor.shape)} on {tensor.device}")
+        buffers.append(main_grad)
+    grads_in_place, why = _in_place(buffers)
+    if not grads_in_place:
+        raise ValueError(f"{entry}: gradient_accumulation_fusion needs the main_grads of {name}[0 ... "
+                         f"{len(tensors) - 1}] as one contiguous f32 block in expert order (megamoe adds into it in "
+                         f"place); they are {why}. Call megamoe.adapters.megatron.pack_expert_parameters, or pass "
+                         "gradient_accumulation_fusion=False (Megatron DDP's hooks then add each .grad into its "
+                         "main_grad)")
+    return _ExpertList.apply(in_place, True, *tensors), _block(buffers)
 
 
 def te_grouped_mlp(permuted_local_hidden_states, tokens_per_expert, permuted_probs, fc1_weight, fc2_weight,
@@ -147,25 +294,103 @@ def te_grouped_mlp(permuted_local_hidden_states, tokens_per_expert, permuted_pro
     """Megatron's TEGroupedMLP forward on megamoe.
 
     fc1_weight [E, 2I, H] (gate rows, then up rows) and fc2_weight [E, H, I]: TE GroupedLinear's single grouped
-    weights, read in place; or lists of E per-expert weights [2I, H] / [H, I] (TE's weight0 ... weight{E-1}),
-    stacked on each call (copied). fc1_bias [E, 2I] / fc2_bias [E, H] (or per-expert lists) optional. Rows, probs,
-    returns and options as grouped_mlp; gradient_accumulation_fusion needs the single grouped tensors.
+    weights, read in place; or lists of E per-expert weights [2I, H] / [H, I] (TE's weight0 ... weight{E-1}), read
+    in place when they are one contiguous block in expert order, else stacked on each call (a copy, warned once per
+    argument; module docstring). fc1_bias [E, 2I] / fc2_bias [E, H] (or per-expert lists) optional. Rows, probs,
+    returns and options as grouped_mlp; gradient_accumulation_fusion for a list needs its main_grads in one block.
     """
     entry = "megamoe.adapters.megatron.te_grouped_mlp"
     params = dict(w13=(fc1_weight, "fc1_weight", 2), w2=(fc2_weight, "fc2_weight", 2),
                   b13=(fc1_bias, "fc1_bias", 1), b2=(fc2_bias, "fc2_bias", 1))
-    weights, buffers = {}, {}
+    weights, buffers, experts = {}, {}, None
     for key, (value, name, dims) in params.items():
         if value is None:
             weights[key] = buffers[key] = None
             continue
-        tensor, in_place = _stacked(entry, name, value, dims)
-        if gradient_accumulation_fusion and not in_place:
-            raise ValueError(f"{entry}: gradient_accumulation_fusion needs {name} as one grouped tensor (TE's "
-                             "moe_single_grouped_weight / _bias); a per-expert list has one main_grad per expert")
-        weights[key], buffers[key] = _fused_view(entry, name, tensor, tuple(tensor.shape),
-                                                 gradient_accumulation_fusion and in_place)
+        if isinstance(value, (list, tuple)):
+            tensors = _per_expert(entry, name, value, dims)
+            weights[key], buffers[key] = _expert_list(entry, name, tensors, gradient_accumulation_fusion)
+        else:
+            _checks.tensor(entry, name, value, dims + 1)
+            weights[key], buffers[key] = _fused_view(entry, name, value, tuple(value.shape),
+                                                     gradient_accumulation_fusion)
+        if experts is None:
+            experts = (weights[key].shape[0], name)
+        elif weights[key].shape[0] != experts[0]:
+            raise ValueError(f"{entry}: {name} has {weights[key].shape[0]} experts, {experts[1]} {experts[0]}")
     counts, probs = _rows(entry, permuted_local_hidden_states, tokens_per_expert, permuted_probs,
                           weights["w13"].shape[0])
     return _run(entry, {key: name for key, (_, name, _) in params.items()}, permuted_local_hidden_states, counts,
                 probs, weights, buffers, CONCATENATED, activation, recompute)
+
+
+def _expert_groups(module):
+    """(name, list) of each per-expert parameter list of a module and its submodules: each module's own parameters
+    named <prefix>0 ... <prefix>{E-1} (TE GroupedLinear's weight0 ..., bias0 ...), E >= 2, in expert order; name is
+    the qualified <prefix>{e} (e.g. "fc1.weight{e}")."""
+    groups = []
+    for path, submodule in module.named_modules():
+        by_prefix = {}
+        for name, param in submodule.named_parameters(recurse=False):
+            match = re.fullmatch(r"(.*?)(\d+)", name)
+            if match:
+                by_prefix.setdefault(match.group(1), {})[int(match.group(2))] = param
+        for prefix, numbered in by_prefix.items():
+            if len(numbered) >= 2 and sorted(numbered) == list(range(len(numbered))):
+                qualified = f"{path}.{prefix}" if path else prefix
+                groups.append((qualified + "{e}", [numbered[e] for e in range(len(numbered))]))
+    return groups
+
+
+def _pack(tensors, set_one):
+    """Copy E tensors into one new [E, ...] block (unless they are one already); set_one(e, slice) re-points each."""
+    if _in_place(tensors)[0]:
+        return _block(tensors)
+    with torch.no_grad():
+        block = torch.stack([t.detach() for t in tensors])  # one new contiguous buffer, the values copied in once
+    for e in range(len(tensors)):
+        set_one(e, block[e])
+    return block
+
+
+def pack_expert_parameters(module_or_params, *, main_grad=True):
+    """Put per-expert parameters into one [E, ...] buffer per list, once, so te_grouped_mlp reads them in place.
+
+    module_or_params: an nn.Module (every module's own parameters named <prefix>0 ... <prefix>{E-1}, TE
+    GroupedLinear's weight0 ... / bias0 ..., are one list each), a list of E parameters, or a list of such lists.
+    Each list of the same shape, dtype and device that is not already one contiguous block in expert order is copied
+    into a new buffer and each parameter's .data re-pointed at its view of it (the parameters stay the same objects,
+    so optimizers and hooks keep them; values unchanged); with main_grad (and every parameter of the list having a
+    `main_grad`) the main_grads likewise. Returns the [E, ...] weight buffers, one per list.
+
+    Frameworks that re-home parameters when they wrap the model (Megatron DDP's contiguous param / grad buffers)
+    undo a pack done before them: call it after them, or the lists fall back to the per-call copy (which warns).
+    Lists those buffers already hold as one block in expert order are left where they are (nothing is copied); a
+    descending one (Megatron DDP's reverse registration order) or one with gaps is moved. Moving takes the
+    parameters (and main_grads) out of the framework's buffers, which it may read directly (Megatron DDP reduces its
+    grad buffer, its distributed optimizer all-gathers into its param buffer): move only where the framework
+    follows param.data / param.main_grad; main_grad=False at least leaves every main_grad in DDP's grad buffer (then
+    use gradient_accumulation_fusion=False for those lists: DDP's hooks add each .grad into its main_grad).
+    """
+    entry = "megamoe.adapters.megatron.pack_expert_parameters"
+    if isinstance(module_or_params, torch.nn.Module):
+        groups = _expert_groups(module_or_params)
+    elif isinstance(module_or_params, (list, tuple)) and all(isinstance(p, (list, tuple)) for p in module_or_params):
+        groups = [(f"module_or_params[{index}]", list(group)) for index, group in enumerate(module_or_params)]
+    elif isinstance(module_or_params, (list, tuple)):
+        groups = [("module_or_params", list(module_or_params))]
+    else:
+        raise TypeError(f"{entry}: module_or_params must be an nn.Module or a list of parameters, got "
+                        f"{type(module_or_params).__name__}")
+    checked = []  # every list checked before anything moves
+    for name, group in groups:
+        tensors = _per_expert(entry, name, group, None)
+        grads = [getattr(t, "main_grad", None) for t in tensors]
+        use_grads = main_grad and all(g is not None for g in grads)
+        checked.append((tensors, _per_expert(entry, f"{name} main_grads", grads, None) if use_grads else None))
+    blocks = []
+    for tensors, grads in checked:
+        blocks.append(_pack(tensors, lambda e, view, tensors=tensors: setattr(tensors[e], "data", view)))
+        if grads is not None:
+            _pack(grads, lambda e, view, tensors=tensors: setattr(tensors[e], "main_grad", view))
+    return blocks
