@@ -16,7 +16,7 @@ See README.md for the API and docs/DESIGN.md for the math and the kernels.
 from . import adapters, ep
 from .grouped import GroupedGrads, grouped_backward, grouped_forward, grouped_moe, grouped_path_of
 from .layouts import (CONCATENATED, GPT_OSS, GPT_OSS_ACTIVATION, HF_TRANSPOSED, INTERLEAVED, SEPARATE, SWIGLU,
-                      Activation, Layout, clamped_swiglu)
+                      Activation, Layout, arrange_weights, clamped_swiglu)
 from .modules import MoEBlock, MoEBlockOutput, MoEExperts, load_balancing_loss
 from .ops import MoEGrads, moe, moe_backward, moe_forward, path_of
 
@@ -38,6 +38,7 @@ __all__ = [
     "Layout",
     "Activation",
     "clamped_swiglu",
+    "arrange_weights",
     "CONCATENATED",
     "INTERLEAVED",
     "SEPARATE",

@@ -17,6 +17,8 @@ Biases (b13 [E, 2I] in w13's gate/up arrangement, concatenated for "separate"; b
 
 from dataclasses import dataclass
 
+import torch
+
 from ._lib import ACTIVATION_CODES, GATE_UP_CODES
 
 
@@ -88,3 +90,27 @@ def options_of(gate_up, w13_transposed, w2_transposed, activation, limit, alpha)
     """The inverse of op_options: the ops' arguments as the options dict."""
     return dict(gate_up=gate_up, w13_transposed=w13_transposed, w2_transposed=w2_transposed, activation=activation,
                 limit=limit, alpha=alpha)
+
+
+def arrange_weights(w13, w2, b13=None, layout=None):
+    """Canonical expert weights (w13 [E, 2I, H]: gate rows, then up rows; w2 [E, H, I]; b13 [E, 2I] gate, then up, or
+    None) stored as `layout` stores them (a copy, contiguous): dict of w13, w3 (None unless separate), w2, b13. For
+    converting checkpoints and for tests and benchmarks; the ops read each layout in place."""
+    layout = CONCATENATED if layout is None else layout
+    E, two_i, H = w13.shape
+    I = two_i // 2
+    gate, up = w13[:, :I], w13[:, I:]
+    w3 = None
+    if layout.gate_up == "interleaved":
+        w13 = torch.stack((gate, up), dim=2).reshape(E, 2 * I, H)  # rows g0, u0, g1, u1, ...
+        if b13 is not None:
+            b13 = torch.stack((b13[:, :I], b13[:, I:]), dim=2).reshape(E, 2 * I)
+    elif layout.gate_up == "separate":
+        w13, w3 = gate, up
+    if layout.w13_transposed:
+        w13 = w13.transpose(1, 2)
+        w3 = w3.transpose(1, 2) if w3 is not None else None
+    if layout.w2_transposed:
+        w2 = w2.transpose(1, 2)
+    contiguous = [t.contiguous() if t is not None else None for t in (w13, w3, w2, b13)]
+    return dict(zip(("w13", "w3", "w2", "b13"), contiguous))

@@ -27,26 +27,7 @@ BIASES = {"none": (False, False), "b13": (True, False), "b2": (False, True), "bo
 COMBINATIONS = list(itertools.product(LAYOUTS, ACTIVATIONS, BIASES))
 
 
-def to_layout(w13, w2, b13, layout):
-    """Canonical w13 [E, 2I, H] (gate rows, then up rows), w2 [E, H, I], b13 [E, 2I] (gate, then up) or None, stored
-    as `layout` stores them: dict of w13, w3 (None unless separate), w2, b13 (None stays None)."""
-    E, two_i, H = w13.shape
-    I = two_i // 2
-    gate, up = w13[:, :I], w13[:, I:]
-    w3 = None
-    if layout.gate_up == "interleaved":
-        w13 = torch.stack((gate, up), dim=2).reshape(E, 2 * I, H)  # rows g0, u0, g1, u1, ...
-        if b13 is not None:
-            b13 = torch.stack((b13[:, :I], b13[:, I:]), dim=2).reshape(E, 2 * I)
-    elif layout.gate_up == "separate":
-        w13, w3 = gate, up
-    if layout.w13_transposed:
-        w13 = w13.transpose(1, 2)
-        w3 = w3.transpose(1, 2) if w3 is not None else None
-    if layout.w2_transposed:
-        w2 = w2.transpose(1, 2)
-    contiguous = [t.contiguous() if t is not None else None for t in (w13, w3, w2, b13)]
-    return dict(zip(("w13", "w3", "w2", "b13"), contiguous))
+to_layout = megamoe.layouts.arrange_weights  # canonical weights stored as a layout stores them
 
 
 def layout_problem(T, H, I, E, topk, layout, with_b13, with_b2, routing="random", gen=None, dtype=torch.float64):
