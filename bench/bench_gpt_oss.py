@@ -12,14 +12,13 @@ gpt-oss and a CUDA device.
 import argparse
 import datetime
 import json
-import os
 
 import torch
 
 import megamoe
 import megamoe.hf  # noqa: F401  (registers experts_implementation="megamoe")
 from bench import device_name, git_commit
-from report import slug
+from report import write_side_record
 from timing import CudaTimer, HostTimer, per_call, rel_diff
 
 IMPLEMENTATIONS = ("megamoe", "grouped_mm")
@@ -123,12 +122,7 @@ def main(argv=None):
     print(text)
     print(json.dumps(errors, indent=1))
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        stem = os.path.join(args.out, f"{record['date']}-{slug(gpu)}-{slug(commit)}-gpt-oss")
-        with open(stem + ".json", "w") as f:
-            json.dump(record, f, indent=1)
-        with open(stem + ".md", "w") as f:
-            f.write(text)
+        write_side_record(args.out, record, "gpt-oss", text)
 
 
 if __name__ == "__main__":

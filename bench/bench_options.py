@@ -12,15 +12,13 @@ Writes <date>-<gpu>-<commit>-options.{json,md} to --out (when given) and prints 
 """
 import argparse
 import datetime
-import json
-import os
 
 import torch
 
 import megamoe
 import workloads
 from bench import device_name, git_commit
-from report import slug
+from report import write_side_record
 from timing import CudaTimer, HostTimer, per_call, rel_diff
 
 # name: (layout, activation, biases)
@@ -93,7 +91,6 @@ def main(argv=None):
             "y_vs_base": check, "ok": check is None or check < SAME_FUNCTION_TOLERANCE,
             "fwd_ms": per_call(lambda: run(case, params, opts, False), timer, 2, args.iters, 5.0)["ms"],
             "fwdbwd_ms": per_call(lambda: run(case, params, opts, True), timer, 2, args.iters, 5.0)["ms"]}
-        del params
     commit, _ = git_commit()
     gpu = device_name(args.device)
     record = {"date": datetime.date.today().isoformat(), "gpu": gpu, "commit": commit, "args": vars(args),
@@ -112,12 +109,7 @@ def main(argv=None):
     text = "\n".join(lines) + "\n"
     print(text)
     if args.out:
-        os.makedirs(args.out, exist_ok=True)
-        stem = os.path.join(args.out, f"{record['date']}-{slug(gpu)}-{slug(commit)}-options")
-        with open(stem + ".json", "w") as f:
-            json.dump(record, f, indent=1)
-        with open(stem + ".md", "w") as f:
-            f.write(text)
+        write_side_record(args.out, record, "options", text)
     return record
 
 

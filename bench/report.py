@@ -350,6 +350,17 @@ def slug(text):
     return re.sub(r"[^a-z0-9]+", "-", text.lower()).strip("-") or "unknown"
 
 
+def write_side_record(out_dir, record, kind, text):
+    """A side benchmark's <out_dir>/<date>-<gpu slug>-<commit>-<kind>.json (the record, which has date, gpu, commit)
+    and .md (its table text)."""
+    os.makedirs(out_dir, exist_ok=True)
+    stem = os.path.join(out_dir, f"{record['date']}-{slug(record['gpu'])}-{slug(record['commit'])}-{kind}")
+    with open(stem + ".json", "w") as f:
+        json.dump(record, f, indent=1)
+    with open(stem + ".md", "w") as f:
+        f.write(text)
+
+
 def results_path(results, out_dir):
     """<out_dir>/<date>-<gpu slug>-<commit>.json, with -2, -3... appended rather than overwriting a file."""
     base = os.path.join(out_dir, f"{results['date']}-{slug(results['gpu'])}-{slug(results['commit'])}")
