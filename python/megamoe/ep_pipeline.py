@@ -162,7 +162,8 @@ class ExpertParallelMoE(torch.autograd.Function):
             return _combine(route, chunk, [dx_rows, dscores_rows], back)
 
         _run_chunks(route, [dy_sent], compute)
-        ctx.saved = None
+        if ctx.keep_h:  # h is consumed (dh written over it): free the chunks' saved rows now; recompute mode keeps
+            ctx.saved = None  # them for another backward through the same graph (retain_graph=True)
         dx = sum_over_topk(dx_rows, route.row_of_slot, dy.dtype)  # [T, H]
         dtopk_weights = dscores_rows.index_select(0, route.row_of_slot.t().reshape(-1)).view(weights_shape)
         dw13, dw2 = (grad.to(w.dtype) if grad is not None else None for grad, w in zip(dw, (w13, w2)))
