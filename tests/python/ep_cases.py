@@ -297,7 +297,7 @@ def assert_added(buffer, before, grad, times=1, what=""):
     """buffer = before + times * grad up to f32 rounding (relative to the sizes of before and grad)."""
     error = (buffer.double() - before.double() - times * grad.double()).norm().item()
     scale = before.double().norm().item() + times * grad.double().norm().item()
-    assert error <= 1e-6 * scale, f"{what}buffer - before differs from {times} x the gradient: {error:.3e} / {scale:.3e}"
+    assert error <= 1e-6 * scale, f"{what}buffer - before is not {times} x the gradient: {error:.3e} / {scale:.3e}"
 
 
 def case_main_grads_add_the_gradient(rank, P, seed):
