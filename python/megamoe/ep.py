@@ -15,6 +15,7 @@ import torch.distributed as dist
 from torch import nn
 
 from . import ep_routing
+from . import main_grads as _main_grads
 from .dtensor import expert_parallel_local, refuse_dtensor_activations
 from .ep_pipeline import ExpertParallelMoE
 from .modules import reshaped
@@ -84,6 +85,24 @@ def _check_local(x, topk_ids, topk_weights, w13, w2, num_chunks, num_experts, wo
                              f"per rank x {world} ranks = {world * w13.shape[0]}")
 
 
+# main_grads may name the weights as ep.moe's arguments / ep.MoEExperts' parameters do, or as main_grads.by_param does.
+_LOCAL_NAMES = {"w13_local": "w13", "w2_local": "w2"}
+
+
+def _main_grad_buffers(main_grads, w13, w2):
+    """(w13 buffer or None, w2 buffer or None) from main_grads (None, a tuple / list in (w13, w2) order, or a dict by
+    name: w13 / w2 or w13_local / w2_local), checked against this rank's local weights by main_grads.by_param:
+    TypeError / ValueError naming main_grads otherwise."""
+    if isinstance(main_grads, dict):
+        renamed = {_LOCAL_NAMES.get(name, name): buffer for name, buffer in main_grads.items()}
+        if len(renamed) != len(main_grads):
+            raise ValueError("megamoe.ep.moe: main_grads names a weight twice (w13 and w13_local, or w2 and "
+                             "w2_local)")
+        main_grads = renamed
+    buffers = _main_grads.by_param("megamoe.ep.moe", main_grads, dict(w13=w13, w2=w2, w3=None, b13=None, b2=None))
+    return buffers["w13"], buffers["w2"]
+
+
 def _metadata(x, w2, w13, num_chunks, num_experts, needs_grad):
     values = {"hidden": x.shape[1], "intermediate": w2.shape[2], "local_experts": w13.shape[0],
               "dtype": _DTYPE_CODE[x.dtype], "cuda": int(x.is_cuda), "num_chunks": num_chunks,
@@ -129,7 +148,7 @@ def _agree_or_raise(group, error, metadata):
 
 @torch.compiler.disable
 def moe(x, topk_ids, topk_weights, w13_local, w2_local, group=None, num_chunks=DEFAULT_NUM_CHUNKS, num_experts=None,
-        recompute=False):
+        recompute=False, main_grads=None):
     """The routed-expert MLP of megamoe.moe over experts sharded across the ranks of `group` (collective: every rank
     of the group calls it, and later runs the backward, together).
 
@@ -159,6 +178,22 @@ def moe(x, topk_ids, topk_weights, w13_local, w2_local, group=None, num_chunks=D
     parallelism lays them out: this rank's experts are their .to_local(), and their gradients come back as DTensors
     with the same placements. Other placements raise ValueError naming the argument, DTensor activations TypeError
     (dtensor.py), on every rank.
+
+    main_grads (Megatron-style gradient accumulation fusion; main_grads.py): f32 buffers for this rank's weights, e.g.
+    (w13_local.main_grad, w2_local.main_grad), as a tuple in the order (w13_local, w2_local) (None entries: no buffer)
+    or a dict by name ("w13" / "w2", or "w13_local" / "w2_local"). Each buffer is a contiguous float32 tensor shaped
+    as its local weight (for a DTensor weight: as its .to_local(), [E/P, ...]), on its device, not requiring grad;
+    they are checked inside the agreement exchange above, so a bad buffer on one rank raises the same TypeError /
+    ValueError (naming main_grads) on every rank. Semantics as megamoe.moe's main_grads: every backward through this
+    call adds each weight's gradient (every rank's tokens routed to this rank's experts) into its buffer (buffer =
+    buffer + grad, f32, in the kernels' epilogue: each chunk's backward adds straight into the buffer, no f32
+    temporaries; bitwise reproducible run to run for a given num_chunks and initial buffer, and across num_chunks
+    only up to rounding; experts with no rows leave their part untouched), only for weights that require grad;
+    autograd's gradient of such a weight is None (its .grad, a DTensor's too, is not created or changed); weights
+    without a buffer, x and topk_weights get their usual gradients (x's and topk_weights' bitwise those of the call
+    without main_grads; a weight without a buffer beside one with a buffer gets its gradient through an f32 buffer,
+    as in megamoe.moe). Two backwards add twice. The buffers are kept by reference, not saved for backward (other
+    backwards may add into them in between). Each rank chooses its own buffers (they need not agree).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("megamoe.ep.moe: torch.distributed is not initialized (call init_process_group first)")
@@ -167,19 +202,21 @@ def moe(x, topk_ids, topk_weights, w13_local, w2_local, group=None, num_chunks=D
     needs_grad = torch.is_grad_enabled() and any(isinstance(t, torch.Tensor) and t.requires_grad
                                                  for t in (x, topk_weights, w13_local, w2_local))
     error = metadata = None
+    buffers = (None, None)
     try:
         refuse_dtensor_activations("megamoe.ep.moe", x=x, topk_ids=topk_ids, topk_weights=topk_weights)
         w13_local = expert_parallel_local("w13_local", w13_local, group)
         w2_local = expert_parallel_local("w2_local", w2_local, group)
         _check_local(x, topk_ids, topk_weights, w13_local, w2_local, num_chunks, num_experts, world,
                      dist.get_backend(group))
+        buffers = _main_grad_buffers(main_grads, w13_local, w2_local)
         metadata = _metadata(x, w2_local, w13_local, num_chunks, num_experts, needs_grad)
     except (TypeError, ValueError) as ex:
         error = ex
     _agree_or_raise(group, error, metadata)
     route = ep_routing.plan(topk_ids, w13_local.shape[0], num_chunks, group)
     x, topk_weights = x.contiguous(), topk_weights.contiguous()
-    return ExpertParallelMoE.apply(x, topk_weights, w13_local, w2_local, route, needs_grad and not recompute)
+    return ExpertParallelMoE.apply(x, topk_weights, w13_local, w2_local, route, needs_grad and not recompute, buffers)
 
 
 class MoEExperts(nn.Module):
@@ -190,7 +227,9 @@ class MoEExperts(nn.Module):
     megamoe.MoEExperts: normal(0, init_std). forward(x, topk_ids, topk_weights) takes global expert ids (-1:
     dropped). `from_full` takes a rank's slice of a whole megamoe.MoEExperts (or of w13 / w2 tensors). The parameters
     may be replaced by DTensors of every expert sharded Shard(0) over the group's mesh dimension (torchtitan's
-    expert parallelism, distribute_module): megamoe.ep.moe runs their local shards.
+    expert parallelism, distribute_module): megamoe.ep.moe runs their local shards. forward(..., main_grads=...):
+    f32 buffers of the local shards the weight gradients are added into, as megamoe.ep.moe's main_grads (a dict may
+    use the parameter names w13_local / w2_local).
     """
 
     def __init__(self, num_experts, hidden, intermediate, group=None, dtype=None, device=None, init_std=0.02,
@@ -228,9 +267,10 @@ class MoEExperts(nn.Module):
         nn.init.normal_(self.w13_local, mean=0.0, std=self.init_std)
         nn.init.normal_(self.w2_local, mean=0.0, std=self.init_std)
 
-    def forward(self, x, topk_ids, topk_weights):
+    def forward(self, x, topk_ids, topk_weights, main_grads=None):
         """x [..., H], topk_ids [..., topk] global ids (-1: dropped), topk_weights [..., topk] -> y [..., H] in x's
-        dtype; topk_weights other than fp32 or x's dtype are cast to fp32."""
+        dtype; topk_weights other than fp32 or x's dtype are cast to fp32. main_grads: as megamoe.ep.moe's (buffers
+        shaped as w13_local / w2_local, or their local shards for DTensor parameters)."""
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.hidden)  # [T_r, H]
         ids = topk_ids.reshape(-1, topk_ids.shape[-1])  # [T_r, topk] (T_r = 0 too)
@@ -238,7 +278,7 @@ class MoEExperts(nn.Module):
         if weights.dtype not in (torch.float32, x.dtype):
             weights = weights.float()
         y = moe(x2, ids, weights, self.w13_local, self.w2_local, group=self.group, num_chunks=self.num_chunks,
-                num_experts=self.num_experts, recompute=self.recompute)  # [T_r, H]
+                num_experts=self.num_experts, recompute=self.recompute, main_grads=main_grads)  # [T_r, H]
         return reshaped(y, (*lead, self.hidden))
 
     def extra_repr(self):

@@ -89,10 +89,11 @@ def _run_chunks(route, sent, compute):
 
 
 class ExpertParallelMoE(torch.autograd.Function):
-    """apply(x, topk_weights, w13_local, w2_local, route, keep_h) -> y [T, H]; see megamoe.ep.moe."""
+    """apply(x, topk_weights, w13_local, w2_local, route, keep_h, main_grads) -> y [T, H]; see megamoe.ep.moe.
+    main_grads: (w13 buffer or None, w2 buffer or None), checked by megamoe.ep.moe, kept on ctx by reference."""
 
     @staticmethod
-    def forward(ctx, x, topk_weights, w13, w2, route, keep_h):
+    def forward(ctx, x, topk_weights, w13, w2, route, keep_h, main_grads=(None, None)):
         T, H = x.shape
         token_of_row = route.sent_slots // route.topk  # [N_send]
         x_sent = x.index_select(0, token_of_row)  # [N_send, H]
@@ -113,6 +114,8 @@ class ExpertParallelMoE(torch.autograd.Function):
         ctx.route, ctx.saved, ctx.keep_h, ctx.consumed = route, saved, keep_h, False
         ctx.shapes, ctx.scores_dtype = (x.shape, topk_weights.shape), topk_weights.dtype
         ctx.save_for_backward(w13, w2)
+        # Kept as they are, not saved: other backwards add into them in between (microbatches), as in ops.py.
+        ctx.main_grads = tuple(main_grads)
         return y
 
     @staticmethod
@@ -132,7 +135,14 @@ class ExpertParallelMoE(torch.autograd.Function):
         dx_rows = _returned_buffer(dy, route.num_sent, H)  # [N_send + 1, H]
         dscores_rows = _returned_buffer(dy.new_empty(0, dtype=ctx.scores_dtype), route.num_sent)  # [N_send + 1]
         wgrad_f32 = len(route.chunks) > 1 and w13.dtype not in (torch.float32, torch.float64)
-        dw = []
+        # Per weight: wanted (requires grad), and then added into its main_grads buffer by every chunk's epilogue, or
+        # summed here over the chunks (f32 when wgrad_f32) as autograd's gradient.
+        wanted = ctx.needs_input_grad[2:4]
+        buffers = [buffer if want else None for buffer, want in zip(ctx.main_grads, wanted)]
+        summed = [want and buffer is None for buffer, want in zip(buffers, wanted)]
+        main_grads = {name: buffer for name, buffer in zip(("w13", "w2"), buffers) if buffer is not None} or None
+        names = ("dx_sorted", "dscores") + tuple(name for name, want in zip(("dw13", "dw2"), wanted) if want)
+        dw = [None, None]
 
         def compute(c, chunk, received):
             (dy_recv,) = received  # [R_c, H] by source rank
@@ -140,19 +150,21 @@ class ExpertParallelMoE(torch.autograd.Function):
             dout = dy_recv.index_select(0, chunk.recv_of_grouped)  # [R_c, H] by local expert
             saved_h = h if h.dim() == 2 else None
             grads = grouped_backward(dout, x_grouped, chunk.tokens_per_expert, w13, w2, scores_grouped, saved_h,
-                                     wgrad_f32, grads=("dx_sorted", "dscores", "dw13", "dw2"))
-            dx, dscores, dw13, dw2 = grads.dx_sorted, grads.dscores, grads.dw13, grads.dw2
-            if dw:
-                dw[0] += dw13
-                dw[1] += dw2
-            else:
-                dw.extend([dw13, dw2])
-            back = [dx.index_select(0, chunk.grouped_of_recv), dscores.index_select(0, chunk.grouped_of_recv)]
+                                     wgrad_f32, grads=names, main_grads=main_grads)
+            for i, grad in enumerate((grads.dw13, grads.dw2)):
+                if summed[i]:
+                    if dw[i] is None:
+                        dw[i] = grad
+                    else:
+                        dw[i] += grad
+            back = [grads.dx_sorted.index_select(0, chunk.grouped_of_recv),
+                    grads.dscores.index_select(0, chunk.grouped_of_recv)]
             return _combine(route, chunk, [dx_rows, dscores_rows], back)
 
         _run_chunks(route, [dy_sent], compute)
-        ctx.saved = None
+        if ctx.keep_h:  # h is consumed (dh written over it): free the chunks' saved rows now; recompute mode keeps
+            ctx.saved = None  # them for another backward through the same graph (retain_graph=True)
         dx = sum_over_topk(dx_rows, route.row_of_slot, dy.dtype)  # [T, H]
         dtopk_weights = dscores_rows.index_select(0, route.row_of_slot.t().reshape(-1)).view(weights_shape)
-        dw13, dw2 = dw[0].to(w13.dtype), dw[1].to(w2.dtype)
-        return dx, dtopk_weights, dw13, dw2, None, None
+        dw13, dw2 = (grad.to(w.dtype) if grad is not None else None for grad, w in zip(dw, (w13, w2)))
+        return dx, dtopk_weights, dw13, dw2, None, None, None

@@ -156,6 +156,40 @@ def case_ep_bad_placements_raise_on_every_rank(rank, P, seed):
     case_ep_sharded_experts_equal_plain(rank, P, seed)  # the group is still in step
 
 
+def case_ep_main_grads_with_dtensor_weights(rank, P, seed):
+    """main_grads of DTensor weights: buffers shaped as the local shards, bitwise those of the plain local weights;
+    the DTensors' .grad stays None; x / topk_weights gradients bitwise the call's without main_grads."""
+    args, dy, _, _ = ep_problem(rank, P, seed)
+    mesh = mesh_of((P,))
+    gen = torch.Generator().manual_seed(seed + 3)
+    start = [torch.randn(args[name].shape, generator=gen, dtype=torch.float64).float() for name in EP_WEIGHTS]
+    for chunks in (1, 2):
+        what = f"num_chunks={chunks}: "
+        want_out, want_grads = run(megamoe.ep.moe, leaves(args), dy, num_chunks=chunks)
+        plain_buffers, dtensor_buffers = [b.clone() for b in start], [b.clone() for b in start]
+        plain_out, plain_grads = run(megamoe.ep.moe, leaves(args), dy, num_chunks=chunks, main_grads=plain_buffers)
+        sharded = leaves(args, EP_WEIGHTS, mesh, [Shard(0)])
+        out, grads = run(megamoe.ep.moe, sharded, dy, num_chunks=chunks,
+                         main_grads=dict(zip(EP_WEIGHTS, dtensor_buffers)))
+        assert torch.equal(out, want_out) and torch.equal(plain_out, want_out), f"{what}out"
+        for name in ("x", "topk_weights"):
+            assert torch.equal(grads[name], want_grads[name]), f"{what}{name}.grad"
+            assert torch.equal(plain_grads[name], want_grads[name]), f"{what}{name}.grad (plain weights)"
+        for name, a, b, s in zip(EP_WEIGHTS, dtensor_buffers, plain_buffers, start):
+            assert grads[name] is None and plain_grads[name] is None, f"{what}{name}.grad is not None"
+            assert torch.equal(a, b), f"{what}{name}: the DTensor's buffer differs from the plain weight's"
+            want = s.double() + want_grads[name].double()
+            assert rel_err(a, want) < 1e-6, f"{what}{name}: buffer - before is not the gradient"
+    # a DTensor buffer (on one rank) raises TypeError on every rank
+    bad = [DTensor.from_local(b.clone(), mesh, [Shard(0)], run_check=False) if rank == 0 else b.clone() for b in start]
+    _raises(lambda: megamoe.ep.moe(**leaves(args, EP_WEIGHTS, mesh, [Shard(0)]), main_grads=bad), TypeError,
+            "main_grads", "DTensor")
+    # a buffer shaped as the global weight, not the local shard (on the last rank): ValueError on every rank
+    wrong = [torch.zeros(P * b.shape[0], *b.shape[1:]) if rank == P - 1 else b.clone() for b in start]
+    _raises(lambda: megamoe.ep.moe(**leaves(args, EP_WEIGHTS, mesh, [Shard(0)]), main_grads=wrong), ValueError,
+            "main_grads", "shape")
+
+
 # ---- megamoe.grouped_moe: the local experts ----
 
 def grouped_problem(rank, seed, layout_args):

@@ -273,6 +273,154 @@ def case_bad_input_raises_on_every_rank(rank, P, seed):
     case_uneven_tokens_dropped_slots(rank, P, seed)  # the group is still in step
 
 
+# ---- main_grads: the local weights' gradients added into f32 buffers ----
+
+def initial_buffers(w13_l, w2_l, seed):
+    """Random f32 buffers shaped as the local weights (never zeros, so an addition shows)."""
+    gen = torch.Generator().manual_seed(seed + 12)
+    return tuple(torch.randn(w.shape, generator=gen, dtype=torch.float64).float() for w in (w13_l, w2_l))
+
+
+def expert_parallel_main_grads(ranks, w13, w2, rank, E_l, main_grads, requires=(True, True), **kwargs):
+    """[y, dx, d topk_weights, w13_local.grad, w2_local.grad] of one call with main_grads, on fresh leaves (the
+    weights requiring grad as `requires` says)."""
+    x, ids, s, dy = ranks[rank]
+    experts = slice(rank * E_l, (rank + 1) * E_l)
+    x, s = (t.detach().clone().requires_grad_() for t in (x, s))
+    a, b = (w[experts].detach().clone().requires_grad_(want) for w, want in zip((w13, w2), requires))
+    y = megamoe.ep.moe(x, ids, s, a, b, main_grads=main_grads, **kwargs)
+    y.backward(dy)
+    return [y.detach(), x.grad, s.grad, a.grad, b.grad]
+
+
+def assert_added(buffer, before, grad, times=1, what=""):
+    """buffer = before + times * grad up to f32 rounding (relative to the sizes of before and grad)."""
+    error = (buffer.double() - before.double() - times * grad.double()).norm().item()
+    scale = before.double().norm().item() + times * grad.double().norm().item()
+    assert error <= 1e-6 * scale, f"{what}buffer - before is not {times} x the gradient: {error:.3e} / {scale:.3e}"
+
+
+def case_main_grads_add_the_gradient(rank, P, seed):
+    ranks, w13, w2 = make_batch(P, tokens_for(P), 12, 7, 2, 3, seed)
+    for chunks in (1, 3):
+        what = f"num_chunks={chunks}: "
+        plain = expert_parallel(ranks, w13, w2, rank, 2, num_chunks=chunks)
+        buffers = initial_buffers(w13[:2], w2[:2], seed)
+        before = [b.clone() for b in buffers]
+        got = expert_parallel_main_grads(ranks, w13, w2, rank, 2, buffers, num_chunks=chunks)
+        assert got[3] is None and got[4] is None, f"{what}autograd gradients of weights with buffers: not None"
+        assert_bitwise(got[:3], plain[:3], ("y", "dx", "dtopk_weights"), what)
+        for name, buffer, start, grad in zip(("w13", "w2"), buffers, before, plain[3:]):
+            assert buffer.dtype == torch.float32 and buffer.shape == start.shape
+            assert_added(buffer, start, grad, what=f"{what}{name}: ")
+            if chunks == 1:  # one epilogue addition of the f32-rounded gradient
+                assert torch.equal(buffer, start + grad.float()), f"{what}{name}: not bitwise before + grad"
+        # two backwards (a second call into the same buffers) add twice
+        got = expert_parallel_main_grads(ranks, w13, w2, rank, 2, {"w13": buffers[0], "w2_local": buffers[1]},
+                                         num_chunks=chunks)
+        assert got[3] is None and got[4] is None
+        for name, buffer, start, grad in zip(("w13", "w2"), buffers, before, plain[3:]):
+            assert_added(buffer, start, grad, times=2, what=f"{what}twice: {name}: ")
+        # bitwise reproducible run to run for this num_chunks
+        again = initial_buffers(w13[:2], w2[:2], seed)
+        for _ in range(2):
+            expert_parallel_main_grads(ranks, w13, w2, rank, 2, again, num_chunks=chunks)
+        for name, a, b in zip(("w13", "w2"), again, buffers):
+            assert torch.equal(a, b), f"{what}{name}: buffers differ run to run"
+
+
+def case_main_grads_recompute_backward_twice(rank, P, seed):
+    ranks, w13, w2 = make_batch(P, tokens_for(P), 9, 4, 1, 2, seed)
+    x, ids, s, dy = ranks[rank]
+    plain = expert_parallel(ranks, w13, w2, rank, 1, num_chunks=2)
+    buffers = initial_buffers(w13[:1], w2[:1], seed)
+    before = [b.clone() for b in buffers]
+    a, b = (w[rank:rank + 1].clone().requires_grad_() for w in (w13, w2))
+    y = megamoe.ep.moe(x, ids, s, a, b, num_chunks=2, recompute=True, main_grads=buffers)
+    y.backward(dy, retain_graph=True)
+    y.backward(dy)  # one graph backpropagated twice adds twice
+    assert a.grad is None and b.grad is None
+    for name, buffer, start, grad in zip(("w13", "w2"), buffers, before, plain[3:]):
+        assert_added(buffer, start, grad, times=2, what=f"{name}: ")
+    a, b = (w[rank:rank + 1].clone().requires_grad_() for w in (w13, w2))  # and without main_grads: .grad twice
+    y = megamoe.ep.moe(x, ids, s, a, b, num_chunks=2, recompute=True)
+    y.backward(dy, retain_graph=True)
+    y.backward(dy)
+    for name, got, grad in zip(("w13", "w2"), (a.grad, b.grad), plain[3:]):
+        assert torch.equal(got, grad + grad), f"{name}.grad after two backwards"
+
+
+def case_main_grads_partial_and_frozen(rank, P, seed):
+    ranks, w13, w2 = make_batch(P, tokens_for(P), 10, 6, 2, 2, seed)
+    plain = expert_parallel(ranks, w13, w2, rank, 2, num_chunks=2)
+    buf13, buf2 = initial_buffers(w13[:2], w2[:2], seed)
+    start13, start2 = buf13.clone(), buf2.clone()
+    # a buffer for w13 only: w2 gets its usual autograd gradient (through an f32 buffer, as in megamoe.moe)
+    got = expert_parallel_main_grads(ranks, w13, w2, rank, 2, (buf13,), num_chunks=2)
+    assert got[3] is None and got[4] is not None and got[4].dtype == w2.dtype
+    assert_bitwise(got[:3], plain[:3], ("y", "dx", "dtopk_weights"), "w13 buffer only: ")
+    assert_added(buf13, start13, plain[3], what="w13 buffer only: ")
+    assert rel_err(got[4], plain[4]) < 1e-6 or torch.equal(got[4], plain[4]), "w2 without a buffer"
+    # a frozen weight with a buffer: nothing added into it; the other buffer gets its gradient
+    start13 = buf13.clone()
+    got = expert_parallel_main_grads(ranks, w13, w2, rank, 2, (buf13, buf2), requires=(False, True), num_chunks=2)
+    assert got[3] is None and got[4] is None
+    assert torch.equal(buf13, start13), "a frozen w13's buffer changed"
+    assert_added(buf2, start2, plain[4], what="frozen w13: w2: ")
+    assert_bitwise(got[:3], plain[:3], ("y", "dx", "dtopk_weights"), "frozen w13: ")
+
+
+def case_main_grads_module(rank, P, seed):
+    torch.manual_seed(seed)
+    full = megamoe.MoEExperts(2 * P, 10, 6, dtype=torch.float64, init_std=0.3)
+    plain, fused = (megamoe.ep.MoEExperts.from_full(full.w13, full.w2, num_chunks=2) for _ in range(2))
+    ranks, _, _ = make_batch(P, tokens_for(P), 10, 6, 2, 2, seed + 1)
+    x, ids, s, dy = ranks[rank]
+    buffers = {name: torch.zeros_like(getattr(fused, name), dtype=torch.float32) for name in ("w13_local", "w2_local")}
+    plain(x, ids, s).backward(dy)
+    fused(x, ids, s, main_grads=buffers).backward(dy)
+    for name, buffer in buffers.items():
+        assert getattr(fused, name).grad is None, f"{name}.grad is not None"
+        assert_added(buffer, torch.zeros_like(buffer), getattr(plain, name).grad, what=f"{name}: ")
+
+
+def case_main_grads_bf16(rank, P, seed):
+    ranks, w13, w2 = make_batch(P, tokens_for(P), 32, 16, 2, 2, seed, dtype=torch.bfloat16)
+    for chunks in (1, 2):
+        plain = expert_parallel(ranks, w13, w2, rank, 2, num_chunks=chunks)
+        buffers = tuple(torch.zeros(w[:2].shape) for w in (w13, w2))
+        got = expert_parallel_main_grads(ranks, w13, w2, rank, 2, buffers, num_chunks=chunks)
+        assert_bitwise(got[:3], plain[:3], ("y", "dx", "dtopk_weights"), f"bf16, num_chunks={chunks}: ")
+        for name, buffer, grad in zip(("w13", "w2"), buffers, plain[3:]):
+            if grad.abs().max() > 0:
+                assert rel_err(buffer, grad) < 1e-2, f"bf16, num_chunks={chunks}: {name}: {rel_err(buffer, grad):.3e}"
+            else:
+                assert torch.equal(buffer, torch.zeros_like(buffer)), name
+
+
+def case_main_grads_bad_buffer_raises_on_every_rank(rank, P, seed):
+    ranks, w13, w2 = make_batch(P, tokens_for(P), 8, 4, 2, 2, seed)
+    x, ids, s, _ = ranks[rank]
+    a, b = (w[2 * rank:2 * rank + 2].clone().requires_grad_() for w in (w13, w2))
+    good = tuple(torch.zeros(w.shape) for w in (a, b))
+    first, last = rank == 0, rank == P - 1
+
+    def call(bad, on_this_rank):
+        return lambda: megamoe.ep.moe(x, ids, s, a, b, main_grads=bad if on_this_rank else good)
+
+    _raises(call((good[0][:1], good[1]), first), ValueError, "main_grads", "w13", "shape")
+    _raises(call((good[0], good[1].double()), last), ValueError, "main_grads", "w2", "float32")
+    _raises(call({"w3": good[0]}, first), ValueError, "main_grads", "w3")
+    _raises(call({"w1": good[0]}, last), ValueError, "main_grads", "unknown")
+    strided = torch.zeros(a.shape[0], a.shape[2], a.shape[1]).transpose(1, 2)  # a's shape, not contiguous
+    _raises(call((strided,), first), ValueError, "main_grads", "contiguous")
+    _raises(call((good[0].clone().requires_grad_(),), last), ValueError, "main_grads", "requires grad")
+    _raises(call([1.0, 2.0], first), TypeError, "main_grads")
+    _raises(call("w13", last), TypeError, "main_grads")
+    assert a.grad is None and torch.equal(good[0], torch.zeros_like(good[0]))
+    case_main_grads_add_the_gradient(rank, P, seed)  # the group is still in step
+
+
 class SkipCase(Exception):
     """Raised by a case that cannot run here; its message is the reason."""
 

@@ -8,7 +8,7 @@ import warnings
 import torch
 
 import megamoe
-from ep_cases import NAMES, assert_bitwise, expert_parallel, make_batch, reference, rel_err
+from ep_cases import NAMES, assert_bitwise, expert_parallel, expert_parallel_main_grads, make_batch, reference, rel_err
 
 AGREEMENT = 1e-2  # as the grouped-rows GPU tests: a wrong row, expert or score gives errors of order 1
 
@@ -72,6 +72,33 @@ def case_empty_batch(rank, P, seed):
     ranks, w13, w2 = _on_gpu(*make_batch(P, [0], 72, 40, 4, 2, seed, dtype=torch.bfloat16))
     y, dx, ds, dw13, dw2 = expert_parallel(ranks, w13, w2, rank, 4)
     assert y.shape == (0, 72) and torch.equal(dw13, torch.zeros_like(dw13)) and torch.equal(dw2, torch.zeros_like(dw2))
+
+
+def case_main_grads(rank, P, seed):
+    """main_grads on the GPU: f32 buffers get the weight gradients (bf16 weights: the f32 gradient the bf16 .grad
+    rounds), .grad stays None, y / dx / d topk_weights bitwise the call's without them, buffers bitwise run to run;
+    a bad buffer raises ValueError."""
+    ranks, w13, w2 = _on_gpu(*make_batch(P, [150], 72, 40, 4, 2, seed, dtype=torch.bfloat16))
+    for chunks in (1, 3):
+        what = f"num_chunks={chunks}: "
+        plain = expert_parallel(ranks, w13, w2, rank, 4, num_chunks=chunks)
+        runs = []
+        for _ in range(2):
+            buffers = tuple(torch.full(w.shape, 0.5, device="cuda") for w in (w13, w2))
+            got = expert_parallel_main_grads(ranks, w13, w2, rank, 4, buffers, num_chunks=chunks)
+            assert got[3] is None and got[4] is None, f"{what}.grad of weights with buffers"
+            assert_bitwise(got[:3], plain[:3], ("y", "dx", "dtopk_weights"), what)
+            runs.append(buffers)
+        for name, a, b, grad in zip(("w13", "w2"), *runs, plain[3:]):
+            assert torch.equal(a, b), f"{what}{name}: buffers differ run to run"
+            assert rel_err(a - 0.5, grad) < AGREEMENT, f"{what}{name}: {rel_err(a - 0.5, grad):.3e}"
+    x, ids, s, _ = ranks[rank]
+    try:
+        megamoe.ep.moe(x, ids, s, w13, w2, main_grads=(torch.zeros(w13.shape, device="cuda").bfloat16(),))
+    except ValueError as ex:
+        assert "main_grads" in str(ex) and "float32" in str(ex), str(ex)
+    else:
+        raise AssertionError("no ValueError for a bf16 buffer")
 
 
 CASES = {name[5:]: fn for name, fn in sorted(globals().items()) if name.startswith("case_")}
