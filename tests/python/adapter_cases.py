@@ -35,6 +35,19 @@ def grads(fn, leaves, dout):
     return {"out": out.detach(), **dict(zip(leaves, computed))}
 
 
+def record_needs(monkeypatch, module, op_name):
+    """The need_* flags each call of backward op `module.op_name` is asked for, as a list of sets (one per call)."""
+    asked = []
+    original = getattr(module, op_name)
+
+    def recording(*args, **kwargs):
+        asked.append({name for name, value in kwargs.items() if name.startswith("need_") and value})
+        return original(*args, **kwargs)
+
+    monkeypatch.setattr(module, op_name, recording)
+    return asked
+
+
 def assert_close(ours, theirs, bound=1e-12):
     assert ours.keys() == theirs.keys()
     for name, expected in theirs.items():

@@ -10,7 +10,8 @@ import torch
 import torch.nn.functional as F
 
 import megamoe
-from adapter_cases import IDS, ROUTINGS, assert_close, counts_of, gpt_oss_act, grads, grouped_swiglu, randn, routing
+from adapter_cases import (IDS, ROUTINGS, assert_close, counts_of, gpt_oss_act, grads, grouped_swiglu, randn,
+                          record_needs, routing)
 from conftest import rel_err
 from megamoe.adapters import megatron
 
@@ -130,14 +131,7 @@ def test_gradients_not_requested_are_skipped(gen, monkeypatch):
     weight1, weight2 = randn(gen, H, E * 2 * I), randn(gen, E * I, H)
     weight2.requires_grad_(False)
     probs = probs.detach()
-    asked = []
-    original = megamoe.grouped._grouped_backward_op
-
-    def recording(*args, **kwargs):
-        asked.append({name for name, value in kwargs.items() if name.startswith("need_") and value})
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(megamoe.grouped, "_grouped_backward_op", recording)
+    asked = record_needs(monkeypatch, megamoe.grouped, "_grouped_backward_op")
     megatron.grouped_mlp(x, counts, probs, weight1, weight2, E)[0].backward(dout)
     assert asked == [{"need_dx_sorted", "need_dw13"}]
     assert weight2.grad is None and weight1.grad is not None and x.grad is not None

@@ -10,7 +10,8 @@ import torch.nn.functional as F
 from torch import nn
 
 import megamoe
-from adapter_cases import IDS, ROUTINGS, assert_close, counts_of, gpt_oss_act, grads, grouped_swiglu, randn, routing
+from adapter_cases import (IDS, ROUTINGS, assert_close, counts_of, gpt_oss_act, grads, grouped_swiglu, randn,
+                          record_needs, routing)
 from megamoe.adapters import prime_rl
 
 
@@ -114,14 +115,7 @@ def test_gradients_not_requested_are_skipped(gen, monkeypatch):
     experts = make_experts("gate_up_proj", H, I, E, gen)
     counts = torch.tensor([2, 0, 3, 1])
     x = torch.randn(6, H, generator=gen, dtype=torch.float64)
-    asked = []
-    original = megamoe.grouped._grouped_backward_op
-
-    def recording(*args, **kwargs):
-        asked.append({name for name, value in kwargs.items() if name.startswith("need_") and value})
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(megamoe.grouped, "_grouped_backward_op", recording)
+    asked = record_needs(monkeypatch, megamoe.grouped, "_grouped_backward_op")
     experts.down_proj.requires_grad_(False)
     out = prime_rl.expert_compute(experts, x, counts)  # x without grad, down_proj frozen
     out.backward(torch.ones_like(out))

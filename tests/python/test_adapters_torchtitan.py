@@ -8,7 +8,8 @@ import torch
 from torch import nn
 
 import megamoe
-from adapter_cases import DROPPED, IDS, ROUTINGS, assert_close, counts_of, grads, grouped_swiglu, routing, sort_by_expert
+from adapter_cases import (DROPPED, IDS, ROUTINGS, assert_close, counts_of, grads, grouped_swiglu, record_needs,
+                          routing, sort_by_expert)
 from megamoe.adapters import torchtitan
 
 
@@ -86,14 +87,7 @@ def test_gradients_not_requested_are_skipped(gen, monkeypatch):
     routed = torchtitan.RoutedExperts(H, I, E, dtype=torch.float64)
     ids, scores = routing(5, E, 2, "random", gen)
     x = torch.randn(5, H, generator=gen, dtype=torch.float64)
-    asked = []
-    original = megamoe.ops._moe_backward_op
-
-    def recording(*args, **kwargs):
-        asked.append({name for name, value in kwargs.items() if name.startswith("need_") and value})
-        return original(*args, **kwargs)
-
-    monkeypatch.setattr(megamoe.ops, "_moe_backward_op", recording)
+    asked = record_needs(monkeypatch, megamoe.ops, "_moe_backward_op")
     routed.requires_grad_(False)
     x.requires_grad_()
     scores.requires_grad_()
