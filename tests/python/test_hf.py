@@ -64,6 +64,17 @@ def logits_and_grads(model, input_ids, dlogits):
     return logits.detach(), grads
 
 
+def assert_compiled_forward_matches_eager(model, input_ids, dlogits, bound):
+    """model.forward under torch.compile(fullgraph=True, aot_eager) gives the eager logits and every parameter's
+    gradient within `bound` (relative)."""
+    expected_logits, expected_grads = logits_and_grads(model, input_ids, dlogits)
+    model.forward = torch.compile(model.forward, backend="aot_eager", fullgraph=True)
+    logits, grads = logits_and_grads(model, input_ids, dlogits)
+    assert rel_err(logits, expected_logits) < bound
+    for name, grad in grads.items():
+        assert rel_err(grad, expected_grads[name]) < bound, name
+
+
 def inputs(cfg, batch, seq, device, seed=1):
     gen = torch.Generator().manual_seed(seed)
     ids = torch.randint(0, cfg.vocab_size, (batch, seq), generator=gen)
@@ -133,12 +144,7 @@ def test_torch_compile_fullgraph():
     cfg = tiny_config()
     model = make_model(cfg, torch.float32, experts="megamoe")
     ids, dlogits = inputs(cfg, 2, 16, "cpu")
-    expected_logits, expected_grads = logits_and_grads(model, ids, dlogits)
-    model.forward = torch.compile(model.forward, backend="aot_eager", fullgraph=True)
-    logits, grads = logits_and_grads(model, ids, dlogits)
-    assert rel_err(logits, expected_logits) < 1e-6
-    for name, grad in grads.items():
-        assert rel_err(grad, expected_grads[name]) < 1e-6, name
+    assert_compiled_forward_matches_eager(model, ids, dlogits, 1e-6)
 
 
 def custom_experts_class(**flags):

@@ -14,7 +14,7 @@ transformers = pytest.importorskip(
 import megamoe  # noqa: E402
 import megamoe.hf  # noqa: E402
 from conftest import rel_err  # noqa: E402
-from test_hf import inputs, logits_and_grads, make_model  # noqa: E402
+from test_hf import assert_compiled_forward_matches_eager, inputs, logits_and_grads, make_model  # noqa: E402
 
 CUDA = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device")
 
@@ -106,12 +106,7 @@ def test_gpt_oss_torch_compile_fullgraph():
     model = make_model(cfg, torch.float64, experts="megamoe")
     randomize_experts(model)
     ids, dlogits = inputs(cfg, 2, 12, "cpu")
-    expected_logits, expected_grads = logits_and_grads(model, ids, dlogits)
-    model.forward = torch.compile(model.forward, backend="aot_eager", fullgraph=True)
-    logits, grads = logits_and_grads(model, ids, dlogits)
-    assert rel_err(logits, expected_logits) < 1e-12
-    for n, grad in grads.items():
-        assert rel_err(grad, expected_grads[n]) < 1e-12, n
+    assert_compiled_forward_matches_eager(model, ids, dlogits, 1e-12)
 
 
 def test_unsupported_on_device_names_the_module(monkeypatch):
