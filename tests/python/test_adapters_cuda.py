@@ -11,6 +11,7 @@ import torch
 from adapter_cases import counts_of, grads, randn, routing
 from conftest import rel_err
 from megamoe.adapters import megatron, prime_rl, torchtitan
+from test_adapters_megatron_lists import record_calls
 from test_adapters_prime_rl import make_experts, prime_rl_reference
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests need one")
@@ -123,7 +124,7 @@ def test_megatron_grouped_mlp_on_cuda(case, gen):
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-def test_megatron_te_expert_lists_in_place_on_cuda(case, gen):
+def test_megatron_te_expert_lists_in_place_on_cuda(case, gen, monkeypatch):
     """TE's per-expert weights (weight0 ... weight{E-1}) as views of one block, read in place on the GPU: bitwise the
     result of the same values as single grouped tensors (the same kernels on the same bytes), each expert's gradient
     its slice of the grouped one, and no copy of the weights (megamoe receives weight0's storage)."""
@@ -138,31 +139,20 @@ def test_megatron_te_expert_lists_in_place_on_cuda(case, gen):
     blocks = [b.detach().to(torch.bfloat16).to(DEVICE) for b in blocks]
     grouped = [b.clone().requires_grad_() for b in blocks]
     lists = [[torch.nn.Parameter(b[e]) for e in range(E)] for b in blocks]
-    received = []
-    original = megatron.grouped_moe
-
-    def recording(*args, **kwargs):
-        received.append([a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)])
-        return original(*args, **kwargs)
-
+    leaves = {"x": x, "probs": probs, **{f"fc{i + 1}_{e}": p for i, ps in enumerate(lists) for e, p in enumerate(ps)}}
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # the one-time path warning
         want = grads(lambda: megatron.te_grouped_mlp(x, counts, probs, *grouped), {"x": x, "probs": probs,
                      "fc1": grouped[0], "fc2": grouped[1]}, dout)
-        megatron.grouped_moe = recording
-        try:
-            leaves = {"x": x, "probs": probs, **{f"fc{i + 1}_{e}": p for i, ps in enumerate(lists)
-                                                 for e, p in enumerate(ps)}}
-            with warnings.catch_warnings():
-                warnings.filterwarnings("error", message=".*stacking \\(copying\\)")  # a copied list warns so
-                got = grads(lambda: megatron.te_grouped_mlp(x, counts, probs, *lists), leaves, dout)
-        finally:
-            megatron.grouped_moe = original
+        calls = record_calls(monkeypatch)
+        warnings.filterwarnings("error", message=".*stacking \\(copying\\)")  # a copied list warns so
+        got = grads(lambda: megatron.te_grouped_mlp(x, counts, probs, *lists), leaves, dout)
     assert torch.equal(got["out"], want["out"]) and torch.equal(got["x"], want["x"])
     assert torch.equal(got["probs"], want["probs"])
     for i in range(2):
         for e in range(E):
             assert torch.equal(got[f"fc{i + 1}_{e}"], want[f"fc{i + 1}"][e]), f"fc{i + 1} expert {e}"
-    assert len(received) == 1
+    (args, _), = calls
+    received = {a.untyped_storage().data_ptr() for a in args if isinstance(a, torch.Tensor)}
     for block in blocks:
-        assert block.untyped_storage().data_ptr() in received[0], "a per-expert list was copied"
+        assert block.untyped_storage().data_ptr() in received, "a per-expert list was copied"
