@@ -36,22 +36,23 @@ SAME_FUNCTION_TOLERANCE = 1e-2  # y of a layout-only option against the default'
 
 
 def option_arguments(case, option, b13, b2):
-    """megamoe.moe's expert keyword arguments and grad leaves for `option` over the case's canonical weights."""
+    """(the expert parameters of `option` over the case's canonical weights, by name: the grad leaves; megamoe.moe's
+    keyword arguments for them: layout, activation and the optional w3, b13, b2)."""
     layout, activation, biases = OPTIONS[option]
     stored = megamoe.arrange_weights(case.w13.detach(), case.w2.detach(), b13 if biases else None, layout)
     params = {name: t.requires_grad_() for name, t in stored.items() if t is not None}
     if biases:
         params["b2"] = b2.clone().requires_grad_()
-    return params, dict(layout=layout, activation=activation)
+    optional = {name: params[name] for name in ("w3", "b13", "b2") if name in params}
+    return params, dict(layout=layout, activation=activation, **optional)
 
 
-def run(case, params, options, with_grads):
+def run(case, params, kwargs, with_grads):
     """y, and with_grads the gradients of x, topk_weights and every expert parameter."""
-    kwargs = {name: params[name] for name in ("w3", "b13", "b2") if name in params}
     if not with_grads:
         with torch.no_grad():
-            return megamoe.moe(case.x, case.ids, case.s, params["w13"], params["w2"], **kwargs, **options), None
-    y = megamoe.moe(case.x, case.ids, case.s, params["w13"], params["w2"], **kwargs, **options)
+            return megamoe.moe(case.x, case.ids, case.s, params["w13"], params["w2"], **kwargs), None
+    y = megamoe.moe(case.x, case.ids, case.s, params["w13"], params["w2"], **kwargs)
     return y, torch.autograd.grad(y, [case.x, case.s, *params.values()], case.dy)
 
 
@@ -76,12 +77,10 @@ def main(argv=None):
     timer = CudaTimer() if args.device == "cuda" else HostTimer()
     base_y, rows = None, {}
     for option in options:
-        params, opts = option_arguments(case, option, b13, b2)
-        fwd_path = megamoe.path_of(case.x, case.ids, case.s, params["w13"], params["w2"], **opts,
-                                   **{n: params[n] for n in ("w3", "b13", "b2") if n in params})
-        bwd_path = megamoe.path_of(case.x, case.ids, case.s, params["w13"], params["w2"], backward=True, **opts,
-                                   **{n: params[n] for n in ("w3", "b13", "b2") if n in params})
-        y, _ = run(case, params, opts, False)
+        params, kwargs = option_arguments(case, option, b13, b2)
+        fwd_path = megamoe.path_of(case.x, case.ids, case.s, params["w13"], params["w2"], **kwargs)
+        bwd_path = megamoe.path_of(case.x, case.ids, case.s, params["w13"], params["w2"], backward=True, **kwargs)
+        y, _ = run(case, params, kwargs, False)
         same_function = OPTIONS[option][1:] == OPTIONS[options[0]][1:]
         if base_y is None:
             base_y = y
@@ -89,8 +88,8 @@ def main(argv=None):
         rows[option] = {
             "path": f"{fwd_path} / {bwd_path}", "reason": fwd_path.reason or bwd_path.reason,
             "y_vs_base": check, "ok": check is None or check < SAME_FUNCTION_TOLERANCE,
-            "fwd_ms": per_call(lambda: run(case, params, opts, False), timer, 2, args.iters, 5.0)["ms"],
-            "fwdbwd_ms": per_call(lambda: run(case, params, opts, True), timer, 2, args.iters, 5.0)["ms"]}
+            "fwd_ms": per_call(lambda: run(case, params, kwargs, False), timer, 2, args.iters, 5.0)["ms"],
+            "fwdbwd_ms": per_call(lambda: run(case, params, kwargs, True), timer, 2, args.iters, 5.0)["ms"]}
     commit, _ = git_commit()
     gpu = device_name(args.device)
     record = {"date": datetime.date.today().isoformat(), "gpu": gpu, "commit": commit, "args": vars(args),
