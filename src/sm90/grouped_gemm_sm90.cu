@@ -36,9 +36,8 @@
 //     end (one-row TMA boxes measured 30-50% slower). Each thread then arms cp.async.mbarrier.arrive.noinc on the
 //     stage's full barrier and moves on: the stage is published when all copies have landed (128 such arrivals + thread
 //     0's arrive.expect_tx of the B bytes), with no waiting in the producer. Consumers issue fence.proxy.async after
-//     the wait (cp.async writes are generic-proxy, wgmma reads through the async proxy). For dSwiGLU it also starts,
-//     when it begins a tile, a bulk L2 prefetch of the tile's g, u row segments (two per thread), so the epilogue, a
-//     whole mainloop later, finds them in L2 instead of DRAM.
+//     the wait (cp.async writes are generic-proxy, wgmma reads through the async proxy). No L2 prefetches: of h for
+//     dH's epilogue, or of gathered rows ahead of their stage, each measured slower (docs/DESIGN.md).
 //   warpgroups 1, 2, consumers (setmaxnreg up to kConsumerRegs), cooperative: rows [64 (w - 1), 64 w) of every tile
 //     of the CTA; ping-pong: every other tile of the CTA (all 128 rows, two m64 row blocks), the other consumer's
 //     stages skipped and the two mainloops in turn (named barriers), so one consumer's epilogue runs under the
@@ -170,7 +169,6 @@ __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensor
     uint32_t phase = 0;
     for (int64_t tile_idx = tiles.first; tile_idx < num_tiles; tile_idx += tiles.stride) {
         const Tile tile = decode_tile(params, tile_idx, num_m_tiles, cta_rank);
-        Epi::template producer_tile<Config>(params, epilogue, tile, thread_idx);
         const uint16_t* src_rows[kProducerPasses];
 #pragma unroll
         for (int pass = 0; pass < kProducerPasses; ++pass) {

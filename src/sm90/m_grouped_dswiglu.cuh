@@ -263,26 +263,6 @@ struct DSwiGLUEpilogueOf : NoEpilogueHooks {
                                       first_row_block * kWgmmaM + warp_idx * kDSwiGLUSubRows, 0, lane_idx);
         return state;
     }
-    // Starts the L2 prefetch of the g, u row segments that `tile` reads in its epilogue, a whole mainloop later
-    // (thread t: rows t / 2 and t / 2 + 64, g or u by t % 2; kBlockN columns, fewer at the end of I).
-    template <class Config>
-    __device__ __forceinline__ static void producer_tile(const MainloopParams& mainloop, const Params& params,
-                                                         const Tile& tile, int thread_idx) {
-        constexpr int kRowsPerPass = kWarpgroupThreads / 2;  // two threads (g, u) per row
-        static_assert(kBlockM % kRowsPerPass == 0, "the producer prefetches the tile's rows in whole passes");
-        const int64_t first_col = tile.n_tile_idx * Config::kBlockN;
-        if (first_col >= mainloop.n) return;
-        const auto num_bytes =
-            static_cast<uint32_t>(min(static_cast<int64_t>(Config::kBlockN), mainloop.n - first_col) * kElemBytes);
-#pragma unroll
-        for (int pass = 0; pass < kBlockM / kRowsPerPass; ++pass) {
-            const int local_row = pass * kRowsPerPass + thread_idx / 2;
-            if (local_row >= tile.num_rows) break;
-            const int64_t row_idx = tile.row_begin + local_row;
-            const auto* h_row = static_cast<const uint16_t*>(params.h) + row_idx * 2 * mainloop.n;
-            prefetch_l2_bulk(h_row + (thread_idx % 2) * mainloop.n + first_col, num_bytes);
-        }
-    }
     template <typename T, class Config, int kLocalBlock, int kNumRegs>
     __device__ __forceinline__ static void store(const CUtensorMap*, const MainloopParams& mainloop,
                                                  const Params& params, const Tile& tile, const float (&acc)[kNumRegs],

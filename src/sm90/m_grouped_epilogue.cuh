@@ -237,10 +237,10 @@ __device__ __forceinline__ void add_row_bias(const MainloopParams& params, const
 // B tile is 2n's rows in storage order, interleaved);
 // kStaging (per-warp shared memory: staging of TMA stores, dSwiGLU's sub-tile slots); TileState with begin_tile (per
 // consumer and tile, before its mainloop: it may issue loads into the warp's staging, free by then);
-// producer_tile (the producer, when it starts a tile); store (one row block); prefetch_maps (thread 0 at start),
-// finish (each consumer thread at the end) and name (the kernel's, in error messages).
+// store (one row block); prefetch_maps (thread 0 at start), finish (each consumer thread at the end) and name (the
+// kernel's, in error messages).
 
-// The hooks of a policy that needs none: no per-tile state, no producer work, no tensor map, nothing at the end.
+// The hooks of a policy that needs none: no per-tile state, no tensor map, nothing at the end.
 struct NoEpilogueHooks {
     struct TileState {};
 
@@ -249,8 +249,6 @@ struct NoEpilogueHooks {
                                                            uint32_t, int, int) {
         return {};
     }
-    template <class Config, class Params>
-    __device__ __forceinline__ static void producer_tile(const MainloopParams&, const Params&, const Tile&, int) {}
     template <class Params>
     __device__ __forceinline__ static void prefetch_maps(const Params&, const CUtensorMap*) {}
     __device__ __forceinline__ static void finish(int) {}

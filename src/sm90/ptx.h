@@ -13,8 +13,7 @@
 //   wgmma      shared-memory matrix descriptors (K-major and MN-major, 128-byte swizzle), fence / commit / wait, and
 //              the accumulator register fence that keeps the compiler from moving accumulator accesses
 //              across an in-flight wgmma;
-//   setmaxnreg register reallocation between warpgroups;
-//   prefetch   bulk prefetch of global memory into L2.
+//   setmaxnreg register reallocation between warpgroups.
 // The wgmma instruction itself comes from CuTe's MMA atoms (cute/arch/mma_sm90_gmma.hpp). The 16-byte
 // cp.async with zero fill is the sm_80 one (cuda/mma_sm80.h). Semantics: PTX ISA 8.x, "mbarrier",
 // "cp.async.bulk.tensor", "wgmma", "Matrix Descriptor Format".
@@ -392,14 +391,6 @@ __device__ __forceinline__ void setmaxnreg_dec() {
 template <int kNumRegs>
 __device__ __forceinline__ void setmaxnreg_inc() {
     asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;\n" ::"n"(kNumRegs));
-}
-
-// Starts fetching `num_bytes` (a multiple of 16) of global memory at `global_ptr` (16-byte aligned) into L2; the
-// thread does not wait.
-__device__ __forceinline__ void prefetch_l2_bulk(const void* global_ptr, uint32_t num_bytes) {
-    asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;\n" ::"l"(__cvta_generic_to_global(global_ptr)),
-                 "r"(num_bytes)
-                 : "memory");
 }
 
 }  // namespace megamoe::sm90
