@@ -207,15 +207,13 @@ struct TileSequence {
         return num_clusters + atomicAdd(tile_counter, 1);
     }
 
-    // Into slot seq % kTileRing of both rings once every warp has read its previous use: a plain store and arrival
-    // here (the leader), an asynchronous store completing the full barrier's expected 4 bytes in the other CTAs.
+    // Into slot seq % kTileRing of every CTA's ring (the leader's own too) once every warp has read its previous use:
+    // an arrival expecting 4 bytes, and the asynchronous store that completes them.
     __device__ __forceinline__ void publish(int seq, int tile_idx) const {
         const int slot = seq % kTileRing;
         if (seq >= kTileRing) mbarrier_wait(&ring->empty[slot], (seq / kTileRing - 1) & 1);
-        *static_cast<volatile int*>(&ring->tile_idx[slot]) = tile_idx;
-        mbarrier_arrive(&ring->full[slot]);
 #pragma unroll
-        for (uint32_t cta_rank = 1; cta_rank < kClusterSize; ++cta_rank) {
+        for (uint32_t cta_rank = 0; cta_rank < kClusterSize; ++cta_rank) {
             mbarrier_arrive_expect_tx_cluster(&ring->full[slot], cta_rank, sizeof(int));
             st_async_u32(&ring->tile_idx[slot], cta_rank, static_cast<uint32_t>(tile_idx), &ring->full[slot]);
         }
