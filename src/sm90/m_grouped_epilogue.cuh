@@ -337,7 +337,9 @@ using StoreEpilogue = StoreEpilogueOf<false>;
 // - dSwiGLU (dH): cooperative 128 x 256 too. Its epilogue is a third of the kernel (dH 1.17-1.25 ms, without the
 //   epilogue 0.77 ms: the dSwiGLU math ~0.3 ms, the h loads and the stores ~0.1 ms each), but ping-pong on 128 x 128
 //   tiles measured slower (1.47 ms): the half-width tiles refill A twice as often and the mainloop, not the hidden
-//   epilogue, sets the pace. TODO(#11): ping-pong on wider tiles (128 x 192: 192 accumulators per thread) for dH.
+//   epilogue, sets the pace. Ping-pong on 128 x 192 (branch pingpong-192-store) measured slower still (1.58 ms
+//   against 1.09; down / dX 1.31 against 1.24): with 192 accumulators a warpgroup's epilogue outlasts the other's
+//   mainloop. TODO(#11): an epilogue with fewer live accumulators (sub-tiled stores as the accumulators retire).
 template <class Epilogue>
 using ConfigOf = Cooperative;
 
