@@ -35,7 +35,7 @@ def short_name(name):
 def gemm_kind(name):
     """'up' / 'down' for the forward's grouped GEMM kernels (by their epilogue template argument), else None."""
     if "m_grouped_gemm_sm90_kernel" in name:  # epilogue policies (an enum before 2026-12-01: Epilogue)0 = SwiGLU)
-        return "up" if ("Epilogue)0" in name or "::SwiGLUEpilogue" in name) else "down"
+        return "up" if ("Epilogue)0" in name or "::SwiGLUEpilogue" in name or "::GatedEpilogue" in name) else "down"
     if "m_grouped_gemm_kernel" in name:
         return "up" if "Epilogue)2" in name else "down"
     return None
