@@ -152,9 +152,9 @@ struct CtaTiles {
 // `b_second_map`: the second B map of kBSource kUpHalf / kKHalves (else unused).
 template <class Config, class Epi, BLayout kBLayout, BSource kBSource, class Storage>
 __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensorMap* b_map,
-                                        const CUtensorMap* b_second_map, const MainloopParams& params,
-                                        const typename Epi::Params& epilogue, Storage& smem, int num_m_tiles,
-                                        int64_t num_tiles, int num_k_blocks, uint32_t cta_rank, int thread_idx) {
+                                        const CUtensorMap* b_second_map, const MainloopParams& params, Storage& smem,
+                                        int num_m_tiles, int64_t num_tiles, int num_k_blocks, uint32_t cta_rank,
+                                        int thread_idx) {
     constexpr int kNumStages = num_stages<Config, Epi::kStaging>();
     constexpr bool kUpHalf = kBSource == BSource::kUpHalf;
     constexpr bool kKHalves = kBSource == BSource::kKHalves;
@@ -389,8 +389,8 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const int warpgroup_idx = __shfl_sync(0xffffffffu, thread_idx / kWarpgroupThreads, 0);
     if (warpgroup_idx == 0) {
         setmaxnreg_dec<kProducerRegs>();
-        produce<Config, Epi, kBLayout, kBSource>(&a_map, &b_map, &b_second_map, mainloop, params.epilogue, smem,
-                                                 num_m_tiles, num_tiles, num_k_blocks, cta_rank, thread_idx);
+        produce<Config, Epi, kBLayout, kBSource>(&a_map, &b_map, &b_second_map, mainloop, smem, num_m_tiles, num_tiles,
+                                                 num_k_blocks, cta_rank, thread_idx);
     } else {
         setmaxnreg_inc<kConsumerRegs>();
         consume<T, Config, Epi, kBLayout>(&out_map, mainloop, params.epilogue, smem, num_m_tiles, num_tiles,
