@@ -1,8 +1,9 @@
 // Row kernels of the portable CUDA path (math in elementwise.h).
 //
-// gather_sum: block (token t, column tile); each of 256 threads owns 4 consecutive columns (one float4
-//   or 8-byte load of every source row when aligned) and adds the token's rows in j order: the sum order
-//   is fixed, so results are bitwise reproducible. No shared memory.
+// gather_sum: block (token t, column tile); each of 256 threads owns 16 bytes of every source row (8 16-bit or 4 f32
+//   values: one load when aligned), loads the token's rows 8 at a time (indices, weights, rows: each batch's loads in
+//   flight together) and adds them in j order: the sum order is fixed, so results are bitwise reproducible. No
+//   shared memory.
 // dswiglu_rows: one block of 256 threads per sorted row; thread i handles columns i, i + 256, ... of
 //   the row in order, then a fixed shuffle tree and the 8 warp sums in warp order give ds
 //   (deterministic). Shared memory: 8 floats. Blocks past the device-side row count exit at once.
@@ -11,6 +12,7 @@
 #include "cuda/elementwise.h"
 
 #include <algorithm>
+#include <type_traits>
 
 #include "cuda/cuda_utils.h"
 
@@ -20,74 +22,116 @@ namespace {
 constexpr int kWarpSize = 32;
 constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kGatherThreads = 256;
-constexpr int kGatherColsPerThread = 4;
-constexpr int kGatherColsPerBlock = kGatherThreads * kGatherColsPerThread;
+constexpr int kGatherBytes = 16;  // of a source row per thread: one 16-byte load
+constexpr int kGatherBatch = 8;   // source rows whose loads are in flight together
 constexpr int kRowThreads = 256;
 constexpr int kSlotThreads = 256;
 constexpr int64_t kMaxGridY = 65535;
 constexpr int kFillThreads = 256;
 constexpr int64_t kMaxFillBlocks = 1024;
 
-static_assert(kGatherColsPerThread == 4, "gather_sum moves one float4 per source row");
 static_assert(kRowThreads % kWarpSize == 0, "row reduction uses whole warps");
 
-// Four consecutive values of a source row as floats: one 16-byte (f32) or 8-byte (16-bit) load.
-__device__ __forceinline__ void load4(const float* src, float (&values)[kGatherColsPerThread]) {
-    const float4 packed = *reinterpret_cast<const float4*>(src);
-    values[0] = packed.x;
-    values[1] = packed.y;
-    values[2] = packed.z;
-    values[3] = packed.w;
+// The columns a gather_sum thread owns of rows of RowT: one 16-byte load (8 16-bit or 4 f32 values).
+template <typename RowT>
+constexpr int kGatherCols = kGatherBytes / static_cast<int>(sizeof(RowT));
+
+// A thread's kGatherCols<RowT> values of a source row, raw: one 16-byte load when `vec`, else num_valid elements
+// (the rest zero).
+template <typename RowT>
+__device__ __forceinline__ uint4 load_gather_cols(const RowT* src, bool vec, int num_valid) {
+    if (vec) return *reinterpret_cast<const uint4*>(src);
+    constexpr int kCols = kGatherCols<RowT>;
+    uint32_t words[4] = {0, 0, 0, 0};
+#pragma unroll
+    for (int item_idx = 0; item_idx < kCols; ++item_idx) {
+        if (item_idx >= num_valid) break;
+        uint32_t bits;
+        if constexpr (sizeof(RowT) == sizeof(uint32_t)) {
+            bits = __float_as_uint(src[item_idx]);
+        } else {
+            bits = *reinterpret_cast<const uint16_t*>(src + item_idx);
+        }
+        constexpr int kPerWord = static_cast<int>(sizeof(uint32_t) / sizeof(RowT));
+        words[item_idx / kPerWord] |= bits << (item_idx % kPerWord * 16 * (kPerWord - 1));
+    }
+    return make_uint4(words[0], words[1], words[2], words[3]);
 }
 
-template <typename T>
-__device__ __forceinline__ void load4(const T* src, float (&values)[kGatherColsPerThread]) {
-    const uint2 packed = *reinterpret_cast<const uint2*>(src);
-    const T* elems = reinterpret_cast<const T*>(&packed);
-    for (int item_idx = 0; item_idx < kGatherColsPerThread; ++item_idx) values[item_idx] = to_float(elems[item_idx]);
+// The values of load_gather_cols' 16 bytes as floats.
+template <typename RowT>
+__device__ __forceinline__ void unpack_gather_cols(const uint4& packed, float (&values)[kGatherCols<RowT>]) {
+    const uint32_t words[4] = {packed.x, packed.y, packed.z, packed.w};
+#pragma unroll
+    for (int word_idx = 0; word_idx < 4; ++word_idx) {
+        if constexpr (std::is_same_v<RowT, float>) {
+            values[word_idx] = __uint_as_float(words[word_idx]);
+        } else {
+            unpack_pair<RowT>(words[word_idx], values[2 * word_idx], values[2 * word_idx + 1]);
+        }
+    }
 }
 
-__device__ __forceinline__ float load_value(const float* src) {
-    return *src;
-}
-
-template <typename T>
-__device__ __forceinline__ float load_value(const T* src) {
-    return to_float(*src);
-}
-
+// Block (token t, column tile); thread i owns kGatherCols<RowT> columns of the tile. The token's source rows go in
+// batches of kGatherBatch: their indices, then their weights, then their rows are loaded together (three round trips
+// per batch instead of three per row), and added in j order (fmaf, skipping dropped slots): the sum order is fixed.
 template <typename T, typename RowT>
 __global__ void __launch_bounds__(kGatherThreads) gather_sum_kernel(const GatherSumArgs args, bool vec) {
+    constexpr int kCols = kGatherCols<RowT>;
     const int64_t token_idx = blockIdx.x;
-    const int64_t col = (static_cast<int64_t>(blockIdx.y) * kGatherThreads + threadIdx.x) * kGatherColsPerThread;
+    const int64_t col = (static_cast<int64_t>(blockIdx.y) * kGatherThreads + threadIdx.x) * kCols;
     if (col >= args.num_cols) return;
-    const int num_valid = static_cast<int>(min(static_cast<int64_t>(kGatherColsPerThread), args.num_cols - col));
-    float acc[kGatherColsPerThread] = {};
+    const int num_valid = static_cast<int>(min(static_cast<int64_t>(kCols), args.num_cols - col));
+    float acc[kCols] = {};
     if (args.token_invalid[token_idx] != 0) {
-        for (int item_idx = 0; item_idx < kGatherColsPerThread; ++item_idx) acc[item_idx] = __int_as_float(0x7fc00000);
+        for (int item_idx = 0; item_idx < kCols; ++item_idx) acc[item_idx] = __int_as_float(0x7fc00000);
     } else {
-        for (int64_t choice_idx = 0; choice_idx < args.topk; ++choice_idx) {
-            const int64_t slot_idx = token_idx * args.topk + choice_idx;
-            const int row_idx = args.slot_to_row[slot_idx];
-            if (row_idx < 0) continue;
-            const float weight = load_weight(args.weights, args.weights_dtype, slot_idx);
-            const RowT* src = static_cast<const RowT*>(args.rows) + row_idx * args.num_cols + col;
-            if (vec) {
-                float values[kGatherColsPerThread];
-                load4(src, values);
-                for (int item_idx = 0; item_idx < kGatherColsPerThread; ++item_idx) {
-                    acc[item_idx] = fmaf(weight, values[item_idx], acc[item_idx]);
+        const RowT* rows = static_cast<const RowT*>(args.rows) + col;
+        for (int64_t first_choice = 0; first_choice < args.topk; first_choice += kGatherBatch) {
+            int row_idx[kGatherBatch];
+            float weight[kGatherBatch];
+            uint4 packed[kGatherBatch];
+#pragma unroll
+            for (int batch_idx = 0; batch_idx < kGatherBatch; ++batch_idx) {
+                const int64_t choice_idx = first_choice + batch_idx;
+                row_idx[batch_idx] = choice_idx < args.topk ? args.slot_to_row[token_idx * args.topk + choice_idx] : -1;
+            }
+#pragma unroll
+            for (int batch_idx = 0; batch_idx < kGatherBatch; ++batch_idx) {
+                const int64_t slot_idx = token_idx * args.topk + first_choice + batch_idx;
+                weight[batch_idx] =
+                    row_idx[batch_idx] >= 0 ? load_weight(args.weights, args.weights_dtype, slot_idx) : 0.0f;
+            }
+#pragma unroll
+            for (int batch_idx = 0; batch_idx < kGatherBatch; ++batch_idx) {
+                if (row_idx[batch_idx] >= 0) {
+                    packed[batch_idx] = load_gather_cols(rows + row_idx[batch_idx] * args.num_cols, vec, num_valid);
                 }
-            } else {
-                for (int item_idx = 0; item_idx < num_valid; ++item_idx) {
-                    acc[item_idx] = fmaf(weight, load_value(src + item_idx), acc[item_idx]);
+            }
+#pragma unroll
+            for (int batch_idx = 0; batch_idx < kGatherBatch; ++batch_idx) {
+                if (row_idx[batch_idx] < 0) continue;
+                float values[kCols];
+                unpack_gather_cols<RowT>(packed[batch_idx], values);
+#pragma unroll
+                for (int item_idx = 0; item_idx < kCols; ++item_idx) {
+                    acc[item_idx] = fmaf(weight[batch_idx], values[item_idx], acc[item_idx]);
                 }
             }
         }
     }
     T* dst = static_cast<T*>(args.out) + token_idx * args.num_cols + col;
     if (vec) {
-        *reinterpret_cast<uint2*>(dst) = make_uint2(pack_pair<T>(acc[0], acc[1]), pack_pair<T>(acc[2], acc[3]));
+        uint32_t words[kCols / 2];
+#pragma unroll
+        for (int word_idx = 0; word_idx < kCols / 2; ++word_idx) {
+            words[word_idx] = pack_pair<T>(acc[2 * word_idx], acc[2 * word_idx + 1]);
+        }
+        if constexpr (kCols == 8) {
+            *reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
+        } else {
+            *reinterpret_cast<uint2*>(dst) = make_uint2(words[0], words[1]);
+        }
     } else {
         for (int item_idx = 0; item_idx < num_valid; ++item_idx) dst[item_idx] = from_float<T>(acc[item_idx]);
     }
@@ -177,16 +221,16 @@ megamoe_status_t launch_fill_nan_if(const int* flag, void* data, megamoe_dtype_t
 }
 
 megamoe_status_t launch_gather_sum(const GatherSumArgs& args, cudaStream_t stream) {
-    const int64_t num_col_tiles = ceil_div(args.num_cols, kGatherColsPerBlock);
+    const bool rows_f32 = args.rows_dtype == MEGAMOE_DTYPE_F32;
+    const int64_t cols_per_thread = rows_f32 ? kGatherCols<float> : kGatherCols<uint16_t>;
+    const int64_t num_col_tiles = ceil_div(args.num_cols, kGatherThreads * cols_per_thread);
     if (args.num_tokens == 0 || num_col_tiles == 0) return MEGAMOE_STATUS_SUCCESS;
     if (num_col_tiles > kMaxGridY) {
         return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "gather_sum: %lld columns are too many",
                          static_cast<long long>(args.num_cols));
     }
-    const bool rows_f32 = args.rows_dtype == MEGAMOE_DTYPE_F32;
-    const bool vec = args.num_cols % kGatherColsPerThread == 0 &&
-                     is_aligned(args.rows, kGatherColsPerThread * (rows_f32 ? sizeof(float) : sizeof(uint16_t))) &&
-                     is_aligned(args.out, 8);
+    const bool vec = args.num_cols % cols_per_thread == 0 && is_aligned(args.rows, kGatherBytes) &&
+                     is_aligned(args.out, cols_per_thread * sizeof(uint16_t));
     const dim3 grid(static_cast<unsigned>(args.num_tokens), static_cast<unsigned>(num_col_tiles));
     with_element_type(args.out_dtype, [&](auto tag) {
         using T = typename decltype(tag)::Type;

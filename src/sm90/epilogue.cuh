@@ -71,25 +71,28 @@ __device__ __forceinline__ void load_chunk(const T* row, int64_t col, uint32_t (
 
 // One warp's kTmaStoreRows accumulator rows (element type T; its fragments from register kFirstReg on) by TMA stores
 // of kNumChunks chunks of kTmaStoreCols columns (fragments 8 c .. 8 c + 7 of chunk c): the warp packs a chunk's
-// accumulators and writes them with stmatrix into box c % kTmaStoreBuffers at shared address `staging`
-// (kTmaStoreBuffers boxes, 1024-byte aligned), in the 128-byte swizzle of the store's tensor map (16-byte unit u of row
-// r at u ^ r % 8); every lane fences its writes for the async proxy, and lane 0, once the stores issued before the
-// previous chunk's have read their boxes (the next chunk's box among them), calls store_box(box, c) to issue the
-// chunk's TMA store and commits it as a bulk async-group. The warp returns as soon as its last store is issued; the
-// caller waits for the stores (bulk_wait_group<0, false>) before the CTA exits.
-template <typename T, int kNumChunks, int kFirstReg = 0, int kNumRegs, typename StoreBox>
+// accumulators and writes them with stmatrix into box c % kNumBoxes at shared address `staging`
+// (kNumBoxes boxes, 1024-byte aligned), in the 128-byte swizzle of the store's tensor map (16-byte unit u of row
+// r at u ^ r % 8); every lane fences its writes for the async proxy, and lane 0, once the store that last used the
+// next chunk's box has read it (at most kNumBoxes - 2 later stores still reading theirs), calls store_box(box, c) to
+// issue the chunk's TMA store and commits it as a bulk async-group. With 2 boxes each chunk waits for the previous
+// chunk's store; with as many boxes as a tile has chunks, only for stores issued a tile earlier. The warp returns as
+// soon as its last store is issued; the caller waits for the stores (bulk_wait_group<0, false>) before the CTA exits.
+template <typename T, int kNumChunks, int kFirstReg = 0, int kNumBoxes = kTmaStoreBuffers, int kNumRegs,
+          typename StoreBox>
 __device__ __forceinline__ void store_warp_rows_tma(const float (&acc)[kNumRegs], uint32_t staging, int lane_idx,
                                                     const StoreBox& store_box) {
     constexpr int kFragsPerChunk = kTmaStoreCols / 8;
     constexpr int kMatrixRows = 8;
     static_assert(kFirstReg + kNumChunks * kFragsPerChunk * 4 <= kNumRegs,
                   "the chunks lie inside the accumulator fragments");
-    static_assert(kNumChunks % kTmaStoreBuffers == 0, "the next call's first chunk starts again at box 0");
+    static_assert(kNumBoxes >= 2, "a warp stages one chunk while the store of the previous one reads its box");
+    static_assert(kNumChunks % kNumBoxes == 0, "the next call's first chunk starts again at box 0");
     const int box_row = lane_idx / kMatrixRows % 2 * kMatrixRows + lane_idx % kMatrixRows;  // matrix l / 8: rows
     const int unit_offset = lane_idx / (2 * kMatrixRows);  // matrices 2, 3: the next fragment's 8 columns
 #pragma unroll
     for (int chunk = 0; chunk < kNumChunks; ++chunk) {
-        const uint32_t box = staging + static_cast<uint32_t>(chunk % kTmaStoreBuffers * kTmaStoreBoxBytes);
+        const uint32_t box = staging + static_cast<uint32_t>(chunk % kNumBoxes * kTmaStoreBoxBytes);
 #pragma unroll
         for (int pair = 0; pair < kFragsPerChunk / 2; ++pair) {
             const int frag_idx = chunk * kFragsPerChunk + pair * 2;
@@ -102,7 +105,7 @@ __device__ __forceinline__ void store_warp_rows_tma(const float (&acc)[kNumRegs]
             stmatrix_x4(box + swizzle_128b_offset(box_row, pair * 2 + unit_offset), regs);
         }
         fence_proxy_async_shared();  // stmatrix wrote the box (generic proxy), the store reads it (async proxy)
-        if (lane_idx == 0) bulk_wait_group<kTmaStoreBuffers - 2, true>();  // the next chunk's box has been read
+        if (lane_idx == 0) bulk_wait_group<kNumBoxes - 2, true>();  // the next chunk's box has been read
         __syncwarp();
         if (lane_idx == 0) {
             store_box(box, chunk);

@@ -80,6 +80,7 @@
 #include "cuda/cuda_utils.h"
 #include "cuda/routing.h"
 #include "sm90/epilogue.cuh"
+#include "sm90/knobs.h"
 #include "sm90/launch.h"
 #include "sm90/m_grouped_config.cuh"
 #include "sm90/m_grouped_dswiglu.cuh"
@@ -595,6 +596,10 @@ megamoe_status_t launch_m_grouped_gemm_sm90_dswiglu(const cuda::MGroupedGemmArgs
         return epilogue.dh_interleaved
                    ? launch_dswiglu<ClampedSwiGLUActivation, true>(args, epilogue, num_sms, stream)
                    : launch_dswiglu<ClampedSwiGLUActivation, false>(args, epilogue, num_sms, stream);
+    }
+    if (dswiglu_fast_math()) {
+        return epilogue.dh_interleaved ? launch_dswiglu<SwiGLUFastActivation, true>(args, epilogue, num_sms, stream)
+                                       : launch_dswiglu<SwiGLUFastActivation, false>(args, epilogue, num_sms, stream);
     }
     return epilogue.dh_interleaved ? launch_dswiglu<SwiGLUActivation, true>(args, epilogue, num_sms, stream)
                                    : launch_dswiglu<SwiGLUActivation, false>(args, epilogue, num_sms, stream);

@@ -36,7 +36,7 @@ constexpr int64_t kMaxTmaRows = INT32_MAX;            // the row extent of the t
 constexpr int kFullArrivals = kWarpgroupThreads + 1;  // every producer thread's cp.async + thread 0's (expect_tx)
 constexpr int kEmptyArrivalsPerCta = kNumConsumers * kWarpgroupThreads / kWarpSize;  // one per consumer warp
 constexpr int kNumAccRegs = kConsumerRows * kBlockN / kWarpgroupThreads;
-constexpr int kTileRing = 8;    // claimed cluster tiles in flight: consumers trail the producer by at most kNumStages
+constexpr int kTileRing = 8;    // claimed cluster tiles in flight: consumers trail the producer by at most a stage ring
 constexpr int kClaimAhead = 2;  // the leader publishes tile s + kClaimAhead when its producer starts tile s - 1
 constexpr int kRingArrivals = kClusterSize * kNumThreads / kWarpSize;  // every warp of the cluster reads each slot
 constexpr int kOrderThreads = 1024;
@@ -69,12 +69,10 @@ struct OperandTile {
 using ATile = OperandTile<kBlockM>;
 using BTile = OperandTile<kBlockN>;
 
-constexpr int kNumStages = 4;
 // Element-type epilogue by TMA stores: each consumer warp stages its 16 rows of a 64-column chunk (one 128-byte
-// swizzled row each, as the store's tensor map reads them) in one of its kTmaStoreBuffers boxes (epilogue.cuh).
+// swizzled row each, as the store's tensor map reads them) in one of its store boxes (epilogue.cuh).
 constexpr int kStoreChunks = kBlockN / kTmaStoreCols;
-constexpr int kStagingBytes = kNumConsumers * kWarpsPerWarpgroup * kTmaStoreBuffers * kTmaStoreBoxBytes;
-constexpr int kBarrierBytes = 2 * kNumStages * static_cast<int>(sizeof(uint64_t));
+constexpr int kMaxStages = 4;
 
 // The cluster's claimed tiles (tile schedule above); the leader CTA's empty barriers are the ones used.
 struct TileRing {
@@ -83,8 +81,51 @@ struct TileRing {
     int tile_idx[kTileRing];
 };
 
-constexpr int kSmemBytes = kNumStages * (ATile::kBytes + BTile::kBytes) + kStagingBytes + kBarrierBytes +
-                           static_cast<int>(sizeof(TileRing)) + kSwizzleAtomBytes;
+// Shared memory of one CTA (the dynamic allocation, aligned to 1024 bytes by the kernel): kStages pipeline stages, the
+// consumer warps' store boxes (kStoreBoxes each), the stages' full and empty barriers, then the tile ring. With 2 boxes
+// a chunk's store waits for the previous chunk's to have read its box; with kStoreChunks a tile's stores never wait for
+// each other (the boxes' previous stores, a whole mainloop earlier, have long read them), at the price of a stage.
+template <int kStages, int kStoreBoxes>
+struct SharedStorageOf {
+    static constexpr int kNumStages = kStages;
+    static constexpr int kStoreBoxesPerWarp = kStoreBoxes;
+    static constexpr int kWarpStagingBytes = kStoreBoxes * kTmaStoreBoxBytes;
+    alignas(kSwizzleAtomBytes) uint8_t a[kStages][ATile::kBytes];
+    alignas(kSwizzleAtomBytes) uint8_t b[kStages][BTile::kBytes];
+    alignas(kSwizzleAtomBytes) uint8_t staging[kNumConsumers * kWarpsPerWarpgroup][kWarpStagingBytes];
+    uint64_t full[kStages];
+    uint64_t empty[kStages];
+    TileRing ring;
+};
+
+// The most stages (at most kMaxStages, at least 2) whose storage and alignment slack fit in an SM's shared memory.
+template <int kStages, int kStoreBoxes>
+constexpr int fit_stages() {
+    if constexpr (kStages <= 2 || sizeof(SharedStorageOf<kStages, kStoreBoxes>) + kSwizzleAtomBytes <= kMaxSmemBytes) {
+        return kStages;
+    } else {
+        return fit_stages<kStages - 1, kStoreBoxes>();
+    }
+}
+
+template <int kStoreBoxes>
+using SharedStorage = SharedStorageOf<fit_stages<kMaxStages, kStoreBoxes>(), kStoreBoxes>;
+
+template <class Storage>
+constexpr int smem_bytes() {
+    return static_cast<int>(sizeof(Storage)) + kSwizzleAtomBytes;  // + alignment slack
+}
+
+// The two variants: 2 store boxes per warp (4 stages, the default) or one per chunk of a tile (3 stages).
+constexpr int kChunkedStoreBoxes = kTmaStoreBuffers;
+constexpr int kWholeTileStoreBoxes = kStoreChunks;
+static_assert(SharedStorage<kChunkedStoreBoxes>::kNumStages == 4, "2 store boxes per warp: 4 stages of 48 KiB");
+static_assert(SharedStorage<kWholeTileStoreBoxes>::kNumStages == 3, "a tile's store boxes per warp: 3 stages");
+static_assert(smem_bytes<SharedStorage<kChunkedStoreBoxes>>() <= kMaxSmemBytes &&
+                  smem_bytes<SharedStorage<kWholeTileStoreBoxes>>() <= kMaxSmemBytes,
+              "stages and store staging exceed the shared memory of an SM");
+static_assert(kStoreChunks % kChunkedStoreBoxes == 0 && kStoreChunks % kWholeTileStoreBoxes == 0,
+              "a tile's chunks start again at box 0");
 
 static_assert(kConsumerRows == kMnBlockElems, "each consumer's A rows are one 64-element MN block");
 static_assert(kBlockN == 256, "the wgmma atoms below are n256");
@@ -92,7 +133,6 @@ static_assert(kMnBlockBytes % kSwizzleAtomBytes == 0, "MN blocks start on a swiz
 static_assert(kIndexLanes <= kWarpSize, "a producer warp loads its gather indices in one instruction");
 static_assert(kBlockK % kWgmmaK == 0 && kBlockK % 8 == 0, "a stage holds whole k16 steps and 8-row atoms");
 static_assert(kClaimAhead >= 1 && kClaimAhead < kTileRing, "the leader publishes ahead into free ring slots");
-static_assert(kSmemBytes <= kMaxSmemBytes, "stages and store staging exceed the shared memory of an SM");
 static_assert(kConsumerRows / kWarpsPerWarpgroup == kTmaStoreRows && kTmaStoreCols * kElemBytes == kSwizzleBytes,
               "a store box is a warp's 16 accumulator rows x one 128-byte swizzled row");
 static_assert(kProducerRegs * kWarpgroupThreads + kConsumerRegs * kNumConsumers * kWarpgroupThreads <= kRegisterFile,

@@ -59,8 +59,10 @@
 //     round trip per row; a row crossing N pair by pair), adds its accumulators and stores them back, each element
 //     by its one thread; a tile whose expert has no rows is not stored at all (the buffer stays as it is).
 //     TODO(#12): measure it; an L2 prefetch of the tile's output rows when the tile starts may hide the loads.
-// Shared memory (dynamic, 1024-byte aligned): kNumStages x (A tile 16 KiB + B tile 32 KiB), the staging boxes
-// (kStagingBytes: 2 per consumer warp), kNumStages full and kNumStages empty mbarriers, then the tile ring.
+// Shared memory (SharedStorage, dynamic, 1024-byte aligned): the stages (A tile 16 KiB + B tile 32 KiB each), each
+// consumer warp's store boxes, the stages' full and empty mbarriers, then the tile ring: 2 store boxes per warp and 4
+// stages (each chunk's store waits for the previous one's box read), or (MEGAMOE_SM90_K_STORE=once, the element-type
+// outputs) 4 boxes, a tile's worth, and 3 stages (a tile's stores never wait for each other).
 #include "sm90/k_grouped_gemm_sm90.h"
 
 #include <algorithm>
@@ -72,6 +74,7 @@
 #include "sm90/epilogue.cuh"
 #include "sm90/k_grouped_config.cuh"
 #include "sm90/k_grouped_host.cuh"
+#include "sm90/knobs.h"
 #include "sm90/launch.h"
 #include "sm90/ptx.h"
 
@@ -211,13 +214,16 @@ __device__ __forceinline__ void load_operand_tma(uint8_t* tile, const CUtensorMa
 // The producer warpgroup, stage by stage over every k-block of this CTA's tiles. The next tile is decoded a whole tile
 // ahead and the next stage's gather indices load one stage ahead, across tile boundaries too, so neither a tile's
 // expert offsets nor its first indices are waited for when it starts.
+template <class Storage>
 __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensorMap* b_map, const KernelParams& params,
-                                        uint8_t* smem_a, uint8_t* smem_b, uint64_t* full, uint64_t* empty,
-                                        TileRing* ring, int cta_rank, int thread_idx) {
+                                        Storage& smem, int cta_rank, int thread_idx) {
+    constexpr int kNumStages = Storage::kNumStages;
+    uint64_t* full = smem.full;
+    uint64_t* empty = smem.empty;
     const bool a_shared = params.share && !params.pair_along_m;
     const bool b_shared = params.share && params.pair_along_m;
     const int lane_idx = thread_idx % kWarpSize;
-    TileSequence tiles(ring, params.tile_counter, cta_rank == 0 && thread_idx == 0);
+    TileSequence tiles(&smem.ring, params.tile_counter, cta_rank == 0 && thread_idx == 0);
     int stage_idx = 0;
     uint32_t phase = 0;
     int tile_idx = tiles.next(lane_idx);
@@ -248,8 +254,8 @@ __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensor
             // The same for both CTAs of the cluster (same expert, same k-block): a shared tile is loaded by both.
             const bool whole_block = block_first_row + kBlockK <= tile.row_end;
             const bool a_tma = params.a.tma && whole_block, b_tma = params.b.tma && whole_block;
-            uint8_t* tile_a = smem_a + stage_idx * ATile::kBytes;
-            uint8_t* tile_b = smem_b + stage_idx * BTile::kBytes;
+            uint8_t* tile_a = smem.a[stage_idx];
+            uint8_t* tile_b = smem.b[stage_idx];
             mbarrier_wait(&empty[stage_idx], phase ^ 1);
             if (thread_idx == 0) {
                 const uint32_t tma_bytes = (a_tma ? ATile::kBytes : 0) + (b_tma ? BTile::kBytes : 0);
@@ -361,28 +367,29 @@ __device__ __forceinline__ void store_tile(const KernelParams& params, const Til
 
 // One consumer warp's 16 rows of the output tile (element type) by TMA stores, 64 columns at a time, through its
 // staging boxes at `staging` (store_warp_rows_tma); the warp returns to its MMAs as soon as its last store is issued.
-template <typename T, int kNumRegs>
+template <typename T, int kStoreBoxes, int kNumRegs>
 __device__ __forceinline__ void store_tile_tma(const CUtensorMap* out_map, const Tile& tile,
                                                const float (&acc)[kNumRegs], uint32_t staging, int consumer_idx,
                                                int warp_idx, int lane_idx) {
     const int row = tile.m_begin + consumer_idx * kConsumerRows + warp_idx * kTmaStoreRows;
-    store_warp_rows_tma<T, kStoreChunks>(acc, staging, lane_idx, [&](uint32_t box, int chunk) {
+    store_warp_rows_tma<T, kStoreChunks, 0, kStoreBoxes>(acc, staging, lane_idx, [&](uint32_t box, int chunk) {
         tma_store_3d(out_map, box, tile.n_begin + chunk * kTmaStoreCols, row, tile.expert_idx);
     });
 }
 
-template <typename T, typename OutT, bool kAccumulate>
-__device__ __forceinline__ void consume(const CUtensorMap* out_map, const KernelParams& params, uint8_t* smem_a,
-                                        uint8_t* smem_b, uint8_t* staging, uint64_t* full, uint64_t* empty,
-                                        TileRing* ring, int cta_rank, int consumer_idx, int thread_idx) {
+template <typename T, typename OutT, bool kAccumulate, class Storage>
+__device__ __forceinline__ void consume(const CUtensorMap* out_map, const KernelParams& params, Storage& smem,
+                                        int cta_rank, int consumer_idx, int thread_idx) {
+    constexpr int kNumStages = Storage::kNumStages;
+    uint64_t* full = smem.full;
+    uint64_t* empty = smem.empty;
     const int lane_idx = thread_idx % kWarpSize;
     const int warp_idx = (thread_idx % kWarpgroupThreads) / kWarpSize;
-    uint8_t* warp_staging =
-        staging + (consumer_idx * kWarpsPerWarpgroup + warp_idx) * kTmaStoreBuffers * kTmaStoreBoxBytes;
+    const uint32_t warp_staging = shared_address(smem.staging[consumer_idx * kWarpsPerWarpgroup + warp_idx]);
     int stage_idx = 0;
     uint32_t phase = 0;
     float acc[kNumAccRegs];
-    TileSequence tiles(ring, params.tile_counter, false);
+    TileSequence tiles(&smem.ring, params.tile_counter, false);
     int tile_idx = tiles.next(lane_idx);
     Tile tile = decode_tile_if_any(params, tile_idx, cta_rank);
     while (tile_idx < params.num_tiles) {
@@ -394,9 +401,9 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Kernel
         for (int k_block_idx = 0; k_block_idx < tile.num_k_blocks; ++k_block_idx) {
             mbarrier_wait(&full[stage_idx], phase);
             fence_proxy_async_shared();  // cp.async wrote the tiles (generic proxy), wgmma reads them (async proxy)
-            const uint64_t desc_a = make_smem_desc_mn_major_sw128<kMnBlockBytes>(smem_a + stage_idx * ATile::kBytes +
-                                                                                 consumer_idx * kMnBlockBytes);
-            const uint64_t desc_b = make_smem_desc_mn_major_sw128<kMnBlockBytes>(smem_b + stage_idx * BTile::kBytes);
+            const uint64_t desc_a =
+                make_smem_desc_mn_major_sw128<kMnBlockBytes>(smem.a[stage_idx] + consumer_idx * kMnBlockBytes);
+            const uint64_t desc_b = make_smem_desc_mn_major_sw128<kMnBlockBytes>(smem.b[stage_idx]);
             fence_accumulators(acc);
             wgmma_fence();
 #pragma unroll
@@ -411,7 +418,8 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Kernel
         retire_last_batch<kClusterSize>(acc, empty, in_flight_stage, lane_idx);
         if (tile.store && (!kAccumulate || tile.num_k_blocks > 0)) {
             if (!std::is_same_v<OutT, float> && params.tma_store) {
-                store_tile_tma<T>(out_map, tile, acc, shared_address(warp_staging), consumer_idx, warp_idx, lane_idx);
+                store_tile_tma<T, Storage::kStoreBoxesPerWarp>(out_map, tile, acc, warp_staging, consumer_idx, warp_idx,
+                                                               lane_idx);
             } else {
                 store_tile<T, OutT, kAccumulate>(params, tile, acc, consumer_idx, warp_idx, lane_idx);
             }
@@ -422,29 +430,25 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Kernel
     if (lane_idx == 0) bulk_wait_group<0, false>();  // every store complete before the CTA exits
 }
 
-template <typename T, typename OutT, bool kAccumulate>
+template <typename T, typename OutT, bool kAccumulate, int kStoreBoxes>
 __global__ void __launch_bounds__(kNumThreads, 1)
     k_grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                                const __grid_constant__ CUtensorMap out_map, const KernelParams params) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
+    using Storage = SharedStorage<kStoreBoxes>;
     extern __shared__ uint8_t smem_raw[];
     const uint32_t misalignment = shared_address(smem_raw) % kSwizzleAtomBytes;
-    uint8_t* smem_a = smem_raw + (misalignment == 0 ? 0 : kSwizzleAtomBytes - misalignment);
-    uint8_t* smem_b = smem_a + kNumStages * ATile::kBytes;
-    uint8_t* staging = smem_b + kNumStages * BTile::kBytes;
-    auto* full = reinterpret_cast<uint64_t*>(staging + kStagingBytes);
-    uint64_t* empty = full + kNumStages;
-    auto* ring = reinterpret_cast<TileRing*>(empty + kNumStages);
+    Storage& smem = *reinterpret_cast<Storage*>(smem_raw + (misalignment == 0 ? 0 : kSwizzleAtomBytes - misalignment));
 
     const int thread_idx = static_cast<int>(threadIdx.x);
     if (thread_idx == 0) {
-        for (int stage_idx = 0; stage_idx < kNumStages; ++stage_idx) {
-            mbarrier_init(&full[stage_idx], kFullArrivals);
-            mbarrier_init(&empty[stage_idx], kClusterSize * kEmptyArrivalsPerCta);
+        for (int stage_idx = 0; stage_idx < Storage::kNumStages; ++stage_idx) {
+            mbarrier_init(&smem.full[stage_idx], kFullArrivals);
+            mbarrier_init(&smem.empty[stage_idx], kClusterSize * kEmptyArrivalsPerCta);
         }
         for (int slot = 0; slot < kTileRing; ++slot) {
-            mbarrier_init(&ring->full[slot], 1);
-            mbarrier_init(&ring->empty[slot], kRingArrivals);
+            mbarrier_init(&smem.ring.full[slot], 1);
+            mbarrier_init(&smem.ring.empty[slot], kRingArrivals);
         }
         fence_barrier_init();
         if (params.a.tma) prefetch_tensor_map(&a_map);
@@ -456,11 +460,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const int warpgroup_idx = __shfl_sync(0xffffffffu, thread_idx / kWarpgroupThreads, 0);
     if (warpgroup_idx == 0) {
         setmaxnreg_dec<kProducerRegs>();
-        produce(&a_map, &b_map, params, smem_a, smem_b, full, empty, ring, cta_rank, thread_idx);
+        produce(&a_map, &b_map, params, smem, cta_rank, thread_idx);
     } else {
         setmaxnreg_inc<kConsumerRegs>();
-        consume<T, OutT, kAccumulate>(&out_map, params, smem_a, smem_b, staging, full, empty, ring, cta_rank,
-                                      warpgroup_idx - 1, thread_idx);
+        consume<T, OutT, kAccumulate>(&out_map, params, smem, cta_rank, warpgroup_idx - 1, thread_idx);
     }
     cluster_sync();  // no CTA leaves while the other may still multicast into it or arrive on its barriers
 #endif
@@ -510,13 +513,27 @@ __global__ void __launch_bounds__(kOrderThreads)
 // ---------------------------------------------------------------------------------------------------
 // Host side: the cluster launch (the tensor maps: k_grouped_host.cuh).
 
+template <typename T, typename OutT, bool kAccumulate, int kStoreBoxes>
+megamoe_status_t launch_boxes(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUtensorMap& out_map,
+                              const KernelParams& params, int num_sms, cudaStream_t stream) {
+    const int64_t max_clusters = std::min<int64_t>(std::max(num_sms, kClusterSize) / kClusterSize, params.num_tiles);
+    return launch_cluster_kernel<kClusterSize>(
+        k_grouped_gemm_sm90_kernel<T, OutT, kAccumulate, kStoreBoxes>, "k_grouped_gemm_sm90", kNumThreads,
+        smem_bytes<SharedStorage<kStoreBoxes>>(), max_clusters, stream, a_map, b_map, out_map, params);
+}
+
+// The element-type output by TMA stores may take the whole-tile store boxes (MEGAMOE_SM90_K_STORE=once); the f32
+// outputs store from registers and keep the default's 4 stages.
 template <typename T, typename OutT, bool kAccumulate = false>
 megamoe_status_t launch_typed(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUtensorMap& out_map,
                               const KernelParams& params, int num_sms, cudaStream_t stream) {
-    const int64_t max_clusters = std::min<int64_t>(std::max(num_sms, kClusterSize) / kClusterSize, params.num_tiles);
-    return launch_cluster_kernel<kClusterSize>(k_grouped_gemm_sm90_kernel<T, OutT, kAccumulate>, "k_grouped_gemm_sm90",
-                                               kNumThreads, kSmemBytes, max_clusters, stream, a_map, b_map, out_map,
-                                               params);
+    if constexpr (!std::is_same_v<OutT, float>) {
+        if (params.tma_store && k_grouped_store_once()) {
+            return launch_boxes<T, OutT, kAccumulate, kWholeTileStoreBoxes>(a_map, b_map, out_map, params, num_sms,
+                                                                            stream);
+        }
+    }
+    return launch_boxes<T, OutT, kAccumulate, kChunkedStoreBoxes>(a_map, b_map, out_map, params, num_sms, stream);
 }
 
 }  // namespace

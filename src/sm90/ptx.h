@@ -13,7 +13,8 @@
 //   wgmma      shared-memory matrix descriptors (K-major and MN-major, 128-byte swizzle), fence / commit / wait, and
 //              the accumulator register fence that keeps the compiler from moving accumulator accesses
 //              across an in-flight wgmma;
-//   setmaxnreg register reallocation between warpgroups.
+//   setmaxnreg register reallocation between warpgroups;
+//   tanh.approx the SFU's tanh (the dSwiGLU epilogue's fast sigmoid).
 // The wgmma instruction itself comes from CuTe's MMA atoms (cute/arch/mma_sm90_gmma.hpp). The 16-byte
 // cp.async with zero fill is the sm_80 one (cuda/mma_sm80.h). Semantics: PTX ISA 8.x, "mbarrier",
 // "cp.async.bulk.tensor", "wgmma", "Matrix Descriptor Format".
@@ -307,6 +308,13 @@ __device__ __forceinline__ void ld_shared_v4(uint32_t shared_addr, uint32_t (&wo
                  : "=r"(words[0]), "=r"(words[1]), "=r"(words[2]), "=r"(words[3])
                  : "r"(shared_addr)
                  : "memory");
+}
+
+// tanh(x) by the SFU (MUFU.TANH): maximum relative error about 2^-11 (PTX ISA, tanh.approx.f32); tanh(+-inf) = +-1.
+__device__ __forceinline__ float tanh_approx(float value) {
+    float result;
+    asm("tanh.approx.f32 %0, %1;\n" : "=f"(result) : "f"(value));
+    return result;
 }
 
 __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* tensor_map) {

@@ -1,0 +1,125 @@
+"""Per-kernel GPU times of megamoe and SonicMoE side by side (torch.profiler), on the same inputs in one process:
+one forward (no grad) and one forward+backward of each, rounds alternated between the two so that the machine's drift
+shows as spread. Each kernel of a pass is listed in launch order with its median time over the profiled runs, the
+grouped GEMMs labelled (megamoe by launch order, SonicMoE's QuACK kernels by class: GemmGated = up, Gemm, GemmDGated
+= dH), with TFLOP/s where the label's FLOPs are known; then each pass's sum of kernels and its CUDA-event median.
+Each implementation's y and gradients are checked against megamoe's before anything is timed.
+
+    MEGAMOE_LIBRARY=build/libmegamoe.so PYTHONPATH=python:bench python3 scripts/profile_peer_kernels.py \
+        [--shapes qwen3-30b-a3b,qwen3-235b-a22b,deepseek-v3] [--rounds 2] [--runs 5] [--out DIR]
+
+SonicMoE needs `import sonicmoe` (scripts/gpu_bench_peers.sh installs the carried bundle); its QuACK GEMMs run with
+their default configs (bench/peers.py) and compile on first use, outside the timed runs.
+"""
+import argparse
+import json
+import math
+import pathlib
+import statistics
+
+import torch
+from torch.autograd import DeviceType
+from torch.profiler import ProfilerActivity, profile
+
+import megamoe
+import workloads
+from impls import Impl
+from peers import SonicMoEPeer
+from profile_forward import short_name
+from timing import cuda_time
+
+# Labels of megamoe's grouped GEMMs in launch order per pass (keep-h), with their FLOPs in units of T topk H I.
+MEGAMOE_GEMMS = {"fwd": [("up", 4.0), ("down", 2.0)],
+                 "fwdbwd": [("up", 4.0), ("down", 2.0), ("dH", 2.0), ("dW2", 2.0), ("dX", 4.0), ("dW13", 4.0)]}
+
+
+def kernel_rows(run, runs):
+    """[(name, median ms)] of the CUDA kernels of one run() call, in launch order (copies and memsets left out)."""
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(runs):
+            run()
+        torch.cuda.synchronize()
+    events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA and "emcpy" not in e.name
+                     and "emset" not in e.name), key=lambda e: e.time_range.start)
+    per_run = len(events) // runs
+    return [(short_name(events[pos].name),
+             statistics.median(events[r * per_run + pos].time_range.elapsed_us() / 1000.0 for r in range(runs)))
+            for pos in range(per_run)]
+
+
+def label_rows(impl_name, pass_name, rows):
+    """(label or None, FLOPs units or None, name, ms) for each kernel."""
+    labelled, gemm_idx = [], 0
+    megamoe_labels = MEGAMOE_GEMMS[pass_name]
+    for name, ms in rows:
+        label = units = None
+        if impl_name == "megamoe" and "grouped_gemm" in name and gemm_idx < len(megamoe_labels):
+            label, units = megamoe_labels[gemm_idx]
+            gemm_idx += 1
+        elif impl_name == "sonicmoe" and "Gemm" in name:
+            label = "GemmDGated" if "DGated" in name else "GemmGated" if "Gated" in name else "Gemm"
+        labelled.append((label, units, name, ms))
+    return labelled
+
+
+def check(reference, candidate):
+    """The largest difference of any output relative to that output's largest value."""
+    return max(((r.float() - c.float()).abs().max() / r.float().abs().max().clamp_min(1e-30)).item()
+               for r, c in zip(reference, candidate))
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shapes", default="qwen3-30b-a3b,qwen3-235b-a22b,deepseek-v3")
+    p.add_argument("--routing", default="balanced")
+    p.add_argument("--rounds", type=int, default=2)
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--out", default=None, help="directory for peer_kernels.json")
+    args = p.parse_args()
+    peer = SonicMoEPeer()
+    print(f"SonicMoE: {peer.about or peer.missing}")
+    results = []
+    for shape in args.shapes.split(","):
+        T, H, I, E, topk = workloads.SHAPES[shape]
+        unit = 1.0 * T * topk * H * I
+        case = workloads.make_case(shape, (T, H, I, E, topk), args.routing, "cuda")
+        impls = [Impl("megamoe", megamoe.moe)] + ([peer.for_case(case)] if peer.api else [])
+        steps = {(impl.name, pass_name): impl.step(case, pass_name) for impl in impls for pass_name in ("fwd", "fwdbwd")}
+        reference = None
+        for impl in impls:  # compiles SonicMoE's kernels; checks every output against megamoe's
+            outputs = steps[(impl.name, "fwdbwd")]()
+            with torch.no_grad():
+                y = impl(case)
+            grads = [*outputs[:2], *impl.weight_grads(outputs[2], outputs[3], torch.arange(E, device="cuda"))]
+            got = [y, *grads]
+            if reference is None:
+                reference = got
+            else:
+                print(f"{shape} {impl.name}: max |diff| / max |megamoe| over y, dx, ds, dw13, dw2 = "
+                      f"{check(reference, got):.2e}")
+        del reference
+        for round_idx in range(args.rounds):
+            for impl in impls:
+                for pass_name in ("fwd", "fwdbwd"):
+                    run = steps[(impl.name, pass_name)]
+                    ms = cuda_time(run, 2, args.runs, math.inf)["ms"]
+                    rows = label_rows(impl.name, pass_name, kernel_rows(run, args.runs))
+                    print(f"\n== {shape} {impl.name} {pass_name} round {round_idx}: {ms:.3f} ms by events, "
+                          f"sum of kernels {sum(r[3] for r in rows):.3f} ms")
+                    for label, units, name, kms in rows:
+                        rate = f"  {units * unit / kms / 1e9:.0f} TFLOP/s" if units else ""
+                        print(f"  {kms:8.3f} ms  {(label or ''):10s} {name[:100]}{rate}")
+                    results.append({"shape": shape, "impl": impl.name, "pass": pass_name, "round": round_idx,
+                                    "event_ms": ms, "kernels": [{"label": r[0], "name": r[2], "ms": r[3]}
+                                                                for r in rows]})
+        for impl in impls:
+            impl.close()
+        del case, impls, steps
+        torch.cuda.empty_cache()
+    if args.out:
+        pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
+        (pathlib.Path(args.out) / "peer_kernels.json").write_text(json.dumps(results, indent=1))
+
+
+if __name__ == "__main__":
+    main()
