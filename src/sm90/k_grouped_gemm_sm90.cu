@@ -59,10 +59,9 @@
 //     round trip per row; a row crossing N pair by pair), adds its accumulators and stores them back, each element
 //     by its one thread; a tile whose expert has no rows is not stored at all (the buffer stays as it is).
 //     TODO(#12): measure it; an L2 prefetch of the tile's output rows when the tile starts may hide the loads.
-// Shared memory (SharedStorage, dynamic, 1024-byte aligned): the stages (A tile 16 KiB + B tile 32 KiB each), each
-// consumer warp's store boxes, the stages' full and empty mbarriers, then the tile ring: 2 store boxes per warp and 4
-// stages (each chunk's store waits for the previous one's box read), or (MEGAMOE_SM90_K_STORE=once, the element-type
-// outputs) 4 boxes, a tile's worth, and 3 stages (a tile's stores never wait for each other).
+// Shared memory (SharedStorage, dynamic, 1024-byte aligned): 4 stages (A tile 16 KiB + B tile 32 KiB each), 2 store
+// boxes per consumer warp (each chunk's store waits for the previous chunk's to have read its box: a tile's worth of
+// boxes and 3 stages measured slower, docs/DESIGN.md), the stages' full and empty mbarriers, then the tile ring.
 #include "sm90/k_grouped_gemm_sm90.h"
 
 #include <algorithm>
@@ -74,7 +73,6 @@
 #include "sm90/epilogue.cuh"
 #include "sm90/k_grouped_config.cuh"
 #include "sm90/k_grouped_host.cuh"
-#include "sm90/knobs.h"
 #include "sm90/launch.h"
 #include "sm90/ptx.h"
 
@@ -513,27 +511,13 @@ __global__ void __launch_bounds__(kOrderThreads)
 // ---------------------------------------------------------------------------------------------------
 // Host side: the cluster launch (the tensor maps: k_grouped_host.cuh).
 
-template <typename T, typename OutT, bool kAccumulate, int kStoreBoxes>
-megamoe_status_t launch_boxes(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUtensorMap& out_map,
-                              const KernelParams& params, int num_sms, cudaStream_t stream) {
-    const int64_t max_clusters = std::min<int64_t>(std::max(num_sms, kClusterSize) / kClusterSize, params.num_tiles);
-    return launch_cluster_kernel<kClusterSize>(
-        k_grouped_gemm_sm90_kernel<T, OutT, kAccumulate, kStoreBoxes>, "k_grouped_gemm_sm90", kNumThreads,
-        smem_bytes<SharedStorage<kStoreBoxes>>(), max_clusters, stream, a_map, b_map, out_map, params);
-}
-
-// The element-type output by TMA stores may take the whole-tile store boxes (MEGAMOE_SM90_K_STORE=once); the f32
-// outputs store from registers and keep the default's 4 stages.
 template <typename T, typename OutT, bool kAccumulate = false>
 megamoe_status_t launch_typed(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUtensorMap& out_map,
                               const KernelParams& params, int num_sms, cudaStream_t stream) {
-    if constexpr (!std::is_same_v<OutT, float>) {
-        if (params.tma_store && k_grouped_store_once()) {
-            return launch_boxes<T, OutT, kAccumulate, kWholeTileStoreBoxes>(a_map, b_map, out_map, params, num_sms,
-                                                                            stream);
-        }
-    }
-    return launch_boxes<T, OutT, kAccumulate, kChunkedStoreBoxes>(a_map, b_map, out_map, params, num_sms, stream);
+    const int64_t max_clusters = std::min<int64_t>(std::max(num_sms, kClusterSize) / kClusterSize, params.num_tiles);
+    return launch_cluster_kernel<kClusterSize>(
+        k_grouped_gemm_sm90_kernel<T, OutT, kAccumulate, kStoreBoxesPerWarp>, "k_grouped_gemm_sm90", kNumThreads,
+        smem_bytes<SharedStorage<kStoreBoxesPerWarp>>(), max_clusters, stream, a_map, b_map, out_map, params);
 }
 
 }  // namespace
