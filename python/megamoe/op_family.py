@@ -11,7 +11,9 @@ An EntryPoint names what differs (its own inputs, e.g. x, topk_ids, topk_weights
 of the output's gradient; its gradients, the fields of a NamedTuple); the groups below are shared by both entry points.
 From the argument lists come each op's signature (torch infers the schema from it), the C API call (_lib.call: the
 tensors go by the params structs' field names, which are the arguments' names), the fake kernel and the autograd glue.
-Adding an argument is one Arg in one of these lists (and, for a new C API field, its ctypes field in _lib.py).
+Adding an argument is one entry in one list: an entry point's own input in its EntryPoint (ops.py, grouped.py), an
+expert tensor in EXPERTS, an option in layouts.op_options() (from Layout / Activation), a flag like WGRAD_F32 here;
+a new C API field also needs its ctypes field in _lib.py (the ABI guard checks the structs against the library).
 
 The backwards compute only the gradients asked for (their need_* arguments; autograd asks for those of
 ctx.needs_input_grad) and return an empty [0] tensor for the others and for absent inputs (a custom op cannot return
@@ -71,6 +73,7 @@ def gradients(typename, module, rows, row_weights, doc):
     grads = NamedTuple(typename, fields)
     grads.__module__, grads.__doc__ = module, doc
     return grads
+
 
 _warned = set()  # the arguments already warned about as not contiguous
 
