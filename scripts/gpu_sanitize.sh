@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # compute-sanitizer over the CUDA gtests (issue #11: memcheck, racecheck and synccheck clean, or each report
-# explained in docs/DESIGN.md), one tool at a time with its own timeout, the reports under OUT. Inputs: the test
-# binary and library built elsewhere (CARRY, default .carry/: megamoe_tests[.xz], libmegamoe.so[.xz]).
+# explained in docs/DESIGN.md or docs/log/), one tool at a time with its own timeout, the reports under OUT. Inputs:
+# the test binary and library built elsewhere (CARRY, default .carry/: megamoe_tests[.xz], libmegamoe.so[.xz]).
 #   OUT=/tmp/out bash scripts/gpu_sanitize.sh [gtest filter, default the small CUDA and sm_90a suites]
 set -uo pipefail
 cd "$(dirname "$0")/.."

@@ -10,7 +10,7 @@
     import megamoe.hf                                     # registers experts_implementation="megamoe" in transformers
     megamoe.adapters.torchtitan / prime_rl / megatron     # the frameworks' experts interfaces (adapters/)
 
-See README.md for the API and docs/DESIGN.md for the math and the kernels.
+See docs/python.md for the API and docs/DESIGN.md for the math and the kernels.
 """
 
 from . import adapters, ep

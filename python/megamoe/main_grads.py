@@ -92,13 +92,3 @@ def accumulate_buffers(x, params, main_grad_args, needs):
             out.append((grad, grad))
     return out
 
-
-def fake_accumulate_outputs(x, params, main_grad_args, needs):
-    """accumulate_buffers' op outputs for the fake kernels."""
-    out = []
-    for name, param, main_grad in zip(PARAM_NAMES, params, main_grad_args):
-        if param is None or not needs[f"d{name}"] or main_grad.numel() > 0:
-            out.append(x.new_empty((0,)))
-        else:
-            out.append(torch.empty_like(param, dtype=torch.float32, memory_format=torch.contiguous_format))
-    return out

@@ -6,8 +6,10 @@
 //   grouped rows      R rows already sorted by expert, taken as T = R tokens of one slot each (topk = 1); the routing
 //                     reads tokens_per_expert and the gather is the identity (sorted_slot NULL); weight of row r:
 //                     scores[r], or 1 (weights NULL). out, d x_sorted and d scores are y, dx and d topk_weights.
-// Both carry the expert parameters' options (layout.h): w3, b13, b2, the layout and the activation; the sm_90a
-// kernels run only the default ones (default_experts), the portable path every one (layout_steps.h).
+// Both carry the expert parameters' options (layout.h): w3, b13, b2, the layout and the activation. Both kernel sets
+// run every option: the sm_90a kernels as compile-time policies (sm90_args.h; a w3 or bias too misaligned for them
+// keeps the call on the portable kernels: sm90_options_blocker), the portable kernels through layout_steps.h, which
+// runs the default options' own kernels when default_experts.
 #pragma once
 
 #include <cuda_runtime.h>

@@ -1,8 +1,9 @@
-// The portable CUDA path (cuda_path.h): host orchestration of routing, grouped GEMMs and row kernels
-// on the caller's stream. No device->host synchronisation, no allocation: every buffer is carved out
-// of the caller's workspace (256-byte aligned, sized by host-known bounds: S = T * topk rows).
+// The CUDA path (cuda_path.h): host orchestration of routing, grouped GEMMs (the fused sm_90a kernels or the portable
+// ones) and row kernels on the caller's stream. No device->host synchronisation, no allocation: every buffer is carved
+// out of the caller's workspace (256-byte aligned, sized by host-known bounds: S = T * topk rows), or, in the sm_90a
+// backward, out of the dw13 output until dW13 writes it (below).
 //
-// Forward:  routing -> up GEMM (x gathered, SwiGLU epilogue) -> a [S, I]
+// Forward:  routing -> up GEMM (x gathered; gated epilogue: [g, u] + b13, then the activation) -> a [S, I]
 //           -> down GEMM -> o [S, H] (element type) -> gather_sum with topk_weights -> y.
 //           The GEMMs run on the fused sm_90a kernels (sm90/grouped_gemm_sm90.h) on a compute capability 9.0
 //           device when the operands suit them, else on the portable kernels; MEGAMOE_DISABLE_SM90=1 forces
@@ -13,13 +14,14 @@
 //           workspace (recompute mode), by sorted row either way
 //           -> dH GEMM (dy gathered x w2[e]) with the dSwiGLU epilogue: dh = [dg, du] [S, 2I] by sorted row written
 //              over h in place (keep-h mode: saved_h is consumed), s * a [S, I] and ds partial sums per 256-column
-//              n-tile
-//              (portable: p f32 [S, I], then dswiglu_rows) -> finalize d topk_weights (parts added in order)
+//              n-tile (portable: p f32 [S, I], then the row kernel dswiglu_rows, or dact_rows for the other options)
+//           -> finalize d topk_weights (parts added in order)
 //           -> dW2 = K-grouped(dy gathered, s * a)
 //           -> dX GEMM (dh x w13[e]) -> q [S, H] (sm_90a: over s * a; portable: over p) -> gather_sum -> dx
-//           -> dW13 = K-grouped(dh, x gathered).
+//           -> dW13 = K-grouped(dh, x gathered) -> db13 / db2 (per-expert column sums of dh / s dy), when given.
 //           sm_90a: s * a and q live in the dw13 output until dW13 writes it, when dw13 is wanted without
-//           accumulation and can hold them (dw13_as_act_scratch; the workspace size query sees the same params).
+//           accumulation and can hold them, 256-byte aligned (dw13_as_act_scratch; the workspace size query sees
+//           the same params).
 //           accumulate_weight_grads: both K-grouped GEMMs add into the f32 dw13 / dw2 in their epilogues, and a call
 //           with no rows leaves them untouched (no memset).
 //           Up, dH and dX run on the sm_90a kernels under the forward's conditions (all three must suit them);
@@ -109,9 +111,8 @@ DeviceInfo device_info(int device_index) {
     return info;
 }
 
-// The sm_90a K-grouped weight-gradient kernel is the default where the sm_90a backward runs (H200, 2026-11-30,
-// qwen3-30b-a3b: dW13 2.31 vs 4.46 ms, dW2 0.97 vs 2.36 ms on the portable kernel); MEGAMOE_SM90_WEIGHT_GRADS=0
-// keeps the portable kernel for them (tests compare both).
+// The sm_90a K-grouped weight-gradient kernel is the default wherever the sm_90a backward runs (it is the faster one:
+// docs/log/); MEGAMOE_SM90_WEIGHT_GRADS=0 keeps the portable kernel for them (tests compare both).
 bool sm90_weight_grads_enabled_by_env() {
     const char* value = std::getenv("MEGAMOE_SM90_WEIGHT_GRADS");
     return value == nullptr || value[0] == '\0' || std::strcmp(value, "0") != 0;

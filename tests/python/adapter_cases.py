@@ -35,16 +35,17 @@ def grads(fn, leaves, dout):
     return {"out": out.detach(), **dict(zip(leaves, computed))}
 
 
-def record_needs(monkeypatch, module, op_name):
-    """The need_* flags each call of backward op `module.op_name` is asked for, as a list of sets (one per call)."""
+def record_needs(monkeypatch, owner, op_name):
+    """The need_* flags each call of backward op `owner.op_name` (an OpFamily's backward_op) is asked for, as a list
+    of sets (one per call)."""
     asked = []
-    original = getattr(module, op_name)
+    original = getattr(owner, op_name)
 
     def recording(*args, **kwargs):
         asked.append({name for name, value in kwargs.items() if name.startswith("need_") and value})
         return original(*args, **kwargs)
 
-    monkeypatch.setattr(module, op_name, recording)
+    monkeypatch.setattr(owner, op_name, recording)
     return asked
 
 

@@ -131,7 +131,7 @@ def test_gradients_not_requested_are_skipped(gen, monkeypatch):
     weight1, weight2 = randn(gen, H, E * 2 * I), randn(gen, E * I, H)
     weight2.requires_grad_(False)
     probs = probs.detach()
-    asked = record_needs(monkeypatch, megamoe.grouped, "_grouped_backward_op")
+    asked = record_needs(monkeypatch, megamoe.grouped.OPS, "backward_op")
     megatron.grouped_mlp(x, counts, probs, weight1, weight2, E)[0].backward(dout)
     assert asked == [{"need_dx_sorted", "need_dw13"}]
     assert weight2.grad is None and weight1.grad is not None and x.grad is not None

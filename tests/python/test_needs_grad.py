@@ -1,6 +1,6 @@
 """Only the gradients autograd needs: frozen experts (or frozen base weights under LoRA) skip dW, inputs that need no
-gradient skip dX / d topk_weights. A spy on the C API calls (_lib.backward_into / grouped_backward_into) sees NULL for
-every skipped gradient; the computed ones are bitwise those of the full backward."""
+gradient skip dX / d topk_weights. A spy on the C API calls (_lib.call) sees NULL for every skipped gradient; the
+computed ones are bitwise those of the full backward."""
 
 import pytest
 import torch
@@ -25,19 +25,19 @@ GRAD_OF = {"x": "dx", "topk_weights": "dtopk_weights", "w13": "dw13", "w3": "dw3
 
 @pytest.fixture
 def spy(monkeypatch):
-    """Records, per C API backward call, the gradient outputs passed (name -> whether a buffer was given)."""
+    """Records, per C API backward call (_lib.call of "backward" / "grouped_backward"), the gradient outputs passed
+    (name -> whether a buffer was given)."""
     calls = []
+    grad_names = {"backward": ("dx", "dtopk_weights", "dw13", "dw2", "dw3", "db13", "db2"),
+                  "grouped_backward": ("dx_sorted", "dscores", "dw13", "dw2", "dw3", "db13", "db2")}
+    call = _lib.call
 
-    def wrap(name, fn, grad_names):
-        def spied(*args, **kwargs):
-            bound = dict(zip(fn.__code__.co_varnames, args), **kwargs)
-            calls.append({grad: bound.get(grad) is not None for grad in grad_names})
-            return fn(*args, **kwargs)
-        monkeypatch.setattr(_lib, name, spied)
+    def spied(kind, tensors, *args, **kwargs):
+        if kind in grad_names:
+            calls.append({grad: tensors.get(grad) is not None for grad in grad_names[kind]})
+        return call(kind, tensors, *args, **kwargs)
 
-    wrap("backward_into", _lib.backward_into, ("dx", "dtopk_weights", "dw13", "dw2", "dw3", "db13", "db2"))
-    wrap("grouped_backward_into", _lib.grouped_backward_into,
-         ("dx_sorted", "dscores", "dw13", "dw2", "dw3", "db13", "db2"))
+    monkeypatch.setattr(_lib, "call", spied)
     return calls
 
 

@@ -10,7 +10,8 @@ storage in place (none of the frameworks is imported; each module mirrors its pu
                                                   accumulation (gradient_accumulation_fusion); TE's per-expert
                                                   weight lists in place (megatron.pack_expert_parameters)
 
-Hugging Face transformers is megamoe.hf (an experts implementation registered in transformers' ExpertsInterface).
+Hugging Face transformers is megamoe.adapters.hf (also megamoe.hf; an experts implementation registered in
+transformers' ExpertsInterface on import, so it is not imported here: transformers stays optional).
 """
 
 from . import megatron, prime_rl, torchtitan
