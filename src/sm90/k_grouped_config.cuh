@@ -14,8 +14,6 @@
 
 namespace megamoe::sm90::k_grouped {
 
-constexpr int kBlockM = 128;
-constexpr int kBlockN = 256;
 constexpr int kBlockK = 64;  // reduction rows per stage
 constexpr int kElemBytes = 2;
 constexpr int kWarpSize = 32;
@@ -23,7 +21,7 @@ constexpr int kWarpgroupThreads = 128;
 constexpr int kWarpsPerWarpgroup = kWarpgroupThreads / kWarpSize;
 constexpr int kNumConsumers = 2;
 constexpr int kNumThreads = (1 + kNumConsumers) * kWarpgroupThreads;
-constexpr int kConsumerRows = kBlockM / kNumConsumers;
+constexpr int kWgmmaM = 64;  // rows of one wgmma: a row block of a consumer
 constexpr int kWgmmaK = 16;
 constexpr int kChunkElems = 8;  // one 16-byte cp.async
 constexpr int kChunkBytes = kChunkElems * kElemBytes;
@@ -35,7 +33,6 @@ constexpr uint16_t kClusterMask = (1u << kClusterSize) - 1;
 constexpr int64_t kMaxTmaRows = INT32_MAX;            // the row extent of the tensor maps: sorted rows are below 2^31
 constexpr int kFullArrivals = kWarpgroupThreads + 1;  // every producer thread's cp.async + thread 0's (expect_tx)
 constexpr int kEmptyArrivalsPerCta = kNumConsumers * kWarpgroupThreads / kWarpSize;  // one per consumer warp
-constexpr int kNumAccRegs = kConsumerRows * kBlockN / kWarpgroupThreads;
 constexpr int kTileRing = 8;    // claimed cluster tiles in flight: consumers trail the producer by at most a stage ring
 constexpr int kClaimAhead = 2;  // the leader publishes tile s + kClaimAhead when its producer starts tile s - 1
 constexpr int kRingArrivals = kClusterSize * kNumThreads / kWarpSize;  // every warp of the cluster reads each slot
@@ -66,12 +63,38 @@ struct OperandTile {
     static_assert(kBoxesPerCta * kClusterSize == kNumBoxes && kNumBoxes * kMnBlockBytes == kBytes,
                   "TMA boxes cover the tile and split evenly between the CTAs of a cluster");
 };
-using ATile = OperandTile<kBlockM>;
-using BTile = OperandTile<kBlockN>;
 
-// Element-type epilogue by TMA stores: each consumer warp stages its 16 rows of a 64-column chunk (one 128-byte
-// swizzled row each, as the store's tensor map reads them) in one of its store boxes (epilogue.cuh).
-constexpr int kStoreChunks = kBlockN / kTmaStoreCols;
+// The tile table: kBlockM x kBlockN outputs per CTA; each consumer warpgroup computes kBlockM / 2 rows as m64 row
+// blocks (wgmma m64 x kBlockN x k16, 128 accumulators per thread); a stage holds A (kBlockM MN columns) and B (kBlockN)
+// of kBlockK reduction rows, 48 KiB either way (4 stages). The host picks the entry by which operand is gathered
+// (launch_k_grouped_gemm_sm90):
+//   NarrowATile  128 x 256: A gathered, or neither (dW2: dy gathered as A, s a by TMA). The gathered side is the
+//                narrow one; the 256-wide TMA operand is the one the pair shares.
+//   WideATile    256 x 128: B gathered, A by TMA (dW13: dh by TMA, x gathered). The same, mirrored: 128 gathered
+//                columns (8 cp.async per producer thread per stage, not 16) and the pair shares the 256-wide A; per CTA
+//                and reduction row 256 elements come from L2 instead of 320 with NarrowATile. Its limit: two m64n128
+//                wgmmas per k16 step read 20 % more shared memory than one m64n256.
+template <int kRows, int kCols>
+struct TileShape {
+    static constexpr int kBlockM = kRows;
+    static constexpr int kBlockN = kCols;
+    static constexpr int kConsumerRows = kBlockM / kNumConsumers;
+    static constexpr int kRowBlocks = kConsumerRows / kWgmmaM;
+    static constexpr int kBlockRegs = kWgmmaM * kBlockN / kWarpgroupThreads;  // accumulators of one row block
+    static constexpr int kNumAccRegs = kRowBlocks * kBlockRegs;
+    static constexpr int kStoreChunks = kBlockN / kTmaStoreCols;  // TMA store chunks of a warp's row-block rows
+    using ATile = OperandTile<kBlockM>;
+    using BTile = OperandTile<kBlockN>;
+    static_assert(kRowBlocks * kWgmmaM == kConsumerRows, "a consumer's rows are whole m64 row blocks");
+    static_assert(kWgmmaM == kMnBlockElems, "a row block's A rows are one 64-element MN block");
+    static_assert(kNumAccRegs == 128, "the accumulators leave the epilogue its registers (kConsumerRegs)");
+    static_assert(kBlockN % 8 == 0 && kBlockN >= 8 && kBlockN <= 256, "wgmma's n");
+};
+using NarrowATile = TileShape<128, 256>;
+using WideATile = TileShape<256, 128>;
+
+// Element-type epilogue by TMA stores: each consumer warp stages its 16 rows of a row block, 64 columns at a time
+// (one 128-byte swizzled row each, as the store's tensor map reads them), in one of its store boxes (epilogue.cuh).
 constexpr int kMaxStages = 4;
 
 // The cluster's claimed tiles (tile schedule above); the leader CTA's empty barriers are the ones used.
@@ -84,13 +107,13 @@ struct TileRing {
 // Shared memory of one CTA (the dynamic allocation, aligned to 1024 bytes by the kernel): kStages pipeline stages, the
 // consumer warps' store boxes (kStoreBoxes each), the stages' full and empty barriers, then the tile ring. The stage
 // count is what the budget leaves beside the boxes.
-template <int kStages, int kStoreBoxes>
+template <class Shape, int kStages, int kStoreBoxes>
 struct SharedStorageOf {
     static constexpr int kNumStages = kStages;
     static constexpr int kStoreBoxesPerWarp = kStoreBoxes;
     static constexpr int kWarpStagingBytes = kStoreBoxes * kTmaStoreBoxBytes;
-    alignas(kSwizzleAtomBytes) uint8_t a[kStages][ATile::kBytes];
-    alignas(kSwizzleAtomBytes) uint8_t b[kStages][BTile::kBytes];
+    alignas(kSwizzleAtomBytes) uint8_t a[kStages][Shape::ATile::kBytes];
+    alignas(kSwizzleAtomBytes) uint8_t b[kStages][Shape::BTile::kBytes];
     alignas(kSwizzleAtomBytes) uint8_t staging[kNumConsumers * kWarpsPerWarpgroup][kWarpStagingBytes];
     uint64_t full[kStages];
     uint64_t empty[kStages];
@@ -98,17 +121,18 @@ struct SharedStorageOf {
 };
 
 // The most stages (at most kMaxStages, at least 2) whose storage and alignment slack fit in an SM's shared memory.
-template <int kStages, int kStoreBoxes>
+template <class Shape, int kStages, int kStoreBoxes>
 constexpr int fit_stages() {
-    if constexpr (kStages <= 2 || sizeof(SharedStorageOf<kStages, kStoreBoxes>) + kSwizzleAtomBytes <= kMaxSmemBytes) {
+    if constexpr (kStages <= 2 ||
+                  sizeof(SharedStorageOf<Shape, kStages, kStoreBoxes>) + kSwizzleAtomBytes <= kMaxSmemBytes) {
         return kStages;
     } else {
-        return fit_stages<kStages - 1, kStoreBoxes>();
+        return fit_stages<Shape, kStages - 1, kStoreBoxes>();
     }
 }
 
-template <int kStoreBoxes>
-using SharedStorage = SharedStorageOf<fit_stages<kMaxStages, kStoreBoxes>(), kStoreBoxes>;
+template <class Shape, int kStoreBoxes>
+using SharedStorage = SharedStorageOf<Shape, fit_stages<Shape, kMaxStages, kStoreBoxes>(), kStoreBoxes>;
 
 template <class Storage>
 constexpr int smem_bytes() {
@@ -118,19 +142,22 @@ constexpr int smem_bytes() {
 // 2 store boxes per warp: a chunk's store waits for the previous chunk's to have read its box. A tile's worth (4)
 // leaves 3 stages and measured slower (H200, deepseek-v3 dW13 9.9-10.1 -> 11.3 ms).
 constexpr int kStoreBoxesPerWarp = kTmaStoreBuffers;
-static_assert(SharedStorage<kStoreBoxesPerWarp>::kNumStages == 4, "2 store boxes per warp: 4 stages of 48 KiB");
-static_assert(smem_bytes<SharedStorage<kStoreBoxesPerWarp>>() <= kMaxSmemBytes,
-              "stages and store staging exceed the shared memory of an SM");
-static_assert(kStoreChunks % kStoreBoxesPerWarp == 0, "a tile's chunks start again at box 0");
+template <class Shape>
+constexpr bool storage_fits() {
+    static_assert(SharedStorage<Shape, kStoreBoxesPerWarp>::kNumStages == 4, "2 store boxes per warp: 4 stages");
+    static_assert(smem_bytes<SharedStorage<Shape, kStoreBoxesPerWarp>>() <= kMaxSmemBytes,
+                  "stages and store staging exceed the shared memory of an SM");
+    static_assert(Shape::kStoreChunks % kStoreBoxesPerWarp == 0, "a row block's chunks start again at box 0");
+    return true;
+}
+static_assert(storage_fits<NarrowATile>() && storage_fits<WideATile>(), "every tile shape fits");
 
-static_assert(kConsumerRows == kMnBlockElems, "each consumer's A rows are one 64-element MN block");
-static_assert(kBlockN == 256, "the wgmma atoms below are n256");
 static_assert(kMnBlockBytes % kSwizzleAtomBytes == 0, "MN blocks start on a swizzle atom");
 static_assert(kIndexLanes <= kWarpSize, "a producer warp loads its gather indices in one instruction");
 static_assert(kBlockK % kWgmmaK == 0 && kBlockK % 8 == 0, "a stage holds whole k16 steps and 8-row atoms");
 static_assert(kClaimAhead >= 1 && kClaimAhead < kTileRing, "the leader publishes ahead into free ring slots");
-static_assert(kConsumerRows / kWarpsPerWarpgroup == kTmaStoreRows && kTmaStoreCols * kElemBytes == kSwizzleBytes,
-              "a store box is a warp's 16 accumulator rows x one 128-byte swizzled row");
+static_assert(kWgmmaM / kWarpsPerWarpgroup == kTmaStoreRows && kTmaStoreCols * kElemBytes == kSwizzleBytes,
+              "a store box is a warp's 16 accumulator rows of a row block x one 128-byte swizzled row");
 static_assert(kProducerRegs * kWarpgroupThreads + kConsumerRegs * kNumConsumers * kWarpgroupThreads <= kRegisterFile,
               "setmaxnreg budgets exceed the register file");
 
@@ -174,6 +201,7 @@ struct Tile {
 };
 
 // CTA `cta_rank`'s output tile of cluster tile `tile_idx`. Both CTAs get the same expert, hence the same k-blocks.
+template <class Shape>
 __device__ __forceinline__ Tile decode_tile(const KernelParams& params, int tile_idx, int cta_rank) {
     const int tiles_per_expert = params.pairs_m * params.pairs_n;
     Tile tile;
@@ -187,8 +215,8 @@ __device__ __forceinline__ Tile decode_tile(const KernelParams& params, int tile
     if (!tile.store) paired_idx = pair_idx * kClusterSize;
     const int m_tile_idx = params.pair_along_m ? paired_idx : other_idx;
     const int n_tile_idx = params.pair_along_m ? other_idx : paired_idx;
-    tile.m_begin = m_tile_idx * kBlockM;
-    tile.n_begin = n_tile_idx * kBlockN;
+    tile.m_begin = m_tile_idx * Shape::kBlockM;
+    tile.n_begin = n_tile_idx * Shape::kBlockN;
     if (params.experts_by_rank != nullptr) {  // one load, not a chain: it stays in flight through the current tile
         const int4 entry = params.experts_by_rank[expert_rank];
         tile.expert_idx = entry.x;
@@ -204,8 +232,9 @@ __device__ __forceinline__ Tile decode_tile(const KernelParams& params, int tile
 }
 
 // As decode_tile, or a tile with no rows and nothing to store past the last cluster tile (reads nothing).
+template <class Shape>
 __device__ __forceinline__ Tile decode_tile_if_any(const KernelParams& params, int tile_idx, int cta_rank) {
-    if (tile_idx < params.num_tiles) return decode_tile(params, tile_idx, cta_rank);
+    if (tile_idx < params.num_tiles) return decode_tile<Shape>(params, tile_idx, cta_rank);
     Tile tile{};
     tile.store = false;
     return tile;

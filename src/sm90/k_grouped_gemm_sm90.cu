@@ -6,11 +6,12 @@
 //   dW13: A = dh [rows, 2I], B = x gathered [T, H]; dW2: A = dy gathered [T, H], B = s * a [rows, I].
 // The reduction runs over the expert's rows: both operands are MN-major (M or N contiguous) in shared memory.
 //
-// Tiles: kBlockM = 128 (M) x kBlockN = 256 (N) x kBlockK = 64 rows of the reduction per stage. An operand tile is
-// stored as 64-element blocks of its MN dimension (one 128-byte row per reduction row, 128-byte swizzle), kBlockK
-// rows each (8 KiB), exactly as a TMA box of 64 MN x 64 rows lands: A has 2 blocks (one per consumer), B has 4.
-// wgmma reads both through MN-major descriptors (transpose bits of the atom): 8-row atoms 1024 bytes apart, MN
-// blocks 8 KiB apart, 2048 bytes per k16 step.
+// Tiles (the tile table, k_grouped_config.cuh): kBlockM x kBlockN outputs x kBlockK = 64 reduction rows per stage,
+// 128 x 256 (NarrowATile) or, where B is gathered and A comes by TMA (dW13), 256 x 128 (WideATile): the gathered
+// operand is always the 128-wide one. An operand tile is stored as 64-element blocks of its MN dimension (one 128-byte
+// row per reduction row, 128-byte swizzle), kBlockK rows each (8 KiB), exactly as a TMA box of 64 MN x 64 rows lands.
+// wgmma reads both through MN-major descriptors (transpose bits of the atom): 8-row atoms 1024 bytes apart, MN blocks
+// 8 KiB apart, 2048 bytes per k16 step; a consumer's m64 row block is one A block.
 // Loads: an ungathered operand (dh, s * a: rows contiguous by sorted row) comes by TMA (2-D tensor map over [rows,
 // M or N], 128-byte swizzle, columns past M / N zero-filled) for every whole k-block of the expert; the expert's
 // last, partial k-block and every gathered operand are copied with 16-byte cp.async, zero-filling rows past the
@@ -18,54 +19,50 @@
 // cost one load per producer thread per stage, issued a stage ahead (across tile boundaries too): lane j < 16 of a
 // warp loads the index of one of the warp's 16 rows of the stage, divides it by topk (multiply and shift) when the
 // stage comes, and the copying lanes take it by shuffle: a gathered 16-byte copy is a shuffle, one wide multiply-add
-// and the cp.async (the producer's issue rate bounds the stage rate: 2.19 -> 1.42 ms for dW13 at qwen3-30b-a3b).
-// Both roles decode their next tile a whole tile ahead, so no tile start waits for its expert offsets.
+// and the cp.async. Both roles decode their next tile a whole tile ahead, so no tile start waits for its expert
+// offsets.
 // Clusters: 2 CTAs run two output tiles of the same expert that share the TMA operand: neighbouring n-tiles (same
 // A) when A is ungathered (dW13), else neighbouring m-tiles (same B, dW2). Each CTA loads half of the shared
 // operand's boxes and multicasts them to both, halving its L2 -> SM traffic; with an odd tile count the second CTA
 // recomputes the first one's tile without storing it, so both always walk the same expert and stay in step.
 // Tile schedule: cluster tile t = (expert, pair), expert-major, so clusters running at the same time read the same
 // expert's rows (from L2). A tile's work is its expert's rows. Balanced routing: cluster c takes t = c, c +
-// num_clusters, ... (the static stride). Skewed routing (order_experts_kernel, run before each launch, finds the
-// busiest expert above kSkewedRowsRatio x the mean): the experts go heaviest first (experts_by_rank) and cluster c
-// starts with t = c, then claims t = num_clusters + atomicAdd(tile_counter, 1) whenever it starts a tile, so the
-// clusters end within about one light tile of each other; the static stride had left some clusters with several
-// times the work of others (qwen3-30b-a3b dW2 0.81 -> 0.68 ms under the bench's skew; the training example's
-// k-grouped kernels 19.7 -> 17.6 ms per step). The static stride is computed by every thread itself, without the
-// tile ring (through the ring it had cost 3-7%: qwen3-30b-a3b balanced dW13 1.36 -> 1.46 ms); so is it without the
-// scratch (NULL tile_counter). Each CTA loops over every row of the tile's expert in order: no split-K,
-// no atomics on the output, bitwise deterministic; an expert with no rows writes zeros.
+// num_clusters, ... (the static stride, computed by every thread itself, without the tile ring). Skewed routing
+// (order_experts_kernel, run before each launch, finds the busiest expert above kSkewedRowsRatio x the mean): the
+// experts go heaviest first (experts_by_rank) and cluster c starts with t = c, then claims t = num_clusters +
+// atomicAdd(tile_counter, 1) whenever it starts a tile, so the clusters end within about one light tile of each other.
+// Without the scratch (NULL tile_counter): the static stride. Each CTA loops over every row of the tile's expert in
+// order: no split-K, no atomics on the output, bitwise deterministic; an expert with no rows writes zeros.
 // Tile ring: the leader CTA's producer thread 0 claims each cluster tile kClaimAhead tiles ahead and writes it into
 // slot s % kTileRing of both CTAs' rings (its own: a store and an arrival; the other's: st.async completing the
-// transaction bytes its full barrier expects, as a TMA load would, so neither side fences: release / acquire at
-// cluster scope cost a MEMBAR.GPU and an L1 invalidation per tile and thread, and made the kernel ~15% slower);
-// every warp of both CTAs reads it there and then arrives on the leader's empty barrier of the slot, which the leader
+// transaction bytes its full barrier expects, as a TMA load would, so neither side fences at cluster scope); every
+// warp of both CTAs reads it there and then arrives on the leader's empty barrier of the slot, which the leader
 // waits for before writing into the slot again.
 //
 // Warp roles (3 warpgroups, 384 threads, 1 CTA per SM):
 //   warpgroup 0, producer (setmaxnreg down to kProducerRegs): thread 0 issues the stage's TMA boxes after an
 //     arrive.expect_tx of their bytes (a plain arrive when the stage has none); all 128 threads issue the cp.async
-//     copies (A: 16 threads per row, 8 rows per pass, 8 passes; B: 32 threads per row, 4 rows per pass, 16 passes)
-//     and arm cp.async.mbarrier.arrive.noinc on the stage's full barrier (kFullArrivals publish it).
-//   warpgroups 1, 2, consumers (setmaxnreg up to kConsumerRegs): rows [64 (w - 1), 64 w) of the M tile, m64 x 256 x
-//     k16 wgmmas, one batch in flight; a stage is released (one arrive per warp on its empty barrier in both CTAs
-//     of the cluster: the next fill may be multicast into both) once the next batch has been issued. Consumers
-//     fence the async proxy after the full wait (cp.async writes are generic-proxy). Epilogue, element type: each
-//     warp packs its 16 rows 64 columns at a time into one of two 2 KiB staging boxes (stmatrix, 128-byte swizzle)
-//     and lane 0 stores the box by TMA (3-D map over [E, M, N], clipped at M and N), so the warp is back at its
-//     MMAs once its last store is issued and the global writes overlap the next tile (deepseek-v3 dW13 11.9 ->
-//     10.1 ms, 4 k-blocks per tile); f32 (or without the tensor map): quad transpose and 16-byte stores, or 8-byte
-//     f32 pairs, from registers. kAccumulate (f32 only): each thread loads its 32 f32 pairs of a row at once (one
-//     round trip per row; a row crossing N pair by pair), adds its accumulators and stores them back, each element
-//     by its one thread; a tile whose expert has no rows is not stored at all (the buffer stays as it is).
-//     TODO(#12): measure it; an L2 prefetch of the tile's output rows when the tile starts may hide the loads.
-// Shared memory (SharedStorage, dynamic, 1024-byte aligned): 4 stages (A tile 16 KiB + B tile 32 KiB each), 2 store
-// boxes per consumer warp (each chunk's store waits for the previous chunk's to have read its box: a tile's worth of
-// boxes and 3 stages measured slower, docs/DESIGN.md), the stages' full and empty mbarriers, then the tile ring.
+//     copies (a 128-wide operand: 16 threads per row, 8 rows per pass, 8 passes; 256-wide: 32 threads per row, 4 rows
+//     per pass, 16 passes) and arm cp.async.mbarrier.arrive.noinc on the stage's full barrier (kFullArrivals).
+//   warpgroups 1, 2, consumers (setmaxnreg up to kConsumerRegs): rows [kBlockM / 2 (w - 1), kBlockM / 2 w) of the M
+//     tile as m64 row blocks, m64 x kBlockN x k16 wgmmas, one batch in flight; a stage is released (one arrive per
+//     warp on its empty barrier in both CTAs of the cluster: the next fill may be multicast into both) once the next
+//     batch has been issued. Consumers fence the async proxy after the full wait (cp.async writes are generic-proxy).
+//     Epilogue, per row block, element type: each warp packs its 16 rows 64 columns at a time into one of two 2 KiB
+//     staging boxes (stmatrix, 128-byte swizzle) and lane 0 stores the box by TMA (3-D map over [E, M, N], clipped at
+//     M and N), so the warp is back at its MMAs once its last store is issued and the global writes overlap the next
+//     tile; f32 (or without the tensor map): quad transpose and 16-byte stores, or 8-byte f32 pairs, from registers.
+//     kAccumulate (f32 only): each thread loads its f32 pairs of a row at once (one round trip per row; a row crossing
+//     N pair by pair), adds its accumulators and stores them back, each element by its one thread; a tile whose expert
+//     has no rows is not stored at all (the buffer stays as it is).
+// Shared memory (SharedStorage, dynamic, 1024-byte aligned): 4 stages (A + B tile, 48 KiB), 2 store boxes per consumer
+// warp (each chunk's store waits for the previous chunk's to have read its box), the stages' full and empty
+// mbarriers, then the tile ring. What was measured of these choices: docs/log/.
 #include "sm90/k_grouped_gemm_sm90.h"
 
 #include <algorithm>
-#include <cute/arch/mma_sm90_gmma.hpp>
+#include <cute/arch/mma_sm90.hpp>
+#include <cute/layout.hpp>
 #include <type_traits>
 #include <utility>
 
@@ -73,6 +70,7 @@
 #include "sm90/epilogue.cuh"
 #include "sm90/k_grouped_config.cuh"
 #include "sm90/k_grouped_host.cuh"
+#include "sm90/knobs.h"
 #include "sm90/launch.h"
 #include "sm90/ptx.h"
 
@@ -84,21 +82,27 @@ namespace gmma = cute::SM90::GMMA;
 
 using namespace k_grouped;  // NOLINT(google-build-using-namespace): the kernel's own configuration and schedule
 
+// The CuTe wgmma atom m64 x kN x k16 from shared memory, f32 accumulators, both operands MN-major, as CuTe's selector
+// picks it for the element type.
 template <typename T>
-struct WgmmaAtom;
-template <>
-struct WgmmaAtom<__nv_bfloat16> {
-    using Op = gmma::MMA_64x256x16_F32BF16BF16_SS<gmma::Major::MN, gmma::Major::MN>;
-};
-template <>
-struct WgmmaAtom<__half> {
-    using Op = gmma::MMA_64x256x16_F32F16F16_SS<gmma::Major::MN, gmma::Major::MN>;
-};
+using CuteElementOf = std::conditional_t<std::is_same_v<T, __half>, cute::half_t, cute::bfloat16_t>;
+template <typename T, int kN>
+using WgmmaOp = decltype(gmma::ss_op_selector<CuteElementOf<T>, CuteElementOf<T>, float,
+                                              cute::Shape<cute::_64, cute::Int<kN>, cute::_16>, gmma::Major::MN,
+                                              gmma::Major::MN>());
 
-template <typename Op, int kNumRegs, size_t... kRegIdx>
+template <typename Op, int kFirstReg, int kNumRegs, size_t... kRegIdx>
 __device__ __forceinline__ void wgmma_unpacked(uint64_t desc_a, uint64_t desc_b, float (&acc)[kNumRegs],
                                                std::index_sequence<kRegIdx...>) {
-    Op::fma(desc_a, desc_b, acc[kRegIdx]..., gmma::ScaleOut::One);
+    Op::fma(desc_a, desc_b, acc[kFirstReg + kRegIdx]..., gmma::ScaleOut::One);
+}
+
+// Row block kRowBlock's accumulators += its A rows (64 x 16) x B (kBlockN x 16)^T, asynchronously.
+template <class Shape, typename T, int kRowBlock, int kNumRegs>
+__device__ __forceinline__ void row_block_wgmma(uint64_t desc_a, uint64_t desc_b, float (&acc)[kNumRegs]) {
+    static_assert((kRowBlock + 1) * Shape::kBlockRegs <= kNumRegs, "the row block's accumulators are the consumer's");
+    wgmma_unpacked<WgmmaOp<T, Shape::kBlockN>, kRowBlock * Shape::kBlockRegs>(
+        desc_a, desc_b, acc, std::make_index_sequence<Shape::kBlockRegs>{});
 }
 
 // Byte offset of 16-byte chunk `chunk_idx` (along MN) of reduction row `row` in an MN-major stage tile.
@@ -212,9 +216,11 @@ __device__ __forceinline__ void load_operand_tma(uint8_t* tile, const CUtensorMa
 // The producer warpgroup, stage by stage over every k-block of this CTA's tiles. The next tile is decoded a whole tile
 // ahead and the next stage's gather indices load one stage ahead, across tile boundaries too, so neither a tile's
 // expert offsets nor its first indices are waited for when it starts.
-template <class Storage>
+template <class Shape, class Storage>
 __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensorMap* b_map, const KernelParams& params,
                                         Storage& smem, int cta_rank, int thread_idx) {
+    using ATile = typename Shape::ATile;
+    using BTile = typename Shape::BTile;
     constexpr int kNumStages = Storage::kNumStages;
     uint64_t* full = smem.full;
     uint64_t* empty = smem.empty;
@@ -225,12 +231,12 @@ __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensor
     int stage_idx = 0;
     uint32_t phase = 0;
     int tile_idx = tiles.next(lane_idx);
-    Tile tile = decode_tile_if_any(params, tile_idx, cta_rank);
+    Tile tile = decode_tile_if_any<Shape>(params, tile_idx, cta_rank);
     bool slots_loaded = false;  // a_next_slot / b_next_slot hold the indices of the next stage
     int a_next_slot = 0, b_next_slot = 0;
     while (tile_idx < params.num_tiles) {
         const int next_idx = tiles.next(lane_idx);
-        const Tile next = decode_tile_if_any(params, next_idx, cta_rank);
+        const Tile next = decode_tile_if_any<Shape>(params, next_idx, cta_rank);
         const int a_col = tile.m_begin + thread_idx % ATile::kThreadsPerRow * kChunkElems;
         const int b_col = tile.n_begin + thread_idx % BTile::kThreadsPerRow * kChunkElems;
         for (int k_block_idx = 0; k_block_idx < tile.num_k_blocks; ++k_block_idx) {
@@ -292,17 +298,31 @@ __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensor
     cuda::cp_async_wait<0>();  // no copy outlives its thread
 }
 
-// One consumer warpgroup's rows of the output tile C_e[m_begin + row, n_begin + col], OutT = T or float (kAccumulate:
-// float, added to the values there).
-template <typename T, typename OutT, bool kAccumulate, int kNumRegs>
+// fn(std::integral_constant<int, i>) for i = 0 .. kCount - 1, in order (a compile-time index per call).
+template <typename Fn, int... kIdx>
+__device__ __forceinline__ void for_each_index(Fn&& fn, std::integer_sequence<int, kIdx...>) {
+    (fn(std::integral_constant<int, kIdx>{}), ...);
+}
+template <int kCount, typename Fn>
+__device__ __forceinline__ void for_each_index(Fn&& fn) {
+    for_each_index(fn, std::make_integer_sequence<int, kCount>{});
+}
+
+// One consumer warpgroup's row block kRowBlock of the output tile C_e[m_begin + row, n_begin + col] (its accumulators
+// from kRowBlock * kBlockRegs on), OutT = T or float (kAccumulate: float, added to the values there).
+template <class Shape, typename T, typename OutT, bool kAccumulate, int kRowBlock, int kNumRegs>
 __device__ __forceinline__ void store_tile(const KernelParams& params, const Tile& tile, const float (&acc)[kNumRegs],
                                            int consumer_idx, int warp_idx, int lane_idx) {
     static_assert(!kAccumulate || std::is_same_v<OutT, float>, "accumulation is into f32 outputs");
-    constexpr int kNumFrags = kBlockN / 8;
+    constexpr int kFirstReg = kRowBlock * Shape::kBlockRegs;
+    static_assert(kFirstReg + Shape::kBlockRegs <= kNumRegs, "the row block's accumulators are the consumer's");
+    constexpr int kNumFrags = Shape::kBlockN / 8;
     constexpr int kFragsPerChunk = 4;
-    constexpr int kAccumulateBatch = 32;  // f32 pairs of a row loaded before their stores: all (no spills, 168 regs)
+    // f32 pairs of a row loaded before their stores: all of a 256-column row (no spills, 168 regs)
+    constexpr int kAccumulateBatch = kNumFrags < 32 ? kNumFrags : 32;
+    static_assert(kNumFrags % kAccumulateBatch == 0 && kNumFrags % kFragsPerChunk == 0, "whole batches and chunks");
     const int quad_lane = lane_idx % 4;
-    const int first_row = consumer_idx * kConsumerRows + warp_idx * 16 + lane_idx / 4;
+    const int first_row = consumer_idx * Shape::kConsumerRows + kRowBlock * kWgmmaM + warp_idx * 16 + lane_idx / 4;
     OutT* out = static_cast<OutT*>(params.out) + static_cast<int64_t>(tile.expert_idx) * params.m * params.n;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -324,7 +344,7 @@ __device__ __forceinline__ void store_tile(const KernelParams& params, const Til
                     }
 #pragma unroll
                     for (int pair_idx = 0; pair_idx < kAccumulateBatch; ++pair_idx) {
-                        const int reg_idx = (first_frag + pair_idx) * 4 + half * 2;
+                        const int reg_idx = kFirstReg + (first_frag + pair_idx) * 4 + half * 2;
                         store_pair_f32(out_row, first_col + pair_idx * 8, before[pair_idx].x + acc[reg_idx],
                                        before[pair_idx].y + acc[reg_idx + 1]);
                     }
@@ -332,7 +352,7 @@ __device__ __forceinline__ void store_tile(const KernelParams& params, const Til
 #pragma unroll
                     for (int pair_idx = 0; pair_idx < kAccumulateBatch; ++pair_idx) {
                         const int64_t col = first_col + pair_idx * 8;
-                        const int reg_idx = (first_frag + pair_idx) * 4 + half * 2;
+                        const int reg_idx = kFirstReg + (first_frag + pair_idx) * 4 + half * 2;
                         if (col >= params.n) continue;
                         const float2 before = *reinterpret_cast<const float2*>(out_row + col);
                         store_pair_f32(out_row, col, before.x + acc[reg_idx], before.y + acc[reg_idx + 1]);
@@ -343,7 +363,7 @@ __device__ __forceinline__ void store_tile(const KernelParams& params, const Til
 #pragma unroll
             for (int frag_idx = 0; frag_idx < kNumFrags; ++frag_idx) {
                 const int64_t col = tile.n_begin + frag_idx * 8 + quad_lane * 2;
-                const int reg_idx = frag_idx * 4 + half * 2;
+                const int reg_idx = kFirstReg + frag_idx * 4 + half * 2;
                 if (row_valid && col < params.n) store_pair_f32(out_row, col, acc[reg_idx], acc[reg_idx + 1]);
             }
         } else {
@@ -352,7 +372,7 @@ __device__ __forceinline__ void store_tile(const KernelParams& params, const Til
                 uint32_t words[kFragsPerChunk];
 #pragma unroll
                 for (int word_idx = 0; word_idx < kFragsPerChunk; ++word_idx) {
-                    const int reg_idx = (group_idx * kFragsPerChunk + word_idx) * 4 + half * 2;
+                    const int reg_idx = kFirstReg + (group_idx * kFragsPerChunk + word_idx) * 4 + half * 2;
                     words[word_idx] = cuda::pack_pair<T>(acc[reg_idx], acc[reg_idx + 1]);
                 }
                 quad_transpose(words, quad_lane);
@@ -363,19 +383,21 @@ __device__ __forceinline__ void store_tile(const KernelParams& params, const Til
     }
 }
 
-// One consumer warp's 16 rows of the output tile (element type) by TMA stores, 64 columns at a time, through its
-// staging boxes at `staging` (store_warp_rows_tma); the warp returns to its MMAs as soon as its last store is issued.
-template <typename T, int kStoreBoxes, int kNumRegs>
+// One consumer warp's 16 rows of row block kRowBlock of the output tile (element type) by TMA stores, 64 columns at a
+// time, through its staging boxes at `staging` (store_warp_rows_tma); the warp returns to its MMAs as soon as its last
+// store is issued.
+template <class Shape, typename T, int kStoreBoxes, int kRowBlock, int kNumRegs>
 __device__ __forceinline__ void store_tile_tma(const CUtensorMap* out_map, const Tile& tile,
                                                const float (&acc)[kNumRegs], uint32_t staging, int consumer_idx,
                                                int warp_idx, int lane_idx) {
-    const int row = tile.m_begin + consumer_idx * kConsumerRows + warp_idx * kTmaStoreRows;
-    store_warp_rows_tma<T, kStoreChunks, 0, kStoreBoxes>(acc, staging, lane_idx, [&](uint32_t box, int chunk) {
-        tma_store_3d(out_map, box, tile.n_begin + chunk * kTmaStoreCols, row, tile.expert_idx);
-    });
+    const int row = tile.m_begin + consumer_idx * Shape::kConsumerRows + kRowBlock * kWgmmaM + warp_idx * kTmaStoreRows;
+    store_warp_rows_tma<T, Shape::kStoreChunks, kRowBlock * Shape::kBlockRegs, kStoreBoxes>(
+        acc, staging, lane_idx, [&](uint32_t box, int chunk) {
+            tma_store_3d(out_map, box, tile.n_begin + chunk * kTmaStoreCols, row, tile.expert_idx);
+        });
 }
 
-template <typename T, typename OutT, bool kAccumulate, class Storage>
+template <class Shape, typename T, typename OutT, bool kAccumulate, class Storage>
 __device__ __forceinline__ void consume(const CUtensorMap* out_map, const KernelParams& params, Storage& smem,
                                         int cta_rank, int consumer_idx, int thread_idx) {
     constexpr int kNumStages = Storage::kNumStages;
@@ -386,41 +408,48 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Kernel
     const uint32_t warp_staging = shared_address(smem.staging[consumer_idx * kWarpsPerWarpgroup + warp_idx]);
     int stage_idx = 0;
     uint32_t phase = 0;
-    float acc[kNumAccRegs];
+    float acc[Shape::kNumAccRegs];
     TileSequence tiles(&smem.ring, params.tile_counter, false);
     int tile_idx = tiles.next(lane_idx);
-    Tile tile = decode_tile_if_any(params, tile_idx, cta_rank);
+    Tile tile = decode_tile_if_any<Shape>(params, tile_idx, cta_rank);
     while (tile_idx < params.num_tiles) {
         const int next_idx = tiles.next(lane_idx);
-        const Tile next = decode_tile_if_any(params, next_idx, cta_rank);  // loads during the MMAs
+        const Tile next = decode_tile_if_any<Shape>(params, next_idx, cta_rank);  // loads during the MMAs
 #pragma unroll
-        for (int reg_idx = 0; reg_idx < kNumAccRegs; ++reg_idx) acc[reg_idx] = 0.0f;
+        for (int reg_idx = 0; reg_idx < Shape::kNumAccRegs; ++reg_idx) acc[reg_idx] = 0.0f;
         int in_flight_stage = -1;
         for (int k_block_idx = 0; k_block_idx < tile.num_k_blocks; ++k_block_idx) {
             mbarrier_wait(&full[stage_idx], phase);
             fence_proxy_async_shared();  // cp.async wrote the tiles (generic proxy), wgmma reads them (async proxy)
-            const uint64_t desc_a =
-                make_smem_desc_mn_major_sw128<kMnBlockBytes>(smem.a[stage_idx] + consumer_idx * kMnBlockBytes);
+            const uint8_t* tile_a = smem.a[stage_idx] + consumer_idx * Shape::kRowBlocks * kMnBlockBytes;
             const uint64_t desc_b = make_smem_desc_mn_major_sw128<kMnBlockBytes>(smem.b[stage_idx]);
             fence_accumulators(acc);
             wgmma_fence();
+            for_each_index<Shape::kRowBlocks>([&](auto row_block) {  // row block b: the consumer's A block b
+                constexpr int kRowBlock = decltype(row_block)::value;
+                const uint64_t desc_a =
+                    make_smem_desc_mn_major_sw128<kMnBlockBytes>(tile_a + kRowBlock * kMnBlockBytes);
 #pragma unroll
-            for (int k_step = 0; k_step < kBlockK / kWgmmaK; ++k_step) {
-                wgmma_unpacked<typename WgmmaAtom<T>::Op>(desc_a + k_step * kDescMnK16Step,
-                                                          desc_b + k_step * kDescMnK16Step, acc,
-                                                          std::make_index_sequence<kNumAccRegs>{});
-            }
+                for (int k_step = 0; k_step < kBlockK / kWgmmaK; ++k_step) {
+                    row_block_wgmma<Shape, T, kRowBlock>(desc_a + k_step * kDescMnK16Step,
+                                                         desc_b + k_step * kDescMnK16Step, acc);
+                }
+            });
             wgmma_commit_group();
             retire_previous_batch<kClusterSize, kNumStages>(acc, empty, in_flight_stage, stage_idx, phase, lane_idx);
         }
         retire_last_batch<kClusterSize>(acc, empty, in_flight_stage, lane_idx);
         if (tile.store && (!kAccumulate || tile.num_k_blocks > 0)) {
-            if (!std::is_same_v<OutT, float> && params.tma_store) {
-                store_tile_tma<T, Storage::kStoreBoxesPerWarp>(out_map, tile, acc, warp_staging, consumer_idx, warp_idx,
-                                                               lane_idx);
-            } else {
-                store_tile<T, OutT, kAccumulate>(params, tile, acc, consumer_idx, warp_idx, lane_idx);
-            }
+            for_each_index<Shape::kRowBlocks>([&](auto row_block) {
+                constexpr int kRowBlock = decltype(row_block)::value;
+                if (!std::is_same_v<OutT, float> && params.tma_store) {
+                    store_tile_tma<Shape, T, Storage::kStoreBoxesPerWarp, kRowBlock>(out_map, tile, acc, warp_staging,
+                                                                                     consumer_idx, warp_idx, lane_idx);
+                } else {
+                    store_tile<Shape, T, OutT, kAccumulate, kRowBlock>(params, tile, acc, consumer_idx, warp_idx,
+                                                                       lane_idx);
+                }
+            });
         }
         tile_idx = next_idx;
         tile = next;
@@ -428,12 +457,12 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Kernel
     if (lane_idx == 0) bulk_wait_group<0, false>();  // every store complete before the CTA exits
 }
 
-template <typename T, typename OutT, bool kAccumulate, int kStoreBoxes>
+template <class Shape, typename T, typename OutT, bool kAccumulate, int kStoreBoxes>
 __global__ void __launch_bounds__(kNumThreads, 1)
     k_grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                                const __grid_constant__ CUtensorMap out_map, const KernelParams params) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using Storage = SharedStorage<kStoreBoxes>;
+    using Storage = SharedStorage<Shape, kStoreBoxes>;
     extern __shared__ uint8_t smem_raw[];
     const uint32_t misalignment = shared_address(smem_raw) % kSwizzleAtomBytes;
     Storage& smem = *reinterpret_cast<Storage*>(smem_raw + (misalignment == 0 ? 0 : kSwizzleAtomBytes - misalignment));
@@ -458,17 +487,17 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const int warpgroup_idx = __shfl_sync(0xffffffffu, thread_idx / kWarpgroupThreads, 0);
     if (warpgroup_idx == 0) {
         setmaxnreg_dec<kProducerRegs>();
-        produce(&a_map, &b_map, params, smem, cta_rank, thread_idx);
+        produce<Shape>(&a_map, &b_map, params, smem, cta_rank, thread_idx);
     } else {
         setmaxnreg_inc<kConsumerRegs>();
-        consume<T, OutT, kAccumulate>(&out_map, params, smem, cta_rank, warpgroup_idx - 1, thread_idx);
+        consume<Shape, T, OutT, kAccumulate>(&out_map, params, smem, cta_rank, warpgroup_idx - 1, thread_idx);
     }
     cluster_sync();  // no CTA leaves while the other may still multicast into it or arrive on its barriers
 #endif
 }
 
 // The schedule of one launch: tile_counter[1] = 1 (claim greedily) when the busiest expert has more than
-// kSkewedRowsRatio x the mean rows, else 0 (the static stride: in balanced runs it was ~5% faster than claiming);
+// kSkewedRowsRatio x the mean rows, else 0 (the static stride);
 // tile_counter[0] = 0; experts_by_rank[r] = {e, its first sorted row, its row end, 0} for the expert e of rank r, by
 // rows, most first (ties: lower index first) when claiming and E <= kMaxOrderedExperts, else e = r. One block: each
 // expert counts the experts ranked before it.
@@ -511,13 +540,47 @@ __global__ void __launch_bounds__(kOrderThreads)
 // ---------------------------------------------------------------------------------------------------
 // Host side: the cluster launch (the tensor maps: k_grouped_host.cuh).
 
-template <typename T, typename OutT, bool kAccumulate = false>
+template <class Shape, typename T, typename OutT, bool kAccumulate = false>
 megamoe_status_t launch_typed(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUtensorMap& out_map,
                               const KernelParams& params, int num_sms, cudaStream_t stream) {
     const int64_t max_clusters = std::min<int64_t>(std::max(num_sms, kClusterSize) / kClusterSize, params.num_tiles);
     return launch_cluster_kernel<kClusterSize>(
-        k_grouped_gemm_sm90_kernel<T, OutT, kAccumulate, kStoreBoxesPerWarp>, "k_grouped_gemm_sm90", kNumThreads,
-        smem_bytes<SharedStorage<kStoreBoxesPerWarp>>(), max_clusters, stream, a_map, b_map, out_map, params);
+        k_grouped_gemm_sm90_kernel<Shape, T, OutT, kAccumulate, kStoreBoxesPerWarp>, "k_grouped_gemm_sm90", kNumThreads,
+        smem_bytes<SharedStorage<Shape, kStoreBoxesPerWarp>>(), max_clusters, stream, a_map, b_map, out_map, params);
+}
+
+// The launch on tile shape Shape: its tile counts and the pair's shared operand into `params` (whose operands, schedule
+// and output are set), then the kernel for the element and output types.
+template <class Shape>
+megamoe_status_t launch_shape(const cuda::KGroupedGemmArgs& args, KernelParams params, const CUtensorMap& a_map,
+                              const CUtensorMap& b_map, const CUtensorMap& out_map, bool f32_out, int num_sms,
+                              cudaStream_t stream) {
+    const int64_t num_m_tiles = ceil_div(args.m, static_cast<int64_t>(Shape::kBlockM));
+    const int64_t num_n_tiles = ceil_div(args.n, static_cast<int64_t>(Shape::kBlockN));
+    // The pair shares A (neighbouring n-tiles) when A comes by TMA, else B (neighbouring m-tiles) when B does.
+    params.pair_along_m = !params.a.tma && params.b.tma;
+    params.share = params.a.tma || params.b.tma;
+    const int64_t pairs_m =
+        params.pair_along_m ? ceil_div(num_m_tiles, static_cast<int64_t>(kClusterSize)) : num_m_tiles;
+    const int64_t pairs_n =
+        params.pair_along_m ? num_n_tiles : ceil_div(num_n_tiles, static_cast<int64_t>(kClusterSize));
+    const int64_t num_tiles = args.num_experts * pairs_m * pairs_n;
+    if (num_tiles > INT32_MAX || num_m_tiles * kClusterSize > INT32_MAX || num_n_tiles * kClusterSize > INT32_MAX) {
+        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "k_grouped_gemm_sm90: more than 2^31 output tiles");
+    }
+    params.num_m_tiles = static_cast<int>(num_m_tiles);
+    params.num_n_tiles = static_cast<int>(num_n_tiles);
+    params.pairs_m = static_cast<int>(pairs_m);
+    params.pairs_n = static_cast<int>(pairs_n);
+    params.num_tiles = static_cast<int>(num_tiles);
+    return cuda::with_element_type(args.dtype, [&](auto tag) {
+        using T = typename decltype(tag)::Type;
+        if (args.accumulate) {
+            return launch_typed<Shape, T, float, true>(a_map, b_map, out_map, params, num_sms, stream);
+        }
+        return f32_out ? launch_typed<Shape, T, float>(a_map, b_map, out_map, params, num_sms, stream)
+                       : launch_typed<Shape, T, T>(a_map, b_map, out_map, params, num_sms, stream);
+    });
 }
 
 }  // namespace
@@ -535,9 +598,7 @@ megamoe_status_t launch_k_grouped_gemm_sm90(const cuda::KGroupedGemmArgs& args, 
     if (!k_grouped_gemm_sm90_supported(args, out)) {
         return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "k_grouped_gemm_sm90: operands not supported");
     }
-    const int64_t num_m_tiles = ceil_div(args.m, static_cast<int64_t>(kBlockM));
-    const int64_t num_n_tiles = ceil_div(args.n, static_cast<int64_t>(kBlockN));
-    if (args.num_experts == 0 || num_m_tiles == 0 || num_n_tiles == 0) return MEGAMOE_STATUS_SUCCESS;
+    if (args.num_experts == 0 || args.m == 0 || args.n == 0) return MEGAMOE_STATUS_SUCCESS;
     CUtensorMap a_map, b_map;
     KernelParams params{};
     params.a = make_operand(args.dtype, args.a, args.lda, args.a_gather_slots, args.m, &a_map);
@@ -550,22 +611,6 @@ megamoe_status_t launch_k_grouped_gemm_sm90(const cuda::KGroupedGemmArgs& args, 
     params.m = args.m;
     params.n = args.n;
     params.expert_offsets = args.expert_offsets;
-    // The pair shares A (neighbouring n-tiles) when A comes by TMA, else B (neighbouring m-tiles) when B does.
-    params.pair_along_m = !params.a.tma && params.b.tma;
-    params.share = params.a.tma || params.b.tma;
-    const int64_t pairs_m =
-        params.pair_along_m ? ceil_div(num_m_tiles, static_cast<int64_t>(kClusterSize)) : num_m_tiles;
-    const int64_t pairs_n =
-        params.pair_along_m ? num_n_tiles : ceil_div(num_n_tiles, static_cast<int64_t>(kClusterSize));
-    const int64_t num_tiles = args.num_experts * pairs_m * pairs_n;
-    if (num_tiles > INT32_MAX || num_m_tiles * kClusterSize > INT32_MAX || num_n_tiles * kClusterSize > INT32_MAX) {
-        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "k_grouped_gemm_sm90: more than 2^31 output tiles");
-    }
-    params.num_m_tiles = static_cast<int>(num_m_tiles);
-    params.num_n_tiles = static_cast<int>(num_n_tiles);
-    params.pairs_m = static_cast<int>(pairs_m);
-    params.pairs_n = static_cast<int>(pairs_n);
-    params.num_tiles = static_cast<int>(num_tiles);
     params.out = out;
     if (args.schedule != nullptr && cuda::is_aligned(args.schedule, 16)) {  // heaviest first, claimed greedily
         auto* experts_by_rank = reinterpret_cast<int4*>(args.schedule);     // 256-byte aligned workspace
@@ -582,12 +627,10 @@ megamoe_status_t launch_k_grouped_gemm_sm90(const cuda::KGroupedGemmArgs& args, 
     }
     CUtensorMap out_map{};
     params.tma_store = !f32_out && encode_out_map(args.dtype, out, args.num_experts, args.m, args.n, &out_map);
-    return cuda::with_element_type(args.dtype, [&](auto tag) {
-        using T = typename decltype(tag)::Type;
-        if (args.accumulate) return launch_typed<T, float, true>(a_map, b_map, out_map, params, num_sms, stream);
-        return f32_out ? launch_typed<T, float>(a_map, b_map, out_map, params, num_sms, stream)
-                       : launch_typed<T, T>(a_map, b_map, out_map, params, num_sms, stream);
-    });
+    // The gathered operand on the narrow side of the tile (the tile table, k_grouped_config.cuh).
+    const bool wide_a = params.a.tma && args.b_gather_slots != nullptr && !k_grouped_narrow_a_tile();
+    return wide_a ? launch_shape<WideATile>(args, params, a_map, b_map, out_map, f32_out, num_sms, stream)
+                  : launch_shape<NarrowATile>(args, params, a_map, b_map, out_map, f32_out, num_sms, stream);
 }
 
 }  // namespace megamoe::sm90

@@ -3,6 +3,8 @@
 // wins becomes the default and its switch goes. Unset, empty or unknown values select the default.
 //   MEGAMOE_SM90_DSWIGLU_MATH=fast     dH's SwiGLU backward with the SFU's tanh (SwiGLUFastActivation); level with
 //                                      the default on the H200 (dH's epilogue waits on its g, u loads, not on math)
+//   MEGAMOE_SM90_K_TILE=128x256        the K-grouped kernel on its 128 x 256 tile even where B is gathered (dW13):
+//                                      the tile it used before the 256 x 128 one
 #pragma once
 
 #include <cstdlib>
@@ -18,6 +20,9 @@ inline bool env_is(const char* name, const char* value) {
 
 inline bool dswiglu_fast_math() {
     return env_is("MEGAMOE_SM90_DSWIGLU_MATH", "fast");
+}
+inline bool k_grouped_narrow_a_tile() {
+    return env_is("MEGAMOE_SM90_K_TILE", "128x256");
 }
 
 }  // namespace megamoe::sm90

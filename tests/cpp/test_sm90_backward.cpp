@@ -7,7 +7,7 @@
 //   - on the four reference shapes of DESIGN.md section 4, against the portable path (MEGAMOE_DISABLE_SM90=1)
 //     within bf16 error (dx and d topk_weights whole, dW13 / dW2 on their first and last experts);
 //   - the sm_90a K-grouped weight-gradient kernel (the default; MEGAMOE_SM90_WEIGHT_GRADS=0 opts out) on the
-//     ragged set and on cases aimed at its TMA k-blocks and cluster pairs;
+//     ragged set and on cases aimed at its TMA k-blocks and cluster pairs, and its two tile shapes against each other;
 //   - the keep-h memory mode (the forward's saved_h read by the backward) against the recompute mode, bitwise, on
 //     the sm_90a and the portable path, with saved_h itself against the CPU reference's h;
 //   - the dispatch: misaligned views fall back to the portable path; s * a and q in the dw13 output.
@@ -101,6 +101,27 @@ TEST(Sm90Backward, WeightGradKernelMatchesReference) {
     cases.push_back({"more cluster tiles than clusters, half empty", 768, 528, 264, 40, 4, Routing::kHalfEmpty});
     cases.push_back({"claimed tiles wrap the ring, one hot expert", 1500, 528, 264, 96, 3, Routing::kOneExpert});
     for (const Sm90Case& c : cases) check_against_reference(c, true);
+}
+
+// The K-grouped kernel's two tile shapes (k_grouped_config.cuh: 256 x 128 where B is gathered, dW13's x; 128 x 256
+// forced by MEGAMOE_SM90_K_TILE=128x256) give the same gradients bitwise: each output element reduces over the same
+// k-blocks in the same order, whatever the tile around it.
+TEST(Sm90Backward, WeightGradTileShapesAgreeBitwise) {
+    SKIP_WITHOUT_SM90();
+    const ScopedEnv enable("MEGAMOE_SM90_WEIGHT_GRADS", "1");
+    std::vector<Sm90Case> cases = sm90_ragged_cases();
+    cases.push_back({"odd n-tile pairs, long experts", 600, 712, 392, 2, 2});
+    cases.push_back({"claimed tiles wrap the ring, one hot expert", 1500, 528, 264, 96, 3, Routing::kOneExpert});
+    for (const Sm90Case& c : cases) {
+        SCOPED_TRACE(::testing::PrintToString(c));
+        const Problem problem = make_problem(c);
+        DeviceBackward device = upload_backward(problem);
+        device.run();
+        const Grads wide_a = device.download();
+        const ScopedEnv narrow_a("MEGAMOE_SM90_K_TILE", "128x256");
+        device.run();
+        expect_bitwise_equal(wide_a, device.download());
+    }
 }
 
 // Keep-h mode: the forward writes saved_h (poisoned first), the backward reads it instead of recomputing h (and writes
