@@ -155,6 +155,27 @@ def test_gradients_not_requested_are_skipped(gen, monkeypatch):
     assert experts.down_proj.grad is None and experts.gate_up_proj.grad is not None
 
 
+class LowRankDelta(nn.Module):
+    """A LoRA-style parametrization: weight + B @ A per expert, with its own parameters."""
+
+    def __init__(self, E, rows, cols, gen):
+        super().__init__()
+        self.A, self.B = nn.Parameter(randn(gen, E, 2, cols)), nn.Parameter(randn(gen, E, rows, 2, scale=0.1))
+
+    def forward(self, weight):
+        return weight + self.B @ self.A
+
+
+def test_parametrized_weights_are_read_through_their_attribute(gen):
+    """A torch parametrization (here a LoRA-style delta on gate_up_proj) is read through the attribute: its
+    parameters (parametrizations.gate_up_proj.*) get their gradients, none refused as unread."""
+    case = ROUTINGS[0]
+    H, I, E = case[2:5]
+    experts = make_experts("gate_up_proj_bias", H, I, E, gen)
+    torch.nn.utils.parametrize.register_parametrization(experts, "gate_up_proj", LowRankDelta(E, 2 * I, H, gen))
+    check_against_prime_rl(experts, case, gen)
+
+
 def refused(experts, match):
     """validate, a call and unsupported_reason all refuse `experts`, naming `match`."""
     with pytest.raises(ValueError, match=match):

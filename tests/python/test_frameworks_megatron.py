@@ -22,7 +22,8 @@ VERSION = load_release("megatron-core", "megatron.core")
 import megamoe  # noqa: E402 (after Megatron's release is on sys.path)
 from megamoe.adapters import megatron as adapter  # noqa: E402
 
-pytestmark = pytest.mark.filterwarnings("ignore::UserWarning")  # Megatron's "Transformer Engine ... not installed"
+pytestmark = [pytest.mark.filterwarnings("ignore::UserWarning"),  # Megatron: "Transformer Engine ... not installed"
+              pytest.mark.filterwarnings("ignore::DeprecationWarning")]  # Megatron: "tp_group is None ..."
 
 
 @pytest.fixture(scope="module")

@@ -133,16 +133,27 @@ def _storage_arguments(experts):
                             _get(experts, "down_proj_bias"), SEPARATE, None)
 
 
+# The attributes each storage reads (those set): every parameter of the module must be one of them, or belong to a
+# torch parametrization of one (parametrizations.<attribute>.*: read through the attribute, e.g. a LoRA delta).
+_READS = {
+    GPT_OSS: ("gate_up_proj", "down_proj", "gate_up_proj_bias", "down_proj_bias"),
+    CONCATENATED: ("gate_up_proj", "down_proj", "gate_proj_bias", "up_proj_bias", "down_proj_bias"),
+    SEPARATE: ("w1", "w2", "w3", "gate_proj", "up_proj", "down_proj", "gate_proj_bias", "up_proj_bias",
+               "down_proj_bias"),
+}
+
+
 def _refuse_unread_parameters(experts, args):
     """Refuse a module with a parameter (its own or a submodule's) that the call would not read."""
     if not isinstance(experts, torch.nn.Module):
         return
-    read = {id(t) for t in (args.w13, args.w2, args.w3, args.b2) if t is not None}
-    read |= {id(_get(experts, name)) for name in ("gate_proj_bias", "up_proj_bias", "gate_up_proj_bias")}
-    for name, param in experts.named_parameters():
-        if id(param) not in read:
-            raise _Unsupported(experts, f"parameter {name}, which megamoe would not read (it computes the "
-                                        f"{args.layout.gate_up} storage of the module docstring)")
+    read = _READS[args.layout]
+    for name, _ in experts.named_parameters():
+        parts = name.split(".")
+        if name in read or (len(parts) > 2 and parts[0] == "parametrizations" and parts[1] in read):
+            continue
+        raise _Unsupported(experts, f"parameter {name}, which megamoe would not read (it reads "
+                                    f"{', '.join(n for n in read if _get(experts, n) is not None)})")
 
 
 def unsupported_reason(experts):
