@@ -24,4 +24,5 @@ ctest --test-dir build --output-on-failure
 
 # Python: install the package as a user would, then test that install (not the source tree).
 "$PYTHON" -m pip install -q --disable-pip-version-check --no-build-isolation --no-deps .
+bash scripts/install_frameworks.sh "$PYTHON"  # torchtitan, megatron-core: tests/python/test_frameworks_*.py
 (cd tests/python && "$PYTHON" -m pytest -q -rs .)

@@ -78,14 +78,15 @@ def counts_of(ids, E):
 
 def grouped_swiglu(x_sorted, counts, gate, up, down, gate_bias=None, up_bias=None, down_bias=None, act=None):
     """Per-expert loop over rows grouped by expert (padding rows past the counts' sum: 0), each expert
-    down[e] @ act(gate[e] @ x + gb, up[e] @ x + ub) + db with weights [E, out, in]; act default silu(g) * u."""
+    down[e] @ act(gate[e] @ x + gb, up[e] @ x + ub) + db with weights [E, out, in] (each bias optional);
+    act default silu(g) * u."""
     act = act or (lambda g, u: F.silu(g) * u)
     outs, start = [], 0
     for e, n in enumerate(counts.tolist()):
         rows = x_sorted[start:start + n]
         g, u = rows @ gate[e].T, rows @ up[e].T
-        if gate_bias is not None:
-            g, u = g + gate_bias[e], u + up_bias[e]
+        g = g if gate_bias is None else g + gate_bias[e]
+        u = u if up_bias is None else u + up_bias[e]
         o = act(g, u) @ down[e].T
         outs.append(o + down_bias[e] if down_bias is not None else o)
         start += n

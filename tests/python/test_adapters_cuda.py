@@ -69,7 +69,7 @@ def test_torchtitan_routed_experts_on_cuda(case, gen):
 
 
 @pytest.mark.parametrize("case", CASES, ids=IDS)
-@pytest.mark.parametrize("storage", ["w1w2w3", "gate_up_proj", "gpt_oss"])
+@pytest.mark.parametrize("storage", ["w1w2w3", "gate_up_proj", "gate_up_proj_bias", "gpt_oss"])
 def test_prime_rl_expert_compute_on_cuda(storage, case, gen):
     _, T, H, I, E, topk, kind = case
     experts64 = make_experts(storage, H, I, E, gen)

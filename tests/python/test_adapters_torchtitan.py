@@ -1,7 +1,8 @@
 """megamoe.adapters.torchtitan against plain-PyTorch torchtitan modules written here (GroupedExperts' storage w1 / w2 /
 w3 and its per-expert loop; RoutedExperts' local dispatcher: stable argsort, experts, score-weighted scatter-add), in
-float64 on the CPU: forward and every gradient on ragged routings, the parameters read in place, errors naming the
-argument, gradients not requested skipped, torchtitan's key names, torch.compile(fullgraph=True)."""
+float64 on the CPU: forward and every gradient on ragged routings, any leading shape of the routed call, the
+parameters read in place, errors naming the argument, gradients not requested skipped, torchtitan's key names,
+torch.compile(fullgraph=True). test_frameworks_torchtitan.py checks the same against torchtitan's own modules."""
 
 import pytest
 import torch
@@ -62,6 +63,26 @@ def test_routed_experts_match_torchtitan(case, recompute, gen):
     assert {name: p.data_ptr() for name, p in params_of(routed.inner_experts).items()} == storage
 
 
+@pytest.mark.parametrize("leading", [(2, 3), (6, 1), (1, 2, 3)], ids=["B2_L3", "B6_L1", "1x2x3"])
+def test_routed_experts_take_any_leading_shape(leading, gen):
+    """x [..., H] with scores / ids [..., K] (torchtitan 0.3.0 calls it with [B, L, .]) -> y [..., H]: the values and
+    gradients of the flattened call, reshaped."""
+    H, I, E, K = 10, 6, 4, 2
+    T = torch.Size(leading).numel()
+    routed = torchtitan.RoutedExperts(H, I, E, dtype=torch.float64)
+    routed.inner_experts.init_weights(0.3)
+    reference = TorchtitanGroupedExperts(**params_of(routed.inner_experts))
+    ids, scores = routing(T, E, K, "random", gen)
+    scores.requires_grad_()
+    x = torch.randn(T, H, generator=gen, dtype=torch.float64).requires_grad_()
+    dy = torch.randn(*leading, H, generator=gen, dtype=torch.float64)
+    leaves = {"x": x, "topk_scores": scores, **params_of(routed.inner_experts)}
+    ours = grads(lambda: routed(x.view(*leading, H), scores.view(*leading, K), ids.view(*leading, K),
+                                counts_of(ids, E)), leaves, dy)
+    theirs = grads(lambda: torchtitan_routed(reference, x, scores, ids).view(*leading, H), leaves, dy)
+    assert_close(ours, theirs)
+
+
 @pytest.mark.parametrize("case", ROUTINGS, ids=IDS)
 @pytest.mark.parametrize("num_padding", [0, 3])
 def test_grouped_experts_match_torchtitan(case, num_padding, gen):
@@ -119,8 +140,10 @@ def test_bad_inputs_name_the_argument():
         routed(x, scores[:4], ids[:4])
     with pytest.raises(ValueError, match="num_tokens_per_expert"):
         routed(x, scores, ids, torch.zeros(E + 1, dtype=torch.int64))
-    with pytest.raises(ValueError, match="x"):
+    with pytest.raises(ValueError, match=r"leading shape of x \(1, 5, 8\)"):
         routed(x[None], scores, ids)
+    with pytest.raises(ValueError, match="x must have at least 2 dimensions"):
+        routed(x[0], scores[0], ids[0])
     experts = routed.inner_experts
     with pytest.raises(TypeError, match="num_tokens_per_expert"):
         experts(x, torch.zeros(E))

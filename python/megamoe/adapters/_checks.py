@@ -35,16 +35,19 @@ def rows(entry, name, value, num_rows, what):
 
 
 def routing(entry, x, scores_name, scores, ids_name, ids):
-    """topk scores and ids [T, K] of the T rows of x [T, H]."""
-    tensor(entry, "x", x, 2)
-    tensor(entry, scores_name, scores, 2)
-    tensor(entry, ids_name, ids, 2)
+    """topk scores and ids [..., K] of the tokens of x [..., H] (the same leading shape, at least one dimension)."""
+    tensor(entry, "x", x)
+    tensor(entry, scores_name, scores)
+    tensor(entry, ids_name, ids)
+    if x.dim() < 2:
+        raise ValueError(f"{entry}: x must have at least 2 dimensions ([..., H]), got shape {tuple(x.shape)}")
     if ids.dtype not in (torch.int32, torch.int64):
         raise TypeError(f"{entry}: {ids_name} must be int32 or int64, got {ids.dtype}")
     if scores.shape != ids.shape:
         raise ValueError(f"{entry}: {scores_name} {tuple(scores.shape)} and {ids_name} {tuple(ids.shape)} differ")
-    if ids.shape[0] != x.shape[0]:
-        raise ValueError(f"{entry}: {ids_name} has {ids.shape[0]} rows for the {x.shape[0]} tokens of x")
+    if ids.shape[:-1] != x.shape[:-1]:
+        raise ValueError(f"{entry}: {ids_name} {tuple(ids.shape)} does not have the leading shape of x "
+                         f"{tuple(x.shape)} (tokens [..., K] for x [..., H])")
 
 
 def scores_dtype(scores, x):

@@ -1,9 +1,9 @@
 """torchtitan-style routed experts on megamoe: torchtitan's GroupedExperts storage, read in place.
 
-torchtitan (torchtitan/models/common/moe.py; torchtitan/models/moe/moe.py before) keeps a MoE layer's routed experts
-as three stacked weights, each expert a SwiGLU MLP  o = w2[e] (silu(w1[e] x) * (w3[e] x)):
+torchtitan keeps a MoE layer's routed experts as three stacked weights, each expert a SwiGLU MLP
+o = w2[e] (silu(w1[e] x) * (w3[e] x)):
 
-    w1 [E, I, H]   gate projection        (torchtitan: w1_EFD, before: w1)
+    w1 [E, I, H]   gate projection        (torchtitan 0.3: w1_EFD, 0.2: w1)
     w2 [E, H, I]   down projection        (w2_EDF, w2)
     w3 [E, I, H]   up projection          (w3_EFD, w3)
 
@@ -13,15 +13,26 @@ they are (no per-step copy) and autograd returns their gradients shaped as them.
     experts = GroupedExperts(dim, hidden_dim, num_experts)          # parameters w1, w2, w3
     out = experts(x_sorted, num_tokens_per_expert)                  # x_sorted [R, H] grouped by expert -> [R, H]
     routed = RoutedExperts(dim, hidden_dim, num_experts)            # routed.inner_experts is a GroupedExperts
-    y = routed(x, topk_scores, topk_expert_ids, num_tokens_per_expert)   # x [T, H] -> y [T, H]
+    y = routed(x, topk_scores, topk_expert_ids, num_tokens_per_expert)   # x [..., H] -> y [..., H]
+
+The call conventions followed (and tested against the installed packages, tests/python/test_frameworks_torchtitan.py):
+- torchtitan 0.3.0 (PyPI; torchtitan/models/common/moe.py): MoE.routed_experts is a RoutedExperts called with
+  x [B, L, H], topk_scores / topk_expert_ids [B, L, K] and the counts [E], returning [B, L, H]; its inner_experts a
+  GroupedExperts called with the dispatched rows [R, H] and the counts. Either drop-in fits: RoutedExperts as
+  MoE.routed_experts, or GroupedExperts as routed_experts.inner_experts (torchtitan's dispatcher then sorts and
+  combines).
+- torchtitan main (pytorch/torchtitan b5bcd76c66d0acb1a08b176d9639425bc55e0b2a): the same with x [T, H] and
+  [T, K] (RoutedExperts takes any leading shape [..., H] with [..., K] and returns x's).
+- torchtitan 0.2.x (PyPI 0.2.2; torchtitan/models/moe/moe.py): no RoutedExperts; MoE.experts is a GroupedExperts
+  (w1 / w2 / w3) called with the rows and the counts: the GroupedExperts drop-in, with either score_before_experts
+  (the MoE scales the rows or the outputs outside the experts).
 
 GroupedExperts.forward is torchtitan's inner-experts call (rows already dispatched, sorted by expert; rows past the
 counts' sum are padding and come out 0): megamoe.grouped_moe. RoutedExperts.forward is torchtitan's RoutedExperts
 call (its LocalTokenDispatcher's sort, the experts and the score-weighted scatter-add combine in one op):
 megamoe.moe on the topk ids, y_t = sum_k topk_scores[t, k] o_{topk_expert_ids[t, k]}(x_t). Its counts are only
 checked for their shape (megamoe routes by the ids on the device: no host sync). The scores multiply the experts'
-outputs (torchtitan's current behaviour; its older score_before_experts=True scaled the inputs instead, which megamoe
-does not compute).
+outputs, as torchtitan's RoutedExperts combine does.
 
 The computation runs in the weights' dtype (torchtitan casts to bf16) and returns x's dtype. Expert-parallel DTensor
 weights (Shard(0)) work with GroupedExperts (grouped_moe reads their local experts); RoutedExperts needs every expert
@@ -89,9 +100,11 @@ class RoutedExperts(nn.Module):
     """torchtitan's RoutedExperts (dispatch, experts, combine) as one megamoe call; `inner_experts` holds the
     parameters (a GroupedExperts, as in torchtitan's module tree).
 
-    forward(x [T, H], topk_scores [T, K], topk_expert_ids [T, K], num_tokens_per_expert [E]) -> y [T, H] in x's dtype:
-    y_t = sum_k topk_scores[t, k] * o_e(x_t), e = topk_expert_ids[t, k] (-1: a dropped slot, megamoe's convention).
-    topk_scores in f32 or x's dtype (others are cast to f32); num_tokens_per_expert is not read (shape checked only).
+    forward(x [..., H], topk_scores [..., K], topk_expert_ids [..., K], num_tokens_per_expert [E]) -> y [..., H] in
+    x's dtype, with x's leading shape: torchtitan 0.3.0 (PyPI) calls it with x [B, L, H] and scores / ids [B, L, K],
+    torchtitan main with x [T, H] and [T, K]. y_t = sum_k topk_scores[t, k] * o_e(x_t), e = topk_expert_ids[t, k] (-1:
+    a dropped slot, megamoe's convention). topk_scores in f32 or x's dtype (others are cast to f32);
+    num_tokens_per_expert is not read (shape checked only).
     """
 
     def __init__(self, dim, hidden_dim, num_experts, dtype=None, device=None, recompute=False):
@@ -105,8 +118,10 @@ class RoutedExperts(nn.Module):
         _checks.routing(entry, x, "topk_scores", topk_scores, "topk_expert_ids", topk_expert_ids)
         if num_tokens_per_expert is not None:
             _checks.counts(entry, "num_tokens_per_expert", num_tokens_per_expert, experts.num_experts)
-        x_in = x.to(experts.w1.dtype)  # [T, H]
+        K = topk_expert_ids.shape[-1]
+        x_in = x.reshape(-1, x.shape[-1]).to(experts.w1.dtype)  # [T, H]
+        ids, scores = topk_expert_ids.reshape(-1, K), topk_scores.reshape(-1, K)  # [T, K]
         with _checks.framework_names(entry, _ROUTED_NAMES):
-            y = moe(x_in, topk_expert_ids, _checks.scores_dtype(topk_scores, x_in), experts.w1, experts.w2,
+            y = moe(x_in, ids, _checks.scores_dtype(scores, x_in), experts.w1, experts.w2,
                     recompute=experts.recompute, w3=experts.w3, layout=SEPARATE)  # [T, H]
-        return y.to(x.dtype)
+        return y.to(x.dtype).view(x.shape)
