@@ -1,9 +1,9 @@
 // Row kernels of the portable CUDA path (math in elementwise.h).
 //
 // gather_sum: block (token t, column tile); each of 256 threads owns 16 bytes of every source row (8 16-bit or 4 f32
-//   values: one load when aligned), loads the token's rows 8 at a time (indices, weights, rows: each batch's loads in
-//   flight together) and adds them in j order: the sum order is fixed, so results are bitwise reproducible. No
-//   shared memory.
+//   values: one load when aligned), loads the token's rows 8 at a time in two rounds (its invalid flag, the rows'
+//   indices and weights; then the rows) and adds them in j order: the sum order is fixed, so results are bitwise
+//   reproducible. No shared memory.
 // dswiglu_rows: one block of 256 threads per sorted row; thread i handles columns i, i + 256, ... of
 //   the row in order, then a fixed shuffle tree and the 8 warp sums in warp order give ds
 //   (deterministic). Shared memory: 8 floats. Blocks past the device-side row count exit at once.
@@ -73,8 +73,9 @@ __device__ __forceinline__ void unpack_gather_cols(const uint4& packed, float (&
 }
 
 // Block (token t, column tile); thread i owns kGatherCols<RowT> columns of the tile. The token's source rows go in
-// batches of kGatherBatch: their indices, then their weights, then their rows are loaded together (three round trips
-// per batch instead of three per row), and added in j order (fmaf, skipping dropped slots): the sum order is fixed.
+// batches of kGatherBatch, each in two rounds of loads: the token's invalid flag, the batch's row indices and weights
+// together (none depends on another), then the batch's rows; they are added in j order (fmaf, skipping dropped
+// slots): the sum order is fixed. An invalid token's columns are NaN.
 template <typename T, typename RowT>
 __global__ void __launch_bounds__(kGatherThreads) gather_sum_kernel(const GatherSumArgs args, bool vec) {
     constexpr int kCols = kGatherCols<RowT>;
@@ -82,43 +83,41 @@ __global__ void __launch_bounds__(kGatherThreads) gather_sum_kernel(const Gather
     const int64_t col = (static_cast<int64_t>(blockIdx.y) * kGatherThreads + threadIdx.x) * kCols;
     if (col >= args.num_cols) return;
     const int num_valid = static_cast<int>(min(static_cast<int64_t>(kCols), args.num_cols - col));
+    const RowT* rows = static_cast<const RowT*>(args.rows) + col;
+    const int token_invalid = args.token_invalid[token_idx];
     float acc[kCols] = {};
-    if (args.token_invalid[token_idx] != 0) {
-        for (int item_idx = 0; item_idx < kCols; ++item_idx) acc[item_idx] = __int_as_float(0x7fc00000);
-    } else {
-        const RowT* rows = static_cast<const RowT*>(args.rows) + col;
-        for (int64_t first_choice = 0; first_choice < args.topk; first_choice += kGatherBatch) {
-            int row_idx[kGatherBatch];
-            float weight[kGatherBatch];
-            uint4 packed[kGatherBatch];
+    for (int64_t first_choice = 0; first_choice < args.topk; first_choice += kGatherBatch) {
+        int row_idx[kGatherBatch];
+        float weight[kGatherBatch];
+        uint4 packed[kGatherBatch];
 #pragma unroll
-            for (int batch_idx = 0; batch_idx < kGatherBatch; ++batch_idx) {
-                const int64_t choice_idx = first_choice + batch_idx;
-                row_idx[batch_idx] = choice_idx < args.topk ? args.slot_to_row[token_idx * args.topk + choice_idx] : -1;
-            }
+        for (int batch_idx = 0; batch_idx < kGatherBatch; ++batch_idx) {
+            const int64_t choice_idx = first_choice + batch_idx;
+            const int64_t slot_idx = token_idx * args.topk + choice_idx;
+            const bool in_topk = choice_idx < args.topk;
+            row_idx[batch_idx] = in_topk ? args.slot_to_row[slot_idx] : -1;
+            weight[batch_idx] = in_topk ? load_weight(args.weights, args.weights_dtype, slot_idx) : 0.0f;
+        }
+        if (token_invalid != 0) break;
 #pragma unroll
-            for (int batch_idx = 0; batch_idx < kGatherBatch; ++batch_idx) {
-                const int64_t slot_idx = token_idx * args.topk + first_choice + batch_idx;
-                weight[batch_idx] =
-                    row_idx[batch_idx] >= 0 ? load_weight(args.weights, args.weights_dtype, slot_idx) : 0.0f;
-            }
-#pragma unroll
-            for (int batch_idx = 0; batch_idx < kGatherBatch; ++batch_idx) {
-                if (row_idx[batch_idx] >= 0) {
-                    packed[batch_idx] = load_gather_cols(rows + row_idx[batch_idx] * args.num_cols, vec, num_valid);
-                }
-            }
-#pragma unroll
-            for (int batch_idx = 0; batch_idx < kGatherBatch; ++batch_idx) {
-                if (row_idx[batch_idx] < 0) continue;
-                float values[kCols];
-                unpack_gather_cols<RowT>(packed[batch_idx], values);
-#pragma unroll
-                for (int item_idx = 0; item_idx < kCols; ++item_idx) {
-                    acc[item_idx] = fmaf(weight[batch_idx], values[item_idx], acc[item_idx]);
-                }
+        for (int batch_idx = 0; batch_idx < kGatherBatch; ++batch_idx) {
+            if (row_idx[batch_idx] >= 0) {
+                packed[batch_idx] = load_gather_cols(rows + row_idx[batch_idx] * args.num_cols, vec, num_valid);
             }
         }
+#pragma unroll
+        for (int batch_idx = 0; batch_idx < kGatherBatch; ++batch_idx) {
+            if (row_idx[batch_idx] < 0) continue;
+            float values[kCols];
+            unpack_gather_cols<RowT>(packed[batch_idx], values);
+#pragma unroll
+            for (int item_idx = 0; item_idx < kCols; ++item_idx) {
+                acc[item_idx] = fmaf(weight[batch_idx], values[item_idx], acc[item_idx]);
+            }
+        }
+    }
+    if (token_invalid != 0) {
+        for (int item_idx = 0; item_idx < kCols; ++item_idx) acc[item_idx] = __int_as_float(0x7fc00000);
     }
     T* dst = static_cast<T*>(args.out) + token_idx * args.num_cols + col;
     if (vec) {
