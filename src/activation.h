@@ -7,9 +7,9 @@
 //                   da/du = g' sig(alpha g') where -limit < u < limit, else 0
 // The clamps pass a NaN through (as torch.clamp does); a value on the limit gets a zero gradient (the minimum-norm
 // subgradient: F.hardtanh's, and torch.clamp's since pytorch#184572; older torch.clamp passes the gradient there).
-// The SwiGLU expressions are those of the portable CUDA row kernel (cuda/elementwise.cu), term for term, which keeps
-// its own copy of them for the default options (the default path's kernels, and the sm_90a epilogues with their fast
-// division, are left as they are; TODO(#12)). T is float or double.
+// The SwiGLU expressions are those of the portable CUDA row kernel (portable/elementwise.cu), term for term, which
+// keeps its own copy of them for the default options (the default path's kernels, and the sm_90a epilogues with their
+// fast division, are left as they are; TODO(#12)). T is float or double.
 #pragma once
 
 #include <cmath>

@@ -3,7 +3,7 @@
 // Grouped rows are the same computation with one slot per row (T = R, topk = 1), the expert of a row given by
 // tokens_per_expert and its weight by scores (1 when absent); padding rows have no expert, like a dropped slot.
 //
-// Preconditions (checked by src/api.cpp): every tensor is on the CPU and contiguous row-major;
+// Preconditions (checked by src/api/api.cpp): every tensor is on the CPU and contiguous row-major;
 // ids are in [-1, E); counts are >= 0 and sum to at most R.
 #pragma once
 

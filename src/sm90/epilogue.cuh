@@ -8,7 +8,7 @@
 
 #include <cstdint>
 
-#include "cuda/cuda_utils.h"
+#include "device/cuda_utils.h"
 #include "sm90/ptx.h"
 
 namespace megamoe::sm90 {

@@ -77,8 +77,8 @@
 #include <type_traits>
 #include <utility>
 
-#include "cuda/cuda_utils.h"
-#include "cuda/routing.h"
+#include "device/cuda_utils.h"
+#include "device/grouped_gemm_args.h"
 #include "sm90/epilogue.cuh"
 #include "sm90/knobs.h"
 #include "sm90/launch.h"

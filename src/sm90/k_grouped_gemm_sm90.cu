@@ -66,7 +66,7 @@
 #include <type_traits>
 #include <utility>
 
-#include "cuda/cuda_utils.h"
+#include "device/cuda_utils.h"
 #include "sm90/epilogue.cuh"
 #include "sm90/k_grouped_config.cuh"
 #include "sm90/k_grouped_host.cuh"

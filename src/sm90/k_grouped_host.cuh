@@ -2,7 +2,7 @@
 // and of its element-type output.
 #pragma once
 
-#include "cuda/cuda_utils.h"
+#include "device/cuda_utils.h"
 #include "sm90/epilogue.cuh"
 #include "sm90/k_grouped_config.cuh"
 #include "sm90/launch.h"

@@ -14,7 +14,7 @@
 #include <utility>
 
 #include "common.h"
-#include "cuda/cuda_utils.h"
+#include "device/cuda_utils.h"
 #include "megamoe/megamoe.h"
 
 namespace megamoe::sm90 {

@@ -10,8 +10,7 @@
 #include <cstdint>
 #include <type_traits>
 
-#include "cuda/grouped_gemm.h"
-#include "cuda/routing.h"
+#include "device/grouped_gemm_args.h"
 #include "sm90/epilogue.cuh"
 #include "sm90/ptx.h"
 

@@ -13,7 +13,7 @@
 
 #include <type_traits>
 
-#include "cuda/cuda_utils.h"
+#include "device/cuda_utils.h"
 #include "sm90/m_grouped_activation.cuh"
 #include "sm90/m_grouped_config.cuh"
 

@@ -2,8 +2,8 @@
 // layout's two) and of the K halves' A, the mainloop's params from the GEMM arguments.
 #pragma once
 
-#include "cuda/cuda_utils.h"
-#include "cuda/grouped_gemm.h"
+#include "device/cuda_utils.h"
+#include "device/grouped_gemm_args.h"
 #include "sm90/launch.h"
 #include "sm90/m_grouped_config.cuh"
 

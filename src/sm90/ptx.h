@@ -24,7 +24,7 @@
 
 #include <cstdint>
 
-#include "cuda/mma_sm80.h"
+#include "device/mma_sm80.h"
 
 namespace megamoe::sm90 {
 

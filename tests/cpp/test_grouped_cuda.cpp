@@ -16,7 +16,7 @@
 #include <string>
 #include <vector>
 
-#include "cuda/cuda_path.h"
+#include "path/cuda_path.h"
 #include "cuda_test_util.h"
 #include "grouped_test_util.h"
 #include "test_util.h"

@@ -1,7 +1,7 @@
 // The kernels of the non-default expert options on their own, against host loops: the GEMM steps of
-// src/cuda/layout_steps.h (the gated up GEMM for every layout, activation and b13; the down GEMM with a transposed w2
+// src/path/layout_steps.h (the gated up GEMM for every layout, activation and b13; the down GEMM with a transposed w2
 // and b2; the dX GEMM over dh in w13's row order, the separate layout's two GEMMs added by the f32 accumulating
-// epilogue), and the row kernels of src/cuda/layout_rows.h (the per-expert column sums behind db13 / db2, the
+// epilogue), and the row kernels of src/portable/layout_rows.h (the per-expert column sums behind db13 / db2, the
 // activation rows kernel writing dh over h in place). Without a GPU every test skips.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -12,8 +12,8 @@
 #include <string>
 #include <vector>
 
-#include "cuda/layout_rows.h"
-#include "cuda/layout_steps.h"
+#include "portable/layout_rows.h"
+#include "path/layout_steps.h"
 #include "layout_cuda_util.h"
 
 namespace megamoe::test {

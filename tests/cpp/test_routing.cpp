@@ -1,4 +1,4 @@
-// The routing metadata kernels (cuda/routing.h) on their own, so a wrong sort names itself: expert_offsets,
+// The routing metadata kernels (portable/routing.h) on their own, so a wrong sort names itself: expert_offsets,
 // m_tile_offsets, sorted_slot, slot_to_row and token_invalid, bitwise against a CPU stable counting sort of the same
 // ids (dropped slots, invalid ids, empty experts, one expert taking every slot, more experts than slots, topk = 1,
 // T = 1, sizes off every chunk multiple). The device buffers are poisoned first, so an unwritten element shows.
@@ -9,8 +9,8 @@
 #include <string>
 #include <vector>
 
-#include "cuda/grouped_gemm.h"
-#include "cuda/routing.h"
+#include "portable/grouped_gemm.h"
+#include "portable/routing.h"
 #include "cuda_test_util.h"
 
 namespace megamoe::test {

@@ -9,9 +9,9 @@
 #include <string>
 
 #include "common.h"
-#include "cuda/call.h"
-#include "cuda/grouped_gemm.h"
-#include "cuda/routing.h"
+#include "path/call.h"
+#include "portable/grouped_gemm.h"
+#include "portable/routing.h"
 
 namespace megamoe::cuda {
 

@@ -10,12 +10,12 @@
 // Gated epilogue (every layout): the same pairing with the up rows read from b_up (w13 + I rows, or w3), or, for
 // interleaved rows, the tile in storage order, whose accumulator pairs (2i, 2i + 1) are (g_i, u_i) in one thread;
 // bias and activation (activation.h) applied in f32 before h and a are rounded.
-#include "cuda/grouped_gemm.h"
+#include "portable/grouped_gemm.h"
 
 #include <type_traits>
 
-#include "cuda/gemm_tile.cuh"
-#include "cuda/routing.h"
+#include "portable/gemm_tile.cuh"
+#include "portable/routing.h"
 
 namespace megamoe::cuda {
 namespace {

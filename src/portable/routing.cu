@@ -25,7 +25,7 @@
 //   2. tiles   pass 3 above;
 //   3. rows    one thread per row: slot_to_row[r] = r below expert_offsets[E], -1 for padding rows past it, and
 //              token_invalid[r] = counts_invalid (the combine and the d scores pass then write NaN for every row).
-#include "cuda/routing.h"
+#include "portable/routing.h"
 
 #include <algorithm>
 

@@ -3,7 +3,7 @@
 // allocation: everything lives in the caller's workspace, so a CUDA graph can capture a call.
 // Both entry points run it: the whole layer and grouped rows (rows already sorted by expert; see call.h).
 //
-// Preconditions (checked by src/api.cpp before any call here): every tensor is on the same CUDA
+// Preconditions (checked by src/api/api.cpp before any call here): every tensor is on the same CUDA
 // device and contiguous row-major; x, w13, w2, dy share one dtype (bf16 or f16); topk_ids /
 // tokens_per_expert are i32 or i64; topk_weights / scores are f32 or the dtype of x; output dtypes are as
 // documented in megamoe.h; accum is DEFAULT or F32; the rows (T * topk, or R) are below 2^31; the params'

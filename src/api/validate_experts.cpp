@@ -7,7 +7,7 @@
 #include <string>
 
 #include "dtype.h"
-#include "validate.h"
+#include "api/validate.h"
 
 namespace megamoe {
 namespace {

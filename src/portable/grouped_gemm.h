@@ -26,38 +26,9 @@
 
 #include "activation.h"
 #include "common.h"
+#include "device/grouped_gemm_args.h"
 
 namespace megamoe::cuda {
-
-constexpr int kGemmBlockM = 128;  // rows per M tile; the routing's M-tile schedule uses it
-
-enum class BLayout {
-    kNK,  // B_e is [N, K], K contiguous (w13[e] for up, w2[e] for down)
-    kKN,  // B_e is [K, N], N contiguous (w2[e] for dH, w13[e] for dX)
-};
-
-struct MGroupedGemmArgs {
-    megamoe_dtype_t dtype;  // element type of A and B: bf16 or f16
-    const void* a;          // A rows, row stride lda elements
-    int64_t lda;
-    const int* a_gather_slots;  // NULL: a_row(r) = r; else a_row(r) = a_gather_slots[r] / topk
-    int64_t num_a_rows;         // rows of A: every a_row(r) is below it (the extent of the sm_90a kernel's A map)
-    int64_t topk;
-    const void* b;  // B_0; B_e = b + e * b_expert_stride
-    int64_t b_expert_stride;
-    int64_t ldb;                // row stride of B_e
-    int64_t n;                  // N (for the SwiGLU epilogue: I, the number of (gate, up) pairs)
-    int64_t k;                  // K
-    const int* expert_offsets;  // [E + 1] sorted rows per expert
-    const int* m_tile_offsets;  // [E + 1] M-tile schedule (kGemmBlockM rows per tile)
-    int64_t num_experts;
-    int64_t max_m_tiles;  // host bound on m_tile_offsets[E]
-    // The gated-activation up GEMM of the non-default options (launch_m_grouped_gemm_gated) and the down GEMM's bias.
-    const void* b_up;              // concatenated / separate: B_0 of the up rows (up row j is row / column j of it)
-    bool interleaved;              // gate i and up i are the adjacent rows (kKN: columns) 2i and 2i + 1 of B_e
-    const void* bias;              // gated: b13 [E, 2I] arranged as B's rows; element store: b2 [E, N]; NULL: none
-    Activation<float> activation;  // gated
-};
 
 // out[r, n] in f32, row stride ldo; `accumulate`: added to the values out holds (out[r, n] += ..., one thread per
 // element: the dX GEMM of the separate layout runs as two GEMMs, gate then up).
@@ -78,30 +49,6 @@ megamoe_status_t launch_m_grouped_gemm_swiglu(const MGroupedGemmArgs& args, void
 // (activation.h) in the element type, as _swiglu writes them.
 megamoe_status_t launch_m_grouped_gemm_gated(const MGroupedGemmArgs& args, BLayout b_layout, void* h, void* act,
                                              cudaStream_t stream);
-
-struct KGroupedGemmArgs {
-    megamoe_dtype_t dtype;  // element type of A and B: bf16 or f16
-    const void* a;          // rows of M values, row stride lda
-    int64_t lda;
-    const int* a_gather_slots;  // NULL: row r; else row a_gather_slots[r] / topk
-    const void* b;              // rows of N values, row stride ldb
-    int64_t ldb;
-    const int* b_gather_slots;
-    int64_t topk;
-    int64_t m;
-    int64_t n;
-    const int* expert_offsets;  // [E + 1]
-    int64_t num_experts;
-    int* schedule;    // sm_90a kernel: k_grouped_schedule_ints(E) ints, 16-byte aligned (NULL: static order; portable:
-                      // unused)
-    bool accumulate;  // out is f32 and holds values: C_e is added into it
-};
-
-// Device ints the sm_90a K-grouped kernel's tile schedule needs in KGroupedGemmArgs::schedule: a 4-int entry per
-// expert, the tile counter and the claiming flag.
-inline int64_t k_grouped_schedule_ints(int64_t num_experts) {
-    return 4 * num_experts + 2;
-}
 
 // C_e into out [E, M, N] (contiguous), dtype out_dtype: the element type or f32 (f32 only with args.accumulate).
 megamoe_status_t launch_k_grouped_gemm(const KGroupedGemmArgs& args, void* out, megamoe_dtype_t out_dtype,

@@ -7,10 +7,10 @@
 #include <string>
 
 #include "common.h"
-#include "cuda/cuda_path.h"
+#include "path/cuda_path.h"
 #include "layout.h"
 #include "reference/reference.h"
-#include "validate.h"
+#include "api/validate.h"
 
 namespace megamoe {
 const char* last_error();

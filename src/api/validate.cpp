@@ -1,6 +1,6 @@
 // The tensor checks under every entry point's validation (validate.h): a bad tensor gives a status and a message
 // naming it, never a crash.
-#include "validate.h"
+#include "api/validate.h"
 
 #include <cuda_runtime_api.h>
 

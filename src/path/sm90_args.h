@@ -5,10 +5,10 @@
 // GEMMs over dh's gate and up columns.
 #pragma once
 
-#include "cuda/call.h"
-#include "cuda/cuda_utils.h"
-#include "cuda/grouped_gemm.h"
-#include "cuda/layout_steps.h"
+#include "path/call.h"
+#include "device/cuda_utils.h"
+#include "portable/grouped_gemm.h"
+#include "path/layout_steps.h"
 #include "sm90/grouped_gemm_sm90.h"
 #include "sm90/k_grouped_gemm_sm90.h"
 

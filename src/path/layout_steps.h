@@ -18,10 +18,10 @@
 
 #include <cuda_runtime.h>
 
-#include "cuda/call.h"
-#include "cuda/elementwise.h"
-#include "cuda/grouped_gemm.h"
-#include "cuda/routing.h"
+#include "path/call.h"
+#include "portable/elementwise.h"
+#include "portable/grouped_gemm.h"
+#include "portable/routing.h"
 
 namespace megamoe::cuda {
 

@@ -3,16 +3,16 @@
 // the path query and the entry points of megamoe_forward and megamoe_grouped_forward.
 #include <string>
 
-#include "cuda/cuda_path.h"
-#include "cuda/cuda_path_common.h"
-#include "cuda/call.h"
-#include "cuda/cuda_utils.h"
-#include "cuda/elementwise.h"
-#include "cuda/grouped_gemm.h"
-#include "cuda/layout_rows.h"
-#include "cuda/layout_steps.h"
-#include "cuda/routing.h"
-#include "cuda/sm90_args.h"
+#include "path/cuda_path.h"
+#include "path/cuda_path_common.h"
+#include "path/call.h"
+#include "device/cuda_utils.h"
+#include "portable/elementwise.h"
+#include "portable/grouped_gemm.h"
+#include "portable/layout_rows.h"
+#include "path/layout_steps.h"
+#include "portable/routing.h"
+#include "path/sm90_args.h"
 #include "dtype.h"
 #include "sm90/grouped_gemm_sm90.h"
 #include "sm90/k_grouped_gemm_sm90.h"
@@ -39,7 +39,7 @@ struct ForwardWorkspace {
 struct ForwardGemms {
     MGroupedGemmArgs up;
     MGroupedGemmArgs down;
-    MGroupedGemmArgs sm90_up;  // the same in the weights' layout (cuda/sm90_args.h)
+    MGroupedGemmArgs sm90_up;  // the same in the weights' layout (path/sm90_args.h)
     MGroupedGemmArgs sm90_down;
     bool options_ok;  // the sm_90a kernels take the call's expert options
 

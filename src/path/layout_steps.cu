@@ -2,9 +2,9 @@
 // intermediate, R = 2I, or I in the separate layout, rows of w13 and of w3):
 //   w13 [R, H] (transposed [H, R]), w3 likewise, w2 [H, I] (transposed [I, H]), b13 [2I], b2 [H];
 //   h [rows, 2I] canonical [g, u]; dh [rows, 2I] in w13's row order (interleaved: pairs; else [dg, du]).
-#include "cuda/layout_steps.h"
+#include "path/layout_steps.h"
 
-#include "cuda/layout_rows.h"
+#include "portable/layout_rows.h"
 
 namespace megamoe::cuda {
 namespace {

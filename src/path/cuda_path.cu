@@ -32,7 +32,7 @@
 //           the rest of the sm_90a backward, unless MEGAMOE_SM90_WEIGHT_GRADS=0 keeps them on the portable kernel.
 // Non-default expert options (layouts, clamped SwiGLU, biases) run on the portable kernels through layout_steps.h (the
 // same steps, B read in the weights' layout, dh in w13's row order, bias gradients as per-expert column sums), and on
-// the sm_90a kernels (cuda/sm90_args.h) every layout: the gated epilogue takes the activation, b13 and the interleaved
+// the sm_90a kernels (path/sm90_args.h) every layout: the gated epilogue takes the activation, b13 and the interleaved
 // pairs, B read kKN where w13 is stored transposed; the down GEMM's store epilogue adds b2; the dSwiGLU epilogue writes
 // dh in w13's row order (interleaved: into its own buffer, not over h), ds's bias term <dy, b2[e]> is added to the
 // first ds part by a row kernel; dX and dW13 read dh as w13 stores its rows (transposed: kNK / the operands swapped),
@@ -46,7 +46,7 @@
 // the weight gradients are filled with NaN after they are computed.
 // This file: the pieces both share (cuda_path_common.h); the forward's steps are in cuda_forward.cu, the backward's in
 // cuda_backward.cu.
-#include "cuda/cuda_path_common.h"
+#include "path/cuda_path_common.h"
 
 #include <cstdlib>
 #include <cstring>
@@ -54,8 +54,8 @@
 #include <mutex>
 #include <string>
 
-#include "cuda/cuda_utils.h"
-#include "cuda/sm90_args.h"
+#include "device/cuda_utils.h"
+#include "path/sm90_args.h"
 #include "dtype.h"
 
 namespace megamoe::cuda {

@@ -20,7 +20,8 @@
 #include <cstdint>
 
 #include "common.h"
-#include "cuda/cuda_utils.h"
+#include "device/cuda_utils.h"
+#include "device/grouped_gemm_args.h"
 
 namespace megamoe::cuda {
 
@@ -55,21 +56,6 @@ struct RoutingBuffers {
 
     static RoutingBuffers carve(WorkspaceCarver& carver, const RoutingPlan& plan);
 };
-
-// The expert owning M tile `m_tile_idx` of the schedule: the last e with m_tile_offsets[e] <= m_tile_idx
-// (experts with no rows own no tiles and are skipped by taking the last). Binary search over [E + 1].
-__device__ __forceinline__ int expert_of_m_tile(const int* m_tile_offsets, int64_t num_experts, int m_tile_idx) {
-    int64_t lo = 0, hi = num_experts;
-    while (hi - lo > 1) {
-        const int64_t mid = (lo + hi) / 2;
-        if (m_tile_offsets[mid] <= m_tile_idx) {
-            lo = mid;
-        } else {
-            hi = mid;
-        }
-    }
-    return static_cast<int>(lo);
-}
 
 // Enqueues the whole sort on `stream`: of topk_ids [T, topk] (requires plan.num_slots > 0), or, with
 // plan.rows_sorted, the grouped rows' metadata from tokens_per_expert [E] (any R, 0 included). `experts`: either,

@@ -5,16 +5,16 @@
 #include <algorithm>
 #include <string>
 
-#include "cuda/cuda_path.h"
-#include "cuda/cuda_path_common.h"
-#include "cuda/call.h"
-#include "cuda/cuda_utils.h"
-#include "cuda/elementwise.h"
-#include "cuda/grouped_gemm.h"
-#include "cuda/layout_rows.h"
-#include "cuda/layout_steps.h"
-#include "cuda/routing.h"
-#include "cuda/sm90_args.h"
+#include "path/cuda_path.h"
+#include "path/cuda_path_common.h"
+#include "path/call.h"
+#include "device/cuda_utils.h"
+#include "portable/elementwise.h"
+#include "portable/grouped_gemm.h"
+#include "portable/layout_rows.h"
+#include "path/layout_steps.h"
+#include "portable/routing.h"
+#include "path/sm90_args.h"
 #include "dtype.h"
 #include "sm90/grouped_gemm_sm90.h"
 #include "sm90/k_grouped_gemm_sm90.h"
@@ -65,7 +65,7 @@ struct BackwardGemms {
     MGroupedGemmArgs d_input;
     KGroupedGemmArgs dw13;
     KGroupedGemmArgs dw2;
-    MGroupedGemmArgs sm90_up;  // the M-grouped GEMMs in the weights' layout (cuda/sm90_args.h)
+    MGroupedGemmArgs sm90_up;  // the M-grouped GEMMs in the weights' layout (path/sm90_args.h)
     MGroupedGemmArgs sm90_d_hidden;
     MGroupedGemmArgs sm90_d_input;
     KGroupedGemmArgs sm90_dw2;  // the K-grouped one, operands swapped for a transposed w2 (dW13: sm90_dw13_args)

@@ -17,9 +17,9 @@
 
 #include <cstdint>
 
-#include "cuda/cuda_utils.h"
-#include "cuda/grouped_gemm.h"
-#include "cuda/mma_sm80.h"
+#include "device/cuda_utils.h"
+#include "portable/grouped_gemm.h"
+#include "device/mma_sm80.h"
 
 namespace megamoe::cuda::gemm_tile {
 

@@ -8,8 +8,8 @@
 // and a block whose expert has no rows returns at once, leaving its tile of out untouched.
 #include <type_traits>
 
-#include "cuda/gemm_tile.cuh"
-#include "cuda/grouped_gemm.h"
+#include "portable/gemm_tile.cuh"
+#include "portable/grouped_gemm.h"
 
 namespace megamoe::cuda {
 namespace {

@@ -9,12 +9,12 @@
 //   (deterministic). Shared memory: 8 floats. Blocks past the device-side row count exit at once.
 // finalize_dtopk: one thread per slot.
 // fill_nan_if: a grid-stride loop of at most kMaxFillBlocks blocks, which return at once when the flag is 0.
-#include "cuda/elementwise.h"
+#include "portable/elementwise.h"
 
 #include <algorithm>
 #include <type_traits>
 
-#include "cuda/cuda_utils.h"
+#include "device/cuda_utils.h"
 
 namespace megamoe::cuda {
 namespace {

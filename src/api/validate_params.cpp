@@ -8,7 +8,7 @@
 #include <vector>
 
 #include "dtype.h"
-#include "validate.h"
+#include "api/validate.h"
 
 namespace megamoe {
 namespace {

@@ -6,12 +6,12 @@
 //   elements, dynamic): every thread has read its h values before any dh value is written over the row.
 // bias_dot_rows: dact_rows' bias term alone, per sorted row, added to the row's first ds part.
 // expert_col_sums: block (expert, 256 columns), one thread per column adding the expert's rows in row order.
-#include "cuda/layout_rows.h"
+#include "portable/layout_rows.h"
 
 #include <type_traits>
 
-#include "cuda/cuda_utils.h"
-#include "cuda/routing.h"
+#include "device/cuda_utils.h"
+#include "portable/routing.h"
 
 namespace megamoe::cuda {
 namespace {
