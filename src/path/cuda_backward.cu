@@ -16,7 +16,7 @@
 #include "portable/routing.h"
 #include "path/sm90_args.h"
 #include "dtype.h"
-#include "sm90/grouped_gemm_sm90.h"
+#include "sm90/m_grouped_gemm_sm90.h"
 #include "sm90/k_grouped_gemm_sm90.h"
 
 namespace megamoe::cuda {
@@ -30,9 +30,12 @@ struct BackwardWorkspace {
     float* ds_parts;  // [S, num_ds_parts]: partial sums of ds per row (sm_90a: one per n-tile of I)
     int64_t num_ds_parts;
     // Portable path: [S, max(I, H)] f32, p [S, I] of the dH GEMM (read together with h by the row kernel that writes
-    // s * a, so it cannot share act's buffer), later q [S, H] of the dX GEMM. sm_90a path: q [S, H] in the element type
-    // over act (dW2, the only reader of s * a, runs before dX), p stays in registers.
-    float* p_then_q;
+    // s * a, so it cannot share act's buffer), later q [S, H] of the dX GEMM; NULL on the sm_90a path (p stays in
+    // registers).
+    float* p_then_q_f32;
+    // sm_90a path: q [S, H] of the dX GEMM in the element type, over act (dW2, the only reader of s * a, runs before
+    // dX); NULL on the portable path.
+    uint16_t* q_elem;
     int* k_schedule;  // sm_90a path: the K-grouped kernel's tile schedule scratch (k_grouped_schedule_ints), else NULL
 
     // act_scratch: on the sm_90a path, the dw13 output when it can hold act (dw13_as_act_scratch), else NULL (carved).
@@ -51,7 +54,8 @@ struct BackwardWorkspace {
                             : carver.take<uint16_t>(num_slots * (sm90 ? max_cols : shape.intermediate));
         workspace.num_ds_parts = sm90::dswiglu_sm90_num_ds_parts(shape.intermediate);
         workspace.ds_parts = carver.take<float>(num_slots * workspace.num_ds_parts);
-        workspace.p_then_q = sm90 ? reinterpret_cast<float*>(workspace.act) : carver.take<float>(num_slots * max_cols);
+        workspace.p_then_q_f32 = sm90 ? nullptr : carver.take<float>(num_slots * max_cols);
+        workspace.q_elem = sm90 ? workspace.act : nullptr;
         workspace.k_schedule = sm90 ? carver.take<int>(k_grouped_schedule_ints(shape.num_experts)) : nullptr;
         return workspace;
     }
@@ -247,8 +251,8 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
     const bool keep_h = call.saved_h != nullptr;
     const void* h = workspace.h;
     if (!keep_h && use_sm90) {
-        MEGAMOE_CUDA_RETURN_IF_ERROR(sm90::launch_m_grouped_gemm_sm90_swiglu(gemms.sm90_up, workspace.h, nullptr,
-                                                                             num_sms, stream, sm90_gated_args(call)));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(sm90::launch_m_grouped_gemm_sm90_gated(gemms.sm90_up, workspace.h, nullptr,
+                                                                            num_sms, stream, sm90_gated_args(call)));
     } else if (!keep_h) {
         MEGAMOE_CUDA_RETURN_IF_ERROR(launch_up(call, gemms.up, workspace.h, nullptr, stream));
     }
@@ -284,12 +288,12 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
             MEGAMOE_CUDA_RETURN_IF_ERROR(launch_bias_dot_rows(bias_dot, stream));
         }
     } else {
-        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_d_hidden(call, gemms.d_hidden, workspace.p_then_q, stream));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_d_hidden(call, gemms.d_hidden, workspace.p_then_q_f32, stream));
         DSwiGLUArgs dswiglu{};
         dswiglu.dtype = dtype;
         dswiglu.h = h;
         dswiglu.dh = workspace.h;
-        dswiglu.p = workspace.p_then_q;
+        dswiglu.p = workspace.p_then_q_f32;
         dswiglu.act = workspace.act;
         dswiglu.ds_rows = workspace.ds_parts;
         dswiglu.sorted_slot = routing.sorted_slot;
@@ -326,13 +330,13 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
         // q = dh x w13[e]; then dx_t = sum_j q[row of (t, j)].
         if (use_sm90) {
             MEGAMOE_CUDA_RETURN_IF_ERROR(sm90::launch_m_grouped_gemm_sm90_store(
-                gemms.sm90_d_input, sm90_d_input_layout(call), workspace.p_then_q, hidden, num_slots, num_sms, stream));
+                gemms.sm90_d_input, sm90_d_input_layout(call), workspace.q_elem, hidden, num_slots, num_sms, stream));
         } else {
-            MEGAMOE_CUDA_RETURN_IF_ERROR(launch_d_input(call, gemms.d_input, workspace.p_then_q, stream));
+            MEGAMOE_CUDA_RETURN_IF_ERROR(launch_d_input(call, gemms.d_input, workspace.p_then_q_f32, stream));
         }
         GatherSumArgs gather{};
         gather.out_dtype = dtype;
-        gather.rows = workspace.p_then_q;
+        gather.rows = use_sm90 ? static_cast<const void*>(workspace.q_elem) : workspace.p_then_q_f32;
         gather.rows_dtype = use_sm90 ? dtype : MEGAMOE_DTYPE_F32;
         gather.slot_to_row = routing.slot_to_row;
         gather.weights = nullptr;

@@ -14,7 +14,7 @@
 #include "portable/routing.h"
 #include "path/sm90_args.h"
 #include "dtype.h"
-#include "sm90/grouped_gemm_sm90.h"
+#include "sm90/m_grouped_gemm_sm90.h"
 #include "sm90/k_grouped_gemm_sm90.h"
 
 namespace megamoe::cuda {
@@ -85,8 +85,8 @@ megamoe_status_t forward_on_device(const ForwardCall& call) {
     const ForwardGemms gemms = ForwardGemms::make(call, plan, workspace);
     if (gemms.sm90_ok(call.device_index)) {
         const int num_sms = device_info(call.device_index).num_sms;
-        MEGAMOE_CUDA_RETURN_IF_ERROR(sm90::launch_m_grouped_gemm_sm90_swiglu(gemms.sm90_up, call.saved_h, workspace.act,
-                                                                             num_sms, stream, sm90_gated_args(call)));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(sm90::launch_m_grouped_gemm_sm90_gated(gemms.sm90_up, call.saved_h, workspace.act,
+                                                                            num_sms, stream, sm90_gated_args(call)));
         MEGAMOE_CUDA_RETURN_IF_ERROR(
             sm90::launch_m_grouped_gemm_sm90_store(gemms.sm90_down, sm90_down_layout(call), workspace.out, shape.hidden,
                                                    shape.num_slots(), num_sms, stream, call.b2));

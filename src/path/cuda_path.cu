@@ -5,7 +5,7 @@
 //
 // Forward:  routing -> up GEMM (x gathered; gated epilogue: [g, u] + b13, then the activation) -> a [S, I]
 //           -> down GEMM -> o [S, H] (element type) -> gather_sum with topk_weights -> y.
-//           The GEMMs run on the fused sm_90a kernels (sm90/grouped_gemm_sm90.h) on a compute capability 9.0
+//           The GEMMs run on the fused sm_90a kernels (sm90/m_grouped_gemm_sm90.h) on a compute capability 9.0
 //           device when the operands suit them, else on the portable kernels; MEGAMOE_DISABLE_SM90=1 forces
 //           the portable ones. Both write the same buffers, so the workspace is the same.
 //           With saved_h, the up GEMM also writes h = [g, u] into it, by sorted row (the routing is deterministic, so

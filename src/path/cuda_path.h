@@ -1,6 +1,7 @@
-// The portable CUDA path (any sm_80+ GPU): routing metadata on the device, grouped GEMMs with
-// gathered operands, SwiGLU, deterministic combine. No device->host synchronisation and no
-// allocation: everything lives in the caller's workspace, so a CUDA graph can capture a call.
+// The CUDA path: a call's routing metadata on the device, its grouped GEMMs with gathered operands on the fused
+// sm_90a kernels where they take the call (sm90/) and on the portable ones otherwise (portable/, any sm_80+ GPU), the
+// activation and the deterministic combine. No device->host synchronisation and no allocation: everything lives in
+// the caller's workspace, so a CUDA graph can capture a call.
 // Both entry points run it: the whole layer and grouped rows (rows already sorted by expert; see call.h).
 //
 // Preconditions (checked by src/api/api.cpp before any call here): every tensor is on the same CUDA

@@ -9,7 +9,7 @@
 #include "device/cuda_utils.h"
 #include "portable/grouped_gemm.h"
 #include "path/layout_steps.h"
-#include "sm90/grouped_gemm_sm90.h"
+#include "sm90/m_grouped_gemm_sm90.h"
 #include "sm90/k_grouped_gemm_sm90.h"
 
 namespace megamoe::cuda {

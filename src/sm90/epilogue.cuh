@@ -24,9 +24,8 @@ static_assert(kTmaStoreBoxBytes % kSwizzleAtomBytes == 0, "store boxes start on 
 static_assert(kTmaStoreBuffers >= 2, "a warp stages one chunk while the store of the previous one reads its box");
 
 // silu(x) = x sigmoid(x) with the fast exponential and the fast division (about 2 ulp; for x below about -87
-// exp(-x) is inf and silu gives 0, the limit). The dSwiGLU epilogue keeps the IEEE division: with the fast one the
-// recompute mode's dH (dh written over h) measured 1.73-1.75 ms against 1.30 with the IEEE one, keep-h mode's
-// unchanged (H200, three runs; unexplained, TODO(#4)).
+// exp(-x) is inf and silu gives 0, the limit): the up GEMM's SwiGLU epilogue. dH's backward has its own sigmoid
+// (m_grouped_activation.cuh).
 __device__ __forceinline__ float silu(float value) {
     return __fdividef(value, 1.0f + __expf(-value));
 }

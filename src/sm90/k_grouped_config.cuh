@@ -140,7 +140,7 @@ constexpr int smem_bytes() {
 }
 
 // 2 store boxes per warp: a chunk's store waits for the previous chunk's to have read its box. A tile's worth (4)
-// leaves 3 stages and measured slower (H200, deepseek-v3 dW13 9.9-10.1 -> 11.3 ms).
+// would leave 3 stages (slower: docs/log/).
 constexpr int kStoreBoxesPerWarp = kTmaStoreBuffers;
 template <class Shape>
 constexpr bool storage_fits() {

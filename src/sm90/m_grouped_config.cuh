@@ -1,7 +1,7 @@
-// Shared by the fused Hopper M-grouped GEMM (grouped_gemm_sm90.cu) and its epilogues (m_grouped_epilogue.cuh): the
+// Shared by the fused Hopper M-grouped GEMM (m_grouped_gemm_sm90.cu) and its epilogues (m_grouped_epilogue.cuh): the
 // tile configurations and the shared-memory plan derived from them, the mainloop's parameters and the tile schedule
 // (decode_tile). The table choosing a configuration per epilogue is with the epilogue policies. Layouts, warp roles and
-// the shared-memory plan: grouped_gemm_sm90.cu's opening block.
+// the shared-memory plan: m_grouped_gemm_sm90.cu's opening block.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -1,4 +1,4 @@
-// The dSwiGLU epilogue of the fused Hopper M-grouped GEMM (grouped_gemm_sm90.cu), the backward's dH: reads g, u,
+// The dSwiGLU epilogue of the fused Hopper M-grouped GEMM (m_grouped_gemm_sm90.cu), the backward's dH: reads g, u,
 // writes dh, s * a and the tile's partial sums of ds (store_tile_dswiglu), for an activation policy
 // (m_grouped_activation.cuh) and an order of dh: [dg, du] by sorted row, or interleaved (dg_0, du_0, dg_1, ...: the
 // interleaved layout's row order, which the dX and dW13 GEMMs read as w13 stores its rows).

@@ -1,4 +1,4 @@
-// Epilogues of the fused Hopper M-grouped GEMM (grouped_gemm_sm90.cu) as policy types, each owning its params, its
+// Epilogues of the fused Hopper M-grouped GEMM (m_grouped_gemm_sm90.cu) as policy types, each owning its params, its
 // shared memory (kStaging), what it needs of the mainloop (kTmaA, kGateUpPairs, kGateUpHalves, the producer's per-tile
 // hook), its per-tile state and its store of one 64-row block of the consumer's tile:
 //   GatedEpilogue    (up)   h = [g, u] (+ b13) and / or a = act(g, u) from registers (store_tile, store_tile_paired);
@@ -331,15 +331,13 @@ struct StoreEpilogueOf : NoEpilogueHooks {
 };
 using StoreEpilogue = StoreEpilogueOf<false>;
 
-// The tile configuration of each policy, and the limit it hits (H200, qwen3-30b-a3b, 2026-12-01):
-// - SwiGLU (up), store (down, dX): cooperative 128 x 256. Their epilogues are cheap (the up GEMM without its
-//   epilogue: 1.37 -> 1.34 ms), the mainloop is the limit; 256 columns halve A's refills per FLOP against 128.
-// - dSwiGLU (dH): cooperative 128 x 256 too. Its epilogue is a third of the kernel (dH 1.17-1.25 ms, without the
-//   epilogue 0.77 ms: the dSwiGLU math ~0.3 ms, the h loads and the stores ~0.1 ms each), but ping-pong on 128 x 128
-//   tiles measured slower (1.47 ms): the half-width tiles refill A twice as often and the mainloop, not the hidden
-//   epilogue, sets the pace. Ping-pong on 128 x 192 (branch pingpong-192-store) measured slower still (1.58 ms
-//   against 1.09; down / dX 1.31 against 1.24): with 192 accumulators a warpgroup's epilogue outlasts the other's
-//   mainloop. TODO(#11): an epilogue with fewer live accumulators (sub-tiled stores as the accumulators retire).
+// The tile configuration of each policy, and the limit it hits (the measurements: docs/log/):
+// - SwiGLU (up), store (down, dX): cooperative 128 x 256. Their epilogues are cheap, the mainloop is the limit; 256
+//   columns halve A's refills per FLOP against 128.
+// - dSwiGLU (dH): cooperative 128 x 256 too. Its epilogue is about a third of the kernel, waiting on its g, u loads,
+//   but ping-pong on 128 x 128 tiles refills A twice as often (the mainloop, not the hidden epilogue, sets the
+//   pace), and on 128 x 192 a warpgroup's epilogue with 192 live accumulators outlasts the other's mainloop.
+//   TODO(#19): an epilogue with fewer live accumulators (sub-tiled stores as the accumulators retire).
 template <class Epilogue>
 using ConfigOf = Cooperative;
 

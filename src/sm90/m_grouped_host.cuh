@@ -1,4 +1,4 @@
-// Host side of the fused Hopper M-grouped GEMM (grouped_gemm_sm90.cu): the tensor maps of B (one, or the separate
+// Host side of the fused Hopper M-grouped GEMM (m_grouped_gemm_sm90.cu): the tensor maps of B (one, or the separate
 // layout's two) and of the K halves' A, the mainloop's params from the GEMM arguments.
 #pragma once
 

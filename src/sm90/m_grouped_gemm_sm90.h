@@ -1,4 +1,4 @@
-// The fused Hopper (sm_90a) M-grouped GEMMs (grouped_gemm_sm90.cu): the same math as the portable
+// The fused Hopper (sm_90a) M-grouped GEMMs (m_grouped_gemm_sm90.cu): the same math as the portable
 // launch_m_grouped_gemm_* of portable/grouped_gemm.h, run by a persistent warp-specialized wgmma kernel. Forward: B =
 // w13 or w2 read [N, K] (BLayout::kNK), outputs in the element type. Backward: the recomputed up projection (h),
 // dH (B = w2[e] read [K = H, N = I], BLayout::kKN, with the dSwiGLU epilogue) and dX (B = w13[e] read [K = 2I, N = H],
@@ -36,8 +36,8 @@ struct GatedArgs {
 // Up projection with the gated activation (B = w13, args.n = I): h = [g, u] (+ b13; [rows, 2I] by sorted row, the
 // layout of saved_h whatever w13's) and a = act(g, u) ([rows, I]) in the element type; either may be NULL. `num_sms`:
 // bound on the persistent kernel's grid (the number of co-resident clusters of the device is asked of the runtime).
-megamoe_status_t launch_m_grouped_gemm_sm90_swiglu(const cuda::MGroupedGemmArgs& args, void* h, void* act, int num_sms,
-                                                   cudaStream_t stream, const GatedArgs& options = GatedArgs{});
+megamoe_status_t launch_m_grouped_gemm_sm90_gated(const cuda::MGroupedGemmArgs& args, void* h, void* act, int num_sms,
+                                                  cudaStream_t stream, const GatedArgs& options = GatedArgs{});
 
 // What the dH GEMM's dSwiGLU epilogue reads and writes besides its accumulators p = W2[e]^T dy.
 struct DSwiGLUEpilogueArgs {

@@ -24,7 +24,7 @@
 // (most pairs: experts span many M tiles) they need the same B tile, and each CTA loads one of its two boxes and
 // multicasts it to both, which halves B's L2 -> SM traffic. Otherwise each CTA loads both boxes for itself.
 // Pairing consecutive 128-row tiles, rather than cutting experts into 256-row tiles, keeps the rows wasted at an
-// expert's end below 128 and needs no second M-tile schedule (both measured the same on an H200).
+// expert's end below 128 and needs no second M-tile schedule.
 //
 // Warp roles (3 warpgroups, 384 threads, 1 CTA per SM, as many clusters as fit on the device at once):
 //   warpgroup 0, producer (setmaxnreg down to kProducerRegs): thread 0 issues this CTA's B boxes (3-D tensor map
@@ -33,11 +33,11 @@
 //     stage (rows past the expert's end are the next expert's; their results are not stored). For SwiGLU and dSwiGLU
 //     (rows of x / dy gathered by slot) all 128 threads gather the A tile with 16-byte cp.async into the same swizzled
 //     layout (8 threads per row, 16 rows per pass, 8 passes), zero-filling rows past the expert's end and K past the
-//     end (one-row TMA boxes measured 30-50% slower). Each thread then arms cp.async.mbarrier.arrive.noinc on the
-//     stage's full barrier and moves on: the stage is published when all copies have landed (128 such arrivals + thread
-//     0's arrive.expect_tx of the B bytes), with no waiting in the producer. Consumers issue fence.proxy.async after
-//     the wait (cp.async writes are generic-proxy, wgmma reads through the async proxy). No L2 prefetches: of h for
-//     dH's epilogue, or of gathered rows ahead of their stage, each measured slower (docs/DESIGN.md).
+//     end (not one-row TMA boxes: the TMA unit is slow on small boxes). Each thread then arms
+//     cp.async.mbarrier.arrive.noinc on the stage's full barrier and moves on: the stage is published when all copies
+//     have landed (128 such arrivals + thread 0's arrive.expect_tx of the B bytes), with no waiting in the producer.
+//     Consumers issue fence.proxy.async after the wait (cp.async writes are generic-proxy, wgmma reads through the
+//     async proxy). No L2 prefetches (of h for dH's epilogue, or of gathered rows ahead of their stage).
 //   warpgroups 1, 2, consumers (setmaxnreg up to kConsumerRegs), cooperative: rows [64 (w - 1), 64 w) of every tile
 //     of the CTA; ping-pong: every other tile of the CTA (all 128 rows, two m64 row blocks), the other consumer's
 //     stages skipped and the two mainloops in turn (named barriers), so one consumer's epilogue runs under the
@@ -68,8 +68,8 @@
 // for the store and dSwiGLU epilogues the per-warp staging (4 KiB per consumer warp, 32 KiB: two TMA store boxes or
 // four sub-tile slots), then the full and empty mbarriers;
 // the stage count is the most that fits 227 KiB (cooperative: 4 stages of 48 KiB; ping-pong: 7 of 32 KiB). What was
-// measured of the tile shapes and schedules: docs/DESIGN.md.
-#include "sm90/grouped_gemm_sm90.h"
+// measured of these choices (tile shapes, schedules, TMA against cp.async, prefetches): docs/log/.
+#include "sm90/m_grouped_gemm_sm90.h"
 
 #include <algorithm>
 #include <cute/arch/mma_sm90.hpp>
@@ -135,8 +135,8 @@ constexpr uint64_t kBDescK16Step = kBLayout == BLayout::kNK ? kDescK16Step : kDe
 
 // How the producer loads A (the policy's kTmaA): the store epilogue's A (down: a, dX: dh) holds the sorted rows
 // themselves, one TMA box of kBlockM rows per stage (thread 0); the others gather rows of x / dy with cp.async by all
-// 128 threads (one-row TMA boxes, 128 per stage, measured 30-50% slower on an H200: the TMA unit is slow on small
-// boxes). A stage's full barrier waits for the expect_tx of A and of B, or the copies' arrivals and B's expect_tx.
+// 128 threads (not one-row TMA boxes, 128 per stage: the TMA unit is slow on small boxes). A stage's full barrier waits
+// for the expect_tx of A and of B, or the copies' arrivals and B's expect_tx.
 template <class Epi>
 constexpr int kFullArrivals = Epi::kTmaA ? 2 : kWarpgroupThreads + 1;
 
@@ -563,8 +563,8 @@ bool m_grouped_gemm_sm90_supported(const cuda::MGroupedGemmArgs& args, bool swig
     return dtype_ok && sizes_ok && a_ok && b_ok && tensor_map_encoder() != nullptr;
 }
 
-megamoe_status_t launch_m_grouped_gemm_sm90_swiglu(const cuda::MGroupedGemmArgs& args, void* h, void* act, int num_sms,
-                                                   cudaStream_t stream, const GatedArgs& options) {
+megamoe_status_t launch_m_grouped_gemm_sm90_gated(const cuda::MGroupedGemmArgs& args, void* h, void* act, int num_sms,
+                                                  cudaStream_t stream, const GatedArgs& options) {
     if (!cuda::is_aligned(h, 16) || !cuda::is_aligned(act, 16) || !cuda::is_aligned(options.bias, 4)) {
         return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
                          "m_grouped_gemm_sm90: outputs must be 16-byte aligned, b13 4-byte aligned");
