@@ -10,26 +10,17 @@
 #include <cstdint>
 
 #include "sm90/epilogue.cuh"
+#include "sm90/hopper.h"
 #include "sm90/ptx.h"
 
 namespace megamoe::sm90::k_grouped {
 
 constexpr int kBlockK = 64;  // reduction rows per stage
-constexpr int kElemBytes = 2;
-constexpr int kWarpSize = 32;
-constexpr int kWarpgroupThreads = 128;
-constexpr int kWarpsPerWarpgroup = kWarpgroupThreads / kWarpSize;
-constexpr int kNumConsumers = 2;
-constexpr int kNumThreads = (1 + kNumConsumers) * kWarpgroupThreads;
-constexpr int kWgmmaM = 64;  // rows of one wgmma: a row block of a consumer
-constexpr int kWgmmaK = 16;
-constexpr int kChunkElems = 8;  // one 16-byte cp.async
 constexpr int kChunkBytes = kChunkElems * kElemBytes;
 constexpr int kMnBlockElems = kSwizzleBytes / kElemBytes;            // 64 MN elements per 128-byte swizzled row
 constexpr int kMnBlockBytes = kMnBlockElems * kBlockK * kElemBytes;  // one MN block (one TMA box) of a stage: 8 KiB
 constexpr int kIndexLanes = kBlockK / kWarpsPerWarpgroup;  // rows of a stage per producer warp, one index per lane
-constexpr int kClusterSize = 2;                            // two output tiles of one expert sharing an operand
-constexpr uint16_t kClusterMask = (1u << kClusterSize) - 1;
+// A cluster runs two output tiles of one expert sharing an operand (hopper.h: kClusterSize).
 constexpr int64_t kMaxTmaRows = INT32_MAX;            // the row extent of the tensor maps: sorted rows are below 2^31
 constexpr int kFullArrivals = kWarpgroupThreads + 1;  // every producer thread's cp.async + thread 0's (expect_tx)
 constexpr int kEmptyArrivalsPerCta = kNumConsumers * kWarpgroupThreads / kWarpSize;  // one per consumer warp
@@ -40,10 +31,6 @@ constexpr int kOrderThreads = 1024;
 constexpr int kMaxOrderedExperts =
     4096;  // order_experts_kernel ranks experts in shared memory (16 KiB); above: E order
 constexpr double kSkewedRowsRatio = 1.5;  // busiest expert's rows over the mean above which tiles are claimed greedily
-constexpr int kProducerRegs = 56;
-constexpr int kConsumerRegs = 224;
-constexpr int kRegisterFile = 64 * 1024;
-constexpr int kMaxSmemBytes = 227 * 1024;
 
 // One operand tile of kCols MN columns x kBlockK reduction rows as the producer warpgroup copies it: thread t copies
 // 16-byte chunk t % kThreadsPerRow of rows t / kThreadsPerRow + kRowsPerPass p, or thread 0 loads kNumBoxes TMA
@@ -158,8 +145,6 @@ static_assert(kBlockK % kWgmmaK == 0 && kBlockK % 8 == 0, "a stage holds whole k
 static_assert(kClaimAhead >= 1 && kClaimAhead < kTileRing, "the leader publishes ahead into free ring slots");
 static_assert(kWgmmaM / kWarpsPerWarpgroup == kTmaStoreRows && kTmaStoreCols * kElemBytes == kSwizzleBytes,
               "a store box is a warp's 16 accumulator rows of a row block x one 128-byte swizzled row");
-static_assert(kProducerRegs * kWarpgroupThreads + kConsumerRegs * kNumConsumers * kWarpgroupThreads <= kRegisterFile,
-              "setmaxnreg budgets exceed the register file");
 
 struct Operand {
     const uint16_t* data;

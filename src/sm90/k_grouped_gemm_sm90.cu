@@ -61,8 +61,6 @@
 #include "sm90/k_grouped_gemm_sm90.h"
 
 #include <algorithm>
-#include <cute/arch/mma_sm90.hpp>
-#include <cute/layout.hpp>
 #include <type_traits>
 #include <utility>
 
@@ -78,30 +76,14 @@ namespace megamoe::sm90 {
 namespace {
 
 using cuda::ceil_div;
-namespace gmma = cute::SM90::GMMA;
 
 using namespace k_grouped;  // NOLINT(google-build-using-namespace): the kernel's own configuration and schedule
-
-// The CuTe wgmma atom m64 x kN x k16 from shared memory, f32 accumulators, both operands MN-major, as CuTe's selector
-// picks it for the element type.
-template <typename T>
-using CuteElementOf = std::conditional_t<std::is_same_v<T, __half>, cute::half_t, cute::bfloat16_t>;
-template <typename T, int kN>
-using WgmmaOp = decltype(gmma::ss_op_selector<CuteElementOf<T>, CuteElementOf<T>, float,
-                                              cute::Shape<cute::_64, cute::Int<kN>, cute::_16>, gmma::Major::MN,
-                                              gmma::Major::MN>());
-
-template <typename Op, int kFirstReg, int kNumRegs, size_t... kRegIdx>
-__device__ __forceinline__ void wgmma_unpacked(uint64_t desc_a, uint64_t desc_b, float (&acc)[kNumRegs],
-                                               std::index_sequence<kRegIdx...>) {
-    Op::fma(desc_a, desc_b, acc[kFirstReg + kRegIdx]..., gmma::ScaleOut::One);
-}
 
 // Row block kRowBlock's accumulators += its A rows (64 x 16) x B (kBlockN x 16)^T, asynchronously.
 template <class Shape, typename T, int kRowBlock, int kNumRegs>
 __device__ __forceinline__ void row_block_wgmma(uint64_t desc_a, uint64_t desc_b, float (&acc)[kNumRegs]) {
     static_assert((kRowBlock + 1) * Shape::kBlockRegs <= kNumRegs, "the row block's accumulators are the consumer's");
-    wgmma_unpacked<WgmmaOp<T, Shape::kBlockN>, kRowBlock * Shape::kBlockRegs>(
+    wgmma_unpacked<WgmmaOp<T, Shape::kBlockN, gmma::Major::MN, gmma::Major::MN>, kRowBlock * Shape::kBlockRegs>(
         desc_a, desc_b, acc, std::make_index_sequence<Shape::kBlockRegs>{});
 }
 

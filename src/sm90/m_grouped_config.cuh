@@ -12,34 +12,21 @@
 
 #include "device/grouped_gemm_args.h"
 #include "sm90/epilogue.cuh"
+#include "sm90/hopper.h"
 #include "sm90/ptx.h"
 
 namespace megamoe::sm90::m_grouped {
 
 // Shared by every tile configuration.
-constexpr int kBlockM = 128;     // rows per CTA tile: one M tile of the routing's schedule
-constexpr int kClusterSize = 2;  // a cluster runs two consecutive M tiles of the schedule, one per CTA
-constexpr uint16_t kClusterMask = (1u << kClusterSize) - 1;
+// A cluster runs two consecutive M tiles of the schedule, one per CTA (hopper.h: kClusterSize).
+constexpr int kBlockM = 128;   // rows per CTA tile: one M tile of the routing's schedule
 constexpr int kNumBBoxes = 2;  // kNK: TMA boxes per B tile (the gate and up halves for SwiGLU)
 constexpr int kBlockK = 64;
-constexpr int kElemBytes = 2;
-constexpr int kWarpSize = 32;
-constexpr int kWarpgroupThreads = 128;
-constexpr int kWarpsPerWarpgroup = kWarpgroupThreads / kWarpSize;
-constexpr int kNumConsumers = 2;  // consumer warpgroups
-constexpr int kNumThreads = (1 + kNumConsumers) * kWarpgroupThreads;
-constexpr int kWgmmaM = 64;  // rows of one wgmma: a consumer's row block
-constexpr int kWgmmaK = 16;
-constexpr int kChunkElems = 8;  // one 16-byte cp.async
 constexpr int kChunksPerRow = kBlockK / kChunkElems;
 constexpr int kProducerRowsPerPass = kWarpgroupThreads / kChunksPerRow;
 constexpr int kProducerPasses = kBlockM / kProducerRowsPerPass;
 constexpr int kATileBytes = kBlockM * kBlockK * kElemBytes;
 constexpr int kRowBlockATileBytes = kWgmmaM * kBlockK * kElemBytes;  // the A rows of one row block
-constexpr int kProducerRegs = 56;
-constexpr int kConsumerRegs = 224;
-constexpr int kRegisterFile = 64 * 1024;
-constexpr int kMaxSmemBytes = 227 * 1024;  // per block on sm_90
 constexpr int kMaxStages = 8;
 // kKN: boxes of 64 N columns (one 128-byte swizzled row) x kBlockK rows of K.
 constexpr int kKNBoxCols = kSwizzleBytes / kElemBytes;
@@ -54,8 +41,6 @@ static_assert(kBlockM == cuda::kGemmBlockM, "the routing's M tile is one CTA's r
 static_assert(kNumBBoxes == kClusterSize, "when the pair shares B, each CTA loads one box and multicasts it");
 static_assert(kProducerPasses * kProducerRowsPerPass == kBlockM, "the producer covers the A tile");
 static_assert(kRowBlockATileBytes % kSwizzleAtomBytes == 0, "row-block A sub-tiles start on a swizzle atom");
-static_assert(kProducerRegs * kWarpgroupThreads + kConsumerRegs * kNumConsumers * kWarpgroupThreads <= kRegisterFile,
-              "setmaxnreg budgets exceed the register file");
 static_assert(kKNBoxBytes % kSwizzleAtomBytes == 0, "kKN boxes start on a swizzle atom");
 static_assert(kBlockK % kWgmmaK == 0 && kBlockK % 8 == 0, "K blocks hold whole k16 steps and 8-row atoms");
 static_assert(kWgmmaM / kWarpsPerWarpgroup == kTmaStoreRows && kTmaStoreCols * kElemBytes == kSwizzleBytes,

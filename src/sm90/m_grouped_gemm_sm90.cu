@@ -72,8 +72,6 @@
 #include "sm90/m_grouped_gemm_sm90.h"
 
 #include <algorithm>
-#include <cute/arch/mma_sm90.hpp>
-#include <cute/layout.hpp>
 #include <type_traits>
 #include <utility>
 
@@ -94,31 +92,17 @@ namespace {
 using namespace m_grouped;  // NOLINT(google-build-using-namespace): the kernel's own configuration and epilogues
 
 using cuda::ceil_div;
-namespace gmma = cute::SM90::GMMA;  // the wgmma atoms and their selector
 
-// The CuTe wgmma atom m64 x kN x k16 from shared memory, f32 accumulators: A K-major, B K-major (kNK) or MN-major
-// (kKN), as CuTe's selector picks it for the element type.
+// wgmma's B majorness: K-major for kNK, MN-major for kKN (A is always K-major).
 template <BLayout kBLayout>
 constexpr gmma::Major kBMajor = kBLayout == BLayout::kNK ? gmma::Major::K : gmma::Major::MN;
-template <typename T>
-using CuteElementOf = std::conditional_t<std::is_same_v<T, __half>, cute::half_t, cute::bfloat16_t>;
-template <typename T, BLayout kBLayout, int kN>
-using WgmmaOp = decltype(gmma::ss_op_selector<CuteElementOf<T>, CuteElementOf<T>, float,
-                                              cute::Shape<cute::_64, cute::Int<kN>, cute::_16>, gmma::Major::K,
-                                              kBMajor<kBLayout>>());
-
-template <typename Op, int kFirstReg, int kNumRegs, size_t... kRegIdx>
-__device__ __forceinline__ void wgmma_unpacked(uint64_t desc_a, uint64_t desc_b, float (&acc)[kNumRegs],
-                                               std::index_sequence<kRegIdx...>) {
-    Op::fma(desc_a, desc_b, acc[kFirstReg + kRegIdx]..., gmma::ScaleOut::One);
-}
 
 // acc[kFirstReg, kFirstReg + kBlockRegs) += A (64 x 16) * B (kBlockN x 16)^T, asynchronously: one row block.
 template <typename T, BLayout kBLayout, class Config, int kFirstReg, int kNumRegs>
 __device__ __forceinline__ void wgmma(uint64_t desc_a, uint64_t desc_b, float (&acc)[kNumRegs]) {
     static_assert(kFirstReg + Config::kBlockRegs <= kNumRegs, "the row block's accumulators are the consumer's");
-    wgmma_unpacked<WgmmaOp<T, kBLayout, Config::kBlockN>, kFirstReg>(desc_a, desc_b, acc,
-                                                                     std::make_index_sequence<Config::kBlockRegs>{});
+    wgmma_unpacked<WgmmaOp<T, Config::kBlockN, gmma::Major::K, kBMajor<kBLayout>>, kFirstReg>(
+        desc_a, desc_b, acc, std::make_index_sequence<Config::kBlockRegs>{});
 }
 
 // Descriptor of the B tile of a stage, and its advance per k16 step.
