@@ -3,6 +3,8 @@
 // wins becomes the default and its switch goes. Unset, empty or unknown values select the default.
 //   MEGAMOE_SM90_DSWIGLU_MATH=fast     dH's SwiGLU backward with the SFU's tanh (SwiGLUFastActivation); level with
 //                                      the default on the H200 (dH's epilogue waits on its g, u loads, not on math)
+//   MEGAMOE_SM90_M_PINGPONG=128        the M-grouped kernel's default-option up (SwiGLU) and store (down, dX) GEMMs on
+//                                      the ping-pong 128 x 128 tile (the other consumer's mainloop under an epilogue)
 //   MEGAMOE_SM90_K_TILE=128x256        the K-grouped kernel on its 128 x 256 tile even where B is gathered (dW13):
 //                                      the tile it used before the 256 x 128 one
 #pragma once
@@ -20,6 +22,9 @@ inline bool env_is(const char* name, const char* value) {
 
 inline bool dswiglu_fast_math() {
     return env_is("MEGAMOE_SM90_DSWIGLU_MATH", "fast");
+}
+inline bool m_grouped_pingpong() {
+    return env_is("MEGAMOE_SM90_M_PINGPONG", "128");
 }
 inline bool k_grouped_narrow_a_tile() {
     return env_is("MEGAMOE_SM90_K_TILE", "128x256");

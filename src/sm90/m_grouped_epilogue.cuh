@@ -338,6 +338,8 @@ using StoreEpilogue = StoreEpilogueOf<false>;
 //   but ping-pong on 128 x 128 tiles refills A twice as often (the mainloop, not the hidden epilogue, sets the
 //   pace), and on 128 x 192 a warpgroup's epilogue with 192 live accumulators outlasts the other's mainloop.
 //   TODO(#19): an epilogue with fewer live accumulators (sub-tiled stores as the accumulators retire).
+// - PingPong (128 x 128, 7 stages) runs the default up and store GEMMs under MEGAMOE_SM90_M_PINGPONG=128 only, to time
+//   it against the table with the hand-off before the MMA wait (m_grouped_gemm_sm90.cu's consume).
 template <class Epilogue>
 using ConfigOf = Cooperative;
 

@@ -319,10 +319,12 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Mainlo
             retire_previous_batch<kClusterSize, kNumStages>(acc, smem.empty, in_flight_stage, stage_idx, phase,
                                                             lane_idx);
         }
-        retire_last_batch<kClusterSize>(acc, smem.empty, in_flight_stage, lane_idx);
+        // Ping-pong: the other consumer may issue its next tile's wgmmas as soon as this one's last batch is issued
+        // (the tensor pipe runs them in order), not once it has completed, so the pipe does not drain at the switch.
         if (Config::kPingPong && tiles.at(seq_idx + 1) < num_tiles) {  // the next tile is the other consumer's
             named_barrier_arrive(kMainloopDoneBarrier + consumer_idx, kOrderThreads);
         }
+        retire_last_batch<kClusterSize>(acc, smem.empty, in_flight_stage, lane_idx);
         Epi::template store<T, Config, 0>(out_map, params, epilogue, tile, acc, epilogue_state, warp_staging,
                                           first_row_block, warp_idx, lane_idx);
         if constexpr (Config::kRowBlocks > 1) {
@@ -337,14 +339,13 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Mainlo
 }
 
 // `b_second_map` (after the others, so the kBSource::kOne kernels' parameters keep their offsets): B's second map.
-template <typename T, class Epi, BLayout kBLayout, BSource kBSource>
+template <typename T, class Epi, BLayout kBLayout, BSource kBSource, class Config>
 __global__ void __launch_bounds__(kNumThreads, 1)
     m_grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                                const __grid_constant__ CUtensorMap out_map,
                                const KernelParams<typename Epi::Params> params,
                                const __grid_constant__ CUtensorMap b_second_map) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using Config = ConfigOf<Epi>;
     using Storage = SharedStorage<Config, Epi::kStaging>;
     constexpr int kNumStages = num_stages<Config, Epi::kStaging>();
     extern __shared__ uint8_t smem_raw[];
@@ -388,11 +389,10 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 // ---------------------------------------------------------------------------------------------------
 // Host side (the tensor maps of A and B and the mainloop's params: m_grouped_host.cuh): the launch.
 
-template <typename T, class Epi, BLayout kBLayout, BSource kBSource>
+template <typename T, class Epi, BLayout kBLayout, BSource kBSource, class Config>
 megamoe_status_t launch_typed(const cuda::MGroupedGemmArgs& args, const KernelParams<typename Epi::Params>& params,
                               const CUtensorMap& a_map, const CUtensorMap& out_map, int64_t rows_per_expert,
                               int64_t cols_per_row, int num_sms, cudaStream_t stream) {
-    using Config = ConfigOf<Epi>;
     CUtensorMap b_map;
     CUtensorMap b_second_map{};
     if (!encode_b_tensor_map(args, args.b, kBLayout, rows_per_expert, cols_per_row, Config::kBBoxRows, &b_map) ||
@@ -402,7 +402,7 @@ megamoe_status_t launch_typed(const cuda::MGroupedGemmArgs& args, const KernelPa
     }
     const int64_t max_tiles = ceil_div(args.max_m_tiles, kClusterSize) * params.mainloop.num_n_tiles;  // cluster tiles
     const int64_t max_clusters = std::min<int64_t>(std::max(num_sms, kClusterSize) / kClusterSize, max_tiles);
-    return launch_cluster_kernel<kClusterSize>(m_grouped_gemm_sm90_kernel<T, Epi, kBLayout, kBSource>,
+    return launch_cluster_kernel<kClusterSize>(m_grouped_gemm_sm90_kernel<T, Epi, kBLayout, kBSource, Config>,
                                                Epi::name(kBLayout), kNumThreads, smem_bytes<Config, Epi::kStaging>(),
                                                max_clusters, stream, a_map, b_map, out_map, params, b_second_map);
 }
@@ -410,12 +410,10 @@ megamoe_status_t launch_typed(const cuda::MGroupedGemmArgs& args, const KernelPa
 // `a_map`: A's tensor map where Epi::kTmaA (kBSource::kKHalves: encode_a_halves_map's); `out_map`: the store
 // epilogue's output tensor map where its params say tma_store; else unused. kBSource other than kOne: the second B
 // map over args.b_up (kUpHalf: B_e has n rows in each tensor; kKHalves: args.k / 2 rows of K in each).
-template <class Epi, BLayout kBLayout, BSource kBSource = BSource::kOne>
-megamoe_status_t launch(const cuda::MGroupedGemmArgs& args, const typename Epi::Params& epilogue, int num_sms,
-                        cudaStream_t stream, const CUtensorMap& a_map = CUtensorMap{},
-                        const CUtensorMap& out_map = CUtensorMap{}) {
+template <class Epi, BLayout kBLayout, BSource kBSource, class Config>
+megamoe_status_t launch_on(const cuda::MGroupedGemmArgs& args, const typename Epi::Params& epilogue, int num_sms,
+                           cudaStream_t stream, const CUtensorMap& a_map, const CUtensorMap& out_map) {
     static_assert(!Epi::kGateUpHalves || Epi::kGateUpPairs, "gate / up halves are pairs");
-    using Config = ConfigOf<Epi>;
     constexpr bool kPairs = Epi::kGateUpPairs;
     constexpr bool kUpHalf = kBSource == BSource::kUpHalf;
     KernelParams<typename Epi::Params> params{make_mainloop_params(args), epilogue};
@@ -428,10 +426,26 @@ megamoe_status_t launch(const cuda::MGroupedGemmArgs& args, const typename Epi::
     const int64_t rows_per_expert = kBLayout == BLayout::kKN ? b_k : b_n;
     const int64_t cols_per_row = kBLayout == BLayout::kKN ? b_n : b_k;
     return args.dtype == MEGAMOE_DTYPE_BF16
-               ? launch_typed<__nv_bfloat16, Epi, kBLayout, kBSource>(args, params, a_map, out_map, rows_per_expert,
-                                                                      cols_per_row, num_sms, stream)
-               : launch_typed<__half, Epi, kBLayout, kBSource>(args, params, a_map, out_map, rows_per_expert,
-                                                               cols_per_row, num_sms, stream);
+               ? launch_typed<__nv_bfloat16, Epi, kBLayout, kBSource, Config>(
+                     args, params, a_map, out_map, rows_per_expert, cols_per_row, num_sms, stream)
+               : launch_typed<__half, Epi, kBLayout, kBSource, Config>(args, params, a_map, out_map, rows_per_expert,
+                                                                       cols_per_row, num_sms, stream);
+}
+
+// The launch on the epilogue's tile configuration (ConfigOf); MEGAMOE_SM90_M_PINGPONG=128 runs the default options'
+// up (SwiGLU) and store (down, dX) epilogues on the ping-pong 128 x 128 tile instead, for A/B timing (sm90/knobs.h).
+template <class Epi, BLayout kBLayout, BSource kBSource = BSource::kOne>
+megamoe_status_t launch(const cuda::MGroupedGemmArgs& args, const typename Epi::Params& epilogue, int num_sms,
+                        cudaStream_t stream, const CUtensorMap& a_map = CUtensorMap{},
+                        const CUtensorMap& out_map = CUtensorMap{}) {
+    constexpr bool kPingPongVariant =
+        kBSource == BSource::kOne && (std::is_same_v<Epi, SwiGLUEpilogue> || std::is_same_v<Epi, StoreEpilogue>);
+    if constexpr (kPingPongVariant) {
+        if (m_grouped_pingpong()) {
+            return launch_on<Epi, kBLayout, kBSource, PingPong>(args, epilogue, num_sms, stream, a_map, out_map);
+        }
+    }
+    return launch_on<Epi, kBLayout, kBSource, ConfigOf<Epi>>(args, epilogue, num_sms, stream, a_map, out_map);
 }
 
 // The gated (up) epilogue for the call's options: activation Act, b13 (kBias), interleaved pairs, B kNK or kKN.

@@ -124,6 +124,28 @@ TEST(Sm90Backward, WeightGradTileShapesAgreeBitwise) {
     }
 }
 
+// The M-grouped kernel's ping-pong 128 x 128 tile (MEGAMOE_SM90_M_PINGPONG=128: the default options' up and store
+// GEMMs, i.e. the forward's up and down, the backward's recomputed up and dX) gives the cooperative 128 x 256 tile's
+// outputs bitwise: each output row reduces over the same K blocks in the same order.
+TEST(Sm90Backward, PingPongTileAgreesBitwise) {
+    SKIP_WITHOUT_SM90();
+    std::vector<Sm90Case> cases = sm90_ragged_cases();
+    cases.push_back({"odd n-tile pairs, long experts", 600, 712, 392, 2, 2});
+    for (const Sm90Case& c : cases) {
+        SCOPED_TRACE(::testing::PrintToString(c));
+        const Problem problem = make_problem(c);
+        DeviceForward forward = upload_forward(problem);
+        const HostTensor y = forward.run();
+        DeviceBackward backward = upload_backward(problem);  // recompute mode: the up GEMM runs again
+        backward.run();
+        const Grads grads = backward.download();
+        const ScopedEnv pingpong("MEGAMOE_SM90_M_PINGPONG", "128");
+        EXPECT_EQ(y.bytes, forward.run().bytes) << "y differs between the tiles";
+        backward.run();
+        expect_bitwise_equal(grads, backward.download());
+    }
+}
+
 // Keep-h mode: the forward writes saved_h (poisoned first), the backward reads it instead of recomputing h (and writes
 // dh over it). The gradients must equal the recompute mode's bitwise (h comes from the same kernel either way), and
 // saved_h's routed rows (sorted rows [0, routed slots)) must match the CPU reference's h row by row, so both keep the
