@@ -465,6 +465,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         if (params.tma_store) prefetch_tensor_map(&out_map);
     }
     cluster_sync();  // barriers initialised in both CTAs before any multicast or remote arrive
+    // Launched programmatically (MEGAMOE_SM90_PDL): the prologue above overlapped the previous kernel's tail; nothing
+    // written by an earlier kernel (routing, the schedule, operands) is read before this. The next kernel may be
+    // scheduled now: it waits for this one's completion in turn.
+    griddepcontrol_wait();
+    griddepcontrol_launch_dependents();
     const auto cta_rank = static_cast<int>(cluster_cta_rank());
     const int warpgroup_idx = __shfl_sync(0xffffffffu, thread_idx / kWarpgroupThreads, 0);
     if (warpgroup_idx == 0) {

@@ -5,6 +5,8 @@
 //                                      the default on the H200 (dH's epilogue waits on its g, u loads, not on math)
 //   MEGAMOE_SM90_M_PINGPONG=128        the M-grouped kernel's default-option up (SwiGLU) and store (down, dX) GEMMs on
 //                                      the ping-pong 128 x 128 tile (the other consumer's mainloop under an epilogue)
+//   MEGAMOE_SM90_PDL=1                 the sm_90a kernels launched programmatically (PDL): each may start, and run its
+//                                      prologue, while the stream's previous kernel finishes
 //   MEGAMOE_SM90_K_TILE=128x256        the K-grouped kernel on its 128 x 256 tile even where B is gathered (dW13):
 //                                      the tile it used before the 256 x 128 one
 #pragma once
@@ -22,6 +24,9 @@ inline bool env_is(const char* name, const char* value) {
 
 inline bool dswiglu_fast_math() {
     return env_is("MEGAMOE_SM90_DSWIGLU_MATH", "fast");
+}
+inline bool programmatic_launch() {
+    return env_is("MEGAMOE_SM90_PDL", "1");
 }
 inline bool m_grouped_pingpong() {
     return env_is("MEGAMOE_SM90_M_PINGPONG", "128");

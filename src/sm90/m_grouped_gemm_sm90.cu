@@ -365,6 +365,11 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         Epi::prefetch_maps(params.epilogue, &out_map);
     }
     cluster_sync();  // barriers initialised in both CTAs before any multicast or remote arrive
+    // Launched programmatically (MEGAMOE_SM90_PDL): the prologue above overlapped the previous kernel's tail; nothing
+    // written by an earlier kernel (routing, the schedule, operands) is read before this. The next kernel may be
+    // scheduled now: it waits for this one's completion in turn.
+    griddepcontrol_wait();
+    griddepcontrol_launch_dependents();
     const uint32_t cta_rank = cluster_cta_rank();
 
     const MainloopParams& mainloop = params.mainloop;

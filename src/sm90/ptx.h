@@ -2,6 +2,7 @@
 //   mbarrier   init, arrive (this CTA, or a CTA of the cluster), arrive + expect_tx, parity wait (the stage pipelines'
 //              full / empty barriers), a stage's release in every CTA of the cluster;
 //   cluster    CTA rank, cluster-wide barrier; named CTA barriers (sync, arrive);
+//   griddepcontrol  programmatic dependent launch: wait for the grids this one depends on, launch dependents;
 //   TMA        cp.async.bulk.tensor 2-D and 3-D loads, plain or multicast to CTAs of the cluster, completing
 //              on an mbarrier; 2-D and 3-D stores from shared memory in bulk async-groups, commit_group and
 //              wait_group (.read: until the stores have read their shared memory);
@@ -179,6 +180,16 @@ __device__ __forceinline__ void cluster_sync() {
         "barrier.cluster.arrive.release.aligned;\n"
         "barrier.cluster.wait.acquire.aligned;\n" ::
             : "memory");
+}
+
+// Programmatic dependent launch: wait until the grids this one depends on have completed and their memory is visible
+// (a no-op when the launch was not programmatic), and let this grid's dependents be scheduled once every CTA has
+// signalled or exited (they wait for this grid's completion in their own griddepcontrol_wait).
+__device__ __forceinline__ void griddepcontrol_wait() {
+    asm volatile("griddepcontrol.wait;\n" ::: "memory");
+}
+__device__ __forceinline__ void griddepcontrol_launch_dependents() {
+    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 }
 
 // Makes the barrier count one arrival once every cp.async this thread issued so far has landed (noinc: the

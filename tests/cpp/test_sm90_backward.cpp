@@ -103,47 +103,48 @@ TEST(Sm90Backward, WeightGradKernelMatchesReference) {
     for (const Sm90Case& c : cases) check_against_reference(c, true);
 }
 
-// The K-grouped kernel's two tile shapes (k_grouped_config.cuh: 256 x 128 where B is gathered, dW13's x; 128 x 256
-// forced by MEGAMOE_SM90_K_TILE=128x256) give the same gradients bitwise: each output element reduces over the same
-// k-blocks in the same order, whatever the tile around it.
-TEST(Sm90Backward, WeightGradTileShapesAgreeBitwise) {
-    SKIP_WITHOUT_SM90();
-    const ScopedEnv enable("MEGAMOE_SM90_WEIGHT_GRADS", "1");
+// With the switch `name` = `value` of sm90/knobs.h set, the forward's y and the backward's gradients (recompute mode:
+// the up GEMM runs again) of the ragged set and of cases aimed at the tile schedules equal the defaults' bitwise.
+void expect_switch_agrees_bitwise(const char* name, const char* value) {
     std::vector<Sm90Case> cases = sm90_ragged_cases();
     cases.push_back({"odd n-tile pairs, long experts", 600, 712, 392, 2, 2});
     cases.push_back({"claimed tiles wrap the ring, one hot expert", 1500, 528, 264, 96, 3, Routing::kOneExpert});
     for (const Sm90Case& c : cases) {
         SCOPED_TRACE(::testing::PrintToString(c));
         const Problem problem = make_problem(c);
-        DeviceBackward device = upload_backward(problem);
-        device.run();
-        const Grads wide_a = device.download();
-        const ScopedEnv narrow_a("MEGAMOE_SM90_K_TILE", "128x256");
-        device.run();
-        expect_bitwise_equal(wide_a, device.download());
-    }
-}
-
-// The M-grouped kernel's ping-pong 128 x 128 tile (MEGAMOE_SM90_M_PINGPONG=128: the default options' up and store
-// GEMMs, i.e. the forward's up and down, the backward's recomputed up and dX) gives the cooperative 128 x 256 tile's
-// outputs bitwise: each output row reduces over the same K blocks in the same order.
-TEST(Sm90Backward, PingPongTileAgreesBitwise) {
-    SKIP_WITHOUT_SM90();
-    std::vector<Sm90Case> cases = sm90_ragged_cases();
-    cases.push_back({"odd n-tile pairs, long experts", 600, 712, 392, 2, 2});
-    for (const Sm90Case& c : cases) {
-        SCOPED_TRACE(::testing::PrintToString(c));
-        const Problem problem = make_problem(c);
         DeviceForward forward = upload_forward(problem);
         const HostTensor y = forward.run();
-        DeviceBackward backward = upload_backward(problem);  // recompute mode: the up GEMM runs again
+        DeviceBackward backward = upload_backward(problem);
         backward.run();
         const Grads grads = backward.download();
-        const ScopedEnv pingpong("MEGAMOE_SM90_M_PINGPONG", "128");
-        EXPECT_EQ(y.bytes, forward.run().bytes) << "y differs between the tiles";
+        const ScopedEnv variant(name, value);
+        EXPECT_EQ(y.bytes, forward.run().bytes) << "y differs with " << name << "=" << value;
         backward.run();
         expect_bitwise_equal(grads, backward.download());
     }
+}
+
+// The K-grouped kernel's two tile shapes (k_grouped_config.cuh: 256 x 128 where B is gathered, dW13's x; 128 x 256
+// forced): each output element reduces over the same k-blocks in the same order, whatever the tile around it.
+TEST(Sm90Backward, WeightGradTileShapesAgreeBitwise) {
+    SKIP_WITHOUT_SM90();
+    const ScopedEnv enable("MEGAMOE_SM90_WEIGHT_GRADS", "1");
+    expect_switch_agrees_bitwise("MEGAMOE_SM90_K_TILE", "128x256");
+}
+
+// The M-grouped kernel's ping-pong 128 x 128 tile (the default options' up and store GEMMs: the forward's up and down,
+// the backward's recomputed up and dX) against the cooperative 128 x 256 one: each output row reduces over the same K
+// blocks in the same order.
+TEST(Sm90Backward, PingPongTileAgreesBitwise) {
+    SKIP_WITHOUT_SM90();
+    expect_switch_agrees_bitwise("MEGAMOE_SM90_M_PINGPONG", "128");
+}
+
+// Programmatic dependent launch of the sm_90a kernels: every kernel waits for the previous one before reading what it
+// wrote, so the outputs are the serialized launches' bitwise.
+TEST(Sm90Backward, ProgrammaticLaunchAgreesBitwise) {
+    SKIP_WITHOUT_SM90();
+    expect_switch_agrees_bitwise("MEGAMOE_SM90_PDL", "1");
 }
 
 // Keep-h mode: the forward writes saved_h (poisoned first), the backward reads it instead of recomputing h (and writes
