@@ -14,7 +14,7 @@
 //
 // Determinism: y and dx sum over j = 0..topk-1 in order; dW13[e] and dW2[e] sum over the slots routed
 // to e in increasing slot order (t * topk + j). Threads split tokens (y, dx) or experts (dW), never a
-// single sum, so results do not depend on the thread count.
+// single sum, so results do not depend on the thread count (parallel_for.h; small calls run on the calling thread).
 // Accumulation (accumulate_weight_grads): each expert's weight and bias gradients, rounded to f32, are added into the
 // caller's f32 buffers (expert_weights.h put_grad); experts with no rows leave theirs untouched.
 #include "reference/reference.h"
@@ -24,6 +24,7 @@
 #include "activation.h"
 #include "dtype.h"
 #include "reference/expert_weights.h"
+#include "reference/parallel_for.h"
 
 namespace megamoe::reference {
 namespace {
@@ -119,8 +120,7 @@ template <typename Acc>
 void forward_slots(const Inputs<Acc>& in, const megamoe_tensor_t& y, const megamoe_tensor_t& saved_h) {
     const Shape& shape = in.shape;
     const int64_t T = shape.num_tokens, H = shape.hidden, I = shape.intermediate, topk = shape.topk;
-#pragma omp parallel for schedule(dynamic)
-    for (int64_t t = 0; t < T; ++t) {
+    parallel_for(T, T * topk * 3 * H * I, [&](int64_t t) {
         std::vector<Acc> gate(I), up(I), act(I), y_row(H, Acc(0));
         for (int64_t j = 0; j < topk; ++j) {
             const int64_t slot = t * topk + j, e = in.expert[slot];
@@ -141,7 +141,7 @@ void forward_slots(const Inputs<Acc>& in, const megamoe_tensor_t& y, const megam
             }
         }
         for (int64_t h = 0; h < H; ++h) store_element(y.data, y.dtype, t * H + h, static_cast<double>(y_row[h]));
-    }
+    });
 }
 
 // What a backward writes: the gradients of x, of the slots' weights and of the expert parameters (NULL data: not
@@ -162,8 +162,7 @@ void backward_slots(const Inputs<Acc>& in, const megamoe_tensor_t& dy_t, const m
     std::vector<Acc> act(static_cast<size_t>(S * I), Acc(0));     // [S, I]
 
     // Per slot: p = W2[e]^T dy_t, ds = <p, a> + <dy_t, b2[e]> (= <dy_t, o>), da = s p, then act's derivative into dh.
-#pragma omp parallel for schedule(dynamic)
-    for (int64_t t = 0; t < T; ++t) {
+    parallel_for(T, T * topk * 5 * H * I, [&](int64_t t) {
         std::vector<Acc> gate(I), up(I), proj(I);
         for (int64_t j = 0; j < topk; ++j) {
             const int64_t slot = t * topk + j, e = in.expert[slot];
@@ -209,15 +208,14 @@ void backward_slots(const Inputs<Acc>& in, const megamoe_tensor_t& dy_t, const m
             }
             for (int64_t h = 0; h < H; ++h) store_element(grads.dx.data, grads.dx.dtype, t * H + h, dx_row[h]);
         }
-    }
+    });
 
     // Expert gradients: each expert sums its slots in increasing slot order.
     const ExpertGrads& wanted = grads.experts;
     const bool want_w13 = wanted.dw13->data || wanted.dw3->data, want_w2 = wanted.dw2->data != nullptr;
     const bool want_b13 = wanted.db13->data != nullptr, want_b2 = wanted.db2->data != nullptr;
     if (want_w13 || want_w2 || want_b13 || want_b2) {
-#pragma omp parallel for schedule(dynamic)
-        for (int64_t e = 0; e < E; ++e) {
+        parallel_for(E, S * 3 * H * I, [&](int64_t e) {
             std::vector<Acc> dw13(want_w13 ? 2 * I * H : 0, Acc(0)), dw2(want_w2 ? H * I : 0, Acc(0));
             std::vector<Acc> db13(want_b13 ? 2 * I : 0, Acc(0)), db2(want_b2 ? H : 0, Acc(0));
             int64_t num_rows = 0;
@@ -237,14 +235,14 @@ void backward_slots(const Inputs<Acc>& in, const megamoe_tensor_t& dy_t, const m
                 }
             }
             const bool accumulate = wanted.accumulate;
-            if (accumulate && num_rows == 0) continue;  // accumulating, an expert with no rows leaves its part as is
+            if (accumulate && num_rows == 0) return;  // accumulating, an expert with no rows leaves its part as is
             if (want_w13) in.weights.write_w13_grad(*wanted.dw13, *wanted.dw3, e, dw13, accumulate);
             if (want_w2) in.weights.write_w2_grad(*wanted.dw2, e, dw2, accumulate);
             if (want_b13) in.weights.write_b13_grad(*wanted.db13, e, db13, accumulate);
             for (int64_t h = 0; h < H && want_b2; ++h) {
                 put_grad(*wanted.db2, e * H + h, static_cast<double>(db2[h]), accumulate);
             }
-        }
+        });
     }
 }
 
