@@ -1,6 +1,7 @@
 """The CPU path's cost per call (the C++ reference behind megamoe.moe on CPU tensors), with torch in the process and
 the default environment: a tiny call, where the fixed cost of a call dominates, and larger shapes, where the
-arithmetic and its spread over the cores do. Prints one line per case: the median ms per call over several repeats.
+arithmetic and its spread over the cores do. Prints one line per case: the median (and min) ms per call over 5
+repeats.
 
     python bench/bench_cpu.py                # every case
     python bench/bench_cpu.py --cases tiny   # only the tiny forward
@@ -49,7 +50,8 @@ def step_of(args, dy, grad):
 
 
 def time_ms(step, min_seconds):
-    """Median ms per call over 5 repeats, each running at least min_seconds / 5 (after one warm-up call)."""
+    """(median, min) ms per call over 5 repeats, each running about min_seconds / 5 (after one warm-up call); the
+    min is the steadier figure on a machine shared with other work."""
     step()
     start = time.perf_counter()
     step()
@@ -61,7 +63,7 @@ def time_ms(step, min_seconds):
         for _ in range(calls):
             step()
         repeats.append((time.perf_counter() - start) / calls * 1e3)
-    return statistics.median(repeats), calls
+    return statistics.median(repeats), min(repeats), calls
 
 
 def main():
@@ -72,10 +74,10 @@ def main():
     print(f"megamoe {megamoe.__version__}, torch {torch.__version__}, torch threads {torch.get_num_threads()}")
     for name in args.cases:
         T, H, I, E, topk, dtype, grad = CASES[name]
-        ms, calls = time_ms(step_of(*problem(T, H, I, E, topk, dtype, grad), grad), args.seconds)
+        median, fastest, calls = time_ms(step_of(*problem(T, H, I, E, topk, dtype, grad), grad), args.seconds)
         what = "forward+backward" if grad else "forward, no grad"
-        print(f"{name:18s} T={T} H={H} I={I} E={E} topk={topk} {str(dtype)[6:]:8s} {what:16s} {ms:9.3f} ms/call "
-              f"({calls} calls x 5)")
+        print(f"{name:18s} T={T} H={H} I={I} E={E} topk={topk} {str(dtype)[6:]:8s} {what:16s} {median:9.3f} ms/call "
+              f"(min {fastest:.3f}; {calls} calls x 5)")
 
 
 if __name__ == "__main__":
