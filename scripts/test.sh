@@ -15,7 +15,7 @@ if [ ${#missing[@]} -gt 0 ]; then
     SUDO=$([ "$(id -u)" = 0 ] || echo sudo)
     $SUDO apt-get update -qq && $SUDO apt-get install -y -qq "${missing[@]}"
 fi
-"$PYTHON" -m pip install -q --disable-pip-version-check "torch>=2.6" numpy pytest "nvidia-cutlass==4.2.0.0" \
+"$PYTHON" -m pip install -q --disable-pip-version-check "torch>=2.11" numpy pytest "nvidia-cutlass==4.2.0.0" \
     "scikit-build-core>=0.11" "transformers>=5,<6" tqdm
 
 # One CMake build (build/): the library into the wheel (dist/) and the GoogleTest suite beside it.
