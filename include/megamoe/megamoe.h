@@ -83,7 +83,7 @@ extern "C" {
 #endif
 
 #define MEGAMOE_VERSION_MAJOR 0
-#define MEGAMOE_VERSION_MINOR 4
+#define MEGAMOE_VERSION_MINOR 5
 #define MEGAMOE_VERSION_PATCH 0
 #define MEGAMOE_MAX_DIMS 4
 /* Raised whenever a public struct's layout or a function's signature changes; megamoe_abi_version() returns the

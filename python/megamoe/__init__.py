@@ -13,14 +13,19 @@
 See docs/python.md for the API and docs/DESIGN.md for the math and the kernels.
 """
 
-from . import adapters, ep
+from . import _lib, adapters, ep
 from .grouped import GroupedGrads, grouped_backward, grouped_forward, grouped_moe, grouped_path_of
 from .layouts import (CONCATENATED, GPT_OSS, GPT_OSS_ACTIVATION, HF_TRANSPOSED, INTERLEAVED, SEPARATE, SWIGLU,
                       Activation, Layout, arrange_weights, clamped_swiglu)
 from .modules import MoEBlock, MoEBlockOutput, MoEExperts, load_balancing_loss
 from .ops import MoEGrads, moe, moe_backward, moe_forward, path_of
 
-__version__ = "0.1.0"
+
+def __getattr__(name):
+    if name == "__version__":  # the library's own version (megamoe_version()), read when first asked for
+        return _lib.version()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
 
 __all__ = [
     "adapters",

@@ -179,7 +179,7 @@ def _candidates():
     if env:
         yield pathlib.Path(env)
     here = pathlib.Path(__file__).resolve().parent
-    yield here / "lib" / "libmegamoe.so"  # pip install . puts it here
+    yield here / "lib" / "libmegamoe.so"  # where the wheel (pip install) puts it
     yield here.parent.parent / "build" / "libmegamoe.so"  # a CMake build of this checkout
 
 
@@ -216,6 +216,13 @@ def library():
             path_fn.restype = ctypes.c_int
         _LIB = lib
     return _LIB
+
+
+def version():
+    """The loaded library's version, "MAJOR.MINOR.PATCH" (megamoe_version(); the wheel's metadata has the same one: both
+    come from include/megamoe/megamoe.h)."""
+    code = library().megamoe_version()
+    return f"{code // 10000}.{code // 100 % 100}.{code % 100}"
 
 
 def check_abi(lib, path):

@@ -189,7 +189,8 @@ def moe(x, topk_ids, topk_weights, w13_local, w2_local, group=None, num_chunks=D
     buffer + grad, f32, in the kernels' epilogue: each chunk's backward adds straight into the buffer, no f32
     temporaries; bitwise reproducible run to run for a given num_chunks and initial buffer, and across num_chunks
     only up to rounding; experts with no rows leave their part untouched), only for weights that require grad;
-    autograd's gradient of such a weight is None (its .grad, a DTensor's too, is not created or changed); weights
+    autograd's gradient of such a weight is None (its .grad, a DTensor's too, is not created or changed; on torch 2.10
+    and 2.11 a DTensor weight's .grad becomes an all-zero DTensor instead, torch's doing, None from 2.12); weights
     without a buffer, x and topk_weights get their usual gradients (x's and topk_weights' bitwise those of the call
     without main_grads; a weight without a buffer beside one with a buffer gets its gradient through an f32 buffer,
     as in megamoe.moe). Two backwards add twice. The buffers are kept by reference, not saved for backward (other

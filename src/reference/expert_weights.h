@@ -1,7 +1,7 @@
 // The CPU reference's view of the expert parameters: read from their layout (layout.h) into canonical arrays in the
 // accumulation type, and canonical gradients written back into that same layout (or, accumulating, rounded to f32 and
 // added into the f32 values there: put_grad).
-//   w13 [E, 2I, H] gate rows, then up rows      w2 [E, H, I]
+//   W13[e] [2I, H] gate rows, then up rows      W2[e] [H, I]            (only the experts some slot routes to)
 //   b13 [E, 2I]    gate, then up (empty: none)  b2 [E, H] (empty: none)
 #pragma once
 
@@ -9,6 +9,7 @@
 
 #include "dtype.h"
 #include "layout.h"
+#include "reference/parallel_for.h"
 
 namespace megamoe::reference {
 
@@ -26,32 +27,45 @@ inline void put_grad(const megamoe_tensor_t& grad, int64_t index, double value, 
 template <typename Acc>
 struct ExpertWeights {
     WeightLayout layout;
-    std::vector<Acc> w13;  // [E, 2I, H]
-    std::vector<Acc> w2;   // [E, H, I]
-    std::vector<Acc> b13;  // [E, 2I] or empty
-    std::vector<Acc> b2;   // [E, H] or empty
+    std::vector<int64_t> block;  // [E]: expert e's block of w13 and w2, -1 for an expert no slot routes to (not read)
+    std::vector<Acc> w13;        // [routed experts, 2I, H]
+    std::vector<Acc> w2;         // [routed experts, H, I]
+    std::vector<Acc> b13;        // [E, 2I] or empty
+    std::vector<Acc> b2;         // [E, H] or empty
 
-    static ExpertWeights read(const Experts& experts, const Shape& shape) {
+    // The weights of the experts that `slot_expert` (per slot, -1: none) routes to, in parallel over experts, and the
+    // biases of all: a call reads what it computes with, not every expert's weights.
+    static ExpertWeights read(const Experts& experts, const Shape& shape, const std::vector<int64_t>& slot_expert) {
         const int64_t E = shape.num_experts, H = shape.hidden, I = shape.intermediate;
-        ExpertWeights weights{WeightLayout::of(experts.layout, H, I), {}, {}, {}, {}};
+        ExpertWeights weights{WeightLayout::of(experts.layout, H, I), std::vector<int64_t>(E, -1), {}, {}, {}, {}};
         const WeightLayout& layout = weights.layout;
-        weights.w13.resize(static_cast<size_t>(E * 2 * I * H));
-        weights.w2.resize(static_cast<size_t>(E * H * I));
-        for (int64_t e = 0; e < E; ++e) {
+        for (const int64_t e : slot_expert) {
+            if (e >= 0) weights.block[e] = 0;
+        }
+        int64_t num_blocks = 0;
+        for (int64_t& block : weights.block) {
+            if (block == 0) block = num_blocks++;
+        }
+        weights.w13.resize(static_cast<size_t>(num_blocks * 2 * I * H));
+        weights.w2.resize(static_cast<size_t>(num_blocks * H * I));
+        parallel_for(E, num_blocks * 3 * I * H, [&](int64_t e) {
+            if (weights.block[e] < 0) return;
+            Acc* w13 = weights.w13_of(e);
             for (int64_t n = 0; n < 2 * I; ++n) {
                 const megamoe_tensor_t& stored = layout.in_w3(n) ? *experts.w3 : *experts.w13;
                 for (int64_t k = 0; k < H; ++k) {
-                    weights.w13[(e * 2 * I + n) * H + k] =
+                    w13[n * H + k] =
                         static_cast<Acc>(load_element(stored.data, stored.dtype, layout.w13_offset(e, n, k)));
                 }
             }
+            Acc* w2 = weights.w2_of(e);
             for (int64_t h = 0; h < H; ++h) {
                 for (int64_t i = 0; i < I; ++i) {
-                    weights.w2[(e * H + h) * I + i] =
+                    w2[h * I + i] =
                         static_cast<Acc>(load_element(experts.w2->data, experts.w2->dtype, layout.w2_offset(e, h, i)));
                 }
             }
-        }
+        });
         if (experts.b13->data != nullptr) {
             weights.b13.resize(static_cast<size_t>(E * 2 * I));
             for (int64_t e = 0; e < E; ++e) {
@@ -69,6 +83,14 @@ struct ExpertWeights {
         }
         return weights;
     }
+
+    // Canonical W13[e] [2I, H] and W2[e] [H, I] of an expert some slot routes to.
+    Acc* w13_of(int64_t expert_idx) { return &w13[block[expert_idx] * 2 * layout.intermediate * layout.hidden]; }
+    const Acc* w13_of(int64_t expert_idx) const {
+        return &w13[block[expert_idx] * 2 * layout.intermediate * layout.hidden];
+    }
+    Acc* w2_of(int64_t expert_idx) { return &w2[block[expert_idx] * layout.hidden * layout.intermediate]; }
+    const Acc* w2_of(int64_t expert_idx) const { return &w2[block[expert_idx] * layout.hidden * layout.intermediate]; }
 
     Acc gate_up_bias(int64_t expert_idx, int64_t row_idx) const {
         return b13.empty() ? Acc(0) : b13[expert_idx * 2 * layout.intermediate + row_idx];

@@ -1,7 +1,7 @@
 // CPU reference of DESIGN.md section 1, written to be read: every slot (t, j) is computed on its own,
 // in the accumulation type Acc (double or float), with no rounding of intermediates. Inputs are first
-// widened into Acc arrays (the expert weights from their layout into canonical ones: expert_weights.h); outputs are
-// rounded once, at the end, into their own dtypes (weight gradients into their parameters' layout).
+// widened into Acc arrays (the routed experts' weights from their layout into canonical ones: expert_weights.h);
+// outputs are rounded once, at the end, into their own dtypes (weight gradients into their parameters' layout).
 // Per slot: h = [g, u] = W13[e] x + b13[e], a = act(g, u) (activation.h), o = W2[e] a + b2[e], y_t = sum_j s o.
 //
 // Memory modes: the forward writes h = [g, u] into saved_h when asked (rounded to its dtype), row by sorted row (the
@@ -14,16 +14,18 @@
 //
 // Determinism: y and dx sum over j = 0..topk-1 in order; dW13[e] and dW2[e] sum over the slots routed
 // to e in increasing slot order (t * topk + j). Threads split tokens (y, dx) or experts (dW), never a
-// single sum, so results do not depend on the thread count.
+// single sum, so results do not depend on the thread count (parallel_for.h; small calls run on the calling thread).
 // Accumulation (accumulate_weight_grads): each expert's weight and bias gradients, rounded to f32, are added into the
 // caller's f32 buffers (expert_weights.h put_grad); experts with no rows leave theirs untouched.
 #include "reference/reference.h"
 
+#include <utility>
 #include <vector>
 
 #include "activation.h"
 #include "dtype.h"
 #include "reference/expert_weights.h"
+#include "reference/parallel_for.h"
 
 namespace megamoe::reference {
 namespace {
@@ -44,41 +46,42 @@ struct Inputs {
     std::vector<Acc> x;           // [T, H]
     std::vector<int64_t> expert;  // [T * topk], -1 = dropped (grouped rows: a padding row)
     std::vector<Acc> weight;      // [T * topk]
-    ExpertWeights<Acc> weights;   // canonical w13 [E, 2I, H], w2 [E, H, I], biases
+    ExpertWeights<Acc> weights;   // canonical W13[e] [2I, H], W2[e] [H, I] of the routed experts, biases
     Activation<Acc> activation;
     std::vector<int64_t> h_row;  // [T * topk]: the slot's row of saved_h (stable sort by expert), -1 = dropped
 
-    Inputs(const Shape& problem, const megamoe_tensor_t& x_t, const Experts& experts)
+    Inputs(const Shape& problem, const megamoe_tensor_t& x_t, std::vector<int64_t> slot_expert, const Experts& experts)
         : shape(problem),
           x(widen<Acc>(x_t)),
-          expert(static_cast<size_t>(problem.num_slots()), -1),
+          expert(std::move(slot_expert)),
           weight(static_cast<size_t>(problem.num_slots()), Acc(1)),
-          weights(ExpertWeights<Acc>::read(experts, problem)),
-          activation(Activation<Acc>::of(experts.activation)) {}
+          weights(ExpertWeights<Acc>::read(experts, problem, expert)),
+          activation(Activation<Acc>::of(experts.activation)),
+          h_row(sorted_rows(expert, problem.num_experts)) {}
 
     // The whole layer: slot t * topk + j goes to topk_ids[t, j] with weight topk_weights[t, j].
     static Inputs routed(const Shape& problem, const megamoe_tensor_t& x_t, const megamoe_tensor_t& ids_t,
                          const megamoe_tensor_t& weights_t, const Experts& experts) {
-        Inputs in(problem, x_t, experts);
-        in.weight = widen<Acc>(weights_t);
+        std::vector<int64_t> slot_expert(static_cast<size_t>(problem.num_slots()));
         for (int64_t slot = 0; slot < problem.num_slots(); ++slot)
-            in.expert[slot] = load_index(ids_t.data, ids_t.dtype, slot);
-        in.h_row = sorted_rows(in.expert, problem.num_experts);
+            slot_expert[slot] = load_index(ids_t.data, ids_t.dtype, slot);
+        Inputs in(problem, x_t, std::move(slot_expert), experts);
+        in.weight = widen<Acc>(weights_t);
         return in;
     }
 
     // Grouped rows (topk = 1): rows [n_0 + ... + n_{e-1}, n_0 + ... + n_e) go to expert e (n = counts), rows past
-    // the sum to none; row r's weight is scores[r], or 1 without scores.
+    // the sum to none; row r's weight is scores[r], or 1 without scores. Their h_row are the rows themselves.
     static Inputs grouped(const Shape& problem, const megamoe_tensor_t& x_t, const megamoe_tensor_t& counts_t,
                           const megamoe_tensor_t& scores_t, const Experts& experts) {
-        Inputs in(problem, x_t, experts);
-        if (scores_t.data != nullptr) in.weight = widen<Acc>(scores_t);
+        std::vector<int64_t> row_expert(static_cast<size_t>(problem.num_slots()), -1);
         int64_t row_idx = 0;
         for (int64_t expert_idx = 0; expert_idx < problem.num_experts; ++expert_idx) {
             const int64_t num_rows = load_index(counts_t.data, counts_t.dtype, expert_idx);
-            for (int64_t row_end = row_idx + num_rows; row_idx < row_end; ++row_idx) in.expert[row_idx] = expert_idx;
+            for (int64_t row_end = row_idx + num_rows; row_idx < row_end; ++row_idx) row_expert[row_idx] = expert_idx;
         }
-        in.h_row = sorted_rows(in.expert, problem.num_experts);  // the rows themselves: they are sorted already
+        Inputs in(problem, x_t, std::move(row_expert), experts);
+        if (scores_t.data != nullptr) in.weight = widen<Acc>(scores_t);
         return in;
     }
 
@@ -100,7 +103,7 @@ struct Inputs {
     void up(int64_t token_idx, int64_t expert_idx, Acc* gate, Acc* up_out, Acc* act) const {
         const int64_t H = shape.hidden, I = shape.intermediate;
         const Acc* x_row = &x[token_idx * H];
-        const Acc* w = &weights.w13[expert_idx * 2 * I * H];
+        const Acc* w = weights.w13_of(expert_idx);
         for (int64_t i = 0; i < I; ++i) {
             Acc g = weights.gate_up_bias(expert_idx, i), u = weights.gate_up_bias(expert_idx, I + i);
             for (int64_t h = 0; h < H; ++h) {
@@ -119,8 +122,7 @@ template <typename Acc>
 void forward_slots(const Inputs<Acc>& in, const megamoe_tensor_t& y, const megamoe_tensor_t& saved_h) {
     const Shape& shape = in.shape;
     const int64_t T = shape.num_tokens, H = shape.hidden, I = shape.intermediate, topk = shape.topk;
-#pragma omp parallel for schedule(dynamic)
-    for (int64_t t = 0; t < T; ++t) {
+    parallel_for(T, T * topk * 3 * H * I, [&](int64_t t) {
         std::vector<Acc> gate(I), up(I), act(I), y_row(H, Acc(0));
         for (int64_t j = 0; j < topk; ++j) {
             const int64_t slot = t * topk + j, e = in.expert[slot];
@@ -133,7 +135,7 @@ void forward_slots(const Inputs<Acc>& in, const megamoe_tensor_t& y, const megam
                     store_element(saved_h.data, saved_h.dtype, h_base + I + i, static_cast<double>(up[i]));
                 }
             }
-            const Acc* w = &in.weights.w2[e * H * I];
+            const Acc* w = in.weights.w2_of(e);
             for (int64_t h = 0; h < H; ++h) {
                 Acc o = in.weights.down_bias(e, h);
                 for (int64_t i = 0; i < I; ++i) o += w[h * I + i] * act[i];
@@ -141,7 +143,7 @@ void forward_slots(const Inputs<Acc>& in, const megamoe_tensor_t& y, const megam
             }
         }
         for (int64_t h = 0; h < H; ++h) store_element(y.data, y.dtype, t * H + h, static_cast<double>(y_row[h]));
-    }
+    });
 }
 
 // What a backward writes: the gradients of x, of the slots' weights and of the expert parameters (NULL data: not
@@ -162,8 +164,7 @@ void backward_slots(const Inputs<Acc>& in, const megamoe_tensor_t& dy_t, const m
     std::vector<Acc> act(static_cast<size_t>(S * I), Acc(0));     // [S, I]
 
     // Per slot: p = W2[e]^T dy_t, ds = <p, a> + <dy_t, b2[e]> (= <dy_t, o>), da = s p, then act's derivative into dh.
-#pragma omp parallel for schedule(dynamic)
-    for (int64_t t = 0; t < T; ++t) {
+    parallel_for(T, T * topk * 5 * H * I, [&](int64_t t) {
         std::vector<Acc> gate(I), up(I), proj(I);
         for (int64_t j = 0; j < topk; ++j) {
             const int64_t slot = t * topk + j, e = in.expert[slot];
@@ -180,7 +181,7 @@ void backward_slots(const Inputs<Acc>& in, const megamoe_tensor_t& dy_t, const m
                 } else {
                     in.up(t, e, gate.data(), up.data(), a);
                 }
-                const Acc* w = &in.weights.w2[e * H * I];
+                const Acc* w = in.weights.w2_of(e);
                 for (int64_t i = 0; i < I; ++i) proj[i] = 0;
                 for (int64_t h = 0; h < H; ++h) {
                     for (int64_t i = 0; i < I; ++i) proj[i] += w[h * I + i] * dy[t * H + h];
@@ -201,7 +202,7 @@ void backward_slots(const Inputs<Acc>& in, const megamoe_tensor_t& dy_t, const m
             for (int64_t j = 0; j < topk; ++j) {
                 const int64_t slot = t * topk + j, e = in.expert[slot];
                 if (e < 0) continue;
-                const Acc* w = &in.weights.w13[e * 2 * I * H];
+                const Acc* w = in.weights.w13_of(e);
                 for (int64_t n = 0; n < 2 * I; ++n) {
                     const Acc grad = dh[slot * 2 * I + n];
                     for (int64_t h = 0; h < H; ++h) dx_row[h] += w[n * H + h] * grad;
@@ -209,15 +210,14 @@ void backward_slots(const Inputs<Acc>& in, const megamoe_tensor_t& dy_t, const m
             }
             for (int64_t h = 0; h < H; ++h) store_element(grads.dx.data, grads.dx.dtype, t * H + h, dx_row[h]);
         }
-    }
+    });
 
     // Expert gradients: each expert sums its slots in increasing slot order.
     const ExpertGrads& wanted = grads.experts;
     const bool want_w13 = wanted.dw13->data || wanted.dw3->data, want_w2 = wanted.dw2->data != nullptr;
     const bool want_b13 = wanted.db13->data != nullptr, want_b2 = wanted.db2->data != nullptr;
     if (want_w13 || want_w2 || want_b13 || want_b2) {
-#pragma omp parallel for schedule(dynamic)
-        for (int64_t e = 0; e < E; ++e) {
+        parallel_for(E, S * 3 * H * I, [&](int64_t e) {
             std::vector<Acc> dw13(want_w13 ? 2 * I * H : 0, Acc(0)), dw2(want_w2 ? H * I : 0, Acc(0));
             std::vector<Acc> db13(want_b13 ? 2 * I : 0, Acc(0)), db2(want_b2 ? H : 0, Acc(0));
             int64_t num_rows = 0;
@@ -237,14 +237,14 @@ void backward_slots(const Inputs<Acc>& in, const megamoe_tensor_t& dy_t, const m
                 }
             }
             const bool accumulate = wanted.accumulate;
-            if (accumulate && num_rows == 0) continue;  // accumulating, an expert with no rows leaves its part as is
+            if (accumulate && num_rows == 0) return;  // accumulating, an expert with no rows leaves its part as is
             if (want_w13) in.weights.write_w13_grad(*wanted.dw13, *wanted.dw3, e, dw13, accumulate);
             if (want_w2) in.weights.write_w2_grad(*wanted.dw2, e, dw2, accumulate);
             if (want_b13) in.weights.write_b13_grad(*wanted.db13, e, db13, accumulate);
             for (int64_t h = 0; h < H && want_b2; ++h) {
                 put_grad(*wanted.db2, e * H + h, static_cast<double>(db2[h]), accumulate);
             }
-        }
+        });
     }
 }
 

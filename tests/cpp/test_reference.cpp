@@ -1,7 +1,13 @@
 // The CPU reference through the C API: backward against central finite differences of forward (f64),
-// dropped slots and empty experts give exact zeros, f32 / bf16 paths track the f64 one, determinism.
+// dropped slots and empty experts give exact zeros, f32 / bf16 paths track the f64 one, determinism (also across
+// the threads of parallel_for: a call split over them gives each token's single-threaded result bitwise).
 #include <gtest/gtest.h>
 
+#include <atomic>
+#include <stdexcept>
+#include <thread>
+
+#include "reference/parallel_for.h"
 #include "test_util.h"
 
 namespace megamoe::test {
@@ -192,6 +198,57 @@ TEST(Reference, RunsAreBitwiseEqual) {
     EXPECT_EQ(first.dw.bytes, second.dw.bytes);
     EXPECT_EQ(first.dw13.bytes, second.dw13.bytes);
     EXPECT_EQ(first.dw2.bytes, second.dw2.bytes);
+}
+
+// A forward large enough to be split over threads gives, for every token, the bits of that token's forward alone
+// (a call far below the threshold: one thread).
+TEST(Reference, ThreadedCallGivesEachTokensSingleThreadedBits) {
+    std::mt19937_64 rng(fresh_seed());
+    Problem whole{48, 64, 32, 6, 2};
+    whole.dtype = MEGAMOE_DTYPE_F32;
+    whole.make(rng);
+    ASSERT_GE(whole.num_tokens * whole.topk * 3 * whole.hidden * whole.intermediate, reference::kParallelMinWork);
+    HostTensor y(whole.dtype, {whole.num_tokens, whole.hidden});
+    megamoe_forward_params_t p = whole.forward_params(y);
+    ASSERT_EQ(megamoe_forward(&p), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
+    for (int64_t t = 0; t < whole.num_tokens; ++t) {
+        Problem one = whole;
+        one.num_tokens = 1;
+        one.x = HostTensor(whole.dtype, {1, whole.hidden});
+        one.ids = HostTensor(whole.id_dtype, {1, whole.topk});
+        one.weights = HostTensor(whole.weights.view.dtype, {1, whole.topk});
+        for (int64_t h = 0; h < whole.hidden; ++h) one.x.set(h, whole.x.get(t * whole.hidden + h));
+        for (int64_t j = 0; j < whole.topk; ++j) {
+            one.ids.set(j, whole.ids.get(t * whole.topk + j));
+            one.weights.set(j, whole.weights.get(t * whole.topk + j));
+        }
+        HostTensor y_one(whole.dtype, {1, whole.hidden});
+        megamoe_forward_params_t p_one = one.forward_params(y_one);
+        ASSERT_EQ(megamoe_forward(&p_one), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
+        for (int64_t h = 0; h < whole.hidden; ++h) ASSERT_EQ(y_one.get(h), y.get(t * whole.hidden + h)) << t;
+    }
+}
+
+// parallel_for runs every index exactly once, on the calling thread alone below the threshold, and a body's
+// exception reaches the caller whether the loop was split or not.
+TEST(ParallelFor, EveryIndexOnceAndExceptionsReachTheCaller) {
+    constexpr int64_t kCount = 1000;
+    for (const int64_t work : {int64_t{0}, reference::kParallelMinWork * 16}) {
+        std::vector<std::atomic<int>> seen(kCount);
+        std::atomic<bool> other_thread{false};
+        const std::thread::id caller = std::this_thread::get_id();
+        reference::parallel_for(kCount, work, [&](int64_t index) {
+            seen[index].fetch_add(1);
+            if (std::this_thread::get_id() != caller) other_thread = true;
+        });
+        for (const std::atomic<int>& count : seen) ASSERT_EQ(count.load(), 1);
+        if (work < reference::kParallelMinWork) EXPECT_FALSE(other_thread.load());
+        EXPECT_THROW(reference::parallel_for(kCount, work,
+                                             [](int64_t index) {
+                                                 if (index == kCount / 2) throw std::runtime_error("index 500");
+                                             }),
+                     std::runtime_error);
+    }
 }
 
 TEST(Reference, EmptyBatchGivesZeroWeightGradients) {

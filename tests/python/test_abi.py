@@ -1,13 +1,21 @@
 """The ABI guard of the binding: the library reports its ABI version and struct sizes, _lib checks them against its
 ctypes structs when it loads the library, and refuses a mismatched library with an ImportError naming the path and
-both versions (faked here by changing what the binding expects)."""
+both versions (faked here by changing what the binding expects). Also the version: one number, the header's, for the
+library, megamoe.__version__ and an installed wheel's metadata."""
 
 import ctypes
+import importlib.metadata
+import os
+import pathlib
+import re
 import types
 
 import pytest
 
+import megamoe
 from megamoe import _lib
+
+HEADER = pathlib.Path(__file__).resolve().parents[2] / "include" / "megamoe" / "megamoe.h"
 
 
 def test_library_reports_the_abi_the_binding_declares():
@@ -66,3 +74,23 @@ def test_the_guarded_library_still_runs(reload):
     w13, w2 = torch.randn(2, 8, 8, dtype=torch.float64), torch.randn(2, 8, 4, dtype=torch.float64)
     out = megamoe.grouped_moe(x, torch.tensor([1, 2]), w13, w2)
     assert out.shape == (3, 8) and _lib._LIB is not None
+
+
+def test_version_is_the_headers():
+    defines = dict(re.findall(r"#define MEGAMOE_VERSION_(MAJOR|MINOR|PATCH) (\d+)", HEADER.read_text()))
+    assert megamoe.__version__ == f"{defines['MAJOR']}.{defines['MINOR']}.{defines['PATCH']}"
+
+
+def test_an_installed_package_carries_its_library_and_version():
+    """Installed from a wheel: the package loads its own lib/libmegamoe.so and its metadata has the library's
+    version."""
+    package = pathlib.Path(megamoe.__file__).resolve().parent
+    try:
+        distribution = importlib.metadata.distribution("megamoe")
+    except importlib.metadata.PackageNotFoundError:
+        distribution = None
+    if distribution is None or pathlib.Path(distribution.locate_file("megamoe")).resolve() != package:
+        pytest.skip(f"megamoe is imported from {package}, not from an installed distribution")
+    assert distribution.version == megamoe.__version__
+    if not os.environ.get("MEGAMOE_LIBRARY"):
+        assert pathlib.Path(_lib.library()._name) == package / "lib" / "libmegamoe.so"
