@@ -11,16 +11,13 @@ largest difference relative to each output's largest value.
 A variant is NAME or NAME=VAR:VALUE,VAR:VALUE; every VAR any variant names is unset for the others.
 """
 import argparse
-import math
 import os
-import statistics
 
 import torch
 
 import megamoe
 import workloads
-from profile_backward import GEMM_LABELS, RECOMPUTE_LABEL, backward_kernels
-from timing import cuda_time
+from profile_backward import GEMM_LABELS, RECOMPUTE_LABEL, backward_kernels, pass_times
 
 FORWARD_LABELS = [("up", 4.0), ("down", 2.0)]  # x T topk H I
 
@@ -102,25 +99,11 @@ def main():
 
 
 def report(shape, mode, name, round_idx, inputs, dy, keep_h, unit, runs):
-    saved = megamoe.moe_forward(*inputs, keep_h)[1] if keep_h else None
-    pristine = saved.clone() if keep_h else None
-    forward = lambda: megamoe.moe_forward(*inputs, keep_h)  # noqa: E731
-    restore = (lambda: saved.copy_(pristine)) if keep_h else (lambda: None)  # noqa: E731
-
-    def backward():
-        restore()
-        megamoe.moe_backward(dy, *inputs, saved)
-
-    def step():
-        _, h = forward()
-        megamoe.moe_backward(dy, *inputs, h if keep_h else None)
-
-    fwd, bwd, both, copy = (cuda_time(fn, 3, runs, math.inf)["ms"] for fn in (forward, backward, step, restore))
-    bwd -= copy if keep_h else 0.0
+    (forward, backward, _), (fwd, bwd, both) = pass_times(inputs, dy, keep_h, runs)
     print(f"\n== {shape} {mode} {name} round {round_idx}: fwd+bwd {both:.3f} ms ({18 * unit / both / 1e9:.0f} "
           f"TFLOP/s), forward {fwd:.3f}, backward {bwd:.3f}")
     labels = GEMM_LABELS if keep_h else [RECOMPUTE_LABEL, *GEMM_LABELS]
-    rows = backward_kernels(lambda: forward(), runs, FORWARD_LABELS) + backward_kernels(backward, runs, labels)
+    rows = backward_kernels(forward, runs, FORWARD_LABELS) + backward_kernels(backward, runs, labels)
     for label, ms, kname in rows:
         rate = f"  {label[1] * unit / ms / 1e9:.0f} TFLOP/s ({label[0]})" if label else ""
         print(f"  {ms:8.3f} ms  {kname[:90]}{rate}")

@@ -31,25 +31,57 @@ GEMM_LABELS = [("dH", 2.0), ("dW2", 2.0), ("dX", 4.0), ("dW13", 4.0)]  # x T top
 RECOMPUTE_LABEL = ("up (recompute)", 4.0)
 
 
-def backward_kernels(backward, runs, labels):
-    """(label, median ms, name) of each kernel launch of one backward, in launch order."""
+def kernel_times(run, runs):
+    """[(short name, median ms)] of the CUDA kernels of one run() call, in launch order (copies and memsets left out),
+    from `runs` calls under torch.profiler."""
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
         for _ in range(runs):
-            backward()
+            run()
         torch.cuda.synchronize()
     events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA and "emcpy" not in e.name
                      and "emset" not in e.name), key=lambda e: e.time_range.start)
     per_run = len(events) // runs
+    return [(short_name(events[pos].name),
+             statistics.median(events[r * per_run + pos].time_range.elapsed_us() / 1000.0 for r in range(runs)))
+            for pos in range(per_run)]
+
+
+def backward_kernels(backward, runs, labels):
+    """(label, median ms, name) of each kernel launch of one backward, in launch order: the grouped GEMMs take
+    `labels` in turn."""
     rows, gemm_idx = [], 0
-    for pos in range(per_run):
-        name = short_name(events[pos].name)
-        ms = statistics.median(events[run * per_run + pos].time_range.elapsed_us() / 1000.0 for run in range(runs))
+    for name, ms in kernel_times(backward, runs):
         label = None
         if "grouped_gemm" in name and gemm_idx < len(labels):
             label = labels[gemm_idx]
             gemm_idx += 1
         rows.append((label, ms, name))
     return rows
+
+
+def passes(inputs, dy, keep_h):
+    """(forward, backward, step, restore) closures of one case: keep-h's backward consumes h (dh is written over it),
+    so `backward` first restores it from a copy (`restore`, timed on its own to be subtracted)."""
+    saved = megamoe.moe_forward(*inputs, keep_h)[1] if keep_h else None
+    pristine = saved.clone() if keep_h else None
+    forward = lambda: megamoe.moe_forward(*inputs, keep_h)  # noqa: E731
+    restore = (lambda: saved.copy_(pristine)) if keep_h else (lambda: None)  # noqa: E731
+
+    def backward():
+        restore()
+        megamoe.moe_backward(dy, *inputs, saved)
+
+    def step():
+        _, h = forward()
+        megamoe.moe_backward(dy, *inputs, h if keep_h else None)
+    return forward, backward, step, restore
+
+
+def pass_times(inputs, dy, keep_h, runs):
+    """(forward, backward, step) closures and their median ms (the backward's without the restore copy)."""
+    forward, backward, step, restore = passes(inputs, dy, keep_h)
+    fwd, bwd, both, copy = (cuda_time(fn, 3, runs, math.inf)["ms"] for fn in (forward, backward, step, restore))
+    return (forward, backward, step), (fwd, bwd - (copy if keep_h else 0.0), both)
 
 
 def main():
@@ -71,22 +103,7 @@ def main():
                 os.environ["MEGAMOE_DISABLE_SM90"] = "1" if path.startswith("portable") else "0"
                 os.environ["MEGAMOE_SM90_WEIGHT_GRADS"] = "0" if path == "sm90-portable-wgrad" else "1"
                 keep_h = mode == "keep-h"
-                saved = megamoe.moe_forward(*inputs, keep_h)[1] if keep_h else None
-                pristine = saved.clone() if keep_h else None
-                forward = lambda: megamoe.moe_forward(*inputs, keep_h)  # noqa: E731
-                restore = (lambda: saved.copy_(pristine)) if keep_h else (lambda: None)  # noqa: E731
-
-                def backward():
-                    restore()
-                    megamoe.moe_backward(dy, *inputs, saved)
-
-                def step():
-                    _, h = forward()
-                    megamoe.moe_backward(dy, *inputs, h if keep_h else None)
-
-                fwd, bwd, both, copy = (cuda_time(fn, 3, args.runs, math.inf)["ms"]
-                                        for fn in (forward, backward, step, restore))
-                bwd -= copy if keep_h else 0.0
+                (_, backward, _), (fwd, bwd, both) = pass_times(inputs, dy, keep_h, args.runs)
                 print(f"\n{name} [{args.routing}] {path} {mode}: forward {fwd:.3f} ms, backward {bwd:.3f} ms "
                       f"({12 * unit / bwd / 1e9:.0f} TFLOP/s), forward+backward {both:.3f} ms "
                       f"({18 * unit / both / 1e9:.0f} TFLOP/s)")
@@ -94,7 +111,7 @@ def main():
                 for label, ms, kname in backward_kernels(backward, args.runs, labels):
                     rate = f"  {label[1] * unit / ms / 1e9:.0f} TFLOP/s ({label[0]})" if label else ""
                     print(f"  {ms:8.3f} ms  {kname}{rate}")
-                del saved, pristine
+                del backward
         del case, inputs, dy
         torch.cuda.empty_cache()
 

@@ -15,37 +15,20 @@ import argparse
 import json
 import math
 import pathlib
-import statistics
 
 import torch
-from torch.autograd import DeviceType
-from torch.profiler import ProfilerActivity, profile
 
 import megamoe
 import workloads
 from impls import Impl
 from peers import SonicMoEPeer
 from ab_knobs import relative_difference
-from profile_forward import short_name
+from profile_backward import kernel_times
 from timing import cuda_time
 
 # Labels of megamoe's grouped GEMMs in launch order per pass (keep-h), with their FLOPs in units of T topk H I.
 MEGAMOE_GEMMS = {"fwd": [("up", 4.0), ("down", 2.0)],
                  "fwdbwd": [("up", 4.0), ("down", 2.0), ("dH", 2.0), ("dW2", 2.0), ("dX", 4.0), ("dW13", 4.0)]}
-
-
-def kernel_rows(run, runs):
-    """[(name, median ms)] of the CUDA kernels of one run() call, in launch order (copies and memsets left out)."""
-    with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        for _ in range(runs):
-            run()
-        torch.cuda.synchronize()
-    events = sorted((e for e in prof.events() if e.device_type == DeviceType.CUDA and "emcpy" not in e.name
-                     and "emset" not in e.name), key=lambda e: e.time_range.start)
-    per_run = len(events) // runs
-    return [(short_name(events[pos].name),
-             statistics.median(events[r * per_run + pos].time_range.elapsed_us() / 1000.0 for r in range(runs)))
-            for pos in range(per_run)]
 
 
 def label_rows(impl_name, pass_name, rows):
@@ -103,7 +86,7 @@ def main():
                 for pass_name in ("fwd", "fwdbwd"):
                     run = steps[(impl.name, pass_name)]
                     ms = cuda_time(run, 2, args.runs, math.inf)["ms"]
-                    rows = label_rows(impl.name, pass_name, kernel_rows(run, args.runs))
+                    rows = label_rows(impl.name, pass_name, kernel_times(run, args.runs))
                     print(f"\n== {shape} {impl.name} {pass_name} round {round_idx}: {ms:.3f} ms by events, "
                           f"sum of kernels {sum(r[3] for r in rows):.3f} ms")
                     for label, units, name, kms in rows:
