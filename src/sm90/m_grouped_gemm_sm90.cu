@@ -36,8 +36,9 @@
 //     end (not one-row TMA boxes: the TMA unit is slow on small boxes). Each thread then arms
 //     cp.async.mbarrier.arrive.noinc on the stage's full barrier and moves on: the stage is published when all copies
 //     have landed (128 such arrivals + thread 0's arrive.expect_tx of the B bytes), with no waiting in the producer.
-//     Consumers issue fence.proxy.async after the wait (cp.async writes are generic-proxy, wgmma reads through the
-//     async proxy). No L2 prefetches (of h for dH's epilogue, or of gathered rows ahead of their stage).
+//     Consumers issue fence.proxy.async after the wait where cp.async filled A (cp.async writes are generic-proxy,
+//     wgmma reads through the async proxy; a stage filled by TMA alone needs none). No L2 prefetches (of h for dH's
+//     epilogue, or of gathered rows ahead of their stage).
 //   warpgroups 1, 2, consumers (setmaxnreg up to kConsumerRegs), cooperative: rows [64 (w - 1), 64 w) of every tile
 //     of the CTA; ping-pong: every other tile of the CTA (all 128 rows, two m64 row blocks), the other consumer's
 //     stages skipped and the two mainloops in turn (named barriers), so one consumer's epilogue runs under the
@@ -301,7 +302,9 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Mainlo
         int in_flight_stage = -1;
         for (int k_block_idx = 0; k_block_idx < num_k_blocks; ++k_block_idx) {
             mbarrier_wait(&smem.full[stage_idx], phase);
-            fence_proxy_async_shared();  // the A tile was written by cp.async (generic proxy), wgmma reads it async
+            // A written by cp.async (generic proxy) is read by wgmma (async proxy); a stage that TMA filled alone is
+            // the async proxy's throughout.
+            if constexpr (!Epi::kTmaA) fence_proxy_async_shared();
             const uint8_t* tile_a = smem.a[stage_idx] + first_row_block * kRowBlockATileBytes;
             const uint64_t desc_b = make_b_desc<kBLayout>(smem.b[stage_idx]);
             if (block_has_rows[0]) {
