@@ -28,6 +28,7 @@ constexpr int kRowThreads = 256;
 constexpr int kSlotThreads = 256;
 constexpr int64_t kMaxGridY = 65535;
 constexpr int kFillThreads = 256;
+constexpr int kSortRowsThreads = 128;
 constexpr int64_t kMaxFillBlocks = 1024;
 
 static_assert(kRowThreads % kWarpSize == 0, "row reduction uses whole warps");
@@ -194,6 +195,17 @@ __global__ void __launch_bounds__(kSlotThreads) finalize_dtopk_kernel(const Fina
     store_scalar(args.dtopk_weights, args.dtopk_dtype, slot_idx, value);
 }
 
+// One block per sorted row, its 16-byte chunks across the threads.
+__global__ void __launch_bounds__(kSortRowsThreads) sort_rows_kernel(const SortRowsArgs args) {
+    const int64_t row_idx = blockIdx.x;
+    if (row_idx >= args.expert_offsets[args.num_experts]) return;
+    const int64_t src_idx = args.sorted_slot[row_idx] / args.topk;
+    const int64_t num_chunks = args.num_cols / 8;
+    const auto* src = static_cast<const uint4*>(args.rows) + src_idx * num_chunks;
+    auto* dst = static_cast<uint4*>(args.out) + row_idx * num_chunks;
+    for (int64_t chunk = threadIdx.x; chunk < num_chunks; chunk += kSortRowsThreads) dst[chunk] = src[chunk];
+}
+
 template <typename T>
 __global__ void __launch_bounds__(kFillThreads) fill_nan_if_kernel(const int* flag, T* data, int64_t count, T nan) {
     if (*flag == 0) return;
@@ -217,6 +229,16 @@ megamoe_status_t launch_fill_nan_if(const int* flag, void* data, megamoe_dtype_t
         fill_nan_if_kernel<uint16_t><<<grid, kFillThreads, 0, stream>>>(flag, static_cast<uint16_t*>(data), count, nan);
     }
     return check_launch("fill_nan_if_kernel");
+}
+
+megamoe_status_t launch_sort_rows(const SortRowsArgs& args, cudaStream_t stream) {
+    if (args.max_rows == 0 || args.num_cols == 0) return MEGAMOE_STATUS_SUCCESS;
+    if (args.num_cols % 8 != 0 || !is_aligned(args.rows, 16) || !is_aligned(args.out, 16) ||
+        args.max_rows > INT32_MAX) {
+        return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "sort_rows: 16-byte rows and fewer than 2^31 of them");
+    }
+    sort_rows_kernel<<<static_cast<unsigned>(args.max_rows), kSortRowsThreads, 0, stream>>>(args);
+    return check_launch("sort_rows_kernel");
 }
 
 megamoe_status_t launch_gather_sum(const GatherSumArgs& args, cudaStream_t stream) {

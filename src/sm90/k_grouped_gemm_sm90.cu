@@ -22,7 +22,7 @@
 // and the cp.async. Both roles decode their next tile a whole tile ahead, so no tile start waits for its expert
 // offsets.
 // Clusters: 2 CTAs run two output tiles of the same expert that share the TMA operand: neighbouring n-tiles (same
-// A) when A is ungathered (dW13), else neighbouring m-tiles (same B, dW2). Each CTA loads half of the shared
+// A) when A is ungathered (dW13), else neighbouring m-tiles (same B, dW2); where both are, the wider one. Each CTA loads half of the shared
 // operand's boxes and multicasts them to both, halving its L2 -> SM traffic; with an odd tile count the second CTA
 // recomputes the first one's tile without storing it, so both always walk the same expert and stay in step.
 // Tile schedule: cluster tile t = (expert, pair), expert-major, so clusters running at the same time read the same
@@ -544,8 +544,9 @@ megamoe_status_t launch_shape(const cuda::KGroupedGemmArgs& args, KernelParams p
                               cudaStream_t stream) {
     const int64_t num_m_tiles = ceil_div(args.m, static_cast<int64_t>(Shape::kBlockM));
     const int64_t num_n_tiles = ceil_div(args.n, static_cast<int64_t>(Shape::kBlockN));
-    // The pair shares A (neighbouring n-tiles) when A comes by TMA, else B (neighbouring m-tiles) when B does.
-    params.pair_along_m = !params.a.tma && params.b.tma;
+    // The pair shares the operand that comes by TMA (A: neighbouring n-tiles; B: neighbouring m-tiles), the wider of
+    // the two where both do.
+    params.pair_along_m = params.b.tma && (!params.a.tma || Shape::kBlockN > Shape::kBlockM);
     params.share = params.a.tma || params.b.tma;
     const int64_t pairs_m =
         params.pair_along_m ? ceil_div(num_m_tiles, static_cast<int64_t>(kClusterSize)) : num_m_tiles;

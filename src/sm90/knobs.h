@@ -7,6 +7,8 @@
 //                                      the ping-pong 128 x 128 tile (the other consumer's mainloop under an epilogue)
 //   MEGAMOE_SM90_PDL=1                 the sm_90a kernels launched programmatically (PDL): each may start, and run its
 //                                      prologue, while the stream's previous kernel finishes
+//   MEGAMOE_SM90_SORTED_DY=1           the backward copies dy into sorted-row order once (in the dw13 output's scratch,
+//                                      beside s a) and feeds dH and dW2 from it by TMA instead of gathering its rows
 //   MEGAMOE_SM90_K_TILE=128x256        the K-grouped kernel on its 128 x 256 tile even where B is gathered (dW13):
 //                                      the tile it used before the 256 x 128 one
 #pragma once
@@ -27,6 +29,9 @@ inline bool dswiglu_fast_math() {
 }
 inline bool programmatic_launch() {
     return env_is("MEGAMOE_SM90_PDL", "1");
+}
+inline bool sorted_dy() {
+    return env_is("MEGAMOE_SM90_SORTED_DY", "1");
 }
 inline bool m_grouped_pingpong() {
     return env_is("MEGAMOE_SM90_M_PINGPONG", "128");

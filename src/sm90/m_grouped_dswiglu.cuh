@@ -233,11 +233,13 @@ __device__ __forceinline__ void store_tile_dswiglu(const MainloopParams& params,
     }
 }
 
-// dH's epilogue for an activation policy; kInterleaved: dh in the interleaved order (written elsewhere than h).
-template <class Act, bool kInterleaved>
+// dH's epilogue for an activation policy; kInterleaved: dh in the interleaved order (written elsewhere than h);
+// kSortedA: A is dy already in sorted-row order (MEGAMOE_SM90_SORTED_DY: a copy made before dH, or grouped rows),
+// loaded by TMA, the gather slots then only giving each row's weight.
+template <class Act, bool kInterleaved, bool kSortedA = false>
 struct DSwiGLUEpilogueOf : NoEpilogueHooks {
     using Params = DSwiGLUParamsOf<Act>;
-    static constexpr bool kTmaA = false;
+    static constexpr bool kTmaA = kSortedA;
     static constexpr bool kGateUpPairs = false;
     static constexpr bool kGateUpHalves = false;
     static constexpr bool kStaging = true;  // the sub-tile slots of store_tile_dswiglu

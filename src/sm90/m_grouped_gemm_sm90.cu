@@ -494,10 +494,10 @@ megamoe_status_t launch_gated(const cuda::MGroupedGemmArgs& args, const GatedArg
 
 // The dSwiGLU epilogue for activation Act, dh in the interleaved order or [dg, du]; B = w2 read kKN, or kNK when w2
 // is stored transposed.
-template <class Act, bool kInterleaved>
+template <class Act, bool kInterleaved, bool kSortedA = false>
 megamoe_status_t launch_dswiglu(const cuda::MGroupedGemmArgs& args, const DSwiGLUEpilogueArgs& epilogue, int num_sms,
                                 cudaStream_t stream) {
-    using Epi = DSwiGLUEpilogueOf<Act, kInterleaved>;
+    using Epi = DSwiGLUEpilogueOf<Act, kInterleaved, kSortedA>;
     typename Epi::Params params{};
     params.h = epilogue.h;
     params.dh = epilogue.dh;
@@ -509,8 +509,13 @@ megamoe_status_t launch_dswiglu(const cuda::MGroupedGemmArgs& args, const DSwiGL
         params.limit = epilogue.activation.limit;
         params.alpha = epilogue.activation.alpha;
     }
-    return epilogue.b_layout == BLayout::kKN ? launch<Epi, BLayout::kKN>(args, params, num_sms, stream)
-                                             : launch<Epi, BLayout::kNK>(args, params, num_sms, stream);
+    CUtensorMap a_map{};  // kSortedA: the sorted dy by boxes of kBlockM rows x kBlockK, zero fill past its rows and K
+    if (kSortedA && !encode_2d_sw128_map(args.dtype, epilogue.a_sorted, epilogue.a_sorted_rows, args.k, args.k, kBlockM,
+                                         kBlockK, CU_TENSOR_MAP_L2_PROMOTION_L2_256B, &a_map)) {
+        return set_error(MEGAMOE_STATUS_CUDA_ERROR, "m_grouped_gemm_sm90: cuTensorMapEncodeTiled failed for dy");
+    }
+    return epilogue.b_layout == BLayout::kKN ? launch<Epi, BLayout::kKN>(args, params, num_sms, stream, a_map)
+                                             : launch<Epi, BLayout::kNK>(args, params, num_sms, stream, a_map);
 }
 
 // The store epilogue (kBias: + b2[e]) on B read b_layout.
@@ -602,6 +607,13 @@ megamoe_status_t launch_m_grouped_gemm_sm90_dswiglu(const cuda::MGroupedGemmArgs
         return epilogue.dh_interleaved
                    ? launch_dswiglu<ClampedSwiGLUActivation, true>(args, epilogue, num_sms, stream)
                    : launch_dswiglu<ClampedSwiGLUActivation, false>(args, epilogue, num_sms, stream);
+    }
+    const bool sorted_a = epilogue.a_sorted != nullptr && cuda::is_aligned(epilogue.a_sorted, 16) &&
+                          args.k % kChunkElems == 0 && epilogue.a_sorted_rows > 0 &&
+                          epilogue.a_sorted_rows <= INT32_MAX;
+    if (sorted_a && !dswiglu_fast_math()) {
+        return epilogue.dh_interleaved ? launch_dswiglu<SwiGLUActivation, true, true>(args, epilogue, num_sms, stream)
+                                       : launch_dswiglu<SwiGLUActivation, false, true>(args, epilogue, num_sms, stream);
     }
     if (dswiglu_fast_math()) {
         return epilogue.dh_interleaved ? launch_dswiglu<SwiGLUFastActivation, true>(args, epilogue, num_sms, stream)

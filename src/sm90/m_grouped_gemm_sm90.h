@@ -50,6 +50,11 @@ struct DSwiGLUEpilogueArgs {
     Activation<float> activation;   // SwiGLU or clamped SwiGLU
     bool dh_interleaved;            // dh in the interleaved layout's row order (then dh must not be h)
     cuda::BLayout b_layout;         // kKN: w2 [E, H, I]; kNK: stored transposed, [E, I, H]
+    // dy in sorted-row order [a_sorted_rows, H] (row r of it is the A row of sorted row r), read by TMA instead of the
+    // gather; NULL: gather dy's rows (args.a, args.a_gather_slots). Taken for SwiGLU (not the clamped activation or
+    // the fast-math switch, which gather). The gather slots still give each row's weight.
+    const void* a_sorted;
+    int64_t a_sorted_rows;
 };
 
 // Partial sums of ds per row that launch_m_grouped_gemm_sm90_dswiglu writes (one per 256-column n-tile of I).

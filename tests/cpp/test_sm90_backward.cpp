@@ -140,6 +140,13 @@ TEST(Sm90Backward, PingPongTileAgreesBitwise) {
     expect_switch_agrees_bitwise("MEGAMOE_SM90_M_PINGPONG", "128");
 }
 
+// dy copied once into sorted-row order and read by TMA in dH and dW2 (where the dw13 output has room for it beside s a;
+// else both gather, as by default): the same rows in the same order, so the same gradients bitwise.
+TEST(Sm90Backward, SortedDyAgreesBitwise) {
+    SKIP_WITHOUT_SM90();
+    expect_switch_agrees_bitwise("MEGAMOE_SM90_SORTED_DY", "1");
+}
+
 // Programmatic dependent launch of the sm_90a kernels: every kernel waits for the previous one before reading what it
 // wrote, so the outputs are the serialized launches' bitwise.
 TEST(Sm90Backward, ProgrammaticLaunchAgreesBitwise) {
