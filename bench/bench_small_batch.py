@@ -14,6 +14,7 @@ Writes <date>-<gpu>-<commit>-small-batch.{json,md} to --out (when given) and pri
 """
 import argparse
 import datetime
+from types import SimpleNamespace
 
 import torch
 
@@ -23,7 +24,7 @@ from bench import device_name, git_commit
 from impls import Impl, torch_eager
 from reference import reference_outputs
 from report import write_side_record
-from timing import CudaTimer, HostTimer, graph_replay, per_call, rel_diff, short
+from timing import CudaTimer, HostTimer, per_call, rel_diff, short, time_graph
 
 COPY_BYTES = {"cuda": 2**30, "cpu": 2**26}  # the copy whose bandwidth the floor uses (read once, written once)
 BF16_BOUND = 2e-2  # y's error bound where the torch path cannot run to give its own (the CPU flow)
@@ -47,14 +48,12 @@ def floor_ms(case, bytes_per_ms):
 
 
 def timed(impl, case, pass_name, timer, iters):
-    """{"ms": per call, "graph_ms": replay (or "graph_error")} of one pass."""
+    """{"ms": per call, "graph_ms": replay (or "graph_error": the torch path synchronizes with the host)} of one
+    pass."""
     step = impl.step(case, pass_name)
-    cell = {"ms": per_call(step, timer, 3, iters, 5.0)["ms"]}
-    try:
-        cell["graph_ms"] = graph_replay(step, timer, 3, iters, 5.0)["graph_ms"]
-    except Exception as ex:  # noqa: BLE001 - recorded in the cell: the torch path synchronizes with the host
-        cell["graph_error"] = short(ex)
-    return cell
+    settings = SimpleNamespace(warmup=3, iters=iters, max_seconds=5.0)
+    return {"ms": per_call(step, timer, settings.warmup, iters, settings.max_seconds)["ms"],
+            **time_graph(step, timer, settings)}
 
 
 def run_batch(shape, dims, device, timer, iters, bytes_per_ms):

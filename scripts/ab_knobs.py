@@ -3,7 +3,7 @@ inputs, alternated round by round so that the machine's drift shows as spread ra
 variant, the fwd+bwd / forward / backward medians by CUDA events and every kernel's median time (torch.profiler) of
 one forward and one backward, with the grouped GEMMs labelled and their TFLOP/s. Keep-h mode unless --modes says so.
 Each variant's outputs (y, dx, d topk_weights, dw13, dw2) are compared with the first variant's: bitwise equal, or the
-largest difference relative to each output's largest value.
+largest relative error of any of them (timing.rel_diff: ||got - ref|| / ||ref||).
 
     MEGAMOE_LIBRARY=build/libmegamoe.so PYTHONPATH=python:bench python3 scripts/ab_knobs.py \
         --shapes qwen3-30b-a3b,deepseek-v3 --variants "default;fast=MEGAMOE_SM90_DSWIGLU_MATH:fast" --rounds 2
@@ -18,6 +18,7 @@ import torch
 import megamoe
 import workloads
 from profile_backward import GEMM_LABELS, RECOMPUTE_LABEL, backward_kernels, pass_times
+from timing import rel_diff
 
 FORWARD_LABELS = [("up", 4.0), ("down", 2.0)]  # x T topk H I
 
@@ -45,23 +46,12 @@ def outputs(inputs, dy, keep_h):
     return (y, *megamoe.moe_backward(dy, *inputs, h if keep_h else None)[:4])
 
 
-def relative_difference(ref, got, chunk_elems=2**26):
-    """max |got - ref| / max |ref| over the whole tensor, in chunks (a deepseek-v3 dw13 in f32 would be 28 GiB)."""
-    ref, got = ref.reshape(-1), got.reshape(-1)
-    worst = scale = 0.0
-    for start in range(0, ref.numel(), chunk_elems):
-        r, g = ref[start:start + chunk_elems].float(), got[start:start + chunk_elems].float()
-        worst = max(worst, (r - g).abs().max().item())
-        scale = max(scale, r.abs().max().item())
-    return worst / max(scale, 1e-30)
-
-
 def compare(reference, candidate):
-    """'bitwise equal', or the largest difference of any output relative to that output's largest value."""
+    """'bitwise equal', or the largest relative error of any output against the reference's (timing.rel_diff)."""
     if all(torch.equal(ref, got) for ref, got in zip(reference, candidate)):
         return "bitwise equal"
-    worst = max(relative_difference(ref, got) for ref, got in zip(reference, candidate))
-    return f"differs: max |diff| / max |ref| = {worst:.2e}"
+    worst = max(rel_diff(got, ref) for ref, got in zip(reference, candidate))
+    return f"differs: largest relative error {worst:.2e}"
 
 
 def main():

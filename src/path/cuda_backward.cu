@@ -23,6 +23,13 @@
 namespace megamoe::cuda {
 namespace {
 
+// With MEGAMOE_SM90_SORTED_DY, the dy the sm_90a backward's dH and dW2 read by TMA in sorted-row order [S, H]: `rows`
+// (grouped rows: dy itself; else `copy`, made before dH); all NULL: both gather dy's rows.
+struct SortedDy {
+    const uint16_t* rows = nullptr;
+    uint16_t* copy = nullptr;
+};
+
 struct BackwardWorkspace {
     RoutingBuffers routing;
     uint16_t* h;      // [S, 2I] element type: [g, u], then [dg, du]; keep-h mode: saved_h itself (not carved)
@@ -38,16 +45,12 @@ struct BackwardWorkspace {
     // dX); NULL on the portable path.
     uint16_t* q_elem;
     int* k_schedule;  // sm_90a path: the K-grouped kernel's tile schedule scratch (k_grouped_schedule_ints), else NULL
-    // sm_90a path with MEGAMOE_SM90_SORTED_DY: dy in sorted-row order [S, H] for dH's and dW2's TMA (grouped rows: dy
-    // itself; else dy_sorted_copy, the copy the backward makes), else NULL (both gather dy's rows).
-    const uint16_t* dy_sorted;
-    uint16_t* dy_sorted_copy;  // sorted_dy_scratch's, NULL where dy itself is in that order or no copy is made
+    SortedDy dy_sorted;  // sm_90a path only (plan_sorted_dy)
 
     // act_scratch: on the sm_90a path, the dw13 output when it can hold act (dw13_as_act_scratch), else NULL (carved).
     // dh_apart: dh gets its own buffer (the sm_90a dSwiGLU epilogue's interleaved dh cannot go over h).
     static BackwardWorkspace carve(WorkspaceCarver& carver, const RoutingPlan& plan, const Shape& shape, bool sm90,
-                                   void* saved_h, void* act_scratch, bool dh_apart = false,
-                                   void* dy_sorted_copy = nullptr, const void* dy = nullptr) {
+                                   void* saved_h, void* act_scratch, bool dh_apart = false, SortedDy dy_sorted = {}) {
         BackwardWorkspace workspace;
         const int64_t num_slots = shape.num_slots();
         workspace.routing = RoutingBuffers::carve(carver, plan);
@@ -63,8 +66,7 @@ struct BackwardWorkspace {
         workspace.p_then_q_f32 = sm90 ? nullptr : carver.take<float>(num_slots * max_cols);
         workspace.q_elem = sm90 ? workspace.act : nullptr;
         workspace.k_schedule = sm90 ? carver.take<int>(k_grouped_schedule_ints(shape.num_experts)) : nullptr;
-        workspace.dy_sorted_copy = static_cast<uint16_t*>(dy_sorted_copy);
-        workspace.dy_sorted = dy_sorted_copy != nullptr ? workspace.dy_sorted_copy : static_cast<const uint16_t*>(dy);
+        workspace.dy_sorted = dy_sorted;
         return workspace;
     }
 };
@@ -119,9 +121,10 @@ struct BackwardGemms {
         gemms.dw13.m = 2 * shape.intermediate;
         gemms.dw13.n = shape.hidden;
         gemms.dw2 = weight_grad;
-        gemms.dw2.a = workspace.dy_sorted != nullptr ? static_cast<const void*>(workspace.dy_sorted) : call.dy;
+        const bool dy_sorted = workspace.dy_sorted.rows != nullptr;
+        gemms.dw2.a = dy_sorted ? static_cast<const void*>(workspace.dy_sorted.rows) : call.dy;
         gemms.dw2.lda = shape.hidden;
-        gemms.dw2.a_gather_slots = workspace.dy_sorted != nullptr ? nullptr : workspace.routing.sorted_slot;
+        gemms.dw2.a_gather_slots = dy_sorted ? nullptr : workspace.routing.sorted_slot;
         gemms.dw2.b = workspace.act;
         gemms.dw2.ldb = shape.intermediate;
         gemms.dw2.m = shape.hidden;
@@ -161,34 +164,39 @@ megamoe_status_t launch_weight_grad_sm90(const KGroupedGemmArgs& args, const meg
 // asks for dw13 without accumulation and it is large and aligned enough: dw13 is written only by the last GEMM, after
 // dW2 (the reader of s * a) and dx's gather-sum (the reader of q), so it is free scratch until then, and the backward's
 // activation memory loses its largest buffer but h (S x max(I, H) elements: 0.44 GiB at mixtral-8x7b). NULL otherwise.
+// Bytes of the sm_90a backward's act buffer, [S, max(I, H)] in the element type, and of the dw13 output.
+size_t act_bytes(const Shape& shape) {
+    return static_cast<size_t>(shape.num_slots()) * static_cast<size_t>(std::max(shape.intermediate, shape.hidden)) *
+           sizeof(uint16_t);
+}
+size_t dw13_bytes(const BackwardCall& call) {
+    return static_cast<size_t>(numel(call.dw13)) * output_element_bytes(call.dw13.dtype);
+}
+
 void* dw13_as_act_scratch(const BackwardCall& call) {
-    const Shape& shape = call.shape;
     if (call.dw13.data == nullptr || call.accumulate_weight_grads) return nullptr;
-    const size_t needed = static_cast<size_t>(shape.num_slots()) *
-                          static_cast<size_t>(std::max(shape.intermediate, shape.hidden)) * sizeof(uint16_t);
-    const size_t available = static_cast<size_t>(numel(call.dw13)) * output_element_bytes(call.dw13.dtype);
     const bool aligned = reinterpret_cast<uintptr_t>(call.dw13.data) % kWorkspaceAlignment == 0;
-    return available >= needed && aligned ? call.dw13.data : nullptr;
+    return dw13_bytes(call) >= act_bytes(call.shape) && aligned ? call.dw13.data : nullptr;
 }
 
-// With MEGAMOE_SM90_SORTED_DY and not the clamped activation (whose dH kernel gathers): whether dH and dW2 read dy in
-// sorted-row order by TMA. Grouped rows' dy is in that order already.
-bool sorted_dy_wanted(const BackwardCall& call) {
-    return sm90::sorted_dy() && !call.activation.is_clamped();
-}
-
-// Where the sm_90a backward copies dy in sorted-row order [S, H] (element type) for dH and dW2 (sorted_dy_wanted, not
-// grouped rows): the dw13 output past act's region (both free until dW13, which runs after dW2, the last reader), when
-// act is there and the two fit; NULL otherwise (dH and dW2 gather dy's rows).
-void* sorted_dy_scratch(const BackwardCall& call, void* act_scratch) {
-    if (!sorted_dy_wanted(call) || call.rows_sorted || act_scratch == nullptr) return nullptr;
-    const Shape& shape = call.shape;
-    const size_t act_bytes = static_cast<size_t>(shape.num_slots()) *
-                             static_cast<size_t>(std::max(shape.intermediate, shape.hidden)) * sizeof(uint16_t);
-    const size_t offset = (act_bytes + kWorkspaceAlignment - 1) / kWorkspaceAlignment * kWorkspaceAlignment;
-    const size_t needed = static_cast<size_t>(shape.num_slots()) * static_cast<size_t>(shape.hidden) * sizeof(uint16_t);
-    const size_t available = static_cast<size_t>(numel(call.dw13)) * output_element_bytes(call.dw13.dtype);
-    return offset + needed <= available ? static_cast<uint8_t*>(act_scratch) + offset : nullptr;
+// The sorted dy of an sm_90a backward (MEGAMOE_SM90_SORTED_DY; not with the clamped activation, whose dH kernel
+// gathers): grouped rows' dy as it is; else a copy in the dw13 output past act's region (both free until dW13, which
+// runs after dW2, the last reader), where act is there and the two fit. None otherwise: dH and dW2 gather dy's rows.
+SortedDy plan_sorted_dy(const BackwardCall& call, void* act_scratch) {
+    SortedDy sorted;
+    if (!sm90::sorted_dy() || call.activation.is_clamped()) return sorted;
+    if (call.rows_sorted) {
+        sorted.rows = static_cast<const uint16_t*>(call.dy);
+        return sorted;
+    }
+    const size_t offset = align_up(act_bytes(call.shape), kWorkspaceAlignment);
+    const size_t needed =
+        static_cast<size_t>(call.shape.num_slots()) * static_cast<size_t>(call.shape.hidden) * sizeof(uint16_t);
+    if (act_scratch != nullptr && offset + needed <= dw13_bytes(call)) {
+        sorted.copy = reinterpret_cast<uint16_t*>(static_cast<uint8_t*>(act_scratch) + offset);
+        sorted.rows = sorted.copy;
+    }
+    return sorted;
 }
 
 // The backward's workspace, GEMM arguments and kernel choices for one call. The path is chosen on the layout of the
@@ -225,9 +233,8 @@ struct BackwardPlan {
             void* act_scratch = dw13_as_act_scratch(call);
             plan.act_in_dw13 = act_scratch != nullptr;
             const bool dh_apart = call.layout.gate_up == MEGAMOE_GATE_UP_INTERLEAVED;
-            const void* dy_in_order = call.rows_sorted && sorted_dy_wanted(call) ? call.dy : nullptr;
             plan.workspace = BackwardWorkspace::carve(carver, plan.routing_plan, shape, true, call.saved_h, act_scratch,
-                                                      dh_apart, sorted_dy_scratch(call, act_scratch), dy_in_order);
+                                                      dh_apart, plan_sorted_dy(call, act_scratch));
             plan.gemms = BackwardGemms::make(call, plan.routing_plan, plan.workspace);
             plan.workspace_bytes = carver.bytes_used();
         }
@@ -298,8 +305,8 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
         epilogue.activation = call.activation;
         epilogue.dh_interleaved = call.layout.gate_up == MEGAMOE_GATE_UP_INTERLEAVED;
         epilogue.b_layout = sm90_d_hidden_layout(call);
-        if (workspace.dy_sorted != nullptr) {  // dy in sorted-row order, for dH's and dW2's TMA
-            if (workspace.dy_sorted_copy != nullptr) {
+        if (workspace.dy_sorted.rows != nullptr) {  // dy in sorted-row order, for dH's and dW2's TMA
+            if (workspace.dy_sorted.copy != nullptr) {
                 SortRowsArgs sort{};
                 sort.rows = call.dy;
                 sort.num_cols = hidden;
@@ -308,10 +315,10 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
                 sort.expert_offsets = routing.expert_offsets;
                 sort.num_experts = shape.num_experts;
                 sort.max_rows = num_slots;
-                sort.out = workspace.dy_sorted_copy;
+                sort.out = workspace.dy_sorted.copy;
                 MEGAMOE_CUDA_RETURN_IF_ERROR(launch_sort_rows(sort, stream));
             }
-            epilogue.a_sorted = workspace.dy_sorted;
+            epilogue.a_sorted = workspace.dy_sorted.rows;
             epilogue.a_sorted_rows = num_slots;
         }
         MEGAMOE_CUDA_RETURN_IF_ERROR(

@@ -47,14 +47,12 @@ __device__ __forceinline__ uint4 load_gather_cols(const RowT* src, bool vec, int
 #pragma unroll
     for (int item_idx = 0; item_idx < kCols; ++item_idx) {
         if (item_idx >= num_valid) break;
-        uint32_t bits;
         if constexpr (sizeof(RowT) == sizeof(uint32_t)) {
-            bits = __float_as_uint(src[item_idx]);
-        } else {
-            bits = *reinterpret_cast<const uint16_t*>(src + item_idx);
+            words[item_idx] = __float_as_uint(src[item_idx]);
+        } else {  // two 16-bit values per word, the first in the low half (as pack_pair)
+            const uint32_t bits = *reinterpret_cast<const uint16_t*>(src + item_idx);
+            words[item_idx / 2] |= bits << (item_idx % 2 * 16);
         }
-        constexpr int kPerWord = static_cast<int>(sizeof(uint32_t) / sizeof(RowT));
-        words[item_idx / kPerWord] |= bits << (item_idx % kPerWord * 16 * (kPerWord - 1));
     }
     return make_uint4(words[0], words[1], words[2], words[3]);
 }
