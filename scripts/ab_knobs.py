@@ -1,6 +1,7 @@
 """Variants of the sm_90a kernels (sm90/knobs.h: environment switches) side by side in one process, on the same
 inputs, alternated round by round so that the machine's drift shows as spread rather than as a difference: per
-variant, the fwd+bwd / forward / backward medians by CUDA events and every kernel's median time (torch.profiler) of
+variant, the fwd+bwd / forward / backward medians by CUDA events, fwd+bwd replayed from a CUDA graph and eager back
+to back (where programmatic dependent launch can show), and every kernel's median time (torch.profiler) of
 one forward and one backward, with the grouped GEMMs labelled and their TFLOP/s. Keep-h mode unless --modes says so.
 Each variant's outputs (y, dx, d topk_weights, dw13, dw2) are compared with the first variant's: bitwise equal, or the
 largest relative error of any of them (timing.rel_diff: ||got - ref|| / ||ref||).
@@ -11,6 +12,7 @@ largest relative error of any of them (timing.rel_diff: ||got - ref|| / ||ref||)
 A variant is NAME or NAME=VAR:VALUE,VAR:VALUE; every VAR any variant names is unset for the others.
 """
 import argparse
+import math
 import os
 
 import torch
@@ -18,7 +20,7 @@ import torch
 import megamoe
 import workloads
 from profile_backward import GEMM_LABELS, RECOMPUTE_LABEL, backward_kernels, pass_times
-from timing import rel_diff
+from timing import CudaTimer, back_to_back, graph_replay, rel_diff
 
 FORWARD_LABELS = [("up", 4.0), ("down", 2.0)]  # x T topk H I
 
@@ -92,6 +94,11 @@ def report(shape, mode, name, round_idx, inputs, dy, keep_h, unit, runs):
     (forward, backward, _), (fwd, bwd, both) = pass_times(inputs, dy, keep_h, runs)
     print(f"\n== {shape} {mode} {name} round {round_idx}: fwd+bwd {both:.3f} ms ({18 * unit / both / 1e9:.0f} "
           f"TFLOP/s), forward {fwd:.3f}, backward {bwd:.3f}")
+    step = lambda: outputs(inputs, dy, keep_h)  # noqa: E731
+    timer = CudaTimer()
+    graph_ms = graph_replay(step, timer, 3, 2 * runs, math.inf)["graph_ms"]
+    b2b_ms = back_to_back(step, timer, 2 * runs)["b2b_ms"]
+    print(f"  fwd+bwd CUDA-graph replay {graph_ms:.3f} ms, eager back to back {b2b_ms:.3f} ms")
     labels = GEMM_LABELS if keep_h else [RECOMPUTE_LABEL, *GEMM_LABELS]
     rows = backward_kernels(forward, runs, FORWARD_LABELS) + backward_kernels(backward, runs, labels)
     for label, ms, kname in rows:

@@ -40,10 +40,10 @@ if [ "${GTEST:-1}" = 1 ]; then
 fi
 timeout "${AB_TIMEOUT:-240}" python3 scripts/ab_knobs.py --shapes "$SHAPES" --variants "$VARIANTS" --modes "$MODES" \
     --rounds "$ROUNDS" >"$OUT/ab.log" 2>&1 || status=1
-grep -E "^(==|[a-z0-9-]+ [a-z-]+ [a-z0-9_+-]+: )|TFLOP/s \(|gather_sum|sum of kernels" "$OUT/ab.log" | cut -c1-150
+grep -E "^(==|[a-z0-9-]+ [a-z-]+ [a-z0-9_+-]+: )|TFLOP/s \(|gather_sum|sort_rows|CUDA-graph|sum of kernels" "$OUT/ab.log" | cut -c1-150
 for lib in ${LIBS:-}; do
     MEGAMOE_LIBRARY=$PWD/$CARRY/lib-$lib.so timeout "${AB_TIMEOUT:-240}" python3 scripts/ab_knobs.py \
         --shapes "$SHAPES" --variants "$lib" --modes "$MODES" --rounds 1 >"$OUT/ab-$lib.log" 2>&1 || status=1
-    grep -E "^==|TFLOP/s \(|gather_sum|sum of kernels" "$OUT/ab-$lib.log" | cut -c1-150
+    grep -E "^==|TFLOP/s \(|gather_sum|sort_rows|CUDA-graph|sum of kernels" "$OUT/ab-$lib.log" | cut -c1-150
 done
 exit $status

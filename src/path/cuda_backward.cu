@@ -180,8 +180,9 @@ void* dw13_as_act_scratch(const BackwardCall& call) {
 }
 
 // The sorted dy of an sm_90a backward (MEGAMOE_SM90_SORTED_DY; not with the clamped activation, whose dH kernel
-// gathers): grouped rows' dy as it is; else a copy in the dw13 output past act's region (both free until dW13, which
-// runs after dW2, the last reader), where act is there and the two fit. None otherwise: dH and dW2 gather dy's rows.
+// gathers): grouped rows' dy as it is; else a copy in the dw13 output past s * a ([S, I], the part of act that dH
+// writes and dW2 reads; dX's q goes over both once dW2, the copy's last reader, is done; dW13 comes after dX's
+// gather-sum), where act is there and the two fit. None otherwise: dH and dW2 gather dy's rows.
 SortedDy plan_sorted_dy(const BackwardCall& call, void* act_scratch) {
     SortedDy sorted;
     if (!sm90::sorted_dy() || call.activation.is_clamped()) return sorted;
@@ -189,7 +190,9 @@ SortedDy plan_sorted_dy(const BackwardCall& call, void* act_scratch) {
         sorted.rows = static_cast<const uint16_t*>(call.dy);
         return sorted;
     }
-    const size_t offset = align_up(act_bytes(call.shape), kWorkspaceAlignment);
+    const size_t scaled_act_bytes =
+        static_cast<size_t>(call.shape.num_slots()) * static_cast<size_t>(call.shape.intermediate) * sizeof(uint16_t);
+    const size_t offset = align_up(scaled_act_bytes, kWorkspaceAlignment);
     const size_t needed =
         static_cast<size_t>(call.shape.num_slots()) * static_cast<size_t>(call.shape.hidden) * sizeof(uint16_t);
     if (act_scratch != nullptr && offset + needed <= dw13_bytes(call)) {
@@ -309,12 +312,10 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
             if (workspace.dy_sorted.copy != nullptr) {
                 SortRowsArgs sort{};
                 sort.rows = call.dy;
+                sort.num_tokens = shape.num_tokens;
                 sort.num_cols = hidden;
-                sort.sorted_slot = routing.sorted_slot;
+                sort.slot_to_row = routing.slot_to_row;
                 sort.topk = shape.topk;
-                sort.expert_offsets = routing.expert_offsets;
-                sort.num_experts = shape.num_experts;
-                sort.max_rows = num_slots;
                 sort.out = workspace.dy_sorted.copy;
                 MEGAMOE_CUDA_RETURN_IF_ERROR(launch_sort_rows(sort, stream));
             }

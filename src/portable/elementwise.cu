@@ -193,15 +193,21 @@ __global__ void __launch_bounds__(kSlotThreads) finalize_dtopk_kernel(const Fina
     store_scalar(args.dtopk_weights, args.dtopk_dtype, slot_idx, value);
 }
 
-// One block per sorted row, its 16-byte chunks across the threads.
+// Token-major: one block per token reads its row once, 16-byte chunks across the threads, and writes each chunk to
+// the sorted rows of the token's slots (topk stores per load: the row is read from memory once, not topk times).
 __global__ void __launch_bounds__(kSortRowsThreads) sort_rows_kernel(const SortRowsArgs args) {
-    const int64_t row_idx = blockIdx.x;
-    if (row_idx >= args.expert_offsets[args.num_experts]) return;
-    const int64_t src_idx = args.sorted_slot[row_idx] / args.topk;
+    const int64_t token_idx = blockIdx.x;
     const int64_t num_chunks = args.num_cols / 8;
-    const auto* src = static_cast<const uint4*>(args.rows) + src_idx * num_chunks;
-    auto* dst = static_cast<uint4*>(args.out) + row_idx * num_chunks;
-    for (int64_t chunk = threadIdx.x; chunk < num_chunks; chunk += kSortRowsThreads) dst[chunk] = src[chunk];
+    const uint4* __restrict__ src = static_cast<const uint4*>(args.rows) + token_idx * num_chunks;
+    uint4* __restrict__ out = static_cast<uint4*>(args.out);
+    const int* __restrict__ row_of_slot = args.slot_to_row + token_idx * args.topk;
+    for (int64_t chunk_idx = threadIdx.x; chunk_idx < num_chunks; chunk_idx += kSortRowsThreads) {
+        const uint4 value = __ldg(src + chunk_idx);
+        for (int64_t slot_idx = 0; slot_idx < args.topk; ++slot_idx) {
+            const int row_idx = __ldg(row_of_slot + slot_idx);
+            if (row_idx >= 0) out[row_idx * num_chunks + chunk_idx] = value;
+        }
+    }
 }
 
 template <typename T>
@@ -230,12 +236,12 @@ megamoe_status_t launch_fill_nan_if(const int* flag, void* data, megamoe_dtype_t
 }
 
 megamoe_status_t launch_sort_rows(const SortRowsArgs& args, cudaStream_t stream) {
-    if (args.max_rows == 0 || args.num_cols == 0) return MEGAMOE_STATUS_SUCCESS;
+    if (args.num_tokens == 0 || args.num_cols == 0) return MEGAMOE_STATUS_SUCCESS;
     if (args.num_cols % 8 != 0 || !is_aligned(args.rows, 16) || !is_aligned(args.out, 16) ||
-        args.max_rows > INT32_MAX) {
-        return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "sort_rows: 16-byte rows and fewer than 2^31 of them");
+        args.num_tokens > INT32_MAX) {
+        return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "sort_rows: 16-byte rows and fewer than 2^31 tokens");
     }
-    sort_rows_kernel<<<static_cast<unsigned>(args.max_rows), kSortRowsThreads, 0, stream>>>(args);
+    sort_rows_kernel<<<static_cast<unsigned>(args.num_tokens), kSortRowsThreads, 0, stream>>>(args);
     return check_launch("sort_rows_kernel");
 }
 
