@@ -44,8 +44,9 @@
 //     stages skipped and the two mainloops in turn (named barriers), so one consumer's epilogue runs under the
 //     other's mainloop. m64 x kBlockN x k16 wgmmas (both operands from shared memory, K-major); one wgmma batch
 //     stays in flight, and the stage it read is released when the next batch has been issued: one arrive per warp
-//     on the empty barrier of both CTAs (the next fill lands in both). A row block without valid rows skips its
-//     wgmmas but keeps the pipeline going. The epilogue (per row block) transposes accumulator pairs across each
+//     on the empty barrier of both CTAs (the next fill lands in both). A consumer whose first row block has no
+//     valid rows skips its wgmmas but keeps the pipeline going (ping-pong's second row block always runs with the
+//     first: no branch inside a batch). The epilogue (per row block) transposes accumulator pairs across each
 //     quad of lanes and stores 16-byte chunks (64 contiguous bytes per row per warp store). dSwiGLU goes through
 //     each warp's 4 KiB of shared memory instead, 16 x 32 sub-tiles: g, u by cp.async (the first sub-tile's issued
 //     when the tile starts, with its rows' weights; then one sub-tile ahead), ldmatrix into the accumulator layout,
@@ -287,11 +288,11 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Mainlo
     float acc[Config::kNumAccRegs];
     for (int64_t seq_idx = first_seq; tiles.at(seq_idx) < num_tiles; seq_idx += kTileStep) {
         const Tile tile = decode_tile(params, tiles.at(seq_idx), num_m_tiles, cta_rank);
-        bool block_has_rows[Config::kRowBlocks];  // else only keep the pipeline going
-#pragma unroll
-        for (int block = 0; block < Config::kRowBlocks; ++block) {
-            block_has_rows[block] = (first_row_block + block) * kWgmmaM < tile.num_rows;
-        }
+        // A consumer whose first row block has no rows only keeps the pipeline going. Ping-pong's second row block runs
+        // whenever the first does: a branch between the wgmmas of one batch makes ptxas serialize them (C7520, wgmma
+        // behind a warpgroup arrive on a divergent path); its rows past the tile's end read zero-filled or the next
+        // expert's rows, and are not stored.
+        const bool has_rows = first_row_block * kWgmmaM < tile.num_rows;
         const typename Epi::TileState epilogue_state =  // its loads stay in flight during the mainloop
             Epi::template begin_tile<Config>(params, epilogue, tile, first_row_block, warp_staging, warp_idx, lane_idx);
 #pragma unroll
@@ -307,15 +308,13 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Mainlo
             if constexpr (!Epi::kTmaA) fence_proxy_async_shared();
             const uint8_t* tile_a = smem.a[stage_idx] + first_row_block * kRowBlockATileBytes;
             const uint64_t desc_b = make_b_desc<kBLayout>(smem.b[stage_idx]);
-            if (block_has_rows[0]) {
+            if (has_rows) {
                 fence_accumulators(acc);
                 wgmma_fence();
                 row_block_mma<T, kBLayout, Config, 0>(make_smem_desc_k_major_sw128(tile_a), desc_b, acc);
                 if constexpr (Config::kRowBlocks > 1) {
-                    if (block_has_rows[1]) {
-                        row_block_mma<T, kBLayout, Config, 1>(
-                            make_smem_desc_k_major_sw128(tile_a + kRowBlockATileBytes), desc_b, acc);
-                    }
+                    row_block_mma<T, kBLayout, Config, 1>(make_smem_desc_k_major_sw128(tile_a + kRowBlockATileBytes),
+                                                          desc_b, acc);
                 }
                 wgmma_commit_group();
             }
