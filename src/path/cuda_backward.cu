@@ -35,7 +35,8 @@ struct BackwardWorkspace {
     uint16_t* h;      // [S, 2I] element type: [g, u], then [dg, du]; keep-h mode: saved_h itself (not carved)
     uint16_t* dh;     // [S, 2I]: h itself, but on the sm_90a path with interleaved dh its own buffer
     uint16_t* act;    // [S, I] element type: s * a (sm_90a path: [S, max(I, H)], later q [S, H] over it)
-    float* ds_parts;  // [S, num_ds_parts]: partial sums of ds per row (sm_90a: one per n-tile of I)
+    float* ds_parts;  // [S, up to num_ds_parts]: partial sums of ds per row (sm_90a: one per n-tile of I, the dH
+                      // launch says how many)
     int64_t num_ds_parts;
     // Portable path: [S, max(I, H)] f32, p [S, I] of the dH GEMM (read together with h by the row kernel that writes
     // s * a, so it cannot share act's buffer), later q [S, H] of the dX GEMM; NULL on the sm_90a path (p stays in
@@ -61,7 +62,7 @@ struct BackwardWorkspace {
         workspace.act = act_scratch != nullptr
                             ? static_cast<uint16_t*>(act_scratch)
                             : carver.take<uint16_t>(num_slots * (sm90 ? max_cols : shape.intermediate));
-        workspace.num_ds_parts = sm90::dswiglu_sm90_num_ds_parts(shape.intermediate);
+        workspace.num_ds_parts = sm90::dswiglu_sm90_max_ds_parts(shape.intermediate);
         workspace.ds_parts = carver.take<float>(num_slots * workspace.num_ds_parts);
         workspace.p_then_q_f32 = sm90 ? nullptr : carver.take<float>(num_slots * max_cols);
         workspace.q_elem = sm90 ? workspace.act : nullptr;
@@ -323,8 +324,7 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
             epilogue.a_sorted_rows = num_slots;
         }
         MEGAMOE_CUDA_RETURN_IF_ERROR(
-            sm90::launch_m_grouped_gemm_sm90_dswiglu(gemms.sm90_d_hidden, epilogue, num_sms, stream));
-        num_ds_parts = workspace.num_ds_parts;
+            sm90::launch_m_grouped_gemm_sm90_dswiglu(gemms.sm90_d_hidden, epilogue, num_sms, stream, &num_ds_parts));
         if (call.b2 != nullptr && call.dweights.data != nullptr) {  // ds's bias term <dy, b2[e]>, on the first part
             BiasDotArgs bias_dot{};
             bias_dot.dtype = dtype;

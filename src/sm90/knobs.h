@@ -5,6 +5,8 @@
 //                                      the default on the H200 (dH's epilogue waits on its g, u loads, not on math)
 //   MEGAMOE_SM90_M_PINGPONG=128        the M-grouped kernel's default-option up (SwiGLU) and store (down, dX) GEMMs on
 //                                      the ping-pong 128 x 128 tile (the other consumer's mainloop under an epilogue)
+//   MEGAMOE_SM90_DH_PINGPONG=128       dH with the default dSwiGLU epilogue (SwiGLU, [dg, du], dy gathered) on the
+//                                      ping-pong 128 x 128 tile: one consumer's epilogue under the other's mainloop
 //   MEGAMOE_SM90_PDL=1                 the sm_90a kernels launched programmatically (PDL): each may start, and run its
 //                                      prologue, while the stream's previous kernel finishes
 //   MEGAMOE_SM90_SORTED_DY=1           the backward copies dy into sorted-row order once (in the dw13 output's scratch,
@@ -35,6 +37,9 @@ inline bool sorted_dy() {
 }
 inline bool m_grouped_pingpong() {
     return env_is("MEGAMOE_SM90_M_PINGPONG", "128");
+}
+inline bool dh_pingpong() {
+    return env_is("MEGAMOE_SM90_DH_PINGPONG", "128");
 }
 inline bool k_grouped_narrow_a_tile() {
     return env_is("MEGAMOE_SM90_K_TILE", "128x256");

@@ -439,16 +439,32 @@ megamoe_status_t launch_on(const cuda::MGroupedGemmArgs& args, const typename Ep
                                                                        cols_per_row, num_sms, stream);
 }
 
-// The launch on the epilogue's tile configuration (ConfigOf); MEGAMOE_SM90_M_PINGPONG=128 runs the default options'
-// up (SwiGLU) and store (down, dX) epilogues on the ping-pong 128 x 128 tile instead, for A/B timing (sm90/knobs.h).
+// The experiment switches that put an epilogue on the ping-pong 128 x 128 tile instead of ConfigOf's, for A/B timing
+// (sm90/knobs.h): MEGAMOE_SM90_M_PINGPONG=128 the default options' up (SwiGLU) and store (down, dX) epilogues,
+// MEGAMOE_SM90_DH_PINGPONG=128 the default dSwiGLU one (dH).
+template <class Epi, BSource kBSource>
+constexpr bool kHasPingPongVariant = kBSource == BSource::kOne &&
+                                     (std::is_same_v<Epi, SwiGLUEpilogue> || std::is_same_v<Epi, StoreEpilogue> ||
+                                      std::is_same_v<Epi, DSwiGLUEpilogue>);
+
+template <class Epi, BSource kBSource>
+bool uses_pingpong_variant() {
+    if constexpr (!kHasPingPongVariant<Epi, kBSource>) {
+        return false;
+    } else if constexpr (std::is_same_v<Epi, DSwiGLUEpilogue>) {
+        return dh_pingpong();
+    } else {
+        return m_grouped_pingpong();
+    }
+}
+
+// The launch on the epilogue's tile configuration (ConfigOf, or the ping-pong tile under a switch).
 template <class Epi, BLayout kBLayout, BSource kBSource = BSource::kOne>
 megamoe_status_t launch(const cuda::MGroupedGemmArgs& args, const typename Epi::Params& epilogue, int num_sms,
                         cudaStream_t stream, const CUtensorMap& a_map = CUtensorMap{},
                         const CUtensorMap& out_map = CUtensorMap{}) {
-    constexpr bool kPingPongVariant =
-        kBSource == BSource::kOne && (std::is_same_v<Epi, SwiGLUEpilogue> || std::is_same_v<Epi, StoreEpilogue>);
-    if constexpr (kPingPongVariant) {
-        if (m_grouped_pingpong()) {
+    if constexpr (kHasPingPongVariant<Epi, kBSource>) {  // no ping-pong kernel is built for the other epilogues
+        if (uses_pingpong_variant<Epi, kBSource>()) {
             return launch_on<Epi, kBLayout, kBSource, PingPong>(args, epilogue, num_sms, stream, a_map, out_map);
         }
     }
@@ -493,10 +509,13 @@ megamoe_status_t launch_gated(const cuda::MGroupedGemmArgs& args, const GatedArg
 
 // The dSwiGLU epilogue for activation Act, dh in the interleaved order or [dg, du]; B = w2 read kKN, or kNK when w2
 // is stored transposed.
+// *num_ds_parts: the tile configuration's n-tiles of I, one partial sum of ds each per row.
 template <class Act, bool kInterleaved, bool kSortedA = false>
 megamoe_status_t launch_dswiglu(const cuda::MGroupedGemmArgs& args, const DSwiGLUEpilogueArgs& epilogue, int num_sms,
-                                cudaStream_t stream) {
+                                cudaStream_t stream, int64_t* num_ds_parts) {
     using Epi = DSwiGLUEpilogueOf<Act, kInterleaved, kSortedA>;
+    *num_ds_parts =
+        ceil_div(args.n, uses_pingpong_variant<Epi, BSource::kOne>() ? PingPong::kBlockN : ConfigOf<Epi>::kBlockN);
     typename Epi::Params params{};
     params.h = epilogue.h;
     params.dh = epilogue.dh;
@@ -588,13 +607,13 @@ megamoe_status_t launch_m_grouped_gemm_sm90_gated(const cuda::MGroupedGemmArgs& 
                : launch_gated<SwiGLUActivation>(args, options, h, act, num_sms, stream);
 }
 
-int64_t dswiglu_sm90_num_ds_parts(int64_t intermediate) {
-    return ceil_div(intermediate, ConfigOf<DSwiGLUEpilogue>::kBlockN);
+int64_t dswiglu_sm90_max_ds_parts(int64_t intermediate) {
+    return ceil_div(intermediate, std::min(ConfigOf<DSwiGLUEpilogue>::kBlockN, PingPong::kBlockN));
 }
 
 megamoe_status_t launch_m_grouped_gemm_sm90_dswiglu(const cuda::MGroupedGemmArgs& args,
                                                     const DSwiGLUEpilogueArgs& epilogue, int num_sms,
-                                                    cudaStream_t stream) {
+                                                    cudaStream_t stream, int64_t* num_ds_parts) {
     if (!cuda::is_aligned(epilogue.h, 16) || !cuda::is_aligned(epilogue.dh, 16) ||
         !cuda::is_aligned(epilogue.act, 16)) {
         return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "m_grouped_gemm_sm90: h, dh and act must be 16-byte aligned");
@@ -604,22 +623,25 @@ megamoe_status_t launch_m_grouped_gemm_sm90_dswiglu(const cuda::MGroupedGemmArgs
     }
     if (epilogue.activation.is_clamped()) {
         return epilogue.dh_interleaved
-                   ? launch_dswiglu<ClampedSwiGLUActivation, true>(args, epilogue, num_sms, stream)
-                   : launch_dswiglu<ClampedSwiGLUActivation, false>(args, epilogue, num_sms, stream);
+                   ? launch_dswiglu<ClampedSwiGLUActivation, true>(args, epilogue, num_sms, stream, num_ds_parts)
+                   : launch_dswiglu<ClampedSwiGLUActivation, false>(args, epilogue, num_sms, stream, num_ds_parts);
     }
     const bool sorted_a = epilogue.a_sorted != nullptr && cuda::is_aligned(epilogue.a_sorted, 16) &&
                           args.k % kChunkElems == 0 && epilogue.a_sorted_rows > 0 &&
                           epilogue.a_sorted_rows <= INT32_MAX;
     if (sorted_a && !dswiglu_fast_math()) {
-        return epilogue.dh_interleaved ? launch_dswiglu<SwiGLUActivation, true, true>(args, epilogue, num_sms, stream)
-                                       : launch_dswiglu<SwiGLUActivation, false, true>(args, epilogue, num_sms, stream);
+        return epilogue.dh_interleaved
+                   ? launch_dswiglu<SwiGLUActivation, true, true>(args, epilogue, num_sms, stream, num_ds_parts)
+                   : launch_dswiglu<SwiGLUActivation, false, true>(args, epilogue, num_sms, stream, num_ds_parts);
     }
     if (dswiglu_fast_math()) {
-        return epilogue.dh_interleaved ? launch_dswiglu<SwiGLUFastActivation, true>(args, epilogue, num_sms, stream)
-                                       : launch_dswiglu<SwiGLUFastActivation, false>(args, epilogue, num_sms, stream);
+        return epilogue.dh_interleaved
+                   ? launch_dswiglu<SwiGLUFastActivation, true>(args, epilogue, num_sms, stream, num_ds_parts)
+                   : launch_dswiglu<SwiGLUFastActivation, false>(args, epilogue, num_sms, stream, num_ds_parts);
     }
-    return epilogue.dh_interleaved ? launch_dswiglu<SwiGLUActivation, true>(args, epilogue, num_sms, stream)
-                                   : launch_dswiglu<SwiGLUActivation, false>(args, epilogue, num_sms, stream);
+    return epilogue.dh_interleaved
+               ? launch_dswiglu<SwiGLUActivation, true>(args, epilogue, num_sms, stream, num_ds_parts)
+               : launch_dswiglu<SwiGLUActivation, false>(args, epilogue, num_sms, stream, num_ds_parts);
 }
 
 megamoe_status_t launch_m_grouped_gemm_sm90_store(const cuda::MGroupedGemmArgs& args, BLayout b_layout, void* out,

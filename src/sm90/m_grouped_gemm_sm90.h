@@ -44,7 +44,7 @@ struct DSwiGLUEpilogueArgs {
     const void* h;                  // [rows, 2I]: [g, u] by sorted row
     void* dh;                       // [rows, 2I] out: [dg, du] by sorted row (may be h itself: written in place)
     void* act;                      // [rows, I] out: s * silu(g) * u, the dW2 operand
-    float* ds_parts;                // [rows, dswiglu_sm90_num_ds_parts(I)] out: ds per row and n-tile
+    float* ds_parts;                // [rows, parts] out: ds per row and n-tile (parts: the launch's num_ds_parts)
     const void* weights;            // topk_weights [T * topk]; s of row r = weights[a_gather_slots[r]] (NULL: 1)
     megamoe_dtype_t weights_dtype;  // f32 or the element type
     Activation<float> activation;   // SwiGLU or clamped SwiGLU
@@ -57,15 +57,17 @@ struct DSwiGLUEpilogueArgs {
     int64_t a_sorted_rows;
 };
 
-// Partial sums of ds per row that launch_m_grouped_gemm_sm90_dswiglu writes (one per 256-column n-tile of I).
-int64_t dswiglu_sm90_num_ds_parts(int64_t intermediate);
+// The most partial sums of ds per row that launch_m_grouped_gemm_sm90_dswiglu writes (one per n-tile of I: 256
+// columns, 128 on the ping-pong tile of MEGAMOE_SM90_DH_PINGPONG): what ds_parts must hold per row.
+int64_t dswiglu_sm90_max_ds_parts(int64_t intermediate);
 
 // dH with dSwiGLU fused (A = dy gathered by sorted slot, B = w2[e] read [K = H, N = I] (kKN; kNK when transposed),
 // args.n = I): p never leaves registers; writes dh, s * a and the ds partial sums <p, a> of `epilogue` (math of
-// cuda::launch_dswiglu_rows, or of the activation's backward).
+// cuda::launch_dswiglu_rows, or of the activation's backward). *num_ds_parts: the partial sums it writes per row
+// (the row stride of ds_parts; at most dswiglu_sm90_max_ds_parts(I)).
 megamoe_status_t launch_m_grouped_gemm_sm90_dswiglu(const cuda::MGroupedGemmArgs& args,
                                                     const DSwiGLUEpilogueArgs& epilogue, int num_sms,
-                                                    cudaStream_t stream);
+                                                    cudaStream_t stream, int64_t* num_ds_parts);
 
 // out[r, n] = sum_k A[a_row(r), k] B_e(n, k) in the element type, row stride ldo (a multiple of 8); B_e stored
 // [N, K] (kNK) or [K, N] (kKN). `out` holds num_out_rows rows (at least the sorted rows, expert_offsets[E]; the
