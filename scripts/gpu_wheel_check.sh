@@ -3,7 +3,9 @@
 # installed without building (pip --no-deps --no-index into WHEEL_SITE), then, with only that install on the path (no
 # MEGAMOE_LIBRARY, no source tree), the library it loads named, the GPU pytest files (as scripts/gpu_validate.sh picks
 # them) and bench/bench_small_batch.py. Logs to OUT: wheel-import.log, wheel-pytest.log, small-batch JSON and log.
-#   OUT=/tmp/out bash scripts/gpu_wheel_check.sh
+# Set MEGAMOE_COMMIT to the commit the wheel was built from: the device machine's copy of .git is stale, and the
+# benchmark's report names the commit.
+#   MEGAMOE_COMMIT=<sha> OUT=/tmp/out bash scripts/gpu_wheel_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 OUT=${OUT:-/tmp/megamoe-out}
@@ -13,6 +15,7 @@ status=0
 wheel=$(ls dist/megamoe-*.whl) || exit 1
 rm -rf "$WHEEL_SITE"
 python3 -m pip install -q --no-deps --no-index --no-compile --target "$WHEEL_SITE" "$wheel" || exit 1
+[ -n "${MEGAMOE_COMMIT:-}" ] || echo "warning: MEGAMOE_COMMIT unset: the benchmark's report takes the commit from .git" >&2
 run=(env -u MEGAMOE_LIBRARY PYTHONUNBUFFERED=1 "PYTHONPATH=$WHEEL_SITE:$PWD/bench")
 "${run[@]}" python3 -c 'import megamoe, torch; print("megamoe", megamoe.__version__, "from", megamoe.__file__, "library",
     megamoe._lib.library()._name, "| torch", torch.__version__, "|", torch.cuda.get_device_name())' \

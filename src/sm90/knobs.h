@@ -2,11 +2,13 @@
 // beside the default so that one GPU run can time both in the same library (scripts/gpu_ab_knobs.sh); a variant that
 // wins becomes the default and its switch goes. Unset, empty or unknown values select the default.
 //   MEGAMOE_SM90_DSWIGLU_MATH=fast     dH's SwiGLU backward with the SFU's tanh (SwiGLUFastActivation); level with
-//                                      the default on the H200 (dH's epilogue waits on its g, u loads, not on math)
+//                                      the default on the H200, but its kernels spill 56-104 bytes (-Xptxas -v)
 //   MEGAMOE_SM90_M_PINGPONG=128        the M-grouped kernel's default-option up (SwiGLU) and store (down, dX) GEMMs on
-//                                      the ping-pong 128 x 128 tile (the other consumer's mainloop under an epilogue)
+//                                      the ping-pong 128 x 128 tile (the other consumer's mainloop under an epilogue);
+//                                      1.4-1.6x slower for up, 1.2x for down and dX on the H200 (2026-12-02)
 //   MEGAMOE_SM90_DH_PINGPONG=128       dH with the default dSwiGLU epilogue (SwiGLU, [dg, du], dy gathered) on the
-//                                      ping-pong 128 x 128 tile: one consumer's epilogue under the other's mainloop
+//                                      ping-pong 128 x 128 tile: one consumer's epilogue under the other's mainloop;
+//                                      ds in 128-column parts (d topk_weights rounds differently); ~10 % slower
 //   MEGAMOE_SM90_PDL=1                 the sm_90a kernels launched programmatically (PDL): each may start, and run its
 //                                      prologue, while the stream's previous kernel finishes
 //   MEGAMOE_SM90_SORTED_DY=1           the backward copies dy into sorted-row order once (in the dw13 output's scratch,

@@ -144,6 +144,13 @@ TEST(Sm90Backward, PingPongTileAgreesBitwise) {
 // else both gather, as by default): the same rows in the same order, so the same gradients bitwise.
 TEST(Sm90Backward, SortedDyAgreesBitwise) {
     SKIP_WITHOUT_SM90();
+    const char* dh_pingpong = std::getenv("MEGAMOE_SM90_DH_PINGPONG");
+    if (dh_pingpong != nullptr && std::string(dh_pingpong) == "128") {
+        GTEST_SKIP()
+            << "MEGAMOE_SM90_DH_PINGPONG=128 is set: the default dH runs on the ping-pong tile (ds in 128-column "
+               "parts), the sorted-dy dH on the cooperative one (256-column parts), so d topk_weights differs "
+               "in rounding";
+    }
     expect_switch_agrees_bitwise("MEGAMOE_SM90_SORTED_DY", "1");
 }
 
