@@ -1,0 +1,158 @@
+"""The CPU reference of the blockwise FP8 recipe (megamoe.fp8_reference, issue #20): the quantization rules checked
+against loops written out element by element, the edge cases the module defines (zero groups, the E4M3 limit, NaN
+and infinities, partial groups, power-of-two scales), and the recipe's GEMM against float64 on the dequantized
+operands. Fresh random data each run (the gen fixture prints its seed)."""
+import math
+
+import pytest
+import torch
+
+from megamoe import fp8_reference as fp8
+
+E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(fp8.E4M3).float()
+FINITE_E4M3 = E4M3_VALUES[torch.isfinite(E4M3_VALUES)]
+
+
+def random_bf16(shape, gen, scale=1.0):
+    return (torch.randn(shape, generator=gen) * scale).to(torch.bfloat16)
+
+
+def group_amax_loop(x, group):
+    """[rows, ceil(K / group)] amax of each group of x [rows, K], by Python loops."""
+    rows, K = x.shape
+    out = torch.empty(rows, -(-K // group))
+    for r in range(rows):
+        for g in range(out.shape[1]):
+            out[r, g] = max(abs(float(v)) for v in x[r, g * group:(g + 1) * group])
+    return out
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+@pytest.mark.parametrize("K", [128, 300, 1])
+def test_groups_follow_the_rules(gen, pow2, K):
+    x = random_bf16((7, K), gen, scale=3.0)
+    q, scales = fp8.quantize_groups(x, pow2=pow2)
+    assert q.dtype == fp8.E4M3 and q.shape == x.shape
+    assert scales.dtype == torch.float32 and scales.shape == (7, -(-K // 128))
+    amax = group_amax_loop(x.float(), 128)
+    want_scales = amax / 448.0
+    if pow2:
+        want_scales = torch.tensor([[2.0 ** math.ceil(math.log2(float(s))) for s in row] for row in want_scales])
+    assert torch.equal(scales, want_scales)
+    # q: every element, written out (the f32 quotient, clamped, rounded to the nearest e4m3, ties to even)
+    xf = x.float()
+    for r in range(x.shape[0]):
+        for k in range(K):
+            ratio = torch.tensor(float(xf[r, k]), dtype=torch.float32) / scales[r, k // 128]
+            ratio = min(max(float(ratio), -448.0), 448.0)
+            nearest = FINITE_E4M3[(FINITE_E4M3 - ratio).abs().argmin()]
+            assert abs(float(q[r, k].float()) - ratio) <= abs(float(nearest) - ratio)
+    # back: within half an e4m3 step of x (relative 2^-4 in the normal range, 2^-10 of the scale below it)
+    back = fp8.dequantize_groups(q, scales)
+    bound = 2.0 ** -4 * xf.abs() * (1 + 1e-6) + 2.0 ** -10 * scales.repeat_interleave(128, dim=1)[:, :K]
+    assert bool(((back - xf).abs() <= bound).all())
+
+
+def test_group_max_reaches_the_e4m3_limit(gen):
+    x = random_bf16((5, 256), gen)
+    q, scales = fp8.quantize_groups(x)
+    for r in range(5):
+        for g in range(2):
+            group = x[r, g * 128:(g + 1) * 128].float()
+            idx = group.abs().argmax()
+            assert float(q[r, g * 128 + idx].float().abs()) == 448.0
+
+
+def test_pow2_scales_make_exact_values_round_trip(gen):
+    codes = FINITE_E4M3[torch.randint(len(FINITE_E4M3), (4, 256), generator=gen)]
+    codes[:, 0] = 448.0  # each group's amax at the limit, so the scale is exactly its power of two
+    codes[:, 128] = -448.0
+    exponents = torch.randint(-20, 20, (4, 2), generator=gen).float()
+    x = codes * torch.exp2(exponents).repeat_interleave(128, dim=1)
+    q, scales = fp8.quantize_groups(x, pow2=True)
+    assert torch.equal(scales, torch.exp2(exponents))
+    assert torch.equal(fp8.dequantize_groups(q, scales), x)
+
+
+def test_zero_groups_get_scale_one(gen):
+    x = random_bf16((3, 384), gen)
+    x[1, 128:256] = 0
+    q, scales = fp8.quantize_groups(x)
+    assert scales[1, 1] == 1.0
+    assert bool((q[1, 128:256].float() == 0).all())
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_nonfinite_values_poison_their_group_only(gen, bad):
+    x = random_bf16((3, 384), gen).float()
+    clean_q, clean_scales = fp8.quantize_groups(x)
+    x[2, 200] = bad
+    q, scales = fp8.quantize_groups(x)
+    assert math.isnan(float(scales[2, 1]))
+    assert bool(torch.isnan(q[2, 128:256].float()).all())
+    keep = torch.ones_like(scales, dtype=torch.bool)
+    keep[2, 1] = False
+    assert torch.equal(scales[keep], clean_scales[keep])
+    keep_q = torch.ones(x.shape, dtype=torch.bool)
+    keep_q[2, 128:256] = False
+    assert torch.equal(q.view(torch.uint8)[keep_q], clean_q.view(torch.uint8)[keep_q])
+
+
+def test_tiny_scales_stay_positive():
+    x = torch.full((1, 128), 1e-44)
+    q, scales = fp8.quantize_groups(x)
+    assert float(scales[0, 0]) == math.ldexp(1.0, -149)
+    assert bool(torch.isfinite(fp8.dequantize_groups(q, scales)).all())
+
+
+def test_groups_along_tokens_are_the_transposed_groups(gen):
+    x = random_bf16((300, 64), gen)
+    q, scales = fp8.quantize_groups(x, dim=0)
+    q_t, scales_t = fp8.quantize_groups(x.T.contiguous(), dim=-1)
+    assert scales.shape == (3, 64)
+    assert torch.equal(q.view(torch.uint8), q_t.T.contiguous().view(torch.uint8))
+    assert torch.equal(scales, scales_t.T)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_blocks_follow_the_rules(gen, pow2):
+    w = random_bf16((2, 200, 300), gen, scale=0.05)
+    q, scales = fp8.quantize_blocks(w, pow2=pow2)
+    assert q.shape == w.shape and scales.shape == (2, 2, 3)
+    for e in range(2):
+        for nb in range(2):
+            for kb in range(3):
+                block = w[e, nb * 128:(nb + 1) * 128, kb * 128:(kb + 1) * 128].float()
+                scale = torch.tensor(float(block.abs().max()), dtype=torch.float32) / 448.0
+                if pow2:
+                    scale = torch.tensor(2.0 ** math.ceil(math.log2(float(scale))))
+                assert float(scales[e, nb, kb]) == float(scale)
+                want = torch.clamp(block / scale, -448, 448).to(fp8.E4M3)
+                got = q[e, nb * 128:(nb + 1) * 128, kb * 128:(kb + 1) * 128]
+                assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
+    back = fp8.dequantize_blocks(q, scales)
+    assert float((back - w.float()).norm() / w.float().norm()) < 2.0 ** -4
+
+
+def test_blockwise_gemm_is_the_dequantized_product(gen):
+    a_q, a_scales = fp8.quantize_groups(random_bf16((33, 300), gen))
+    b_q, b_scales = fp8.quantize_blocks(random_bf16((140, 300), gen))
+    got = fp8.blockwise_gemm(a_q, a_scales, b_q, b_scales)
+    # float64 operands (q * scale needs 4 + 24 significant bits: exact in float64, not in dequantize's f32)
+    a = a_q.double() * a_scales.double().repeat_interleave(128, dim=1)[:, :300]
+    b = b_q.double() * b_scales.double().repeat_interleave(128, dim=0).repeat_interleave(128, dim=1)[:140, :300]
+    want = a @ b.T
+    assert float((got - want).abs().max()) <= 1e-12 * float(want.abs().max())
+
+
+def test_bad_input_is_named():
+    with pytest.raises(TypeError, match="quantize_groups: x"):
+        fp8.quantize_groups(torch.ones(4, 4, dtype=torch.int32))
+    with pytest.raises(ValueError, match="group must be positive"):
+        fp8.quantize_groups(torch.ones(4, 4), group=0)
+    with pytest.raises(TypeError, match="quantize_blocks: w"):
+        fp8.quantize_blocks(torch.ones(4))
+    a_q, a_s = fp8.quantize_groups(torch.ones(2, 128))
+    b_q, b_s = fp8.quantize_blocks(torch.ones(2, 256))
+    with pytest.raises(ValueError, match="K differs"):
+        fp8.blockwise_gemm(a_q, a_s, b_q, b_s)
