@@ -17,7 +17,8 @@ Defined edge cases (never a silent wrong number):
 A partial last group (K not a multiple of `group`) is a group of its own.
 
 This module is the specification; it is not tuned (f32 torch on the CPU). Dequantized products go through float64
-in `blockwise_gemm`, the recipe's GEMM: out = sum over K groups of (a_q . b_q) * a_scale * b_scale.
+in `blockwise_gemm`, the recipe's GEMM: out = sum over K groups of (a_q . b_q) * a_scale * b_scale, and in
+`moe_reference`, the whole layer's forward and backward with every GEMM operand quantized as the recipe says.
 """
 import math
 
@@ -116,3 +117,78 @@ def blockwise_gemm(a_q, a_scales, b_q, b_scales, group=GROUP):
         partial = a[:, cols] @ b[:, cols].T
         out += partial * a_scales[:, g].to(torch.float64).unsqueeze(1) * b_row_scales[:, g].unsqueeze(0)
     return out
+
+
+def _dequant64(q, scales, dim=-1, group=GROUP):
+    """float64 q * scale of quantize_groups' output (exact: q has 4 significant bits, scale 24)."""
+    expanded = scales.to(torch.float64).repeat_interleave(group, dim=dim).narrow(dim, 0, q.shape[dim])
+    return q.to(torch.float64) * expanded
+
+
+def _blocks64(w, pow2):
+    """float64 dequantized 128 x 128 block quantization of w [..., N, K]."""
+    q, scales = quantize_blocks(w, pow2=pow2)
+    N, K = q.shape[-2:]
+    expanded = scales.to(torch.float64).repeat_interleave(GROUP, dim=-2).repeat_interleave(GROUP, dim=-1)
+    return q.to(torch.float64) * expanded[..., :N, :K]
+
+
+def _along(values, dim, pow2):
+    """values quantized in 1 x 128 groups along dim and dequantized, in float64."""
+    q, scales = quantize_groups(values, dim=dim, pow2=pow2)
+    return _dequant64(q, scales, dim=dim)
+
+
+def moe_reference(x, topk_ids, topk_weights, w13, w2, dy, pow2=False):
+    """The whole layer (DESIGN.md section 1: w13 [E, 2I, H] as [gate; up], w2 [E, H, I], SwiGLU, ids -1 dropped) under
+    the recipe, in float64 between the quantization points: (y, dx, d topk_weights, dw13, dw2). Each GEMM quantizes
+    its operands along its own K (the activations in 1 x 128 groups, the weights in 128 x 128 blocks, whose
+    transposes are the transposed blocks with the same scales, so the data gradients reuse them):
+
+        up    h = x . w13[e]^T           x along H (per token, gathered), w13 blocks
+        down  o = a . w2[e]^T            a = silu(g) u along I
+        dH    p = dy . w2[e]             dy along H (per token, gathered), w2 blocks (transposed)
+        dX    q = dh . w13[e]            dh = dSwiGLU(g, u, s p) along 2I, w13 blocks (transposed)
+        dW13  dh^T . x                   dh and x along tokens: groups of 128 of the expert's rows from its first
+        dW2   dy^T . (s a)               dy and s a along tokens, the same groups
+
+    y = sum_j s_j o_j and dx = sum_j q_j over a token's slots; d topk_weights = <p, a> with a from h unquantized (as
+    the dSwiGLU epilogue has it). Rows of an expert are its slots in slot order."""
+    T, H = x.shape
+    E, two_i, _ = w13.shape
+    I = two_i // 2
+    topk = topk_ids.shape[1]
+    if bool(((topk_ids < -1) | (topk_ids >= E)).any()):
+        raise ValueError(f"moe_reference: topk_ids must lie in [-1, {E})")
+    x64 = x.detach().to(torch.float64)
+    dy64 = dy.detach().to(torch.float64)
+    x_by_h = _along(x, -1, pow2)  # the forward's copy of x: [T, H]
+    dy_by_h = _along(dy, -1, pow2)  # dH's copy of dy: [T, H]
+    w13_deq, w2_deq = _blocks64(w13, pow2), _blocks64(w2, pow2)
+    y = torch.zeros(T, H, dtype=torch.float64)
+    dx = torch.zeros(T, H, dtype=torch.float64)
+    dtopk = torch.zeros(T * topk, dtype=torch.float64)
+    dw13 = torch.zeros(E, two_i, H, dtype=torch.float64)
+    dw2 = torch.zeros(E, H, I, dtype=torch.float64)
+    flat_ids = topk_ids.reshape(-1)
+    weights = topk_weights.detach().reshape(-1).to(torch.float64)
+    for e in range(E):
+        slots = (flat_ids == e).nonzero().flatten()  # the expert's rows, in slot order
+        if slots.numel() == 0:
+            continue
+        tokens = slots // topk
+        s = weights[slots].unsqueeze(1)  # [n, 1]
+        h = x_by_h[tokens] @ w13_deq[e].T  # [n, 2I]
+        gate, up = h[:, :I], h[:, I:]
+        sig = torch.sigmoid(gate)
+        a = gate * sig * up  # [n, I]
+        o = _along(a, -1, pow2) @ w2_deq[e].T  # [n, H]
+        y.index_add_(0, tokens, s * o)
+        p = dy_by_h[tokens] @ w2_deq[e]  # [n, I]
+        dtopk[slots] = (p * a).sum(dim=1)
+        d_act = s * p
+        dh = torch.cat([d_act * up * sig * (1 + gate * (1 - sig)), d_act * gate * sig], dim=1)  # [n, 2I]
+        dx.index_add_(0, tokens, _along(dh, -1, pow2) @ w13_deq[e])
+        dw13[e] = _along(dh, 0, pow2).T @ _along(x64[tokens], 0, pow2)
+        dw2[e] = _along(dy64[tokens], 0, pow2).T @ _along(s * a, 0, pow2)
+    return y, dx, dtopk.reshape(T, topk), dw13, dw2

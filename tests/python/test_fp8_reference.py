@@ -1,12 +1,14 @@
 """The CPU reference of the blockwise FP8 recipe (megamoe.fp8_reference, issue #20): the quantization rules checked
 against loops written out element by element, the edge cases the module defines (zero groups, the E4M3 limit, NaN
 and infinities, partial groups, power-of-two scales), and the recipe's GEMM against float64 on the dequantized
-operands. Fresh random data each run (the gen fixture prints its seed)."""
+operands, and the whole layer under the recipe against the unquantized layer. Fresh random data each run (the gen
+fixture prints its seed)."""
 import math
 
 import pytest
 import torch
 
+from conftest import grads_of, make_problem, rel_err, torch_moe
 from megamoe import fp8_reference as fp8
 
 E4M3_VALUES = torch.arange(256, dtype=torch.uint8).view(fp8.E4M3).float()
@@ -156,3 +158,58 @@ def test_bad_input_is_named():
     b_q, b_s = fp8.quantize_blocks(torch.ones(2, 256))
     with pytest.raises(ValueError, match="K differs"):
         fp8.blockwise_gemm(a_q, a_s, b_q, b_s)
+
+
+LAYER_CASES = [  # (name, T, H, I, E, topk, routing): partial groups and blocks, dropped slots, an empty expert
+    ("ragged", 150, 200, 136, 4, 2, "random"),
+    ("dropped_slots", 90, 256, 128, 3, 3, "dropped"),
+    ("half_empty", 70, 130, 72, 6, 2, "half_empty"),
+    ("topk1", 40, 128, 64, 2, 1, "random"),
+]
+
+
+@pytest.mark.parametrize("case", LAYER_CASES, ids=[c[0] for c in LAYER_CASES])
+def test_layer_is_close_to_the_unquantized_one(gen, case):
+    _, T, H, I, E, topk, routing = case
+    x, ids, s, w13, w2, dy = make_problem(T, H, I, E, topk, routing, gen=gen)
+    want = grads_of(torch_moe, x, ids, s, w13, w2, dy)
+    got = fp8.moe_reference(x, ids, s, w13, w2, dy)
+    for name, g, w in zip(("y", "dx", "dtopk", "dw13", "dw2"), got, want):
+        err = rel_err(g, w)
+        # e4m3 rounds each operand by ~2.6 % RMS (3 mantissa bits); two quantized GEMMs in a row give 5-8 % on
+        # these sizes (d topk_weights, a few dozen values, swings most). Never exact: the quantization happened.
+        assert 1e-4 < err < 0.12, f"{name}: relative error {err:.3g} against the unquantized layer"
+    for e in range(E):  # an expert no slot routes to has zero weight gradients
+        if not bool((ids == e).any()):
+            assert not bool(got[3][e].any()) and not bool(got[4][e].any())
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_layer_backward_scales_exactly_with_dy(gen, pow2):
+    """Scaling dy by 2^k scales every group's amax and scale by 2^k and leaves every e4m3 value as it was: the
+    gradients scale by exactly 2^k (y does not move)."""
+    x, ids, s, w13, w2, dy = make_problem(60, 256, 128, 3, 2, gen=gen)
+    base = fp8.moe_reference(x, ids, s, w13, w2, dy, pow2=pow2)
+    scaled = fp8.moe_reference(x, ids, s, w13, w2, dy * 8.0, pow2=pow2)
+    assert torch.equal(base[0], scaled[0])
+    for b, t in zip(base[1:], scaled[1:]):
+        assert torch.equal(b * 8.0, t)
+
+
+def test_layer_forward_is_two_blockwise_gemms(gen):
+    """One expert, topk 1: y = s (a_q . w2_q) with a = SwiGLU(x_q . w13_q), each a blockwise_gemm of the operands
+    quantized as the recipe says (x and a along their K, the weights in blocks)."""
+    x, ids, s, w13, w2, dy = make_problem(50, 300, 136, 1, 1, gen=gen)
+    h = fp8.blockwise_gemm(*fp8.quantize_groups(x), *fp8.quantize_blocks(w13[0]))
+    a = torch.nn.functional.silu(h[:, :136]) * h[:, 136:]
+    want = s.detach() * fp8.blockwise_gemm(*fp8.quantize_groups(a), *fp8.quantize_blocks(w2[0]))
+    got = fp8.moe_reference(x, ids, s, w13, w2, dy)[0]
+    assert float((got - want).abs().max()) <= 1e-12 * float(want.abs().max())
+
+
+def test_layer_refuses_out_of_range_ids(gen):
+    x, ids, s, w13, w2, dy = make_problem(8, 128, 64, 2, 1, gen=gen)
+    ids = ids.clone()
+    ids[0, 0] = 2
+    with pytest.raises(ValueError, match="topk_ids must lie in"):
+        fp8.moe_reference(x, ids, s, w13, w2, dy)
