@@ -11,8 +11,8 @@ or over square blocks of the last two axes (128 x 128 blocks of weights):
 
 Defined edge cases (never a silent wrong number):
   - a group of zeros: scale 1, q 0 (dequantizes to the zeros);
-  - a group holding a NaN or an infinity: scale NaN, every q NaN (the whole group reads back NaN). torch's own e4m3
-    cast would turn an infinity into 448, a finite number nobody asked for;
+  - a group holding a NaN or an infinity: scale NaN, every q the NaN byte 0x7F (the whole group reads back NaN).
+    torch's own e4m3 cast would turn an infinity into 448, a finite number nobody asked for;
   - a scale below 2^-149 (the smallest positive f32: amax under ~6e-43) is raised to it, pow2 or not.
 A partial last group (K not a multiple of `group`) is a group of its own.
 
@@ -34,20 +34,25 @@ def _scales_from_amax(amax, pow2):
     """f32 scales of f32 amax values (same shape): see the module's rules."""
     finite = torch.isfinite(amax)
     safe = torch.where(finite & (amax > 0), amax, torch.ones_like(amax))
-    scale = safe / E4M3_MAX  # f32, round to nearest even
+    scale = torch.clamp(safe / E4M3_MAX, min=_MIN_SCALE)  # f32, round to nearest even; at least 2^-149
     if pow2:
         mantissa, exponent = torch.frexp(scale)  # scale = mantissa * 2^exponent, mantissa in [0.5, 1)
         exponent = torch.where(mantissa == 0.5, exponent - 1, exponent)  # already a power of two: keep it
         scale = torch.ldexp(torch.ones_like(scale), exponent)
-    scale = torch.clamp(scale, min=_MIN_SCALE)
     scale = torch.where(amax == 0, torch.ones_like(scale), scale)
     return torch.where(finite, scale, torch.full_like(scale, float("nan")))
 
 
+E4M3_NAN_BITS = 0x7F  # the one NaN encoding written (e4m3fn has two, 0x7F and 0xFF)
+
+
 def _cast(values, scale):
-    """e4m3 of values / scale (f32 tensors broadcast together), clamped to +-448; NaN scale gives NaN."""
-    ratio = torch.clamp(values / scale, -E4M3_MAX, E4M3_MAX)  # clamp keeps NaN
-    return ratio.to(E4M3)
+    """e4m3 of values / scale (f32 tensors broadcast together), clamped to +-448; a NaN scale gives 0x7F
+    everywhere (the kernels write the same byte, whatever the sign of the NaN)."""
+    ratio = torch.clamp(values / scale, -E4M3_MAX, E4M3_MAX)
+    q = ratio.to(E4M3)
+    q.view(torch.uint8)[torch.isnan(scale).expand_as(ratio)] = E4M3_NAN_BITS
+    return q
 
 
 def quantize_groups(x, group=GROUP, dim=-1, pow2=False):

@@ -1,0 +1,193 @@
+// The FP8 quantization kernel (src/portable/fp8_quant.h) against a host port of python/megamoe/fp8_reference.py's
+// rules, bit for bit: scales (NaN compared as bits) and e4m3 bytes, on partial groups, every input dtype, a row
+// stride past the columns, power-of-two scales or not, zero groups, NaN and infinities, underflowing scales, values at
+// the E4M3 limit, and a group worked by hand (the same bytes as fp8_reference's test_known_bytes). Without a GPU
+// every test skips.
+#include <cuda_fp8.h>
+#include <cuda_runtime.h>
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "cuda_test_util.h"
+#include "portable/fp8_quant.h"
+
+namespace megamoe::test {
+namespace {
+
+constexpr int kGroup = cuda::kFp8GroupSize;
+
+uint32_t bits_of(float value) {
+    uint32_t bits;
+    std::memcpy(&bits, &value, sizeof(bits));
+    return bits;
+}
+float float_of(uint32_t bits) {
+    float value;
+    std::memcpy(&value, &bits, sizeof(value));
+    return value;
+}
+
+// fp8_reference's scale of a group, on the host.
+float host_scale(float amax, bool non_finite, bool pow2) {
+    if (non_finite) return std::numeric_limits<float>::quiet_NaN();
+    if (amax == 0.0f) return 1.0f;
+    float scale = std::max(amax / 448.0f, std::numeric_limits<float>::denorm_min());
+    if (!pow2) return scale;
+    const uint32_t bits = bits_of(scale);
+    const uint32_t exponent = bits >> 23, mantissa = bits & 0x7FFFFFu;
+    if (exponent == 0) {
+        uint32_t pow2_bits = 1;
+        while (pow2_bits < mantissa) pow2_bits <<= 1;
+        return float_of(pow2_bits);
+    }
+    return mantissa == 0 ? scale : float_of((exponent + 1) << 23);
+}
+
+struct HostQuant {
+    std::vector<uint8_t> q;
+    std::vector<float> scales;
+};
+
+// values [rows, cols] (f32, already what the kernel reads) quantized as fp8_reference.quantize_groups does.
+HostQuant host_quantize(const std::vector<float>& values, int64_t rows, int64_t cols, bool pow2) {
+    const int64_t groups = (cols + kGroup - 1) / kGroup;
+    HostQuant out{std::vector<uint8_t>(static_cast<size_t>(rows * cols)),
+                  std::vector<float>(static_cast<size_t>(rows * groups))};
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t g = 0; g < groups; ++g) {
+            const int64_t begin = g * kGroup, end = std::min(cols, begin + kGroup);
+            float amax = 0.0f;
+            bool non_finite = false;
+            for (int64_t c = begin; c < end; ++c) {
+                const float v = values[static_cast<size_t>(r * cols + c)];
+                non_finite |= !std::isfinite(v);
+                amax = std::max(amax, std::fabs(v));
+            }
+            const float scale = host_scale(amax, non_finite, pow2);
+            out.scales[static_cast<size_t>(r * groups + g)] = scale;
+            for (int64_t c = begin; c < end; ++c) {
+                const float ratio =
+                    std::min(std::max(values[static_cast<size_t>(r * cols + c)] / scale, -448.0f), 448.0f);
+                out.q[static_cast<size_t>(r * cols + c)] =
+                    non_finite ? 0x7F : static_cast<uint8_t>(__nv_cvt_float_to_fp8(ratio, __NV_SATFINITE, __NV_E4M3));
+            }
+        }
+    }
+    return out;
+}
+
+// Runs the kernel on `input` ([rows, stride] of dtype, the first cols of each row quantized) and compares it with the
+// host port of the same values.
+void expect_kernel_matches_host(const HostTensor& input, int64_t rows, int64_t cols, bool pow2, const char* what) {
+    SCOPED_TRACE(what);
+    const int64_t stride = input.view.shape[1];
+    const int64_t groups = (cols + kGroup - 1) / kGroup;
+    std::vector<float> values(static_cast<size_t>(rows * cols));
+    for (int64_t r = 0; r < rows; ++r) {
+        for (int64_t c = 0; c < cols; ++c)
+            values[static_cast<size_t>(r * cols + c)] = static_cast<float>(input.get(r * stride + c));
+    }
+    const HostQuant want = host_quantize(values, rows, cols, pow2);
+    DeviceTensor in_dev = DeviceTensor::upload(input);
+    DeviceTensor q_dev(HostTensor(MEGAMOE_DTYPE_I32, {(rows * cols + 3) / 4}).view);  // the e4m3 bytes, 4 a word
+    DeviceTensor scales_dev(HostTensor(MEGAMOE_DTYPE_F32, {rows, groups}).view);
+    q_dev.poison();
+    scales_dev.poison();
+    cuda::QuantizeGroupsArgs args{};
+    args.in = in_dev.view().data;
+    args.in_dtype = input.view.dtype;
+    args.rows = rows;
+    args.cols = cols;
+    args.in_row_stride = stride;
+    args.q = static_cast<uint8_t*>(q_dev.view().data);
+    args.scales = static_cast<float*>(scales_dev.view().data);
+    args.pow2 = pow2;
+    ASSERT_EQ(cuda::launch_quantize_groups(args, nullptr), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
+    expect_cuda(cudaDeviceSynchronize(), "quantize_groups");
+    const HostTensor q = q_dev.download(), scales = scales_dev.download();
+    for (size_t i = 0; i < want.scales.size(); ++i) {
+        float got;
+        std::memcpy(&got, scales.bytes.data() + i * sizeof(float), sizeof(float));
+        const bool both_nan = std::isnan(got) && std::isnan(want.scales[i]);
+        EXPECT_TRUE(both_nan || bits_of(got) == bits_of(want.scales[i]))
+            << "scale " << i << ": " << got << " against " << want.scales[i];
+    }
+    for (size_t i = 0; i < want.q.size(); ++i) {
+        ASSERT_EQ(q.bytes[i], want.q[i]) << "q " << i << " (row " << i / cols << ", column " << i % cols << ")";
+    }
+}
+
+TEST(Fp8QuantCuda, RandomGroupsEveryDtype) {
+    SKIP_WITHOUT_CUDA();
+    std::mt19937_64 rng(fresh_seed());
+    for (const megamoe_dtype_t dtype : {MEGAMOE_DTYPE_BF16, MEGAMOE_DTYPE_F16, MEGAMOE_DTYPE_F32}) {
+        for (const bool pow2 : {false, true}) {
+            HostTensor input(dtype, {37, 312});  // 300 quantized columns of a 312-element stride: a partial group
+            input.fill_random(rng, 3.0);
+            expect_kernel_matches_host(input, 37, 300, pow2, pow2 ? "random, pow2" : "random");
+        }
+    }
+}
+
+TEST(Fp8QuantCuda, DefinedEdgeCases) {
+    SKIP_WITHOUT_CUDA();
+    std::mt19937_64 rng(fresh_seed());
+    HostTensor input(MEGAMOE_DTYPE_F32, {6, 256});
+    input.fill_random(rng, 1.0);
+    for (int64_t c = 0; c < 128; ++c) input.set(0 * 256 + c, 0.0);       // a zero group: scale 1
+    input.set(1 * 256 + 200, std::numeric_limits<double>::quiet_NaN());  // NaN: its group only
+    input.set(2 * 256 + 5, std::numeric_limits<double>::infinity());     // +-inf: the same
+    input.set(2 * 256 + 130, -std::numeric_limits<double>::infinity());
+    for (int64_t c = 0; c < 256; ++c) input.set(3 * 256 + c, 1e-44);  // amax / 448 underflows: scale 2^-149
+    input.set(4 * 256 + 17, 448.0);                                   // at the limit, and past it
+    input.set(4 * 256 + 140, -1e30);
+    for (int64_t c = 0; c < 128; ++c) input.set(5 * 256 + c, 0.0);  // the group worked by hand
+    input.set(5 * 256 + 0, 896.0);
+    input.set(5 * 256 + 1, 1.0);
+    input.set(5 * 256 + 2, -3.0);
+    for (const bool pow2 : {false, true}) {
+        expect_kernel_matches_host(input, 6, 256, pow2, pow2 ? "edges, pow2" : "edges");
+    }
+}
+
+// The host port itself on the group worked by hand (fp8_reference's test_known_bytes: the same scale and bytes), and
+// on its edge cases: a zero group, a NaN group, an underflowing scale with and without pow2, a pow2 rounding up.
+TEST(Fp8QuantCuda, HostPortKnownBytes) {
+    const HostQuant hand = host_quantize({896.0f, 1.0f, -3.0f, 0.0f}, 1, 4, false);
+    EXPECT_EQ(hand.scales[0], 2.0f);
+    EXPECT_EQ(hand.q, (std::vector<uint8_t>{0x7E, 0x30, 0xBC, 0x00})) << "fp8_reference's test_known_bytes";
+    EXPECT_EQ(host_quantize({0.0f, 0.0f}, 1, 2, false).scales[0], 1.0f);
+    const HostQuant nan = host_quantize({1.0f, std::numeric_limits<float>::quiet_NaN()}, 1, 2, false);
+    EXPECT_TRUE(std::isnan(nan.scales[0]));
+    EXPECT_EQ(nan.q, (std::vector<uint8_t>{0x7F, 0x7F}));
+    for (const bool pow2 : {false, true}) {
+        EXPECT_EQ(host_quantize({1e-44f}, 1, 1, pow2).scales[0], std::numeric_limits<float>::denorm_min());
+    }
+    EXPECT_EQ(host_quantize({3.0f * 448.0f}, 1, 1, true).scales[0], 4.0f);  // scale 3 -> the next power of two
+}
+
+// The launcher refuses what it cannot read, naming itself (no GPU needed: nothing is launched).
+TEST(Fp8QuantCuda, RefusesAShortRowStride) {
+    cuda::QuantizeGroupsArgs args{};
+    float in = 0.0f, scale = 0.0f;
+    uint8_t q = 0;
+    args.in = &in;
+    args.in_dtype = MEGAMOE_DTYPE_F32;
+    args.rows = 2;
+    args.cols = 8;
+    args.in_row_stride = 4;
+    args.q = &q;
+    args.scales = &scale;
+    EXPECT_EQ(cuda::launch_quantize_groups(args, nullptr), MEGAMOE_STATUS_INTERNAL_ERROR);
+    EXPECT_NE(std::string(megamoe_last_error()).find("quantize_groups"), std::string::npos) << megamoe_last_error();
+}
+
+}  // namespace
+}  // namespace megamoe::test
