@@ -275,7 +275,5 @@ struct DSwiGLUEpilogueOf : NoEpilogueHooks {
     }
 };
 using DSwiGLUEpilogue = DSwiGLUEpilogueOf<SwiGLUActivation, false>;
-static_assert(num_stages<ConfigOf<DSwiGLUEpilogue>, true>() == num_stages<ConfigOf<DSwiGLUEpilogue>, false>(),
-              "dSwiGLU's sub-tile slots fit beside the pipeline stages without costing one");
 
 }  // namespace megamoe::sm90::m_grouped

@@ -8,7 +8,7 @@
 //   DSwiGLUEpilogue  (dH)   m_grouped_dswiglu.cuh.
 // The store routines take the tile configuration (Config: its columns), the row block (tile rows [64 row_block,
 // 64 row_block + 64)) and, at compile time, where the block's accumulators start in the consumer's registers
-// (kFirstReg). ConfigOf, at the end, is the table of the tile configuration each policy runs with.
+// (kFirstReg). m_grouped_tile_table.cuh's ConfigOf is the table of the tile configuration each policy runs with.
 #pragma once
 
 #include <type_traits>
@@ -330,17 +330,5 @@ struct StoreEpilogueOf : NoEpilogueHooks {
     }
 };
 using StoreEpilogue = StoreEpilogueOf<false>;
-
-// The tile configuration of each policy, and the limit it hits (the measurements: docs/log/):
-// - SwiGLU (up), store (down, dX): cooperative 128 x 256. Their epilogues are cheap, the mainloop is the limit; 256
-//   columns halve A's refills per FLOP against 128.
-// - dSwiGLU (dH): cooperative 128 x 256 too. Its epilogue is about a third of the kernel, waiting on its g, u loads,
-//   but ping-pong on 128 x 128 tiles refills A twice as often (the mainloop, not the hidden epilogue, sets the
-//   pace), and on 128 x 192 a warpgroup's epilogue with 192 live accumulators outlasts the other's mainloop.
-//   TODO(#19): an epilogue with fewer live accumulators (sub-tiled stores as the accumulators retire).
-// - PingPong (128 x 128, 7 stages) runs the default up and store GEMMs under MEGAMOE_SM90_M_PINGPONG=128 only, to time
-//   it against the table with the hand-off before the MMA wait (m_grouped_gemm_sm90.cu's consume).
-template <class Epilogue>
-using ConfigOf = Cooperative;
 
 }  // namespace megamoe::sm90::m_grouped

@@ -13,12 +13,12 @@
 // ds = <p, a> (one per row and n-tile, added in n-tile order later: deterministic). The activation is a compile-time
 // policy (m_grouped_activation.cuh). f32 accumulation. No atomics: every output element is written once.
 //
-// Tiles (TileConfig in m_grouped_config.cuh, chosen per epilogue by ConfigOf): kBlockM = 128 rows (one M tile of the
-// routing's schedule) x kBlockN columns of B_e (cooperative 256, ping-pong 128) x kBlockK = 64 (one 128-byte
-// swizzled row of 16-bit elements). For SwiGLU, the kBlockN rows of the B tile are kBlockN / 2 gate rows (TMA box 0)
-// followed by the matching up rows I + n0 + [0, kBlockN / 2) (box 1; kKN, w13 stored transposed: the first half of
-// the 64-column boxes from gate column n0, the second from I + n0): each thread holds g and u of the same outputs, so
-// SwiGLU is register-local; a tile writes kBlockN / 2 columns of a. Interleaved w13: the B tile is kBlockN rows (or
+// Tiles (TileConfig in m_grouped_config.cuh, chosen per epilogue by m_grouped_tile_table.cuh): kBlockM = 128 rows (one
+// M tile of the routing's schedule) x kBlockN columns of B_e (cooperative 256, ping-pong 128) x kBlockK = 64 (one
+// 128-byte swizzled row of 16-bit elements). For SwiGLU, the kBlockN rows of the B tile are kBlockN / 2 gate rows (TMA
+// box 0) followed by the matching up rows I + n0 + [0, kBlockN / 2) (box 1; kKN, w13 stored transposed: the first half
+// of the 64-column boxes from gate column n0, the second from I + n0): each thread holds g and u of the same outputs,
+// so SwiGLU is register-local; a tile writes kBlockN / 2 columns of a. Interleaved w13: the B tile is kBlockN rows (or
 // columns) in storage order, and adjacent accumulator columns are a (g, u) pair, again in one thread.
 // Clusters: 2 CTAs run M tiles 2p and 2p + 1 of the schedule with the same n-tile. When both belong to one expert
 // (most pairs: experts span many M tiles) they need the same B tile, and each CTA loads one of its two boxes and
@@ -86,6 +86,7 @@
 #include "sm90/m_grouped_dswiglu.cuh"
 #include "sm90/m_grouped_epilogue.cuh"
 #include "sm90/m_grouped_host.cuh"
+#include "sm90/m_grouped_tile_table.cuh"
 #include "sm90/ptx.h"
 
 namespace megamoe::sm90 {
@@ -437,25 +438,6 @@ megamoe_status_t launch_on(const cuda::MGroupedGemmArgs& args, const typename Ep
                      args, params, a_map, out_map, rows_per_expert, cols_per_row, num_sms, stream)
                : launch_typed<__half, Epi, kBLayout, kBSource, Config>(args, params, a_map, out_map, rows_per_expert,
                                                                        cols_per_row, num_sms, stream);
-}
-
-// The experiment switches that put an epilogue on the ping-pong 128 x 128 tile instead of ConfigOf's, for A/B timing
-// (sm90/knobs.h): MEGAMOE_SM90_M_PINGPONG=128 the default options' up (SwiGLU) and store (down, dX) epilogues,
-// MEGAMOE_SM90_DH_PINGPONG=128 the default dSwiGLU one (dH).
-template <class Epi, BSource kBSource>
-constexpr bool kHasPingPongVariant = kBSource == BSource::kOne &&
-                                     (std::is_same_v<Epi, SwiGLUEpilogue> || std::is_same_v<Epi, StoreEpilogue> ||
-                                      std::is_same_v<Epi, DSwiGLUEpilogue>);
-
-template <class Epi, BSource kBSource>
-bool uses_pingpong_variant() {
-    if constexpr (!kHasPingPongVariant<Epi, kBSource>) {
-        return false;
-    } else if constexpr (std::is_same_v<Epi, DSwiGLUEpilogue>) {
-        return dh_pingpong();
-    } else {
-        return m_grouped_pingpong();
-    }
 }
 
 // The launch on the epilogue's tile configuration (ConfigOf, or the ping-pong tile under a switch).
