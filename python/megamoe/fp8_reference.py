@@ -14,7 +14,8 @@ Defined edge cases (never a silent wrong number):
   - a group holding a NaN or an infinity: scale NaN, every q the NaN byte 0x7F (the whole group reads back NaN).
     torch's own e4m3 cast would turn an infinity into 448, a finite number nobody asked for;
   - a scale below 2^-149 (the smallest positive f32: amax under ~6e-43) is raised to it, pow2 or not.
-A partial last group (K not a multiple of `group`) is a group of its own.
+A partial last group (K not a multiple of `group`) is a group of its own. Along tokens (the weight gradients'
+operands, quantize_expert_rows) the groups are 128 of one expert's rows from its first row, never two experts'.
 
 This module is the specification; it is not tuned (f32 torch on the CPU). Dequantized products go through float64
 in `blockwise_gemm`, the recipe's GEMM: out = sum over K groups of (a_q . b_q) * a_scale * b_scale, and in
@@ -90,6 +91,38 @@ def quantize_blocks(w, block=GROUP, pow2=False):
     scales = torch.where(torch.isnan(blocks).any(dim=-3).any(dim=-1), torch.full_like(scales, float("nan")), scales)
     q = _cast(blocks, scales.unsqueeze(-1).unsqueeze(-3)).reshape(*values.shape[:-2], nb * block, kb * block)
     return q[..., :N, :K].contiguous(), scales.contiguous()
+
+
+def quantize_expert_rows(rows, counts, pow2=False):
+    """The weight gradients' operands, quantized along tokens: rows [R, C] sorted by expert (expert e's rows follow
+    e - 1's, counts[e] of them, R = sum(counts)) in groups of 128 of an expert's rows counted from its first row (a
+    group never spans two experts). Returns (q_t e4m3 [C, R]: transposed, tokens contiguous, as the K-grouped GEMM
+    reads its K-major operands; scales f32 [C, num_tiles]): tile i is the routing's M tile i (m_tile_offsets: tile
+    m_tile_offsets[e] + g holds expert e's rows [128 g, 128 g + 128)), so scales[c, i] scales q_t[c, rows of tile i]."""
+    counts = [int(c) for c in counts]
+    if sum(counts) != rows.shape[0] or any(c < 0 for c in counts):
+        raise ValueError(f"quantize_expert_rows: counts must be >= 0 and sum to the {rows.shape[0]} rows, got {counts}")
+    q_parts, scale_parts, first = [], [], 0
+    for count in counts:
+        if count == 0:
+            continue
+        q, scales = quantize_groups(rows[first:first + count], dim=0, pow2=pow2)  # [count, C], [tiles_e, C]
+        q_parts.append(q.T)
+        scale_parts.append(scales.T)
+        first += count
+    if not q_parts:
+        return torch.empty(rows.shape[1], 0, dtype=E4M3), torch.empty(rows.shape[1], 0)
+    return torch.cat(q_parts, dim=1).contiguous(), torch.cat(scale_parts, dim=1).contiguous()
+
+
+def dequantize_expert_rows(q_t, scales, counts):
+    """float64 [R, C] values of quantize_expert_rows' output (q * its tile's scale), rows in the sorted order."""
+    rows_per_tile = []
+    for count in (int(c) for c in counts):
+        full, rest = divmod(count, GROUP)
+        rows_per_tile += [GROUP] * full + ([rest] if rest else [])
+    expanded = scales.to(torch.float64).repeat_interleave(torch.tensor(rows_per_tile, dtype=torch.int64), dim=1)
+    return (q_t.to(torch.float64) * expanded).T
 
 
 def dequantize_groups(q, scales, group=GROUP, dim=-1):
@@ -194,6 +227,6 @@ def moe_reference(x, topk_ids, topk_weights, w13, w2, dy, pow2=False):
         d_act = s * p
         dh = torch.cat([d_act * up * sig * (1 + gate * (1 - sig)), d_act * gate * sig], dim=1)  # [n, 2I]
         dx.index_add_(0, tokens, _along(dh, -1, pow2) @ w13_deq[e])
-        dw13[e] = _along(dh, 0, pow2).T @ _along(x64[tokens], 0, pow2)
+        dw13[e] = _along(dh, 0, pow2).T @ _along(x64[tokens], 0, pow2)  # quantize_expert_rows' groups, expert e's
         dw2[e] = _along(dy64[tokens], 0, pow2).T @ _along(s * a, 0, pow2)
     return y, dx, dtopk.reshape(T, topk), dw13, dw2

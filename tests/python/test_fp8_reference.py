@@ -224,3 +224,33 @@ def test_layer_refuses_out_of_range_ids(gen):
     ids[0, 0] = 2
     with pytest.raises(ValueError, match="topk_ids must lie in"):
         fp8.moe_reference(x, ids, s, w13, w2, dy)
+
+
+@pytest.mark.parametrize("pow2", [False, True])
+def test_expert_rows_groups_restart_at_each_expert(gen, pow2):
+    """Along tokens, the groups are 128 of an expert's rows from its first row, scales indexed by the routing's M
+    tiles; the transposed bytes are each expert's rows quantized on their own."""
+    counts = [130, 0, 5, 256, 1]
+    rows = random_bf16((sum(counts), 40), gen)
+    q_t, scales = fp8.quantize_expert_rows(rows, counts, pow2=pow2)
+    tiles = [-(-c // 128) for c in counts]
+    assert q_t.shape == (40, sum(counts)) and scales.shape == (40, sum(tiles))
+    first, tile = 0, 0
+    for count, num_tiles in zip(counts, tiles):
+        if count:
+            q, s = fp8.quantize_groups(rows[first:first + count], dim=0, pow2=pow2)
+            assert torch.equal(q_t[:, first:first + count].view(torch.uint8), q.T.contiguous().view(torch.uint8))
+            assert torch.equal(scales[:, tile:tile + num_tiles], s.T)
+        first, tile = first + count, tile + num_tiles
+    # a group never spans two experts: expert 2's 5 rows have a scale of their own
+    want = rows[130:135].float().abs().amax(dim=0) / 448.0
+    if not pow2:
+        assert torch.equal(scales[:, 2], want)
+    back = fp8.dequantize_expert_rows(q_t, scales, counts)
+    assert back.shape == rows.shape
+    assert float((back - rows.double()).norm() / rows.double().norm()) < 2.0 ** -4
+
+
+def test_expert_rows_refuse_counts_that_do_not_add_up(gen):
+    with pytest.raises(ValueError, match="quantize_expert_rows: counts"):
+        fp8.quantize_expert_rows(random_bf16((10, 8), gen), [4, 5])
