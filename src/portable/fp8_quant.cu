@@ -37,6 +37,13 @@ __device__ __forceinline__ float group_scale(float amax, bool non_finite, bool p
     return pow2 ? next_pow2(scale) : scale;
 }
 
+// The e4m3 byte of value / scale (clamped to +-448, round to nearest even), 0x7F for a non-finite group.
+__device__ __forceinline__ uint8_t quantize_value(float value, float scale, bool non_finite) {
+    if (non_finite) return kE4M3NanBits;
+    const float ratio = fminf(fmaxf(__fdiv_rn(value, scale), -kE4M3Max), kE4M3Max);
+    return static_cast<uint8_t>(__nv_cvt_float_to_fp8(ratio, __NV_SATFINITE, __NV_E4M3));
+}
+
 __global__ void __launch_bounds__(kQuantThreads) quantize_groups_kernel(const QuantizeGroupsArgs args) {
     const int lane_idx = static_cast<int>(threadIdx.x) % kQuantWarpSize;
     const int64_t groups_per_row = ceil_div(args.cols, static_cast<int64_t>(kFp8GroupSize));
@@ -69,11 +76,84 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_groups_kernel(const Qu
         for (int i = 0; i < kColsPerLane; ++i) {
             const int64_t col = first_col + i;
             if (col >= args.cols) break;
-            const float ratio = fminf(fmaxf(__fdiv_rn(values[i], scale), -kE4M3Max), kE4M3Max);
-            q_row[col] = non_finite ? kE4M3NanBits
-                                    : static_cast<uint8_t>(__nv_cvt_float_to_fp8(ratio, __NV_SATFINITE, __NV_E4M3));
+            q_row[col] = quantize_value(values[i], scale, non_finite);
         }
         if (lane_idx == 0) args.scales[group_idx] = scale;
+    }
+}
+
+constexpr int kTileRows = kFp8GroupSize;   // an M tile: 128 sorted rows of one expert
+constexpr int kTileCols = kQuantWarpSize;  // columns per block
+constexpr int kRowsPerLane = kTileRows / kQuantWarpSize;
+constexpr int kColsPerWarp = kTileCols / (kQuantThreads / kQuantWarpSize);
+static_assert(kRowsPerLane == 4 && kColsPerWarp == 4, "a warp quantizes 4 columns, a lane 4 rows of each");
+
+// Block (tile i, 32 columns): the tile's rows staged transposed in shared memory (passes of 8 rows x 32 columns), then
+// each warp takes 4 columns: amax over the tile's rows (lane l holds rows l, l + 32, ...), the scale, the bytes.
+__global__ void __launch_bounds__(kQuantThreads) quantize_expert_rows_kernel(const QuantizeExpertRowsArgs args) {
+    __shared__ float tile_values[kTileCols][kTileRows + 1];  // [column][row], +1: no bank conflicts on the transpose
+    __shared__ int tile_rows[2];                             // first sorted row, rows in the tile
+    const int64_t tile_idx = blockIdx.x;
+    const int thread_idx = static_cast<int>(threadIdx.x);
+    if (thread_idx == 0) {
+        int first_row = 0, num_rows = 0;
+        if (tile_idx < args.m_tile_offsets[args.num_experts]) {
+            int64_t low = 0, high = args.num_experts - 1;  // the last expert e with m_tile_offsets[e] <= tile_idx
+            while (low < high) {
+                const int64_t mid = (low + high + 1) / 2;
+                if (args.m_tile_offsets[mid] <= tile_idx)
+                    low = mid;
+                else
+                    high = mid - 1;
+            }
+            first_row = args.expert_offsets[low] + static_cast<int>(tile_idx - args.m_tile_offsets[low]) * kTileRows;
+            num_rows = min(kTileRows, args.expert_offsets[low + 1] - first_row);
+        }
+        tile_rows[0] = first_row;
+        tile_rows[1] = num_rows;
+    }
+    __syncthreads();
+    const int first_row = tile_rows[0], num_rows = tile_rows[1];
+    if (num_rows <= 0) return;  // past the device's tile count
+    const int64_t first_col = static_cast<int64_t>(blockIdx.y) * kTileCols;
+    for (int row = thread_idx / kTileCols; row < kTileRows; row += kQuantThreads / kTileCols) {
+        const int col = thread_idx % kTileCols;
+        float value = 0.0f;
+        if (row < num_rows && first_col + col < args.cols) {
+            const int64_t sorted_row = first_row + row;
+            const int64_t source_row =
+                args.sorted_slot != nullptr ? args.sorted_slot[sorted_row] / args.topk : sorted_row;
+            value = load_scalar(args.in, args.in_dtype, source_row * args.in_row_stride + first_col + col);
+        }
+        tile_values[col][row] = value;
+    }
+    __syncthreads();
+    const int warp_idx = thread_idx / kQuantWarpSize, lane_idx = thread_idx % kQuantWarpSize;
+    for (int c = 0; c < kColsPerWarp; ++c) {
+        const int col = warp_idx * kColsPerWarp + c;
+        if (first_col + col >= args.cols) break;
+        float values[kRowsPerLane];
+        float amax = 0.0f;
+        bool non_finite = false;
+#pragma unroll
+        for (int i = 0; i < kRowsPerLane; ++i) {
+            values[i] = tile_values[col][lane_idx + i * kQuantWarpSize];  // rows past the tile's end hold 0
+            non_finite |= !isfinite(values[i]);
+            amax = fmaxf(amax, fabsf(values[i]));
+        }
+#pragma unroll
+        for (int offset = kQuantWarpSize / 2; offset > 0; offset /= 2) {
+            amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
+        }
+        non_finite = __any_sync(0xFFFFFFFFu, non_finite);
+        const float scale = group_scale(amax, non_finite, args.pow2);
+        uint8_t* q_col = args.q_t + (first_col + col) * args.ld_q + first_row;
+#pragma unroll
+        for (int i = 0; i < kRowsPerLane; ++i) {
+            const int row = lane_idx + i * kQuantWarpSize;  // a warp's store: 32 consecutive bytes
+            if (row < num_rows) q_col[row] = quantize_value(values[i], scale, non_finite);
+        }
+        if (lane_idx == 0) args.scales[(first_col + col) * args.ld_scales + tile_idx] = scale;
     }
 }
 
@@ -90,6 +170,23 @@ megamoe_status_t launch_quantize_groups(const QuantizeGroupsArgs& args, cudaStre
     const dim3 grid(static_cast<unsigned>(std::min(ceil_div(num_groups, groups_per_block), kMaxQuantBlocks)));
     quantize_groups_kernel<<<grid, kQuantThreads, 0, stream>>>(args);
     return check_launch("quantize_groups_kernel");
+}
+
+megamoe_status_t launch_quantize_expert_rows(const QuantizeExpertRowsArgs& args, cudaStream_t stream) {
+    if (args.max_tiles == 0 || args.cols == 0) return MEGAMOE_STATUS_SUCCESS;
+    if (args.in == nullptr || args.q_t == nullptr || args.scales == nullptr || args.expert_offsets == nullptr ||
+        args.m_tile_offsets == nullptr || args.num_experts <= 0 || args.in_row_stride < args.cols ||
+        args.ld_scales < args.max_tiles || args.max_tiles > INT32_MAX ||
+        (args.sorted_slot != nullptr && args.topk <= 0)) {
+        return set_error(MEGAMOE_STATUS_INTERNAL_ERROR,
+                         "quantize_expert_rows: in, q_t, scales, the routing's offsets, a row stride >= cols and "
+                         "ld_scales >= max_tiles");
+    }
+    const dim3 grid(static_cast<unsigned>(args.max_tiles),
+                    static_cast<unsigned>(ceil_div(args.cols, static_cast<int64_t>(kTileCols))));
+    if (grid.y > 65535) return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "quantize_expert_rows: more than 2^21 columns");
+    quantize_expert_rows_kernel<<<grid, kQuantThreads, 0, stream>>>(args);
+    return check_launch("quantize_expert_rows_kernel");
 }
 
 }  // namespace megamoe::cuda

@@ -4,9 +4,14 @@
 //                    smallest power of two at least that, raised to 2^-149 at the least; q = e4m3(clamp(v / scale,
 //                    +-448)), round to nearest even. A group of zeros: scale 1. A group holding a NaN or an infinity:
 //                    scale NaN and every q the byte 0x7F.
-// One warp per group, 4 columns per lane (a partial last group reads and writes only its columns). Any sm_80+ GPU.
-// TODO(#20): the along-token copies (groups of an expert's sorted rows), the weights' 128 x 128 blocks, and the
-// quantization fused into the passes that already read x, dy, a and dh.
+//   quantize_expert_rows  the weight gradients' operands along tokens: sorted rows (gathered from a token-major source
+//                    or read as they are) in groups of 128 of an expert's rows from its first row (the routing's M
+//                    tiles), written transposed (q_t [cols, rows]: tokens contiguous, as the FP8 wgmma reads K-major
+//                    operands) with scales [cols, tiles] (fp8_reference.quantize_expert_rows).
+// quantize_groups: one warp per group, 4 columns per lane (a partial last group reads and writes only its columns).
+// quantize_expert_rows: one block per M tile and 32 columns, the tile staged transposed in shared memory, one warp per
+// 4 columns. Any sm_80+ GPU.
+// TODO(#20): the weights' 128 x 128 blocks, and the quantization fused into the passes that already read x, dy, a, dh.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -30,5 +35,24 @@ struct QuantizeGroupsArgs {
     bool pow2;      // power-of-two scales
 };
 megamoe_status_t launch_quantize_groups(const QuantizeGroupsArgs& args, cudaStream_t stream);
+
+struct QuantizeExpertRowsArgs {
+    const void* in;            // [source rows, cols] with row stride in_row_stride (elements)
+    megamoe_dtype_t in_dtype;  // bf16, f16 or f32
+    int64_t cols;
+    int64_t in_row_stride;
+    const int* sorted_slot;  // sorted row r reads source row sorted_slot[r] / topk; NULL: source row r
+    int64_t topk;
+    const int* expert_offsets;  // [E + 1] sorted rows of expert e: [expert_offsets[e], expert_offsets[e + 1])
+    const int* m_tile_offsets;  // [E + 1] exclusive scan of ceil(rows of e / 128)
+    int64_t num_experts;
+    int64_t max_tiles;  // host bound on m_tile_offsets[E]
+    uint8_t* q_t;       // [cols, ld_q] e4m3 bytes: q_t[c, r] of sorted row r (columns of unrouted rows untouched)
+    int64_t ld_q;       // >= the sorted rows
+    float* scales;      // [cols, ld_scales]: scales[c, i] of M tile i
+    int64_t ld_scales;  // >= max_tiles
+    bool pow2;
+};
+megamoe_status_t launch_quantize_expert_rows(const QuantizeExpertRowsArgs& args, cudaStream_t stream);
 
 }  // namespace megamoe::cuda

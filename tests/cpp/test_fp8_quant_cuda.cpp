@@ -11,6 +11,8 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <numeric>
+#include <algorithm>
 #include <random>
 #include <string>
 #include <vector>
@@ -171,6 +173,101 @@ TEST(Fp8QuantCuda, HostPortKnownBytes) {
         EXPECT_EQ(host_quantize({1e-44f}, 1, 1, pow2).scales[0], std::numeric_limits<float>::denorm_min());
     }
     EXPECT_EQ(host_quantize({3.0f * 448.0f}, 1, 1, true).scales[0], 4.0f);  // scale 3 -> the next power of two
+}
+
+// quantize_expert_rows: sorted rows of E = 5 experts (one empty, one of a single row, one over two M tiles, a NaN in
+// one tile), gathered from token rows by sorted slot or read as they are, against the host port applied to each M
+// tile's rows column by column; columns past the routed rows and scales past the device's tile count keep the poison.
+TEST(Fp8QuantCuda, ExpertRowsAlongTokens) {
+    SKIP_WITHOUT_CUDA();
+    std::mt19937_64 rng(fresh_seed());
+    const std::vector<int> counts = {130, 0, 1, 256, 37};
+    const int64_t num_experts = 5, topk = 2, cols = 70, stride = 72, num_tokens = 450;  // >= the 424 sorted rows
+    std::vector<int> expert_offsets = {0}, tile_offsets = {0};
+    for (const int count : counts) {
+        expert_offsets.push_back(expert_offsets.back() + count);
+        tile_offsets.push_back(tile_offsets.back() + (count + kGroup - 1) / kGroup);
+    }
+    const int64_t num_rows = expert_offsets.back(), num_tiles = tile_offsets.back(), max_tiles = num_tiles + 2;
+    const int64_t ld_q = num_rows + 12;  // bytes per column: 16-byte multiple, room past the routed rows
+    HostTensor tokens(MEGAMOE_DTYPE_BF16, {num_tokens, stride});
+    tokens.fill_random(rng, 2.0);
+    tokens.set(7 * stride + 3, std::numeric_limits<double>::quiet_NaN());
+    std::vector<int> slots(static_cast<size_t>(num_tokens * topk));
+    std::iota(slots.begin(), slots.end(), 0);
+    std::shuffle(slots.begin(), slots.end(), rng);
+    HostTensor sorted_slot(MEGAMOE_DTYPE_I32, {num_rows}), offsets(MEGAMOE_DTYPE_I32, {num_experts + 1}),
+        tiles(MEGAMOE_DTYPE_I32, {num_experts + 1});
+    for (int64_t r = 0; r < num_rows; ++r) sorted_slot.set(r, slots[static_cast<size_t>(r)]);
+    sorted_slot.set(0, 7 * topk);  // the NaN token's row in expert 0's first tile
+    for (int64_t e = 0; e <= num_experts; ++e) {
+        offsets.set(e, expert_offsets[static_cast<size_t>(e)]);
+        tiles.set(e, tile_offsets[static_cast<size_t>(e)]);
+    }
+    const DeviceTensor tokens_dev = DeviceTensor::upload(tokens), slots_dev = DeviceTensor::upload(sorted_slot);
+    const DeviceTensor offsets_dev = DeviceTensor::upload(offsets), tiles_dev = DeviceTensor::upload(tiles);
+    for (const bool gathered : {true, false}) {
+        for (const bool pow2 : {false, true}) {
+            SCOPED_TRACE(::testing::Message()
+                         << (gathered ? "gathered" : "rows as they are") << (pow2 ? ", pow2" : ""));
+            DeviceTensor q_dev(HostTensor(MEGAMOE_DTYPE_I32, {cols * ld_q / 4}).view);
+            DeviceTensor scales_dev(HostTensor(MEGAMOE_DTYPE_F32, {cols, max_tiles}).view);
+            q_dev.poison();
+            scales_dev.poison();
+            cuda::QuantizeExpertRowsArgs args{};
+            args.in = tokens_dev.view().data;
+            args.in_dtype = MEGAMOE_DTYPE_BF16;
+            args.cols = cols;
+            args.in_row_stride = stride;
+            args.sorted_slot = gathered ? static_cast<const int*>(slots_dev.view().data) : nullptr;
+            args.topk = topk;
+            args.expert_offsets = static_cast<const int*>(offsets_dev.view().data);
+            args.m_tile_offsets = static_cast<const int*>(tiles_dev.view().data);
+            args.num_experts = num_experts;
+            args.max_tiles = max_tiles;
+            args.q_t = static_cast<uint8_t*>(q_dev.view().data);
+            args.ld_q = ld_q;
+            args.scales = static_cast<float*>(scales_dev.view().data);
+            args.ld_scales = max_tiles;
+            args.pow2 = pow2;
+            ASSERT_EQ(cuda::launch_quantize_expert_rows(args, nullptr), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
+            expect_cuda(cudaDeviceSynchronize(), "quantize_expert_rows");
+            const HostTensor q = q_dev.download(), scales = scales_dev.download();
+            auto scale_bits = [&](int64_t c, int64_t t) {
+                uint32_t bits;
+                std::memcpy(&bits, scales.bytes.data() + (c * max_tiles + t) * sizeof(float), sizeof(bits));
+                return bits;
+            };
+            for (int64_t e = 0; e < num_experts; ++e) {
+                for (int64_t t = tile_offsets[static_cast<size_t>(e)]; t < tile_offsets[static_cast<size_t>(e) + 1];
+                     ++t) {
+                    const int64_t first =
+                        expert_offsets[static_cast<size_t>(e)] + (t - tile_offsets[static_cast<size_t>(e)]) * kGroup;
+                    const int64_t rows = std::min<int64_t>(kGroup, expert_offsets[static_cast<size_t>(e) + 1] - first);
+                    for (int64_t c = 0; c < cols; ++c) {
+                        std::vector<float> column(static_cast<size_t>(rows));
+                        for (int64_t r = 0; r < rows; ++r) {
+                            const int64_t source = gathered ? sorted_slot.get(first + r) / topk : first + r;
+                            column[static_cast<size_t>(r)] = static_cast<float>(tokens.get(source * stride + c));
+                        }
+                        const HostQuant want = host_quantize(column, 1, rows, pow2);
+                        const bool both_nan = std::isnan(want.scales[0]) && std::isnan(float_of(scale_bits(c, t)));
+                        ASSERT_TRUE(both_nan || scale_bits(c, t) == bits_of(want.scales[0]))
+                            << "tile " << t << " column " << c;
+                        for (int64_t r = 0; r < rows; ++r) {
+                            ASSERT_EQ(q.bytes[static_cast<size_t>(c * ld_q + first + r)],
+                                      want.q[static_cast<size_t>(r)])
+                                << "tile " << t << " column " << c << " row " << r;
+                        }
+                    }
+                }
+            }
+            for (int64_t c = 0; c < cols; ++c) {  // the poison past the routed rows and past the tile count
+                for (int64_t r = num_rows; r < ld_q; ++r) ASSERT_EQ(q.bytes[static_cast<size_t>(c * ld_q + r)], 0xFF);
+                for (int64_t t = num_tiles; t < max_tiles; ++t) ASSERT_EQ(scale_bits(c, t), 0xFFFFFFFFu);
+            }
+        }
+    }
 }
 
 // The launcher refuses what it cannot read, naming itself (no GPU needed: nothing is launched).
