@@ -157,6 +157,74 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_expert_rows_kernel(con
     }
 }
 
+constexpr int kBlockSide = kFp8GroupSize;  // a weight block: 128 x 128
+constexpr int kBlockWarps = kQuantThreads / kQuantWarpSize;
+constexpr int kBlockRowsPerWarp = kBlockSide / kBlockWarps;  // 16 rows of the block per warp
+static_assert(kBlockSide % kQuantWarpSize == 0 && kBlockSide % kBlockWarps == 0, "a warp takes whole rows");
+
+// Block (expert e, n-block, k-block): warp w reads rows 16 w .. 16 w + 15 of the block, lane l columns l, l + 32, ...;
+// the block's amax and non-finite flag by warp shuffles and shared memory; then each value's byte to q and, where
+// asked, to q_t (its transpose: a warp's 32 bytes there are 32 rows of q_t, one byte each; correct, not yet fast).
+__global__ void __launch_bounds__(kQuantThreads) quantize_blocks_kernel(const QuantizeBlocksArgs args) {
+    __shared__ float warp_amax[kBlockWarps];
+    __shared__ int warp_non_finite[kBlockWarps];
+    const int64_t n_blocks = ceil_div(args.n, static_cast<int64_t>(kBlockSide));
+    const int64_t k_blocks = ceil_div(args.k, static_cast<int64_t>(kBlockSide));
+    const int64_t block_idx = blockIdx.x;  // (e, nb, kb), kb fastest
+    const int64_t expert = block_idx / (n_blocks * k_blocks);
+    const int64_t n_block = block_idx / k_blocks % n_blocks;
+    const int64_t k_block = block_idx % k_blocks;
+    const int warp_idx = static_cast<int>(threadIdx.x) / kQuantWarpSize;
+    const int lane_idx = static_cast<int>(threadIdx.x) % kQuantWarpSize;
+    constexpr int kColsPerLane = kBlockSide / kQuantWarpSize;
+    float values[kBlockRowsPerWarp][kColsPerLane];
+    float amax = 0.0f;
+    bool non_finite = false;
+#pragma unroll
+    for (int r = 0; r < kBlockRowsPerWarp; ++r) {
+        const int64_t row = n_block * kBlockSide + warp_idx * kBlockRowsPerWarp + r;
+#pragma unroll
+        for (int c = 0; c < kColsPerLane; ++c) {
+            const int64_t col = k_block * kBlockSide + lane_idx + c * kQuantWarpSize;
+            const bool inside = row < args.n && col < args.k;
+            values[r][c] = inside ? load_scalar(args.in, args.in_dtype, (expert * args.n + row) * args.k + col) : 0.0f;
+            non_finite |= !isfinite(values[r][c]);
+            amax = fmaxf(amax, fabsf(values[r][c]));
+        }
+    }
+#pragma unroll
+    for (int offset = kQuantWarpSize / 2; offset > 0; offset /= 2) {
+        amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
+    }
+    non_finite = __any_sync(0xFFFFFFFFu, non_finite);
+    if (lane_idx == 0) {
+        warp_amax[warp_idx] = amax;
+        warp_non_finite[warp_idx] = non_finite ? 1 : 0;
+    }
+    __syncthreads();
+    amax = 0.0f;
+    non_finite = false;
+#pragma unroll
+    for (int w = 0; w < kBlockWarps; ++w) {
+        amax = fmaxf(amax, warp_amax[w]);
+        non_finite |= warp_non_finite[w] != 0;
+    }
+    const float scale = group_scale(amax, non_finite, args.pow2);
+#pragma unroll
+    for (int r = 0; r < kBlockRowsPerWarp; ++r) {
+        const int64_t row = n_block * kBlockSide + warp_idx * kBlockRowsPerWarp + r;
+#pragma unroll
+        for (int c = 0; c < kColsPerLane; ++c) {
+            const int64_t col = k_block * kBlockSide + lane_idx + c * kQuantWarpSize;
+            if (row >= args.n || col >= args.k) continue;
+            const uint8_t byte = quantize_value(values[r][c], scale, non_finite);
+            args.q[(expert * args.n + row) * args.k + col] = byte;
+            if (args.q_t != nullptr) args.q_t[(expert * args.k + col) * args.n + row] = byte;
+        }
+    }
+    if (threadIdx.x == 0) args.scales[block_idx] = scale;
+}
+
 }  // namespace
 
 megamoe_status_t launch_quantize_groups(const QuantizeGroupsArgs& args, cudaStream_t stream) {
@@ -187,6 +255,19 @@ megamoe_status_t launch_quantize_expert_rows(const QuantizeExpertRowsArgs& args,
     if (grid.y > 65535) return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "quantize_expert_rows: more than 2^21 columns");
     quantize_expert_rows_kernel<<<grid, kQuantThreads, 0, stream>>>(args);
     return check_launch("quantize_expert_rows_kernel");
+}
+
+megamoe_status_t launch_quantize_blocks(const QuantizeBlocksArgs& args, cudaStream_t stream) {
+    if (args.num_experts == 0 || args.n == 0 || args.k == 0) return MEGAMOE_STATUS_SUCCESS;
+    if (args.in == nullptr || args.q == nullptr || args.scales == nullptr || args.num_experts < 0 || args.n < 0 ||
+        args.k < 0) {
+        return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "quantize_blocks: in, q and scales, sizes >= 0");
+    }
+    const int64_t num_blocks = args.num_experts * ceil_div(args.n, static_cast<int64_t>(kBlockSide)) *
+                               ceil_div(args.k, static_cast<int64_t>(kBlockSide));
+    if (num_blocks > INT32_MAX) return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "quantize_blocks: 2^31 blocks or more");
+    quantize_blocks_kernel<<<static_cast<unsigned>(num_blocks), kQuantThreads, 0, stream>>>(args);
+    return check_launch("quantize_blocks_kernel");
 }
 
 }  // namespace megamoe::cuda

@@ -11,7 +11,11 @@
 // quantize_groups: one warp per group, 4 columns per lane (a partial last group reads and writes only its columns).
 // quantize_expert_rows: one block per M tile and 32 columns, the tile staged transposed in shared memory, one warp per
 // 4 columns. Any sm_80+ GPU.
-// TODO(#20): the weights' 128 x 128 blocks, and the quantization fused into the passes that already read x, dy, a, dh.
+//   quantize_blocks  weights [E, N, K] in 128 x 128 blocks (partial at the edges): the same rules over a block's
+//                    elements, q [E, N, K] and, where asked, its transpose q_t [E, K, N] (the data gradients' K-major
+//                    operand: a square block's transpose has the same scale), scales [E, ceil(N / 128), ceil(K / 128)].
+// quantize_blocks: one block of 256 threads per 128 x 128 block, 64 elements a thread.
+// TODO(#20): the quantization fused into the passes that already read x, dy, a and dh.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -54,5 +58,18 @@ struct QuantizeExpertRowsArgs {
     bool pow2;
 };
 megamoe_status_t launch_quantize_expert_rows(const QuantizeExpertRowsArgs& args, cudaStream_t stream);
+
+struct QuantizeBlocksArgs {
+    const void* in;            // [E, N, K], contiguous
+    megamoe_dtype_t in_dtype;  // bf16, f16 or f32
+    int64_t num_experts;
+    int64_t n;
+    int64_t k;
+    uint8_t* q;     // [E, N, K] e4m3 bytes
+    uint8_t* q_t;   // [E, K, N] e4m3 bytes (the transpose), or NULL
+    float* scales;  // [E, ceil(N / 128), ceil(K / 128)]
+    bool pow2;
+};
+megamoe_status_t launch_quantize_blocks(const QuantizeBlocksArgs& args, cudaStream_t stream);
 
 }  // namespace megamoe::cuda

@@ -1,8 +1,9 @@
-// The FP8 quantization kernel (src/portable/fp8_quant.h) against a host port of python/megamoe/fp8_reference.py's
-// rules, bit for bit: scales (NaN compared as bits) and e4m3 bytes, on partial groups, every input dtype, a row
-// stride past the columns, power-of-two scales or not, zero groups, NaN and infinities, underflowing scales, values at
-// the E4M3 limit, and a group worked by hand (the same bytes as fp8_reference's test_known_bytes). Without a GPU
-// every test skips.
+// The FP8 quantization kernels (src/portable/fp8_quant.h: groups along rows, an expert's rows along tokens, weight
+// blocks) against a host port of python/megamoe/fp8_reference.py's rules, bit for bit: scales (NaN compared as bits)
+// and e4m3 bytes, on partial groups and blocks, every input dtype, a row stride past the columns, power-of-two scales
+// or not, zero groups, NaN and infinities, underflowing scales, values at the E4M3 limit. The host port is itself
+// checked (without a GPU too) on a group worked by hand: the same bytes as fp8_reference's test_known_bytes. Without
+// a GPU the kernel tests skip.
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -52,6 +53,13 @@ float host_scale(float amax, bool non_finite, bool pow2) {
     return mantissa == 0 ? scale : float_of((exponent + 1) << 23);
 }
 
+// fp8_reference's byte of v in a group of the given scale.
+uint8_t host_byte(float v, float scale, bool non_finite) {
+    if (non_finite) return 0x7F;
+    const float ratio = std::min(std::max(v / scale, -448.0f), 448.0f);
+    return static_cast<uint8_t>(__nv_cvt_float_to_fp8(ratio, __NV_SATFINITE, __NV_E4M3));
+}
+
 struct HostQuant {
     std::vector<uint8_t> q;
     std::vector<float> scales;
@@ -75,10 +83,8 @@ HostQuant host_quantize(const std::vector<float>& values, int64_t rows, int64_t 
             const float scale = host_scale(amax, non_finite, pow2);
             out.scales[static_cast<size_t>(r * groups + g)] = scale;
             for (int64_t c = begin; c < end; ++c) {
-                const float ratio =
-                    std::min(std::max(values[static_cast<size_t>(r * cols + c)] / scale, -448.0f), 448.0f);
                 out.q[static_cast<size_t>(r * cols + c)] =
-                    non_finite ? 0x7F : static_cast<uint8_t>(__nv_cvt_float_to_fp8(ratio, __NV_SATFINITE, __NV_E4M3));
+                    host_byte(values[static_cast<size_t>(r * cols + c)], scale, non_finite);
             }
         }
     }
@@ -265,6 +271,73 @@ TEST(Fp8QuantCuda, ExpertRowsAlongTokens) {
             for (int64_t c = 0; c < cols; ++c) {  // the poison past the routed rows and past the tile count
                 for (int64_t r = num_rows; r < ld_q; ++r) ASSERT_EQ(q.bytes[static_cast<size_t>(c * ld_q + r)], 0xFF);
                 for (int64_t t = num_tiles; t < max_tiles; ++t) ASSERT_EQ(scale_bits(c, t), 0xFFFFFFFFu);
+            }
+        }
+    }
+}
+
+// quantize_blocks: weights [E = 2, N = 200, K = 300] (partial blocks at both edges) with a zero block and a NaN block,
+// q and its transpose against the host rules over each block's elements, and the scales.
+TEST(Fp8QuantCuda, WeightBlocksAndTheirTranspose) {
+    SKIP_WITHOUT_CUDA();
+    std::mt19937_64 rng(fresh_seed());
+    const int64_t E = 2, N = 200, K = 300, nb = 2, kb = 3;
+    HostTensor w(MEGAMOE_DTYPE_BF16, {E, N, K});
+    w.fill_random(rng, 0.05);
+    for (int64_t n = 0; n < 128; ++n) {
+        for (int64_t k = 128; k < 256; ++k) w.set((0 * N + n) * K + k, 0.0);  // expert 0, block (0, 1): zeros
+    }
+    w.set((1 * N + 150) * K + 290, std::numeric_limits<double>::quiet_NaN());  // expert 1, block (1, 2): NaN
+    const DeviceTensor w_dev = DeviceTensor::upload(w);
+    for (const bool pow2 : {false, true}) {
+        SCOPED_TRACE(pow2 ? "pow2" : "amax / 448");
+        DeviceTensor q_dev(HostTensor(MEGAMOE_DTYPE_I32, {E * N * K / 4}).view);
+        DeviceTensor q_t_dev(HostTensor(MEGAMOE_DTYPE_I32, {E * N * K / 4}).view);
+        DeviceTensor scales_dev(HostTensor(MEGAMOE_DTYPE_F32, {E, nb, kb}).view);
+        q_dev.poison();
+        q_t_dev.poison();
+        scales_dev.poison();
+        cuda::QuantizeBlocksArgs args{};
+        args.in = w_dev.view().data;
+        args.in_dtype = MEGAMOE_DTYPE_BF16;
+        args.num_experts = E;
+        args.n = N;
+        args.k = K;
+        args.q = static_cast<uint8_t*>(q_dev.view().data);
+        args.q_t = static_cast<uint8_t*>(q_t_dev.view().data);
+        args.scales = static_cast<float*>(scales_dev.view().data);
+        args.pow2 = pow2;
+        ASSERT_EQ(cuda::launch_quantize_blocks(args, nullptr), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
+        expect_cuda(cudaDeviceSynchronize(), "quantize_blocks");
+        const HostTensor q = q_dev.download(), q_t = q_t_dev.download(), scales = scales_dev.download();
+        for (int64_t e = 0; e < E; ++e) {
+            for (int64_t bn = 0; bn < nb; ++bn) {
+                for (int64_t bk = 0; bk < kb; ++bk) {
+                    float amax = 0.0f;
+                    bool non_finite = false;
+                    const int64_t n_end = std::min(N, (bn + 1) * kGroup), k_end = std::min(K, (bk + 1) * kGroup);
+                    for (int64_t n = bn * kGroup; n < n_end; ++n) {
+                        for (int64_t k = bk * kGroup; k < k_end; ++k) {
+                            const float v = static_cast<float>(w.get((e * N + n) * K + k));
+                            non_finite |= !std::isfinite(v);
+                            amax = std::max(amax, std::fabs(v));
+                        }
+                    }
+                    const float scale = host_scale(amax, non_finite, pow2);
+                    float got;
+                    std::memcpy(&got, scales.bytes.data() + ((e * nb + bn) * kb + bk) * sizeof(float), sizeof(got));
+                    ASSERT_TRUE((std::isnan(got) && std::isnan(scale)) || bits_of(got) == bits_of(scale))
+                        << "block (" << e << ", " << bn << ", " << bk << "): " << got << " against " << scale;
+                    if (e == 0 && bn == 0 && bk == 1) EXPECT_EQ(got, 1.0f) << "the zero block's scale";
+                    for (int64_t n = bn * kGroup; n < n_end; ++n) {
+                        for (int64_t k = bk * kGroup; k < k_end; ++k) {
+                            const uint8_t want =
+                                host_byte(static_cast<float>(w.get((e * N + n) * K + k)), scale, non_finite);
+                            ASSERT_EQ(q.bytes[static_cast<size_t>((e * N + n) * K + k)], want) << n << ", " << k;
+                            ASSERT_EQ(q_t.bytes[static_cast<size_t>((e * K + k) * N + n)], want) << k << ", " << n;
+                        }
+                    }
+                }
             }
         }
     }
