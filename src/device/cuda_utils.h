@@ -5,7 +5,8 @@
 //     NULL base it only counts bytes, so the *_workspace_size functions run the very same carve);
 //   - element conversions (bf16 / f16 <-> f32) and scalar loads of a runtime dtype on the device;
 //   - slot_of_row and load_weight, which read a sorted row's slot and weight where grouped rows have neither
-//     (NULL gather slots: row r is slot r; NULL weights: 1).
+//     (NULL gather slots: row r is slot r; NULL weights: 1);
+//   - the warp's size and full mask (the reductions over a warp and a block: warp_reduce.cuh).
 #pragma once
 
 #include <cuda_bf16.h>
@@ -20,6 +21,8 @@
 namespace megamoe::cuda {
 
 constexpr size_t kWorkspaceAlignment = 256;
+constexpr int kWarpSize = 32;
+constexpr unsigned kFullMask = 0xffffffffu;
 
 __host__ __device__ constexpr int64_t ceil_div(int64_t value, int64_t divisor) {
     return (value + divisor - 1) / divisor;

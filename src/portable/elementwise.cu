@@ -15,12 +15,11 @@
 #include <type_traits>
 
 #include "device/cuda_utils.h"
+#include "device/warp_reduce.cuh"
 
 namespace megamoe::cuda {
 namespace {
 
-constexpr int kWarpSize = 32;
-constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kGatherThreads = 256;
 constexpr int kGatherBytes = 16;  // of a source row per thread: one 16-byte load
 constexpr int kGatherBatch = 8;   // source rows whose loads are in flight together
@@ -135,16 +134,6 @@ __global__ void __launch_bounds__(kGatherThreads) gather_sum_kernel(const Gather
     }
 }
 
-// Sum over the block in a fixed order: a butterfly within each warp, then the warp sums in warp order.
-__device__ float block_sum(float value, float* warp_sums) {
-    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) value += __shfl_xor_sync(kFullMask, value, offset);
-    if (threadIdx.x % kWarpSize == 0) warp_sums[threadIdx.x / kWarpSize] = value;
-    __syncthreads();
-    float total = 0.0f;
-    for (int warp_idx = 0; warp_idx < kRowThreads / kWarpSize; ++warp_idx) total += warp_sums[warp_idx];
-    return total;
-}
-
 template <typename T>
 __global__ void __launch_bounds__(kRowThreads) dswiglu_rows_kernel(const DSwiGLUArgs args) {
     __shared__ float warp_sums[kRowThreads / kWarpSize];
@@ -172,7 +161,7 @@ __global__ void __launch_bounds__(kRowThreads) dswiglu_rows_kernel(const DSwiGLU
         dh_row[intermediate + col] = from_float<T>(d_act * silu);
         act_row[col] = from_float<T>(weight * act);
     }
-    const float ds = block_sum(partial, warp_sums);
+    const float ds = block_sum<kRowThreads>(partial, warp_sums);
     if (threadIdx.x == 0) args.ds_rows[row_idx] = ds;
 }
 

@@ -5,17 +5,31 @@
 #include <algorithm>
 
 #include "device/cuda_utils.h"
+#include "device/warp_reduce.cuh"
 
 namespace megamoe::cuda {
 namespace {
 
-constexpr int kQuantWarpSize = 32;
 constexpr int kQuantThreads = 256;  // 8 groups per block, one per warp
-constexpr int kColsPerLane = kFp8GroupSize / kQuantWarpSize;
+constexpr int kColsPerLane = kFp8GroupSize / kWarpSize;
 constexpr int64_t kMaxQuantBlocks = 65535;
 constexpr float kE4M3Max = 448.0f;
 constexpr uint8_t kE4M3NanBits = 0x7F;
 static_assert(kColsPerLane == 4, "a lane quantizes 4 columns of its group (one 32-bit store of q)");
+
+// A group's amax and whether it holds a NaN or an infinity, accumulated value by value, then over the warp.
+struct GroupStats {
+    float amax = 0.0f;
+    bool non_finite = false;
+    __device__ __forceinline__ void add(float value) {
+        non_finite |= !isfinite(value);
+        amax = fmaxf(amax, fabsf(value));
+    }
+    __device__ __forceinline__ void reduce_over_warp() {
+        amax = warp_max(amax);
+        non_finite = __any_sync(kFullMask, non_finite);
+    }
+};
 
 // The smallest power of two >= scale (scale positive and finite, at least the smallest denormal).
 __device__ __forceinline__ float next_pow2(float scale) {
@@ -29,11 +43,11 @@ __device__ __forceinline__ float next_pow2(float scale) {
     return mantissa == 0 ? scale : __uint_as_float((exponent + 1) << 23);
 }
 
-// The group's scale from its amax and whether it holds a non-finite value (fp8_reference._scales_from_amax).
-__device__ __forceinline__ float group_scale(float amax, bool non_finite, bool pow2) {
-    if (non_finite) return __uint_as_float(0x7FC00000u);
-    if (amax == 0.0f) return 1.0f;
-    float scale = fmaxf(__fdiv_rn(amax, kE4M3Max), __uint_as_float(1u));  // at least 2^-149
+// The group's scale (fp8_reference._scales_from_amax).
+__device__ __forceinline__ float group_scale(const GroupStats& stats, bool pow2) {
+    if (stats.non_finite) return __uint_as_float(0x7FC00000u);
+    if (stats.amax == 0.0f) return 1.0f;
+    const float scale = fmaxf(__fdiv_rn(stats.amax, kE4M3Max), __uint_as_float(1u));  // at least 2^-149
     return pow2 ? next_pow2(scale) : scale;
 }
 
@@ -45,47 +59,41 @@ __device__ __forceinline__ uint8_t quantize_value(float value, float scale, bool
 }
 
 __global__ void __launch_bounds__(kQuantThreads) quantize_groups_kernel(const QuantizeGroupsArgs args) {
-    const int lane_idx = static_cast<int>(threadIdx.x) % kQuantWarpSize;
+    const int lane_idx = static_cast<int>(threadIdx.x) % kWarpSize;
     const int64_t groups_per_row = ceil_div(args.cols, static_cast<int64_t>(kFp8GroupSize));
     const int64_t num_groups = args.rows * groups_per_row;
-    const int64_t warps_per_grid = static_cast<int64_t>(gridDim.x) * (kQuantThreads / kQuantWarpSize);
-    for (int64_t group_idx = static_cast<int64_t>(blockIdx.x) * (kQuantThreads / kQuantWarpSize) +
-                             static_cast<int>(threadIdx.x) / kQuantWarpSize;
+    const int64_t warps_per_grid = static_cast<int64_t>(gridDim.x) * (kQuantThreads / kWarpSize);
+    for (int64_t group_idx =
+             static_cast<int64_t>(blockIdx.x) * (kQuantThreads / kWarpSize) + static_cast<int>(threadIdx.x) / kWarpSize;
          group_idx < num_groups; group_idx += warps_per_grid) {
         const int64_t row_idx = group_idx / groups_per_row;
         const int64_t first_col = (group_idx % groups_per_row) * kFp8GroupSize + lane_idx * kColsPerLane;
         float values[kColsPerLane];
-        float amax = 0.0f;
-        bool non_finite = false;
+        GroupStats stats;
 #pragma unroll
         for (int i = 0; i < kColsPerLane; ++i) {
             const int64_t col = first_col + i;
             values[i] =
                 col < args.cols ? load_scalar(args.in, args.in_dtype, row_idx * args.in_row_stride + col) : 0.0f;
-            non_finite |= !isfinite(values[i]);
-            amax = fmaxf(amax, fabsf(values[i]));
+            stats.add(values[i]);
         }
-#pragma unroll
-        for (int offset = kQuantWarpSize / 2; offset > 0; offset /= 2) {
-            amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
-        }
-        non_finite = __any_sync(0xFFFFFFFFu, non_finite);
-        const float scale = group_scale(amax, non_finite, args.pow2);
+        stats.reduce_over_warp();
+        const float scale = group_scale(stats, args.pow2);
         uint8_t* q_row = args.q + row_idx * args.cols;
 #pragma unroll
         for (int i = 0; i < kColsPerLane; ++i) {
             const int64_t col = first_col + i;
             if (col >= args.cols) break;
-            q_row[col] = quantize_value(values[i], scale, non_finite);
+            q_row[col] = quantize_value(values[i], scale, stats.non_finite);
         }
         if (lane_idx == 0) args.scales[group_idx] = scale;
     }
 }
 
-constexpr int kTileRows = kFp8GroupSize;   // an M tile: 128 sorted rows of one expert
-constexpr int kTileCols = kQuantWarpSize;  // columns per block
-constexpr int kRowsPerLane = kTileRows / kQuantWarpSize;
-constexpr int kColsPerWarp = kTileCols / (kQuantThreads / kQuantWarpSize);
+constexpr int kTileRows = kFp8GroupSize;  // an M tile: 128 sorted rows of one expert
+constexpr int kTileCols = kWarpSize;      // columns per block
+constexpr int kRowsPerLane = kTileRows / kWarpSize;
+constexpr int kColsPerWarp = kTileCols / (kQuantThreads / kWarpSize);
 static_assert(kRowsPerLane == 4 && kColsPerWarp == 4, "a warp quantizes 4 columns, a lane 4 rows of each");
 
 // Block (tile i, 32 columns): the tile's rows staged transposed in shared memory (passes of 8 rows x 32 columns), then
@@ -128,39 +136,33 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_expert_rows_kernel(con
         tile_values[col][row] = value;
     }
     __syncthreads();
-    const int warp_idx = thread_idx / kQuantWarpSize, lane_idx = thread_idx % kQuantWarpSize;
+    const int warp_idx = thread_idx / kWarpSize, lane_idx = thread_idx % kWarpSize;
     for (int c = 0; c < kColsPerWarp; ++c) {
         const int col = warp_idx * kColsPerWarp + c;
         if (first_col + col >= args.cols) break;
         float values[kRowsPerLane];
-        float amax = 0.0f;
-        bool non_finite = false;
+        GroupStats stats;
 #pragma unroll
         for (int i = 0; i < kRowsPerLane; ++i) {
-            values[i] = tile_values[col][lane_idx + i * kQuantWarpSize];  // rows past the tile's end hold 0
-            non_finite |= !isfinite(values[i]);
-            amax = fmaxf(amax, fabsf(values[i]));
+            values[i] = tile_values[col][lane_idx + i * kWarpSize];  // rows past the tile's end hold 0
+            stats.add(values[i]);
         }
-#pragma unroll
-        for (int offset = kQuantWarpSize / 2; offset > 0; offset /= 2) {
-            amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
-        }
-        non_finite = __any_sync(0xFFFFFFFFu, non_finite);
-        const float scale = group_scale(amax, non_finite, args.pow2);
+        stats.reduce_over_warp();
+        const float scale = group_scale(stats, args.pow2);
         uint8_t* q_col = args.q_t + (first_col + col) * args.ld_q + first_row;
 #pragma unroll
         for (int i = 0; i < kRowsPerLane; ++i) {
-            const int row = lane_idx + i * kQuantWarpSize;  // a warp's store: 32 consecutive bytes
-            if (row < num_rows) q_col[row] = quantize_value(values[i], scale, non_finite);
+            const int row = lane_idx + i * kWarpSize;  // a warp's store: 32 consecutive bytes
+            if (row < num_rows) q_col[row] = quantize_value(values[i], scale, stats.non_finite);
         }
         if (lane_idx == 0) args.scales[(first_col + col) * args.ld_scales + tile_idx] = scale;
     }
 }
 
 constexpr int kBlockSide = kFp8GroupSize;  // a weight block: 128 x 128
-constexpr int kBlockWarps = kQuantThreads / kQuantWarpSize;
+constexpr int kBlockWarps = kQuantThreads / kWarpSize;
 constexpr int kBlockRowsPerWarp = kBlockSide / kBlockWarps;  // 16 rows of the block per warp
-static_assert(kBlockSide % kQuantWarpSize == 0 && kBlockSide % kBlockWarps == 0, "a warp takes whole rows");
+static_assert(kBlockSide % kWarpSize == 0 && kBlockSide % kBlockWarps == 0, "a warp takes whole rows");
 
 // Block (expert e, n-block, k-block): warp w reads rows 16 w .. 16 w + 15 of the block, lane l columns l, l + 32, ...;
 // the block's amax and non-finite flag by warp shuffles and shared memory; then each value's byte to q and, where
@@ -174,50 +176,43 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_blocks_kernel(const Qu
     const int64_t expert = block_idx / (n_blocks * k_blocks);
     const int64_t n_block = block_idx / k_blocks % n_blocks;
     const int64_t k_block = block_idx % k_blocks;
-    const int warp_idx = static_cast<int>(threadIdx.x) / kQuantWarpSize;
-    const int lane_idx = static_cast<int>(threadIdx.x) % kQuantWarpSize;
-    constexpr int kColsPerLane = kBlockSide / kQuantWarpSize;
+    const int warp_idx = static_cast<int>(threadIdx.x) / kWarpSize;
+    const int lane_idx = static_cast<int>(threadIdx.x) % kWarpSize;
+    constexpr int kColsPerLane = kBlockSide / kWarpSize;
     float values[kBlockRowsPerWarp][kColsPerLane];
-    float amax = 0.0f;
-    bool non_finite = false;
+    GroupStats stats;
 #pragma unroll
     for (int r = 0; r < kBlockRowsPerWarp; ++r) {
         const int64_t row = n_block * kBlockSide + warp_idx * kBlockRowsPerWarp + r;
 #pragma unroll
         for (int c = 0; c < kColsPerLane; ++c) {
-            const int64_t col = k_block * kBlockSide + lane_idx + c * kQuantWarpSize;
+            const int64_t col = k_block * kBlockSide + lane_idx + c * kWarpSize;
             const bool inside = row < args.n && col < args.k;
             values[r][c] = inside ? load_scalar(args.in, args.in_dtype, (expert * args.n + row) * args.k + col) : 0.0f;
-            non_finite |= !isfinite(values[r][c]);
-            amax = fmaxf(amax, fabsf(values[r][c]));
+            stats.add(values[r][c]);
         }
     }
-#pragma unroll
-    for (int offset = kQuantWarpSize / 2; offset > 0; offset /= 2) {
-        amax = fmaxf(amax, __shfl_xor_sync(0xFFFFFFFFu, amax, offset));
-    }
-    non_finite = __any_sync(0xFFFFFFFFu, non_finite);
+    stats.reduce_over_warp();
     if (lane_idx == 0) {
-        warp_amax[warp_idx] = amax;
-        warp_non_finite[warp_idx] = non_finite ? 1 : 0;
+        warp_amax[warp_idx] = stats.amax;
+        warp_non_finite[warp_idx] = stats.non_finite ? 1 : 0;
     }
     __syncthreads();
-    amax = 0.0f;
-    non_finite = false;
+    GroupStats block;  // the warps' in warp order
 #pragma unroll
     for (int w = 0; w < kBlockWarps; ++w) {
-        amax = fmaxf(amax, warp_amax[w]);
-        non_finite |= warp_non_finite[w] != 0;
+        block.amax = fmaxf(block.amax, warp_amax[w]);
+        block.non_finite |= warp_non_finite[w] != 0;
     }
-    const float scale = group_scale(amax, non_finite, args.pow2);
+    const float scale = group_scale(block, args.pow2);
 #pragma unroll
     for (int r = 0; r < kBlockRowsPerWarp; ++r) {
         const int64_t row = n_block * kBlockSide + warp_idx * kBlockRowsPerWarp + r;
 #pragma unroll
         for (int c = 0; c < kColsPerLane; ++c) {
-            const int64_t col = k_block * kBlockSide + lane_idx + c * kQuantWarpSize;
+            const int64_t col = k_block * kBlockSide + lane_idx + c * kWarpSize;
             if (row >= args.n || col >= args.k) continue;
-            const uint8_t byte = quantize_value(values[r][c], scale, non_finite);
+            const uint8_t byte = quantize_value(values[r][c], scale, block.non_finite);
             args.q[(expert * args.n + row) * args.k + col] = byte;
             if (args.q_t != nullptr) args.q_t[(expert * args.k + col) * args.n + row] = byte;
         }
@@ -234,7 +229,7 @@ megamoe_status_t launch_quantize_groups(const QuantizeGroupsArgs& args, cudaStre
         return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "quantize_groups: in, q, scales and a row stride >= cols");
     }
     const int64_t num_groups = args.rows * ceil_div(args.cols, static_cast<int64_t>(kFp8GroupSize));
-    const int64_t groups_per_block = kQuantThreads / kQuantWarpSize;
+    const int64_t groups_per_block = kQuantThreads / kWarpSize;
     const dim3 grid(static_cast<unsigned>(std::min(ceil_div(num_groups, groups_per_block), kMaxQuantBlocks)));
     quantize_groups_kernel<<<grid, kQuantThreads, 0, stream>>>(args);
     return check_launch("quantize_groups_kernel");

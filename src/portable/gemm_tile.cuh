@@ -28,7 +28,6 @@ constexpr int kBlockN = 128;
 constexpr int kBlockK = 32;
 constexpr int kNumStages = 4;
 constexpr int kNumThreads = 256;
-constexpr int kWarpSize = 32;
 constexpr int kNumWarpsM = 2;
 constexpr int kNumWarpsN = 4;
 constexpr int kWarpM = kBlockM / kNumWarpsM;

@@ -11,29 +11,18 @@
 #include <type_traits>
 
 #include "device/cuda_utils.h"
+#include "device/warp_reduce.cuh"
 #include "portable/routing.h"
 
 namespace megamoe::cuda {
 namespace {
 
-constexpr int kWarpSize = 32;
-constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kRowThreads = 256;
 constexpr int kColThreads = 256;
 constexpr int64_t kMaxGridY = 65535;
 constexpr size_t kDefaultSharedBytes = 48 * 1024;
 
 static_assert(kRowThreads % kWarpSize == 0, "row reduction uses whole warps");
-
-// Sum over the block in a fixed order: a butterfly within each warp, then the warp sums in warp order.
-__device__ float block_sum(float value, float* warp_sums) {
-    for (int offset = kWarpSize / 2; offset > 0; offset /= 2) value += __shfl_xor_sync(kFullMask, value, offset);
-    if (threadIdx.x % kWarpSize == 0) warp_sums[threadIdx.x / kWarpSize] = value;
-    __syncthreads();
-    float total = 0.0f;
-    for (int warp_idx = 0; warp_idx < kRowThreads / kWarpSize; ++warp_idx) total += warp_sums[warp_idx];
-    return total;
-}
 
 template <typename T, bool kInterleaved>
 __global__ void __launch_bounds__(kRowThreads) dact_rows_kernel(const DActArgs args) {
@@ -78,7 +67,7 @@ __global__ void __launch_bounds__(kRowThreads) dact_rows_kernel(const DActArgs a
         __syncthreads();  // every h value of the row is read: dh may go over it
         for (int64_t col = threadIdx.x; col < 2 * intermediate; col += kRowThreads) dh_row[col] = staging[col];
     }
-    const float ds = block_sum(partial, warp_sums);
+    const float ds = block_sum<kRowThreads>(partial, warp_sums);
     if (threadIdx.x == 0) args.ds_rows[row_idx] = ds;
 }
 
@@ -97,7 +86,7 @@ __global__ void __launch_bounds__(kRowThreads) bias_dot_rows_kernel(const BiasDo
     for (int64_t col = threadIdx.x; col < args.hidden; col += kRowThreads) {
         partial = fmaf(to_float(dy_row[col]), to_float(bias[col]), partial);
     }
-    const float dot = block_sum(partial, warp_sums);
+    const float dot = block_sum<kRowThreads>(partial, warp_sums);
     if (threadIdx.x == 0) args.ds_parts[row_idx * args.num_ds_parts] += dot;
 }
 

@@ -32,8 +32,6 @@
 namespace megamoe::cuda {
 namespace {
 
-constexpr int kWarpSize = 32;
-constexpr unsigned kFullMask = 0xffffffffu;
 constexpr int kChunkThreads = 256;             // passes 1 and 4: 8 warps, one chunk each
 constexpr int64_t kChunkSlots = 512;           // preferred slots per chunk
 constexpr int64_t kMaxCountEntries = 1 << 22;  // cap on E * num_chunks (16 MiB of counts)
