@@ -125,17 +125,18 @@ def dequantize_expert_rows(q_t, scales, counts):
     return (q_t.to(torch.float64) * expanded).T
 
 
-def dequantize_groups(q, scales, group=GROUP, dim=-1):
-    """f32 values of quantize_groups' output (q * its group's scale)."""
-    expanded = scales.to(torch.float32).repeat_interleave(group, dim=dim).narrow(dim, 0, q.shape[dim])
-    return q.to(torch.float32) * expanded
+def dequantize_groups(q, scales, group=GROUP, dim=-1, dtype=torch.float32):
+    """quantize_groups' output as values of dtype (q * its group's scale; exact in float64, where q's 4 significant
+    bits times the scale's 24 fit, rounded once in float32)."""
+    expanded = scales.to(dtype).repeat_interleave(group, dim=dim).narrow(dim, 0, q.shape[dim])
+    return q.to(dtype) * expanded
 
 
-def dequantize_blocks(q, scales, block=GROUP):
-    """f32 values of quantize_blocks' output (q * its block's scale)."""
+def dequantize_blocks(q, scales, block=GROUP, dtype=torch.float32):
+    """quantize_blocks' output as values of dtype (q * its block's scale; exact in float64)."""
     N, K = q.shape[-2:]
-    expanded = scales.to(torch.float32).repeat_interleave(block, dim=-2).repeat_interleave(block, dim=-1)
-    return q.to(torch.float32) * expanded[..., :N, :K]
+    expanded = scales.to(dtype).repeat_interleave(block, dim=-2).repeat_interleave(block, dim=-1)
+    return q.to(dtype) * expanded[..., :N, :K]
 
 
 def blockwise_gemm(a_q, a_scales, b_q, b_scales, group=GROUP):
@@ -157,24 +158,15 @@ def blockwise_gemm(a_q, a_scales, b_q, b_scales, group=GROUP):
     return out
 
 
-def _dequant64(q, scales, dim=-1, group=GROUP):
-    """float64 q * scale of quantize_groups' output (exact: q has 4 significant bits, scale 24)."""
-    expanded = scales.to(torch.float64).repeat_interleave(group, dim=dim).narrow(dim, 0, q.shape[dim])
-    return q.to(torch.float64) * expanded
-
-
-def _blocks64(w, pow2):
-    """float64 dequantized 128 x 128 block quantization of w [..., N, K]."""
-    q, scales = quantize_blocks(w, pow2=pow2)
-    N, K = q.shape[-2:]
-    expanded = scales.to(torch.float64).repeat_interleave(GROUP, dim=-2).repeat_interleave(GROUP, dim=-1)
-    return q.to(torch.float64) * expanded[..., :N, :K]
-
-
 def _along(values, dim, pow2):
     """values quantized in 1 x 128 groups along dim and dequantized, in float64."""
     q, scales = quantize_groups(values, dim=dim, pow2=pow2)
-    return _dequant64(q, scales, dim=dim)
+    return dequantize_groups(q, scales, dim=dim, dtype=torch.float64)
+
+
+def _blocks64(w, pow2):
+    """w [..., N, K] quantized in 128 x 128 blocks and dequantized, in float64."""
+    return dequantize_blocks(*quantize_blocks(w, pow2=pow2), dtype=torch.float64)
 
 
 def moe_reference(x, topk_ids, topk_weights, w13, w2, dy, pow2=False):

@@ -151,9 +151,9 @@ def test_blockwise_gemm_is_the_dequantized_product(gen):
     a_q, a_scales = fp8.quantize_groups(random_bf16((33, 300), gen))
     b_q, b_scales = fp8.quantize_blocks(random_bf16((140, 300), gen))
     got = fp8.blockwise_gemm(a_q, a_scales, b_q, b_scales)
-    # float64 operands (q * scale needs 4 + 24 significant bits: exact in float64, not in dequantize's f32)
-    a = a_q.double() * a_scales.double().repeat_interleave(128, dim=1)[:, :300]
-    b = b_q.double() * b_scales.double().repeat_interleave(128, dim=0).repeat_interleave(128, dim=1)[:140, :300]
+    # float64 operands (q * scale needs 4 + 24 significant bits: exact in float64, not in float32)
+    a = fp8.dequantize_groups(a_q, a_scales, dtype=torch.float64)
+    b = fp8.dequantize_blocks(b_q, b_scales, dtype=torch.float64)
     want = a @ b.T
     assert float((got - want).abs().max()) <= 1e-12 * float(want.abs().max())
 
