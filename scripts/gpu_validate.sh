@@ -21,10 +21,9 @@ status=0
 nvidia-smi -L
 timeout "${GTEST_TIMEOUT:-330}" "$CARRY/megamoe_tests" >"$OUT/gtest.log" 2>&1 || status=1
 grep -E "^\[  (PASSED|FAILED) |^\[  FAILED  \]" "$OUT/gtest.log" || tail -n 3 "$OUT/gtest.log"
-# The test files that touch CUDA (the rest are CPU tests, which CI runs; the whole suite is too long for one call);
-# -v so that a run cut by its timeout still names every test it finished.
-# test_bench.py only mentions cuda to skip its CPU demo where a GPU is present (its tests are CI's).
-PYTEST_FILES=${PYTEST_FILES:-$(cd tests/python && grep -l "cuda" test_*.py | grep -v "^test_bench.py$" | tr '\n' ' ')}
+# The test files that touch CUDA (scripts/gpu_pytest_files.sh); -v so that a run cut by its timeout still names every
+# test it finished.
+PYTEST_FILES=${PYTEST_FILES:-$(bash scripts/gpu_pytest_files.sh)}
 (cd tests/python && timeout "${PYTEST_TIMEOUT:-240}" python3 -m pytest -v -rs --durations=15 $PYTEST_FILES \
     >"$OUT/pytest.log" 2>&1) || status=1
 tail -n 3 "$OUT/pytest.log"

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # On a GPU machine, what a user gets from the wheel: dist/megamoe-*.whl (scripts/build_wheel.sh, built elsewhere)
 # installed without building (pip --no-deps --no-index into WHEEL_SITE), then, with only that install on the path (no
-# MEGAMOE_LIBRARY, no source tree), the library it loads named, the GPU pytest files (as scripts/gpu_validate.sh picks
+# MEGAMOE_LIBRARY, no source tree), the library it loads named, the GPU pytest files (scripts/gpu_pytest_files.sh picks
 # them) and bench/bench_small_batch.py. Logs to OUT: wheel-import.log, wheel-pytest.log, small-batch JSON and log.
 # Set MEGAMOE_COMMIT to the commit the wheel was built from: the device machine's copy of .git is stale, and the
 # benchmark's report names the commit.
@@ -20,7 +20,7 @@ run=(env -u MEGAMOE_LIBRARY PYTHONUNBUFFERED=1 "PYTHONPATH=$WHEEL_SITE:$PWD/benc
 "${run[@]}" python3 -c 'import megamoe, torch; print("megamoe", megamoe.__version__, "from", megamoe.__file__, "library",
     megamoe._lib.library()._name, "| torch", torch.__version__, "|", torch.cuda.get_device_name())' \
     2>&1 | tee "$OUT/wheel-import.log" || status=1
-PYTEST_FILES=${PYTEST_FILES:-$(cd tests/python && grep -l "cuda" test_*.py | grep -v "^test_bench.py$" | tr '\n' ' ')}
+PYTEST_FILES=${PYTEST_FILES:-$(bash scripts/gpu_pytest_files.sh)}
 (cd tests/python && "${run[@]}" timeout "${PYTEST_TIMEOUT:-240}" python3 -m pytest -v -rs -p no:cacheprovider \
     --durations=10 $PYTEST_FILES >"$OUT/wheel-pytest.log" 2>&1) || status=1
 tail -n 3 "$OUT/wheel-pytest.log"
