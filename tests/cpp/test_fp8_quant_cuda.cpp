@@ -37,6 +37,28 @@ float float_of(uint32_t bits) {
     return value;
 }
 
+// The 32-bit word idx of a downloaded tensor (a scale's bits, NaN payloads and the 0xFF poison included).
+uint32_t word_at(const HostTensor& tensor, int64_t idx) {
+    uint32_t word;
+    std::memcpy(&word, tensor.bytes.data() + idx * sizeof(word), sizeof(word));
+    return word;
+}
+
+// A kernel's scale against the host's: the same bits, or both NaN (the kernel's NaN is 0x7FC00000, the host's its own).
+bool same_scale(uint32_t got_bits, float want) {
+    return got_bits == bits_of(want) || (std::isnan(float_of(got_bits)) && std::isnan(want));
+}
+
+// A group's amax and whether it holds a NaN or an infinity, value by value.
+struct HostStats {
+    float amax = 0.0f;
+    bool non_finite = false;
+    void add(float v) {
+        non_finite |= !std::isfinite(v);
+        amax = std::max(amax, std::fabs(v));
+    }
+};
+
 // fp8_reference's scale of a group, on the host.
 float host_scale(float amax, bool non_finite, bool pow2) {
     if (non_finite) return std::numeric_limits<float>::quiet_NaN();
@@ -73,18 +95,13 @@ HostQuant host_quantize(const std::vector<float>& values, int64_t rows, int64_t 
     for (int64_t r = 0; r < rows; ++r) {
         for (int64_t g = 0; g < groups; ++g) {
             const int64_t begin = g * kGroup, end = std::min(cols, begin + kGroup);
-            float amax = 0.0f;
-            bool non_finite = false;
-            for (int64_t c = begin; c < end; ++c) {
-                const float v = values[static_cast<size_t>(r * cols + c)];
-                non_finite |= !std::isfinite(v);
-                amax = std::max(amax, std::fabs(v));
-            }
-            const float scale = host_scale(amax, non_finite, pow2);
+            HostStats stats;
+            for (int64_t c = begin; c < end; ++c) stats.add(values[static_cast<size_t>(r * cols + c)]);
+            const float scale = host_scale(stats.amax, stats.non_finite, pow2);
             out.scales[static_cast<size_t>(r * groups + g)] = scale;
             for (int64_t c = begin; c < end; ++c) {
                 out.q[static_cast<size_t>(r * cols + c)] =
-                    host_byte(values[static_cast<size_t>(r * cols + c)], scale, non_finite);
+                    host_byte(values[static_cast<size_t>(r * cols + c)], scale, stats.non_finite);
             }
         }
     }
@@ -121,11 +138,9 @@ void expect_kernel_matches_host(const HostTensor& input, int64_t rows, int64_t c
     expect_cuda(cudaDeviceSynchronize(), "quantize_groups");
     const HostTensor q = q_dev.download(), scales = scales_dev.download();
     for (size_t i = 0; i < want.scales.size(); ++i) {
-        float got;
-        std::memcpy(&got, scales.bytes.data() + i * sizeof(float), sizeof(float));
-        const bool both_nan = std::isnan(got) && std::isnan(want.scales[i]);
-        EXPECT_TRUE(both_nan || bits_of(got) == bits_of(want.scales[i]))
-            << "scale " << i << ": " << got << " against " << want.scales[i];
+        const uint32_t got = word_at(scales, static_cast<int64_t>(i));
+        EXPECT_TRUE(same_scale(got, want.scales[i]))
+            << "scale " << i << ": " << float_of(got) << " against " << want.scales[i];
     }
     for (size_t i = 0; i < want.q.size(); ++i) {
         ASSERT_EQ(q.bytes[i], want.q[i]) << "q " << i << " (row " << i / cols << ", column " << i % cols << ")";
@@ -239,11 +254,6 @@ TEST(Fp8QuantCuda, ExpertRowsAlongTokens) {
             ASSERT_EQ(cuda::launch_quantize_expert_rows(args, nullptr), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
             expect_cuda(cudaDeviceSynchronize(), "quantize_expert_rows");
             const HostTensor q = q_dev.download(), scales = scales_dev.download();
-            auto scale_bits = [&](int64_t c, int64_t t) {
-                uint32_t bits;
-                std::memcpy(&bits, scales.bytes.data() + (c * max_tiles + t) * sizeof(float), sizeof(bits));
-                return bits;
-            };
             for (int64_t e = 0; e < num_experts; ++e) {
                 for (int64_t t = tile_offsets[static_cast<size_t>(e)]; t < tile_offsets[static_cast<size_t>(e) + 1];
                      ++t) {
@@ -257,8 +267,7 @@ TEST(Fp8QuantCuda, ExpertRowsAlongTokens) {
                             column[static_cast<size_t>(r)] = static_cast<float>(tokens.get(source * stride + c));
                         }
                         const HostQuant want = host_quantize(column, 1, rows, pow2);
-                        const bool both_nan = std::isnan(want.scales[0]) && std::isnan(float_of(scale_bits(c, t)));
-                        ASSERT_TRUE(both_nan || scale_bits(c, t) == bits_of(want.scales[0]))
+                        ASSERT_TRUE(same_scale(word_at(scales, c * max_tiles + t), want.scales[0]))
                             << "tile " << t << " column " << c;
                         for (int64_t r = 0; r < rows; ++r) {
                             ASSERT_EQ(q.bytes[static_cast<size_t>(c * ld_q + first + r)],
@@ -270,7 +279,8 @@ TEST(Fp8QuantCuda, ExpertRowsAlongTokens) {
             }
             for (int64_t c = 0; c < cols; ++c) {  // the poison past the routed rows and past the tile count
                 for (int64_t r = num_rows; r < ld_q; ++r) ASSERT_EQ(q.bytes[static_cast<size_t>(c * ld_q + r)], 0xFF);
-                for (int64_t t = num_tiles; t < max_tiles; ++t) ASSERT_EQ(scale_bits(c, t), 0xFFFFFFFFu);
+                for (int64_t t = num_tiles; t < max_tiles; ++t)
+                    ASSERT_EQ(word_at(scales, c * max_tiles + t), 0xFFFFFFFFu);
             }
         }
     }
@@ -313,26 +323,22 @@ TEST(Fp8QuantCuda, WeightBlocksAndTheirTranspose) {
         for (int64_t e = 0; e < E; ++e) {
             for (int64_t bn = 0; bn < nb; ++bn) {
                 for (int64_t bk = 0; bk < kb; ++bk) {
-                    float amax = 0.0f;
-                    bool non_finite = false;
+                    HostStats stats;
                     const int64_t n_end = std::min(N, (bn + 1) * kGroup), k_end = std::min(K, (bk + 1) * kGroup);
                     for (int64_t n = bn * kGroup; n < n_end; ++n) {
                         for (int64_t k = bk * kGroup; k < k_end; ++k) {
-                            const float v = static_cast<float>(w.get((e * N + n) * K + k));
-                            non_finite |= !std::isfinite(v);
-                            amax = std::max(amax, std::fabs(v));
+                            stats.add(static_cast<float>(w.get((e * N + n) * K + k)));
                         }
                     }
-                    const float scale = host_scale(amax, non_finite, pow2);
-                    float got;
-                    std::memcpy(&got, scales.bytes.data() + ((e * nb + bn) * kb + bk) * sizeof(float), sizeof(got));
-                    ASSERT_TRUE((std::isnan(got) && std::isnan(scale)) || bits_of(got) == bits_of(scale))
-                        << "block (" << e << ", " << bn << ", " << bk << "): " << got << " against " << scale;
-                    if (e == 0 && bn == 0 && bk == 1) EXPECT_EQ(got, 1.0f) << "the zero block's scale";
+                    const float scale = host_scale(stats.amax, stats.non_finite, pow2);
+                    const uint32_t got = word_at(scales, (e * nb + bn) * kb + bk);
+                    ASSERT_TRUE(same_scale(got, scale))
+                        << "block (" << e << ", " << bn << ", " << bk << "): " << float_of(got) << " against " << scale;
+                    if (e == 0 && bn == 0 && bk == 1) EXPECT_EQ(float_of(got), 1.0f) << "the zero block's scale";
                     for (int64_t n = bn * kGroup; n < n_end; ++n) {
                         for (int64_t k = bk * kGroup; k < k_end; ++k) {
                             const uint8_t want =
-                                host_byte(static_cast<float>(w.get((e * N + n) * K + k)), scale, non_finite);
+                                host_byte(static_cast<float>(w.get((e * N + n) * K + k)), scale, stats.non_finite);
                             ASSERT_EQ(q.bytes[static_cast<size_t>((e * N + n) * K + k)], want) << n << ", " << k;
                             ASSERT_EQ(q_t.bytes[static_cast<size_t>((e * K + k) * N + n)], want) << k << ", " << n;
                         }
