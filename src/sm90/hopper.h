@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <cute/arch/mma_sm90.hpp>
 #include <cute/layout.hpp>
+#include <cute/numeric/numeric_types.hpp>
 #include <type_traits>
 #include <utility>
 
@@ -44,13 +45,18 @@ using CuteElementOf = std::conditional_t<std::is_same_v<T, __half>, cute::half_t
 template <typename T, int kN, gmma::Major kMajorA, gmma::Major kMajorB>
 using WgmmaOp = decltype(gmma::ss_op_selector<CuteElementOf<T>, CuteElementOf<T>, float,
                                               cute::Shape<cute::_64, cute::Int<kN>, cute::_16>, kMajorA, kMajorB>());
+// The e4m3 x e4m3 atom m64 x kN x k32 (FP8 wgmma reads both operands K-major), f32 accumulators.
+template <int kN>
+using WgmmaFp8Op = decltype(gmma::ss_op_selector<cute::float_e4m3_t, cute::float_e4m3_t, float,
+                                                 cute::Shape<cute::_64, cute::Int<kN>, cute::_32>>());
 
-// acc[kFirstReg + i] for the atom's i-th accumulator, accumulating (scale-out one), asynchronously.
-template <typename Op, int kFirstReg, int kNumRegs, size_t... kRegIdx>
+// acc[kFirstReg + i] for the atom's i-th accumulator, asynchronously: accumulating (kScaleOut One) or overwriting
+// (Zero: the accumulators' previous values are not read).
+template <typename Op, int kFirstReg, gmma::ScaleOut kScaleOut = gmma::ScaleOut::One, int kNumRegs, size_t... kRegIdx>
 __device__ __forceinline__ void wgmma_unpacked(uint64_t desc_a, uint64_t desc_b, float (&acc)[kNumRegs],
                                                std::index_sequence<kRegIdx...>) {
     static_assert(kFirstReg + sizeof...(kRegIdx) <= kNumRegs, "the atom's accumulators are the caller's");
-    Op::fma(desc_a, desc_b, acc[kFirstReg + kRegIdx]..., gmma::ScaleOut::One);
+    Op::fma(desc_a, desc_b, acc[kFirstReg + kRegIdx]..., kScaleOut);
 }
 
 }  // namespace megamoe::sm90

@@ -28,6 +28,8 @@ constexpr int kProducerPasses = kBlockM / kProducerRowsPerPass;
 constexpr int kATileBytes = kBlockM * kBlockK * kElemBytes;
 constexpr int kRowBlockATileBytes = kWgmmaM * kBlockK * kElemBytes;  // the A rows of one row block
 constexpr int kMaxStages = 8;
+constexpr int kFp8ScaleGroup = 128;  // K elements per scale of the blockwise FP8 recipe (activations 1 x 128, weights
+                                     // 128 x 128 blocks)
 // kKN: boxes of 64 N columns (one 128-byte swizzled row) x kBlockK rows of K.
 constexpr int kKNBoxCols = kSwizzleBytes / kElemBytes;
 constexpr int kKNBoxBytes = kKNBoxCols * kBlockK * kElemBytes;
@@ -59,23 +61,43 @@ enum class BSource {
 
 // How the two consumer warpgroups share the work.
 enum class Schedule {
-    kCooperative,  // both on one 128 x 256 tile, 64 rows each, in step: the tensor cores idle during the epilogue
+    kCooperative,  // both on one 128 x kBlockN tile, 64 rows each, in step: the tensor cores idle during the epilogue
     kPingPong,     // each on its own 128 x 128 tile, taking the CTA's tiles in turn: one's epilogue runs under the
                    // other's mainloop (the producer fills the stages in tile order, so the mainloops alternate)
 };
 
-// The tile configuration of a schedule; every size the kernel, its epilogues and the host derive from it.
-template <Schedule kSchedule>
+// What the wgmmas multiply.
+enum class Operands {
+    k16Bit,         // bf16 / f16 A and B (the output's type): one set of accumulators, one wgmma batch in flight
+    kFp8Blockwise,  // e4m3 A and B with f32 scales per 128 K (m_grouped_fp8_gemm_sm90.h): a stage (one K group)
+                    // summed into a second set of accumulators, promoted into the first by its scales once complete
+    kFp8Rescaled,   // the same operands, one set of accumulators kept in units of the current group's scales: before
+                    // a group's wgmmas the accumulators are multiplied by (previous scales / its scales), after the
+                    // last group by its scales (the 128 x 256 tile without a second set; the default)
+};
+
+// The tile configuration of a schedule and operand type; every size the kernel, its epilogues and the host derive from
+// it. A K block is one 128-byte swizzled row of either operand type (64 16-bit or 128 e4m3 elements): the shared-memory
+// geometry (A and B tiles, swizzle, cp.async chunks per row) is the same for both.
+template <Schedule kSchedule, Operands kOperands = Operands::k16Bit>
 struct TileConfig {
     static constexpr bool kPingPong = kSchedule == Schedule::kPingPong;
-    static constexpr int kBlockN = kPingPong ? 128 : 256;                                // columns of B_e per tile
+    static constexpr bool kFp8 = kOperands != Operands::k16Bit;
+    static constexpr bool kFp8Promoted = kOperands == Operands::kFp8Blockwise;  // a second set of accumulators
+    static constexpr int kOperandBytes = kFp8 ? 1 : kElemBytes;
+    static constexpr int kBlockK = kSwizzleBytes / kOperandBytes;         // K elements per stage (FP8: one scale group)
+    static constexpr int kOperandChunkElems = 16 / kOperandBytes;         // elements of one 16-byte cp.async
+    static constexpr int kMmaK = kFp8 ? 32 : kWgmmaK;                     // K of one wgmma
+    static constexpr uint64_t kDescKStep = (kMmaK * kOperandBytes) >> 4;  // K-major descriptor units per wgmma
+    // Columns of B_e per tile: FP8's second set of accumulators halves the cooperative tile.
+    static constexpr int kBlockN = kPingPong || kFp8Promoted ? 128 : 256;
     static constexpr int kConsumerRows = kPingPong ? kBlockM : kBlockM / kNumConsumers;  // rows a consumer computes
     static constexpr int kRowBlocks = kConsumerRows / kWgmmaM;                           // its m64 wgmma row blocks
     static constexpr int kBlockRegs = kWgmmaM * kBlockN / kWarpgroupThreads;  // accumulators of one row block
     static constexpr int kNumAccRegs = kRowBlocks * kBlockRegs;
     static constexpr int kBBoxRows = kBlockN / kNumBBoxes;
-    static constexpr int kBBoxBytes = kBBoxRows * kBlockK * kElemBytes;
-    static constexpr int kBTileBytes = kBlockN * kBlockK * kElemBytes;
+    static constexpr int kBBoxBytes = kBBoxRows * kSwizzleBytes;
+    static constexpr int kBTileBytes = kBlockN * kSwizzleBytes;
     static constexpr int kStageBytes = kATileBytes + kBTileBytes;
     static constexpr int kKNNumBoxes = kBlockN / kKNBoxCols;
     static constexpr int kKNBoxesPerCta = kKNNumBoxes / kClusterSize;  // a shared kKN tile: boxes multicast per CTA
@@ -83,7 +105,12 @@ struct TileConfig {
     // Per CTA of the cluster, one per warp that reads a stage: a stage is refilled (by multicast) in all at once.
     static constexpr int kEmptyArrivalsPerCta = (kPingPong ? 1 : kNumConsumers) * kWarpsPerWarpgroup;
 
-    static_assert(kNumAccRegs <= 128, "the accumulators of one consumer thread fit beside the epilogue's registers");
+    static_assert(kBlockK * kOperandBytes == kSwizzleBytes && kBlockK % kMmaK == 0,
+                  "a K block is one 128-byte swizzled row of whole wgmma K steps");
+    static_assert(!kFp8 || kBlockK == kFp8ScaleGroup, "an FP8 stage is one scale group along K");
+    static_assert(!kFp8 || (!kPingPong && kRowBlocks == 1), "FP8: the cooperative tile, one row block per consumer");
+    static_assert((kFp8Promoted ? 2 : 1) * kNumAccRegs <= 128,
+                  "the accumulators (FP8: and the group's) of one consumer thread fit beside the epilogue's registers");
     static_assert(kBBoxBytes % kSwizzleAtomBytes == 0, "TMA boxes start on a swizzle atom");
     static_assert(kKNNumBoxes * kKNBoxBytes == kBTileBytes, "kKN boxes cover the B tile");
     static_assert(kKNBoxesPerCta * kClusterSize == kKNNumBoxes, "the CTAs of a pair split the kKN boxes evenly");
@@ -135,15 +162,19 @@ constexpr int smem_bytes() {
 
 using Cooperative = TileConfig<Schedule::kCooperative>;
 using PingPong = TileConfig<Schedule::kPingPong>;
+using Fp8Cooperative = TileConfig<Schedule::kCooperative, Operands::kFp8Blockwise>;
+using Fp8RescaledCooperative = TileConfig<Schedule::kCooperative, Operands::kFp8Rescaled>;
 static_assert(num_stages<Cooperative, true>() == 4 && num_stages<Cooperative, false>() == 4,
               "the cooperative 128 x 256 tile: 4 stages of 48 KiB (with staging: + 32 KiB)");
 static_assert(num_stages<PingPong, false>() == 7, "the ping-pong 128 x 128 tile: 7 stages of 32 KiB");
+static_assert(num_stages<Fp8Cooperative, true>() == 6 && num_stages<Fp8Cooperative, false>() == 7,
+              "the FP8 128 x 128 tile: 7 stages of 32 KiB (with staging: 6)");
 static_assert(smem_bytes<Cooperative, true>() <= kMaxSmemBytes && smem_bytes<PingPong, true>() <= kMaxSmemBytes,
               "stages and the staging boxes of TMA stores exceed the shared memory of an SM");
 
 // What the mainloop and the tile schedule read; each epilogue policy (m_grouped_epilogue.cuh) has its own Params.
 struct MainloopParams {
-    const uint16_t* a;  // A rows, row stride lda
+    const void* a;  // A rows (the operand type of the configuration: OperandBitsOf), row stride lda elements
     int64_t lda;
     const int* a_gather_slots;  // NULL: a_row(r) = r; else a_gather_slots[r] / topk
     int64_t topk;
@@ -156,11 +187,29 @@ struct MainloopParams {
     int64_t num_n_tiles;
 };
 
-// The kernel's argument: the mainloop's params and the epilogue policy's.
-template <class EpilogueParams>
+// The FP8 operands' scales (Operands::kFp8Blockwise; m_grouped_fp8_gemm_sm90.h's Fp8BlockScales), after the other
+// params so that the 16-bit kernels' parameter offsets do not depend on them.
+struct NoScaleParams {};
+struct Fp8ScaleParams {
+    const float* a;  // [A rows, num_k_groups], row stride a_ld: a_scales[a_row(r), g]
+    int64_t a_ld;
+    const float* b;        // [E, b_block_rows, num_k_groups]
+    int64_t b_block_rows;  // ceil(rows of B_e / 128)
+    int64_t num_k_groups;  // ceil(K / 128)
+};
+// The bits of one operand element of a configuration (A is read as such words by the gathering producer).
+template <class Config>
+using OperandBitsOf = std::conditional_t<Config::kFp8, uint8_t, uint16_t>;
+
+template <class Config>
+using ScaleParamsOf = std::conditional_t<Config::kFp8, Fp8ScaleParams, NoScaleParams>;
+
+// The kernel's argument: the mainloop's params, the epilogue policy's and (FP8) the scales.
+template <class EpilogueParams, class ScaleParams = NoScaleParams>
 struct KernelParams {
     MainloopParams mainloop;
     EpilogueParams epilogue;
+    ScaleParams scales;
 };
 
 struct Tile {

@@ -289,15 +289,16 @@ struct GatedEpilogue : NoEpilogueHooks {
 };
 using SwiGLUEpilogue = GatedEpilogue<SwiGLUOptions>;
 
-// kBias: b2[e] added to the accumulators before they are stored (the down GEMM).
-template <bool kBias>
+// kBias: b2[e] added to the accumulators before they are stored (the down GEMM). kSortedA: A is the sorted rows (by
+// TMA), else rows gathered by slot (the FP8 GEMMs' option).
+template <bool kBias, bool kSortedA = true>
 struct StoreEpilogueOf : NoEpilogueHooks {
     struct Params : BiasParamsOf<kBias> {
         void* out;  // [rows, n], row stride ldo
         int64_t ldo;
         bool tma_store;  // the output's tensor map made: a warp's rows inside the expert go out by TMA
     };
-    static constexpr bool kTmaA = true;
+    static constexpr bool kTmaA = kSortedA;
     static constexpr bool kGateUpPairs = false;
     static constexpr bool kGateUpHalves = false;
     static constexpr bool kStaging = true;

@@ -1,0 +1,265 @@
+// Times the blockwise FP8 M-grouped GEMMs (sm90/m_grouped_fp8_gemm_sm90.h) against their bf16 siblings
+// (sm90/m_grouped_gemm_sm90.h) at balanced routing (each expert gets T * topk / E rows) on the reference shapes:
+//   up    launch_m_grouped_gemm_sm90_gated (A = x [T, H] gathered by slot, B = w13 [E, 2I, H]) against the FP8 gated
+//   down  launch_m_grouped_gemm_sm90_store (A = a [rows, I], the sorted rows, B = w2 [E, H, I]) against the FP8 store
+// CUDA events around each launch on the default stream, 3 warm-up launches, the median of 10; FLOPs 2 rows N K (the up
+// GEMM's N = 2I). Operands are random (e4m3 bytes masked with 0x77: finite, no NaN), the FP8 scales 1. Usage:
+//   megamoe_fp8_gemm_timing [shape name]     (all shapes without one)
+#include <cuda_runtime.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <functional>
+#include <utility>
+#include <vector>
+
+#include "device/grouped_gemm_args.h"
+#include "sm90/m_grouped_fp8_gemm_sm90.h"
+#include "sm90/m_grouped_gemm_sm90.h"
+
+namespace {
+
+using megamoe::cuda::MGroupedGemmArgs;
+namespace sm90 = megamoe::sm90;
+
+#define CHECK_CUDA(call)                                                                                  \
+    do {                                                                                                  \
+        const cudaError_t err_ = (call);                                                                  \
+        if (err_ != cudaSuccess) {                                                                        \
+            std::fprintf(stderr, "%s:%d: %s: %s\n", __FILE__, __LINE__, #call, cudaGetErrorString(err_)); \
+            return false;                                                                                 \
+        }                                                                                                 \
+    } while (0)
+
+struct Shape {
+    const char* name;
+    int64_t tokens, hidden, inter, experts, topk;
+};
+constexpr Shape kShapes[] = {{"qwen3-30b-a3b", 8192, 2048, 768, 128, 8},
+                             {"qwen3-235b-a22b", 8192, 4096, 1536, 128, 8},
+                             {"deepseek-v3", 8192, 7168, 2048, 256, 8}};
+
+constexpr int kWarmup = 3, kTimed = 10;
+
+__device__ uint32_t mix(uint64_t x) {
+    x ^= x >> 33;
+    x *= 0xff51afd7ed558ccdULL;
+    x ^= x >> 33;
+    x *= 0xc4ceb9fe1a85ec53ULL;
+    return static_cast<uint32_t>(x ^ (x >> 33));
+}
+
+enum FillKind { kBf16, kE4m3, kOnes };
+
+// bf16 values uniform in [-1/16, 1/16) (an f32's upper half), e4m3 bytes masked with 0x77, or f32 ones.
+__global__ void fill(void* data, int64_t count, FillKind kind, uint64_t seed) {
+    for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < count; i += int64_t{gridDim.x} * blockDim.x) {
+        const uint32_t bits = mix(seed * 0x9E3779B97F4A7C15ULL + i);
+        if (kind == kBf16) {
+            const float v = (static_cast<float>(bits) * 0x1p-32f - 0.5f) * 0.125f;
+            static_cast<uint16_t*>(data)[i] = static_cast<uint16_t>(__float_as_uint(v) >> 16);
+        } else if (kind == kE4m3) {
+            static_cast<uint8_t*>(data)[i] = static_cast<uint8_t>(bits & 0x77);
+        } else {
+            static_cast<float*>(data)[i] = 1.0f;
+        }
+    }
+}
+
+// Device memory freed at scope exit.
+class Buffer {
+  public:
+    Buffer() = default;
+    Buffer(const Buffer&) = delete;
+    Buffer& operator=(const Buffer&) = delete;
+    ~Buffer() {
+        if (ptr_ != nullptr) cudaFree(ptr_);
+    }
+    bool alloc(size_t bytes, const char* what) {
+        const cudaError_t err = cudaMalloc(&ptr_, std::max<size_t>(bytes, 16));
+        if (err != cudaSuccess)
+            std::fprintf(stderr, "cudaMalloc %s (%zu bytes): %s\n", what, bytes, cudaGetErrorString(err));
+        return err == cudaSuccess;
+    }
+    template <typename T>
+    T* as() const {
+        return static_cast<T*>(ptr_);
+    }
+
+  private:
+    void* ptr_ = nullptr;
+};
+
+// Median milliseconds of `launch` over kTimed launches after kWarmup; false (printed) on a failure.
+bool time_launch(const std::function<megamoe_status_t()>& launch, double* median_ms) {
+    for (int i = 0; i < kWarmup; ++i) {
+        if (launch() != MEGAMOE_STATUS_SUCCESS) {
+            std::fprintf(stderr, "launch failed: %s\n", megamoe_last_error());
+            return false;
+        }
+    }
+    CHECK_CUDA(cudaDeviceSynchronize());
+    cudaEvent_t start, stop;
+    CHECK_CUDA(cudaEventCreate(&start));
+    CHECK_CUDA(cudaEventCreate(&stop));
+    std::vector<float> ms(kTimed);
+    bool ok = true;
+    for (int i = 0; i < kTimed && ok; ++i) {
+        ok = cudaEventRecord(start, nullptr) == cudaSuccess && launch() == MEGAMOE_STATUS_SUCCESS &&
+             cudaEventRecord(stop, nullptr) == cudaSuccess && cudaEventSynchronize(stop) == cudaSuccess &&
+             cudaEventElapsedTime(&ms[static_cast<size_t>(i)], start, stop) == cudaSuccess;
+    }
+    const cudaError_t err = cudaGetLastError();
+    cudaEventDestroy(start);
+    cudaEventDestroy(stop);
+    if (!ok || err != cudaSuccess) {
+        std::fprintf(stderr, "timed launch failed: %s / %s\n", megamoe_last_error(), cudaGetErrorString(err));
+        return false;
+    }
+    std::sort(ms.begin(), ms.end());
+    *median_ms = 0.5 * (ms[kTimed / 2 - 1] + ms[kTimed / 2]);
+    return true;
+}
+
+bool run_shape(const Shape& s, int num_sms) {
+    const int64_t T = s.tokens, H = s.hidden, I = s.inter, E = s.experts, rows = T * s.topk;
+    const int64_t per_expert = rows / E, tiles_per_expert = (per_expert + 127) / 128;
+    if (rows % E != 0 || E % s.topk != 0 || H % 128 != 0 || I % 128 != 0) {
+        std::fprintf(stderr, "%s: balanced routing needs T topk %% E == 0, E %% topk == 0, H, I %% 128 == 0\n", s.name);
+        return false;
+    }
+    // Slot t topk + j goes to expert (t topk + j) % E: distinct experts per token, per_expert slots each; expert e's
+    // sorted rows are its slots in increasing order, e + E i.
+    std::vector<int> offsets(static_cast<size_t>(E + 1)), tiles(static_cast<size_t>(E + 1)), slots(rows);
+    for (int64_t e = 0; e <= E; ++e) {
+        offsets[static_cast<size_t>(e)] = static_cast<int>(e * per_expert);
+        tiles[static_cast<size_t>(e)] = static_cast<int>(e * tiles_per_expert);
+    }
+    for (int64_t e = 0; e < E; ++e) {
+        for (int64_t i = 0; i < per_expert; ++i)
+            slots[static_cast<size_t>(e * per_expert + i)] = static_cast<int>(e + E * i);
+    }
+    const int64_t kg_h = H / 128, kg_i = I / 128;
+    Buffer offsets_dev, tiles_dev, slots_dev, x, w13, w2, act_in, h, act, out;
+    Buffer x8, w13_8, w2_8, act8, sx, sw13, sw2, sact;
+    const bool allocated =
+        offsets_dev.alloc(offsets.size() * 4, "offsets") && tiles_dev.alloc(tiles.size() * 4, "tiles") &&
+        slots_dev.alloc(slots.size() * 4, "slots") && x.alloc(T * H * 2, "x") && w13.alloc(E * 2 * I * H * 2, "w13") &&
+        w2.alloc(E * H * I * 2, "w2") && act_in.alloc(rows * I * 2, "a") && h.alloc(rows * 2 * I * 2, "h") &&
+        act.alloc(rows * I * 2, "act") && out.alloc(rows * H * 2, "out") && x8.alloc(T * H, "x8") &&
+        w13_8.alloc(E * 2 * I * H, "w13_8") && w2_8.alloc(E * H * I, "w2_8") && act8.alloc(rows * I, "a8") &&
+        sx.alloc(T * kg_h * 4, "x scales") && sw13.alloc(E * (2 * I / 128) * kg_h * 4, "w13 scales") &&
+        sw2.alloc(E * (H / 128) * kg_i * 4, "w2 scales") && sact.alloc(rows * kg_i * 4, "a scales");
+    if (!allocated) return false;
+    CHECK_CUDA(cudaMemcpy(offsets_dev.as<int>(), offsets.data(), offsets.size() * 4, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(tiles_dev.as<int>(), tiles.data(), tiles.size() * 4, cudaMemcpyHostToDevice));
+    CHECK_CUDA(cudaMemcpy(slots_dev.as<int>(), slots.data(), slots.size() * 4, cudaMemcpyHostToDevice));
+    const std::pair<const Buffer*, int64_t> bf16s[] = {
+        {&x, T * H}, {&w13, E * 2 * I * H}, {&w2, E * H * I}, {&act_in, rows * I}};
+    const std::pair<const Buffer*, int64_t> e4m3s[] = {
+        {&x8, T * H}, {&w13_8, E * 2 * I * H}, {&w2_8, E * H * I}, {&act8, rows * I}};
+    const std::pair<const Buffer*, int64_t> ones[] = {
+        {&sx, T * kg_h}, {&sw13, E * (2 * I / 128) * kg_h}, {&sw2, E * (H / 128) * kg_i}, {&sact, rows * kg_i}};
+    uint64_t seed = 1;
+    for (const auto& [buffer, count] : bf16s) fill<<<1024, 256>>>(buffer->as<void>(), count, kBf16, seed++);
+    for (const auto& [buffer, count] : e4m3s) fill<<<1024, 256>>>(buffer->as<void>(), count, kE4m3, seed++);
+    for (const auto& [buffer, count] : ones) fill<<<1024, 256>>>(buffer->as<void>(), count, kOnes, 0);
+    CHECK_CUDA(cudaGetLastError());
+    CHECK_CUDA(cudaDeviceSynchronize());
+
+    MGroupedGemmArgs up{};
+    up.dtype = MEGAMOE_DTYPE_BF16;
+    up.a = x.as<void>();
+    up.lda = H;
+    up.a_gather_slots = slots_dev.as<int>();
+    up.num_a_rows = T;
+    up.topk = s.topk;
+    up.b = w13.as<void>();
+    up.b_expert_stride = 2 * I * H;
+    up.ldb = H;
+    up.n = I;
+    up.k = H;
+    up.expert_offsets = offsets_dev.as<int>();
+    up.m_tile_offsets = tiles_dev.as<int>();
+    up.num_experts = E;
+    up.max_m_tiles = E * tiles_per_expert;
+    MGroupedGemmArgs up8 = up;
+    up8.a = x8.as<void>();
+    up8.b = w13_8.as<void>();
+    const sm90::Fp8BlockScales up_scales{sx.as<float>(), kg_h, sw13.as<float>()};
+
+    MGroupedGemmArgs down = up;
+    down.a = act_in.as<void>();
+    down.lda = I;
+    down.a_gather_slots = nullptr;
+    down.num_a_rows = rows;
+    down.topk = 1;
+    down.b = w2.as<void>();
+    down.b_expert_stride = H * I;
+    down.ldb = I;
+    down.n = H;
+    down.k = I;
+    MGroupedGemmArgs down8 = down;
+    down8.a = act8.as<void>();
+    down8.b = w2_8.as<void>();
+    const sm90::Fp8BlockScales down_scales{sact.as<float>(), kg_i, sw2.as<float>()};
+
+    const double up_flops = 2.0 * rows * 2 * I * H, down_flops = 2.0 * rows * H * I;
+    double ms = 0.0;
+    bool all_ok = true;
+    const auto time_one = [&](const char* gemm, const char* kernel, bool supported, double flops,
+                              const std::function<megamoe_status_t()>& launch) {
+        const bool ok = supported && time_launch(launch, &ms);
+        all_ok &= !supported || ok;
+        if (ok) {
+            std::printf("%-16s %-5s %-5s %9.3f ms %8.1f TFLOP/s\n", s.name, gemm, kernel, ms, flops / ms * 1e-9);
+        } else {
+            std::printf("%-16s %-5s %-5s %s\n", s.name, gemm, kernel,
+                        supported ? "FAILED (see stderr)" : "not supported");
+        }
+        std::fflush(stdout);
+    };
+    time_one("up", "bf16", sm90::m_grouped_gemm_sm90_supported(up, true), up_flops, [&] {
+        return sm90::launch_m_grouped_gemm_sm90_gated(up, h.as<void>(), act.as<void>(), num_sms, nullptr);
+    });
+    time_one("up", "fp8", sm90::m_grouped_fp8_gemm_sm90_supported(up8, up_scales, true), up_flops, [&] {
+        return sm90::launch_m_grouped_fp8_gemm_sm90_gated(up8, up_scales, h.as<void>(), act.as<void>(), num_sms,
+                                                          nullptr);
+    });
+    time_one("down", "bf16", sm90::m_grouped_gemm_sm90_supported(down, false), down_flops, [&] {
+        return sm90::launch_m_grouped_gemm_sm90_store(down, megamoe::cuda::BLayout::kNK, out.as<void>(), H, rows,
+                                                      num_sms, nullptr);
+    });
+    time_one("down", "fp8", sm90::m_grouped_fp8_gemm_sm90_supported(down8, down_scales, false), down_flops, [&] {
+        return sm90::launch_m_grouped_fp8_gemm_sm90_store(down8, down_scales, out.as<void>(), H, rows, num_sms,
+                                                          nullptr);
+    });
+    return all_ok;
+}
+
+bool run_all(const char* only) {
+    cudaDeviceProp prop{};
+    CHECK_CUDA(cudaGetDeviceProperties(&prop, 0));
+    std::printf("device: %s (compute capability %d.%d, %d SMs); CUDA events, %d warm-up launches, median of %d\n",
+                prop.name, prop.major, prop.minor, prop.multiProcessorCount, kWarmup, kTimed);
+    bool ok = true, any = false;
+    for (const Shape& s : kShapes) {
+        if (only != nullptr && std::strcmp(only, s.name) != 0) continue;
+        any = true;
+        std::printf("%s: T %lld, H %lld, I %lld, E %lld, topk %lld, %lld rows per expert\n", s.name,
+                    static_cast<long long>(s.tokens), static_cast<long long>(s.hidden), static_cast<long long>(s.inter),
+                    static_cast<long long>(s.experts), static_cast<long long>(s.topk),
+                    static_cast<long long>(s.tokens * s.topk / s.experts));
+        ok &= run_shape(s, prop.multiProcessorCount);
+    }
+    if (!any) std::fprintf(stderr, "no shape named %s\n", only);
+    return ok && any;
+}
+
+}  // namespace
+
+int main(int argc, char** argv) {
+    return run_all(argc > 1 ? argv[1] : nullptr) ? 0 : 1;
+}

@@ -1,0 +1,120 @@
+// The blockwise FP8 launches (m_grouped_fp8_gemm_sm90.h) on the M-grouped kernel of m_grouped_kernel.cuh: the
+// Fp8RescaledCooperative tile (m_grouped_config.cuh: 128 x 256 x 128-byte K blocks, a K group per stage, one set of
+// accumulators in the current group's units) or, under MEGAMOE_SM90_FP8_PROMOTE=1, Fp8Cooperative (128 x 128, a
+// second set promoted per group): m_grouped_fp8_mainloop.cuh. B kNK, the store and SwiGLU epilogues of the 16-bit
+// kernels.
+#include "sm90/m_grouped_fp8_gemm_sm90.h"
+
+#include "device/cuda_utils.h"
+#include "sm90/m_grouped_kernel.cuh"
+
+namespace megamoe::sm90 {
+namespace {
+
+using namespace m_grouped;  // NOLINT(google-build-using-namespace): the kernel, its configuration and epilogues
+
+using cuda::ceil_div;
+
+// The kernel's scale params; `b_rows`: rows of B_e (N, or 2I for gate / up pairs).
+Fp8ScaleParams make_scale_params(const cuda::MGroupedGemmArgs& args, const Fp8BlockScales& scales, int64_t b_rows) {
+    Fp8ScaleParams params{};
+    params.a = scales.a;
+    params.a_ld = scales.a_ld;
+    params.b = scales.b;
+    params.b_block_rows = ceil_div(b_rows, int64_t{kFp8ScaleGroup});
+    params.num_k_groups = ceil_div(args.k, int64_t{kFp8ScaleGroup});
+    return params;
+}
+
+template <class Epi, class Config>
+megamoe_status_t launch_fp8(const cuda::MGroupedGemmArgs& args, const Fp8BlockScales& scales,
+                            const typename Epi::Params& epilogue, int num_sms, cudaStream_t stream,
+                            const CUtensorMap& a_map, const CUtensorMap& out_map) {
+    const int64_t b_rows = Epi::kGateUpPairs ? 2 * args.n : args.n;
+    return launch_on<Epi, BLayout::kNK, BSource::kOne, Config>(args, epilogue, num_sms, stream, a_map, out_map,
+                                                               make_scale_params(args, scales, b_rows));
+}
+
+// The sorted-row store (A by TMA) or the gathered one (A by cp.async).
+template <bool kSortedA, class Config>
+megamoe_status_t launch_store(const cuda::MGroupedGemmArgs& args, const Fp8BlockScales& scales, void* out, int64_t ldo,
+                              int64_t num_out_rows, int num_sms, cudaStream_t stream) {
+    using Epi = StoreEpilogueOf<false, kSortedA>;
+    typename Epi::Params params{};
+    params.out = out;
+    params.ldo = ldo;
+    CUtensorMap out_map{};
+    params.tma_store = encode_store_out_map<Config>(args, out, ldo, num_out_rows, &out_map);
+    CUtensorMap a_map{};
+    if (kSortedA && !encode_sorted_a_map<Config>(args, args.a, args.num_a_rows, args.lda, &a_map)) {
+        return set_error(MEGAMOE_STATUS_CUDA_ERROR, "m_grouped_fp8_gemm_sm90: cuTensorMapEncodeTiled failed for A");
+    }
+    return launch_fp8<Epi, Config>(args, scales, params, num_sms, stream, a_map, out_map);
+}
+
+template <class Config>
+megamoe_status_t launch_gated(const cuda::MGroupedGemmArgs& args, const Fp8BlockScales& scales, void* h, void* act,
+                              int num_sms, cudaStream_t stream) {
+    using Epi = SwiGLUEpilogue;
+    typename Epi::Params params{};
+    params.out = act;
+    params.ldo = args.n;
+    params.h = h;
+    return launch_fp8<Epi, Config>(args, scales, params, num_sms, stream, CUtensorMap{}, CUtensorMap{});
+}
+
+}  // namespace
+
+bool m_grouped_fp8_gemm_sm90_supported(const cuda::MGroupedGemmArgs& args, const Fp8BlockScales& scales, bool swiglu) {
+    constexpr int64_t kMaxTmaCoord = INT32_MAX;
+    constexpr int64_t kRowBytes = 16;  // e4m3 rows and strides: whole 16-byte chunks (cp.async, TMA strides)
+    const int64_t b_rows = swiglu ? 2 * args.n : args.n;
+    const bool dtype_ok = args.dtype == MEGAMOE_DTYPE_BF16 || args.dtype == MEGAMOE_DTYPE_F16;
+    const bool sizes_ok = args.n > 0 && args.k > 0 && args.k % kRowBytes == 0 && args.n % kRowBytes == 0 &&
+                          args.k <= kMaxTmaCoord && b_rows <= kMaxTmaCoord && args.num_experts <= kMaxTmaCoord &&
+                          (!swiglu || args.n % kFp8ScaleGroup == 0);  // gate and up boxes inside one scale block
+    const bool a_ok = cuda::is_aligned(args.a, 16) && args.lda % kRowBytes == 0 && args.lda >= args.k &&
+                      (args.a_gather_slots != nullptr || (args.num_a_rows > 0 && args.num_a_rows <= kMaxTmaCoord));
+    const bool b_ok = cuda::is_aligned(args.b, 16) && args.ldb % kRowBytes == 0 && args.ldb >= args.k &&
+                      args.b_expert_stride % kRowBytes == 0;
+    const bool scales_ok = scales.a != nullptr && scales.b != nullptr && cuda::is_aligned(scales.a, 4) &&
+                           cuda::is_aligned(scales.b, 4) && scales.a_ld >= ceil_div(args.k, int64_t{kFp8ScaleGroup});
+    const bool options_ok = args.b_up == nullptr && !args.interleaved && args.bias == nullptr;
+    return dtype_ok && sizes_ok && a_ok && b_ok && scales_ok && options_ok && tensor_map_encoder() != nullptr;
+}
+
+megamoe_status_t launch_m_grouped_fp8_gemm_sm90_store(const cuda::MGroupedGemmArgs& args, const Fp8BlockScales& scales,
+                                                      void* out, int64_t ldo, int64_t num_out_rows, int num_sms,
+                                                      cudaStream_t stream) {
+    if (!m_grouped_fp8_gemm_sm90_supported(args, scales, false)) {
+        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
+                         "m_grouped_fp8_gemm_sm90: operands the FP8 kernel cannot take (m_grouped_fp8_gemm_sm90.h)");
+    }
+    if (!cuda::is_aligned(out, 16) || ldo % 8 != 0 || ldo < args.n) {
+        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
+                         "m_grouped_fp8_gemm_sm90: out must be 16-byte aligned, ldo % 8 == 0 and ldo >= n");
+    }
+    if (fp8_promoted()) {
+        return args.a_gather_slots == nullptr
+                   ? launch_store<true, Fp8Cooperative>(args, scales, out, ldo, num_out_rows, num_sms, stream)
+                   : launch_store<false, Fp8Cooperative>(args, scales, out, ldo, num_out_rows, num_sms, stream);
+    }
+    return args.a_gather_slots == nullptr
+               ? launch_store<true, Fp8RescaledCooperative>(args, scales, out, ldo, num_out_rows, num_sms, stream)
+               : launch_store<false, Fp8RescaledCooperative>(args, scales, out, ldo, num_out_rows, num_sms, stream);
+}
+
+megamoe_status_t launch_m_grouped_fp8_gemm_sm90_gated(const cuda::MGroupedGemmArgs& args, const Fp8BlockScales& scales,
+                                                      void* h, void* act, int num_sms, cudaStream_t stream) {
+    if (!m_grouped_fp8_gemm_sm90_supported(args, scales, true)) {
+        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
+                         "m_grouped_fp8_gemm_sm90: operands the FP8 kernel cannot take (m_grouped_fp8_gemm_sm90.h)");
+    }
+    if (!cuda::is_aligned(h, 16) || !cuda::is_aligned(act, 16)) {
+        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "m_grouped_fp8_gemm_sm90: h and act must be 16-byte aligned");
+    }
+    return fp8_promoted() ? launch_gated<Fp8Cooperative>(args, scales, h, act, num_sms, stream)
+                          : launch_gated<Fp8RescaledCooperative>(args, scales, h, act, num_sms, stream);
+}
+
+}  // namespace megamoe::sm90

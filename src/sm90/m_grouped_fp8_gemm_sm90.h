@@ -1,0 +1,51 @@
+// The blockwise FP8 M-grouped GEMMs on Hopper (sm_90a; m_grouped_fp8_gemm_sm90.cu): the kernel of
+// m_grouped_gemm_sm90.cu with e4m3 operands and the recipe's f32 scales (DESIGN §7, issue #20), bf16 / f16 out.
+//   acc[r, n] = sum_g sa[a_row(r), g] * sb_e[n / 128, g] * sum_{k in group g} A8[a_row(r), k] * B8_e[n, k]
+// K groups of 128 (the last one may be partial), B_e in 128 x 128 blocks from its row 0, each group's products summed
+// by the FP8 wgmma (whose internal accumulation keeps fewer bits than f32: why the recipe scales at least every 128 K)
+// and brought into f32 accumulators with its scales once per group, as megamoe.fp8_reference.blockwise_gemm computes
+// them up to f32 rounding: by default the accumulators are kept in the current group's units and rescaled between
+// groups (its range limit: docs/DESIGN.md §7), under MEGAMOE_SM90_FP8_PROMOTE=1 each group is promoted from a second
+// set. a_row(r) = a_gather_slots[r] / topk (A rows gathered by slot: x for the up projection) or r (A the sorted rows).
+//
+// Operands (cuda::MGroupedGemmArgs, whose dtype is the OUTPUT's here, bf16 or f16): args.a e4m3 bytes [num_a_rows, K]
+// (lda bytes), args.b e4m3 bytes, B_e = b + e * b_expert_stride stored [N_b, K] K-contiguous (BLayout::kNK only:
+// FP8 wgmma reads both operands K-major; the data gradients take the weights' transposed FP8 copies), N_b = N, or 2I
+// for the gated up projection (gate rows [0, I), up rows [I, 2I)); no separate w3 (b_up), no bias, not interleaved.
+//
+// Requirements (m_grouped_fp8_gemm_sm90_supported; the caller falls back or refuses): compute capability 9.0, output
+// bf16 or f16, K % 16 == 0 and N % 16 == 0 (16-byte rows), 16-byte aligned A / B / row strides, scales 4-byte
+// aligned; the gated GEMM needs I % 128 == 0 (a tile's gate and up halves each inside one scale block).
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cstdint>
+
+#include "common.h"
+#include "device/grouped_gemm_args.h"
+
+namespace megamoe::sm90 {
+
+// The f32 scales of the two e4m3 operands (fp8_reference: quantize_groups for A, quantize_blocks for B).
+struct Fp8BlockScales {
+    const float* a;  // [num_a_rows, ceil(K / 128)]: the scale of A row r's K group g at a[r * a_ld + g]
+    int64_t a_ld;    // >= ceil(K / 128)
+    const float* b;  // [E, ceil(N_b / 128), ceil(K / 128)], contiguous: B_e's 128 x 128 blocks
+};
+
+// Whether the FP8 kernels take these operands (see the requirements above). `swiglu`: the gated up projection.
+bool m_grouped_fp8_gemm_sm90_supported(const cuda::MGroupedGemmArgs& args, const Fp8BlockScales& scales, bool swiglu);
+
+// out[r, n] = acc[r, n] in args.dtype, row stride ldo (a multiple of 8), out holding num_out_rows rows (at least the
+// sorted rows). A: the sorted rows (args.a_gather_slots NULL) or gathered by slot.
+megamoe_status_t launch_m_grouped_fp8_gemm_sm90_store(const cuda::MGroupedGemmArgs& args, const Fp8BlockScales& scales,
+                                                      void* out, int64_t ldo, int64_t num_out_rows, int num_sms,
+                                                      cudaStream_t stream);
+
+// The up projection with SwiGLU (args.n = I, B_e = w13[e] [2I, H] in e4m3): h = [g, u] ([rows, 2I] by sorted row)
+// and a = silu(g) * u ([rows, I]) in args.dtype; either may be NULL.
+megamoe_status_t launch_m_grouped_fp8_gemm_sm90_gated(const cuda::MGroupedGemmArgs& args, const Fp8BlockScales& scales,
+                                                      void* h, void* act, int num_sms, cudaStream_t stream);
+
+}  // namespace megamoe::sm90

@@ -1,0 +1,219 @@
+// The blockwise FP8 mainloops of the M-grouped kernel (Operands::kFp8Blockwise and kFp8Rescaled of
+// m_grouped_config.cuh; m_grouped_kernel.cuh's consume runs them): which scales a consumer thread applies, the
+// promotion of a K group's f32 partial sums into the accumulators, and the rescaled mainloop of a tile. A thread's
+// accumulators of a row block are 2 rows (lane / 4 and + 8 of its warp's 16) x the tile's columns, fragment f (8
+// columns) from B box f / (kBBoxRows / 8); each K group's partial sums are scaled by sa[row, g] * sb[block of the box,
+// g] (m_grouped_fp8_gemm_sm90.h).
+#pragma once
+
+#include <cstdint>
+
+#include "sm90/hopper.h"
+#include "sm90/m_grouped_config.cuh"
+#include "sm90/ptx.h"
+
+namespace megamoe::sm90::m_grouped {
+
+constexpr int kThreadRows = 2;  // accumulator rows of one thread in a row block
+
+// Where one consumer thread reads its scales for a tile: the scale rows of its two accumulator rows (rows past the
+// tile's end, whose results are not stored, read the tile's first row, masked to 0: the loads take no branch) and of
+// the 128 x 128 blocks of B_e holding the tile's B boxes.
+struct Fp8TileScales {
+    const float* a_rows[kThreadRows];
+    float a_row_masks[kThreadRows];  // 1, or 0 for a row past the tile's end
+    const float* b_boxes[kNumBBoxes];
+};
+
+// `box_first_rows`: the first row of B_e in each box of the tile (the producer's coordinates); a box lies inside one
+// 128-row scale block (m_grouped_fp8_gemm_sm90_supported checks the shapes that guarantee it).
+__device__ __forceinline__ Fp8TileScales fp8_tile_scales(const MainloopParams& params, const Fp8ScaleParams& scales,
+                                                         const Tile& tile, const int64_t (&box_first_rows)[kNumBBoxes],
+                                                         int row_block, int warp_idx, int lane_idx) {
+    Fp8TileScales tile_scales;
+#pragma unroll
+    for (int half = 0; half < kThreadRows; ++half) {
+        const int local_row = row_block * kWgmmaM + warp_idx * 16 + lane_idx / 4 + half * 8;
+        const bool valid = local_row < tile.num_rows;
+        const int64_t row_idx = tile.row_begin + (valid ? local_row : 0);
+        const int64_t a_row = params.a_gather_slots != nullptr ? params.a_gather_slots[row_idx] / params.topk : row_idx;
+        tile_scales.a_rows[half] = scales.a + a_row * scales.a_ld;
+        tile_scales.a_row_masks[half] = valid ? 1.0f : 0.0f;
+    }
+#pragma unroll
+    for (int box_idx = 0; box_idx < kNumBBoxes; ++box_idx) {
+        const int64_t block_row = box_first_rows[box_idx] / kFp8ScaleGroup;
+        tile_scales.b_boxes[box_idx] =
+            scales.b + (tile.expert_idx * scales.b_block_rows + block_row) * scales.num_k_groups;
+    }
+    return tile_scales;
+}
+
+// The products sa * sb of K group `group_idx` for the thread's rows and the tile's boxes (rows past the tile: 0). The
+// tile has rows (its first row's scales exist).
+__device__ __forceinline__ void load_group_scales(const Fp8TileScales& tile_scales, int group_idx,
+                                                  float (&group_scales)[kThreadRows][kNumBBoxes]) {
+#pragma unroll
+    for (int half = 0; half < kThreadRows; ++half) {
+        const float row_scale = __ldg(tile_scales.a_rows[half] + group_idx) * tile_scales.a_row_masks[half];
+#pragma unroll
+        for (int box_idx = 0; box_idx < kNumBBoxes; ++box_idx) {
+            group_scales[half][box_idx] = row_scale * __ldg(tile_scales.b_boxes[box_idx] + group_idx);
+        }
+    }
+}
+
+// acc *= factors, element by element (register j of fragment f: row j / 2, box of the fragment): the rescaled
+// mainloop's change of units, and its final scaling.
+template <class Config, int kNumRegs>
+__device__ __forceinline__ void scale_accumulators(float (&acc)[kNumRegs],
+                                                   const float (&factors)[kThreadRows][kNumBBoxes]) {
+    constexpr int kFragsPerBox = Config::kBBoxRows / 8;
+    static_assert(kNumRegs == Config::kBlockN / 8 * 4, "one row block: 4 registers per 8-column fragment");
+#pragma unroll
+    for (int reg_idx = 0; reg_idx < kNumRegs; ++reg_idx) {
+        acc[reg_idx] *= factors[reg_idx % 4 / 2][reg_idx / 4 / kFragsPerBox];
+    }
+}
+
+__device__ __forceinline__ void copy_scales(const float (&from)[kThreadRows][kNumBBoxes],
+                                            float (&to)[kThreadRows][kNumBBoxes]) {
+#pragma unroll
+    for (int half = 0; half < kThreadRows; ++half) {
+#pragma unroll
+        for (int box_idx = 0; box_idx < kNumBBoxes; ++box_idx) to[half][box_idx] = from[half][box_idx];
+    }
+}
+
+// One column half's accumulators (B box kHalf: fragment f of the half, register j: row j / 2) *= factors of its box.
+template <class Config, int kHalf, int kHalfRegs>
+__device__ __forceinline__ void scale_half_accumulators(float (&half_acc)[kHalfRegs],
+                                                        const float (&factors)[kThreadRows][kNumBBoxes]) {
+    static_assert(Config::kBBoxRows / 8 * 4 == kHalfRegs, "a half is one B box's fragments");
+#pragma unroll
+    for (int reg_idx = 0; reg_idx < kHalfRegs; ++reg_idx) half_acc[reg_idx] *= factors[reg_idx % 4 / 2][kHalf];
+}
+
+// previous / current, element by element: the factor that takes accumulators from the previous group's units to the
+// current one's. The fast division (2 ulp; no slow-path call, which would make ptxas serialize the wgmmas around it,
+// C7514); products of scales beyond 2^126 give 0 (m_grouped_fp8_gemm_sm90.h: the rescaled variant's range).
+__device__ __forceinline__ void unit_change(const float (&previous)[kThreadRows][kNumBBoxes],
+                                            const float (&current)[kThreadRows][kNumBBoxes],
+                                            float (&factors)[kThreadRows][kNumBBoxes]) {
+#pragma unroll
+    for (int half = 0; half < kThreadRows; ++half) {
+#pragma unroll
+        for (int box_idx = 0; box_idx < kNumBBoxes; ++box_idx) {
+            factors[half][box_idx] = __fdividef(previous[half][box_idx], current[half][box_idx]);
+        }
+    }
+}
+
+// acc += group_acc * (sa * sb), element by element: one K group promoted (register j of fragment f: row j / 2).
+template <class Config, int kNumRegs>
+__device__ __forceinline__ void promote_group(float (&acc)[kNumRegs], const float (&group_acc)[kNumRegs],
+                                              const float (&group_scales)[kThreadRows][kNumBBoxes]) {
+    constexpr int kFragsPerBox = Config::kBBoxRows / 8;
+    static_assert(kNumRegs == Config::kBlockN / 8 * 4, "one row block: 4 registers per 8-column fragment");
+#pragma unroll
+    for (int reg_idx = 0; reg_idx < kNumRegs; ++reg_idx) {
+        const int frag_idx = reg_idx / 4;
+        acc[reg_idx] = fmaf(group_acc[reg_idx], group_scales[reg_idx % 4 / 2][frag_idx / kFragsPerBox], acc[reg_idx]);
+    }
+}
+
+// One column half (B box kHalf) of an FP8 stage into its accumulators: kBlockK / 32 steps of m64 x kBBoxRows x k32,
+// accumulating.
+template <class Config, int kHalf, int kHalfRegs>
+__device__ __forceinline__ void fp8_half_mma(const uint8_t* tile_a, const uint8_t* tile_b,
+                                             float (&half_acc)[kHalfRegs]) {
+    static_assert(kHalfRegs == kWgmmaM * Config::kBBoxRows / kWarpgroupThreads, "a half is one B box's columns");
+    const uint64_t desc_a = make_smem_desc_k_major_sw128(tile_a);
+    const uint64_t desc_b = make_smem_desc_k_major_sw128(tile_b + kHalf * Config::kBBoxBytes);
+#pragma unroll
+    for (int k_step = 0; k_step < Config::kBlockK / Config::kMmaK; ++k_step) {
+        wgmma_unpacked<WgmmaFp8Op<Config::kBBoxRows>, 0>(desc_a + k_step * Config::kDescKStep,
+                                                         desc_b + k_step * Config::kDescKStep, half_acc,
+                                                         std::make_index_sequence<kHalfRegs>{});
+    }
+}
+
+// A consumer with no rows in the tile: waits for each of its stages and releases it (the pipeline goes on).
+template <class Config, int kNumStages, class Storage>
+__device__ __forceinline__ void skip_stages(Storage& smem, int& stage_idx, uint32_t& phase, int num_k_blocks,
+                                            int lane_idx) {
+    for (int k_block_idx = 0; k_block_idx < num_k_blocks; ++k_block_idx) {
+        mbarrier_wait(&smem.full[stage_idx], phase);
+        if (lane_idx == 0) release_stage<kClusterSize>(&smem.empty[stage_idx]);
+        advance_stage<kNumStages>(stage_idx, phase);
+    }
+}
+
+// The rescaled FP8 mainloop of one tile (Operands::kFp8Rescaled; m_grouped_fp8_mainloop.cuh): the accumulators are kept
+// in units of the current K group's scales, in two column halves (two register arrays, B boxes 0 and 1): once group
+// g - 1 has completed, half 0 is rescaled and group g's half 0 issued, then half 1 is rescaled while those wgmmas run
+// and group g's half 1 issued (only wgmmas issued in the same iteration are in flight when a half is read: ptxas
+// loses their order across the loop's back edge and would serialize every wgmma, C7514). The accumulators end in the
+// last group's units, are scaled by its scales and copied into `acc` (the epilogue's layout: half h at registers
+// [h * kHalfRegs, + kHalfRegs)).
+template <class Config, class Epi, int kNumStages, class Storage, int kNumRegs>
+__device__ __forceinline__ void fp8_rescaled_mainloop(Storage& smem, int& stage_idx, uint32_t& phase, int num_k_blocks,
+                                                      const Fp8TileScales& tile_scales, int first_row_block,
+                                                      int lane_idx, float (&acc)[kNumRegs]) {
+    static_assert(kNumBBoxes == 2, "two column halves");
+    constexpr int kHalfRegs = kNumRegs / kNumBBoxes;
+    float acc0[kHalfRegs], acc1[kHalfRegs];
+#pragma unroll
+    for (int reg_idx = 0; reg_idx < kHalfRegs; ++reg_idx) acc0[reg_idx] = acc1[reg_idx] = 0.0f;
+    float group_scales[kThreadRows][kNumBBoxes];  // sa * sb of the group last issued
+    float next_scales[kThreadRows][kNumBBoxes];
+    float unit_factors[kThreadRows][kNumBBoxes];
+    // The next group's scales are loaded a group ahead, unconditionally (the last group's again at the end): a load in
+    // a branch would put the rescaling, and a warpgroup arrive, on a divergent path (ptxas serializes the wgmmas:
+    // C7520).
+    load_group_scales(tile_scales, 0, group_scales);
+    load_group_scales(tile_scales, min(1, num_k_blocks - 1), next_scales);
+    int issued_stage = -1;
+    for (int k_block_idx = 0; k_block_idx < num_k_blocks; ++k_block_idx) {
+        if (k_block_idx > 0) {
+            unit_change(group_scales, next_scales, unit_factors);
+            copy_scales(next_scales, group_scales);
+        }
+        load_group_scales(tile_scales, min(k_block_idx + 1, num_k_blocks - 1), next_scales);
+        mbarrier_wait(&smem.full[stage_idx], phase);
+        if constexpr (!Epi::kTmaA) fence_proxy_async_shared();
+        const uint8_t* tile_a = smem.a[stage_idx] + first_row_block * kRowBlockATileBytes;
+        const uint8_t* tile_b = smem.b[stage_idx];
+        wgmma_wait_group<0>();  // the previous group, both halves
+        fence_accumulators(acc0);
+        fence_accumulators(acc1);
+        if (k_block_idx > 0) scale_half_accumulators<Config, 0>(acc0, unit_factors);
+        fence_accumulators(acc0);
+        wgmma_fence();
+        fp8_half_mma<Config, 0>(tile_a, tile_b, acc0);
+        wgmma_commit_group();
+        if (k_block_idx > 0) scale_half_accumulators<Config, 1>(acc1, unit_factors);  // under half 0's wgmmas
+        fence_accumulators(acc1);
+        wgmma_fence();
+        fp8_half_mma<Config, 1>(tile_a, tile_b, acc1);
+        wgmma_commit_group();
+        // Released once this group's wgmmas are issued: a lane-0 branch between them would make ptxas serialize
+        // every wgmma (C7520, a warpgroup arrive on a divergent path).
+        if (k_block_idx > 0 && lane_idx == 0) release_stage<kClusterSize>(&smem.empty[issued_stage]);
+        issued_stage = stage_idx;
+        advance_stage<kNumStages>(stage_idx, phase);
+    }
+    wgmma_wait_group<0>();
+    fence_accumulators(acc0);
+    fence_accumulators(acc1);
+    if (lane_idx == 0) release_stage<kClusterSize>(&smem.empty[issued_stage]);
+    scale_half_accumulators<Config, 0>(acc0, group_scales);  // from the last group's units
+    scale_half_accumulators<Config, 1>(acc1, group_scales);
+#pragma unroll
+    for (int reg_idx = 0; reg_idx < kHalfRegs; ++reg_idx) {
+        acc[reg_idx] = acc0[reg_idx];
+        acc[kHalfRegs + reg_idx] = acc1[reg_idx];
+    }
+}
+
+}  // namespace megamoe::sm90::m_grouped
