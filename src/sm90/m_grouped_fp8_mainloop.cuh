@@ -166,20 +166,22 @@ __device__ __forceinline__ void fp8_rescaled_mainloop(Storage& smem, int& stage_
 #pragma unroll
     for (int reg_idx = 0; reg_idx < kHalfRegs; ++reg_idx) acc0[reg_idx] = acc1[reg_idx] = 0.0f;
     float group_scales[kThreadRows][kNumBBoxes];  // sa * sb of the group last issued
-    float next_scales[kThreadRows][kNumBBoxes];
+    float next_scales[kThreadRows][kNumBBoxes];   // of the next one
+    float later_scales[kThreadRows][kNumBBoxes];  // and of the one after: loads two groups ahead hide L2's latency
     float unit_factors[kThreadRows][kNumBBoxes];
-    // The next group's scales are loaded a group ahead, unconditionally (the last group's again at the end): a load in
-    // a branch would put the rescaling, and a warpgroup arrive, on a divergent path (ptxas serializes the wgmmas:
-    // C7520).
+    // Loaded unconditionally (the last group's again at the end): a load in a branch would put the rescaling, and a
+    // warpgroup arrive, on a divergent path (ptxas serializes the wgmmas: C7520).
     load_group_scales(tile_scales, 0, group_scales);
     load_group_scales(tile_scales, min(1, num_k_blocks - 1), next_scales);
+    load_group_scales(tile_scales, min(2, num_k_blocks - 1), later_scales);
     int issued_stage = -1;
     for (int k_block_idx = 0; k_block_idx < num_k_blocks; ++k_block_idx) {
         if (k_block_idx > 0) {
             unit_change(group_scales, next_scales, unit_factors);
             copy_scales(next_scales, group_scales);
+            copy_scales(later_scales, next_scales);
+            load_group_scales(tile_scales, min(k_block_idx + 2, num_k_blocks - 1), later_scales);
         }
-        load_group_scales(tile_scales, min(k_block_idx + 1, num_k_blocks - 1), next_scales);
         mbarrier_wait(&smem.full[stage_idx], phase);
         if constexpr (!Epi::kTmaA) fence_proxy_async_shared();
         const uint8_t* tile_a = smem.a[stage_idx] + first_row_block * kRowBlockATileBytes;
