@@ -2,6 +2,8 @@
 // (sm90/m_grouped_gemm_sm90.h) at balanced routing (each expert gets T * topk / E rows) on the reference shapes:
 //   up    launch_m_grouped_gemm_sm90_gated (A = x [T, H] gathered by slot, B = w13 [E, 2I, H]) against the FP8 gated
 //   down  launch_m_grouped_gemm_sm90_store (A = a [rows, I], the sorted rows, B = w2 [E, H, I]) against the FP8 store
+//   chain the forward's GEMM chain, bf16 up + down against quantize x (1 x 128 groups) + FP8 up + quantize a + FP8 down
+//         (the quantization of a as its own pass, until the SwiGLU epilogue writes it; routing and combine left out)
 // CUDA events around each launch on the default stream, 3 warm-up launches, the median of 10; FLOPs 2 rows N K (the up
 // GEMM's N = 2I). Operands are random (e4m3 bytes masked with 0x77: finite, no NaN), the FP8 scales 1. Usage:
 //   megamoe_fp8_gemm_timing [shape name]     (all shapes without one)
@@ -16,6 +18,7 @@
 #include <vector>
 
 #include "device/grouped_gemm_args.h"
+#include "portable/fp8_quant.h"
 #include "sm90/m_grouped_fp8_gemm_sm90.h"
 #include "sm90/m_grouped_gemm_sm90.h"
 
@@ -235,6 +238,38 @@ bool run_shape(const Shape& s, int num_sms) {
     time_one("down", "fp8", sm90::m_grouped_fp8_gemm_sm90_supported(down8, down_scales, false), down_flops, [&] {
         return sm90::launch_m_grouped_fp8_gemm_sm90_store(down8, down_scales, out.as<void>(), H, rows, num_sms,
                                                           nullptr);
+    });
+    const auto quantize = [](const void* in, int64_t num_rows, int64_t cols, uint8_t* q, float* scales) {
+        megamoe::cuda::QuantizeGroupsArgs args{};
+        args.in = in;
+        args.in_dtype = MEGAMOE_DTYPE_BF16;
+        args.rows = num_rows;
+        args.cols = cols;
+        args.in_row_stride = cols;
+        args.q = q;
+        args.scales = scales;
+        return megamoe::cuda::launch_quantize_groups(args, nullptr);
+    };
+    time_one("chain", "bf16", true, up_flops + down_flops, [&] {
+        const megamoe_status_t status =
+            sm90::launch_m_grouped_gemm_sm90_gated(up, h.as<void>(), act.as<void>(), num_sms, nullptr);
+        return status != MEGAMOE_STATUS_SUCCESS
+                   ? status
+                   : sm90::launch_m_grouped_gemm_sm90_store(down, megamoe::cuda::BLayout::kNK, out.as<void>(), H, rows,
+                                                            num_sms, nullptr);
+    });
+    time_one("chain", "fp8", true, up_flops + down_flops, [&] {
+        megamoe_status_t status = quantize(x.as<void>(), T, H, x8.as<uint8_t>(), sx.as<float>());
+        if (status == MEGAMOE_STATUS_SUCCESS) {
+            status = sm90::launch_m_grouped_fp8_gemm_sm90_gated(up8, up_scales, h.as<void>(), act.as<void>(), num_sms,
+                                                                nullptr);
+        }
+        if (status == MEGAMOE_STATUS_SUCCESS) {
+            status = quantize(act.as<void>(), rows, I, act8.as<uint8_t>(), sact.as<float>());
+        }
+        return status != MEGAMOE_STATUS_SUCCESS ? status
+                                                : sm90::launch_m_grouped_fp8_gemm_sm90_store(
+                                                      down8, down_scales, out.as<void>(), H, rows, num_sms, nullptr);
     });
     return all_ok;
 }
