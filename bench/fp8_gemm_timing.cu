@@ -3,7 +3,8 @@
 //   up    launch_m_grouped_gemm_sm90_gated (A = x [T, H] gathered by slot, B = w13 [E, 2I, H]) against the FP8 gated
 //   down  launch_m_grouped_gemm_sm90_store (A = a [rows, I], the sorted rows, B = w2 [E, H, I]) against the FP8 store
 //   chain the forward's GEMM chain, bf16 up + down against quantize x (1 x 128 groups) + FP8 up + quantize a + FP8 down
-//         (the quantization of a as its own pass, until the SwiGLU epilogue writes it; routing and combine left out)
+//         (fp8: a quantized by a pass of its own; fp8-fused: by the up GEMM's epilogue, a not stored in bf16; routing
+//         and combine left out)
 // CUDA events around each launch on the default stream, 3 warm-up launches, the median of 10; FLOPs 2 rows N K (the up
 // GEMM's N = 2I). Operands are random (e4m3 bytes masked with 0x77: finite, no NaN), the FP8 scales 1. Usage:
 //   megamoe_fp8_gemm_timing [shape name]     (all shapes without one)
@@ -217,9 +218,9 @@ bool run_shape(const Shape& s, int num_sms) {
         const bool ok = supported && time_launch(launch, &ms);
         all_ok &= !supported || ok;
         if (ok) {
-            std::printf("%-16s %-5s %-5s %9.3f ms %8.1f TFLOP/s\n", s.name, gemm, kernel, ms, flops / ms * 1e-9);
+            std::printf("%-16s %-5s %-9s %9.3f ms %8.1f TFLOP/s\n", s.name, gemm, kernel, ms, flops / ms * 1e-9);
         } else {
-            std::printf("%-16s %-5s %-5s %s\n", s.name, gemm, kernel,
+            std::printf("%-16s %-5s %-9s %s\n", s.name, gemm, kernel,
                         supported ? "FAILED (see stderr)" : "not supported");
         }
         std::fflush(stdout);
@@ -266,6 +267,17 @@ bool run_shape(const Shape& s, int num_sms) {
         }
         if (status == MEGAMOE_STATUS_SUCCESS) {
             status = quantize(act.as<void>(), rows, I, act8.as<uint8_t>(), sact.as<float>());
+        }
+        return status != MEGAMOE_STATUS_SUCCESS ? status
+                                                : sm90::launch_m_grouped_fp8_gemm_sm90_store(
+                                                      down8, down_scales, out.as<void>(), H, rows, num_sms, nullptr);
+    });
+    const sm90::Fp8QuantizedAct act_quantized{act8.as<uint8_t>(), sact.as<float>(), false};
+    time_one("chain", "fp8-fused", true, up_flops + down_flops, [&] {
+        megamoe_status_t status = quantize(x.as<void>(), T, H, x8.as<uint8_t>(), sx.as<float>());
+        if (status == MEGAMOE_STATUS_SUCCESS) {
+            status = sm90::launch_m_grouped_fp8_gemm_sm90_gated(up8, up_scales, h.as<void>(), nullptr, num_sms, nullptr,
+                                                                &act_quantized);
         }
         return status != MEGAMOE_STATUS_SUCCESS ? status
                                                 : sm90::launch_m_grouped_fp8_gemm_sm90_store(

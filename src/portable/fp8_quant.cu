@@ -5,6 +5,7 @@
 #include <algorithm>
 
 #include "device/cuda_utils.h"
+#include "device/fp8_math.cuh"
 #include "device/warp_reduce.cuh"
 
 namespace megamoe::cuda {
@@ -13,50 +14,7 @@ namespace {
 constexpr int kQuantThreads = 256;  // 8 groups per block, one per warp
 constexpr int kColsPerLane = kFp8GroupSize / kWarpSize;
 constexpr int64_t kMaxQuantBlocks = 65535;
-constexpr float kE4M3Max = 448.0f;
-constexpr uint8_t kE4M3NanBits = 0x7F;
 static_assert(kColsPerLane == 4, "a lane quantizes 4 columns of its group (one 32-bit store of q)");
-
-// A group's amax and whether it holds a NaN or an infinity, accumulated value by value, then over the warp.
-struct GroupStats {
-    float amax = 0.0f;
-    bool non_finite = false;
-    __device__ __forceinline__ void add(float value) {
-        non_finite |= !isfinite(value);
-        amax = fmaxf(amax, fabsf(value));
-    }
-    __device__ __forceinline__ void reduce_over_warp() {
-        amax = warp_max(amax);
-        non_finite = __any_sync(kFullMask, non_finite);
-    }
-};
-
-// The smallest power of two >= scale (scale positive and finite, at least the smallest denormal).
-__device__ __forceinline__ float next_pow2(float scale) {
-    const uint32_t bits = __float_as_uint(scale);
-    const uint32_t exponent = bits >> 23;
-    const uint32_t mantissa = bits & 0x7FFFFFu;
-    if (exponent == 0) {  // denormal: m 2^-149, the next power of two of m
-        const uint32_t pow2 = (mantissa & (mantissa - 1)) == 0 ? mantissa : 1u << (32 - __clz(mantissa));
-        return __uint_as_float(pow2);  // 1 << 23 is the smallest normal, 2^-126
-    }
-    return mantissa == 0 ? scale : __uint_as_float((exponent + 1) << 23);
-}
-
-// The group's scale (fp8_reference._scales_from_amax).
-__device__ __forceinline__ float group_scale(const GroupStats& stats, bool pow2) {
-    if (stats.non_finite) return __uint_as_float(0x7FC00000u);
-    if (stats.amax == 0.0f) return 1.0f;
-    const float scale = fmaxf(__fdiv_rn(stats.amax, kE4M3Max), __uint_as_float(1u));  // at least 2^-149
-    return pow2 ? next_pow2(scale) : scale;
-}
-
-// The e4m3 byte of value / scale (clamped to +-448, round to nearest even), 0x7F for a non-finite group.
-__device__ __forceinline__ uint8_t quantize_value(float value, float scale, bool non_finite) {
-    if (non_finite) return kE4M3NanBits;
-    const float ratio = fminf(fmaxf(__fdiv_rn(value, scale), -kE4M3Max), kE4M3Max);
-    return static_cast<uint8_t>(__nv_cvt_float_to_fp8(ratio, __NV_SATFINITE, __NV_E4M3));
-}
 
 __global__ void __launch_bounds__(kQuantThreads) quantize_groups_kernel(const QuantizeGroupsArgs args) {
     const int lane_idx = static_cast<int>(threadIdx.x) % kWarpSize;

@@ -6,6 +6,7 @@
 #include "sm90/m_grouped_fp8_gemm_sm90.h"
 
 #include "device/cuda_utils.h"
+#include "sm90/m_grouped_fp8_epilogue.cuh"
 #include "sm90/m_grouped_kernel.cuh"
 
 namespace megamoe::sm90 {
@@ -50,6 +51,20 @@ megamoe_status_t launch_store(const cuda::MGroupedGemmArgs& args, const Fp8Block
         return set_error(MEGAMOE_STATUS_CUDA_ERROR, "m_grouped_fp8_gemm_sm90: cuTensorMapEncodeTiled failed for A");
     }
     return launch_fp8<Epi, Config>(args, scales, params, num_sms, stream, a_map, out_map);
+}
+
+// The SwiGLU epilogue that quantizes a as well (the rescaled tile).
+megamoe_status_t launch_gated_quantized(const cuda::MGroupedGemmArgs& args, const Fp8BlockScales& scales, void* h,
+                                        void* act, const Fp8QuantizedAct& act_q, int num_sms, cudaStream_t stream) {
+    using Epi = QuantizedSwiGLUEpilogue;
+    typename Epi::Params params{};
+    params.out = act;
+    params.ldo = args.n;
+    params.h = h;
+    params.act_q = act_q.q;
+    params.act_scales = act_q.scales;
+    params.pow2 = act_q.pow2;
+    return launch_fp8<Epi, Fp8RescaledCooperative>(args, scales, params, num_sms, stream, CUtensorMap{}, CUtensorMap{});
 }
 
 template <class Config>
@@ -105,13 +120,27 @@ megamoe_status_t launch_m_grouped_fp8_gemm_sm90_store(const cuda::MGroupedGemmAr
 }
 
 megamoe_status_t launch_m_grouped_fp8_gemm_sm90_gated(const cuda::MGroupedGemmArgs& args, const Fp8BlockScales& scales,
-                                                      void* h, void* act, int num_sms, cudaStream_t stream) {
+                                                      void* h, void* act, int num_sms, cudaStream_t stream,
+                                                      const Fp8QuantizedAct* act_q) {
     if (!m_grouped_fp8_gemm_sm90_supported(args, scales, true)) {
         return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
                          "m_grouped_fp8_gemm_sm90: operands the FP8 kernel cannot take (m_grouped_fp8_gemm_sm90.h)");
     }
     if (!cuda::is_aligned(h, 16) || !cuda::is_aligned(act, 16)) {
         return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "m_grouped_fp8_gemm_sm90: h and act must be 16-byte aligned");
+    }
+    if (act_q != nullptr) {
+        if (act_q->q == nullptr || act_q->scales == nullptr || !cuda::is_aligned(act_q->q, 2) ||
+            !cuda::is_aligned(act_q->scales, 4)) {
+            return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT,
+                             "m_grouped_fp8_gemm_sm90: act_q needs its bytes (2-byte aligned) and scales (4-byte)");
+        }
+        if (fp8_promoted()) {
+            return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
+                             "m_grouped_fp8_gemm_sm90: quantizing a needs the default mainloop, not "
+                             "MEGAMOE_SM90_FP8_PROMOTE=1 (a tile's output columns must be one scale group)");
+        }
+        return launch_gated_quantized(args, scales, h, act, *act_q, num_sms, stream);
     }
     return fp8_promoted() ? launch_gated<Fp8Cooperative>(args, scales, h, act, num_sms, stream)
                           : launch_gated<Fp8RescaledCooperative>(args, scales, h, act, num_sms, stream);

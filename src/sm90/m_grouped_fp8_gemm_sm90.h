@@ -43,9 +43,19 @@ megamoe_status_t launch_m_grouped_fp8_gemm_sm90_store(const cuda::MGroupedGemmAr
                                                       void* out, int64_t ldo, int64_t num_out_rows, int num_sms,
                                                       cudaStream_t stream);
 
+// a = silu(g) u quantized by the up projection's epilogue for the down GEMM: the bytes and scales
+// launch_quantize_groups makes from the a the 16-bit output holds (rounded to args.dtype first), bit for bit.
+struct Fp8QuantizedAct {
+    uint8_t* q;     // [rows, I] e4m3 bytes, by sorted row
+    float* scales;  // [rows, I / 128]
+    bool pow2;      // power-of-two scales
+};
+
 // The up projection with SwiGLU (args.n = I, B_e = w13[e] [2I, H] in e4m3): h = [g, u] ([rows, 2I] by sorted row)
-// and a = silu(g) * u ([rows, I]) in args.dtype; either may be NULL.
+// and a = silu(g) * u ([rows, I]) in args.dtype; either may be NULL. `act_q`: a quantized as well (NULL: not); it needs
+// the default mainloop (not MEGAMOE_SM90_FP8_PROMOTE=1: a tile's 128 output columns are one scale group).
 megamoe_status_t launch_m_grouped_fp8_gemm_sm90_gated(const cuda::MGroupedGemmArgs& args, const Fp8BlockScales& scales,
-                                                      void* h, void* act, int num_sms, cudaStream_t stream);
+                                                      void* h, void* act, int num_sms, cudaStream_t stream,
+                                                      const Fp8QuantizedAct* act_q = nullptr);
 
 }  // namespace megamoe::sm90

@@ -218,7 +218,8 @@ struct Quantized {
     Fp8Host host;
 };
 
-// bf16 `values` quantized on the GPU: B [experts, rows, k] in 128 x 128 blocks, or A [rows, k] in groups along k.
+// `values` (bf16 or f16) quantized on the GPU: B [experts, rows, k] in 128 x 128 blocks, or A [rows, k] in groups along
+// k.
 Quantized quantize(const HostTensor& values, int64_t experts, int64_t rows, int64_t k, bool blocks) {
     const int64_t bytes = experts * rows * k;
     const int64_t num_scales = experts * (blocks ? ceil_div(rows, kGroup) : rows) * ceil_div(k, kGroup);
@@ -233,8 +234,8 @@ Quantized quantize(const HostTensor& values, int64_t experts, int64_t rows, int6
     const megamoe_status_t status =
         blocks
             ? cuda::launch_quantize_blocks(
-                  {in.view().data, MEGAMOE_DTYPE_BF16, experts, rows, k, q, nullptr, scales, false}, nullptr)
-            : cuda::launch_quantize_groups({in.view().data, MEGAMOE_DTYPE_BF16, rows, k, k, q, scales, false}, nullptr);
+                  {in.view().data, values.view.dtype, experts, rows, k, q, nullptr, scales, false}, nullptr)
+            : cuda::launch_quantize_groups({in.view().data, values.view.dtype, rows, k, k, q, scales, false}, nullptr);
     EXPECT_EQ(status, MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
     expect_cuda(cudaDeviceSynchronize(), "quantize");
     const HostTensor q_host = out.q.download(), scales_host = out.scales.download();
@@ -345,6 +346,34 @@ std::vector<HostTensor> run(const std::vector<DeviceTensor*>& outputs, const Lau
     return got;
 }
 
+// The gated GEMM quantizing a in its epilogue (Fp8QuantizedAct): h and act bitwise those of the plain run (`plain`:
+// h, act), the bytes and scales bitwise launch_quantize_groups' of that act, every output poisoned first.
+void check_quantized_act(const cuda::MGroupedGemmArgs& args, const sm90::Fp8BlockScales& scales,
+                         const std::vector<HostTensor>& plain, int num_sms) {
+    const int64_t rows = plain[1].view.shape[0], inter = args.n;
+    DeviceTensor h(plain[0].view), act(plain[1].view);
+    DeviceTensor act_q(HostTensor(MEGAMOE_DTYPE_I32, {ceil_div(rows * inter, 4)}).view);
+    DeviceTensor act_scales(HostTensor(MEGAMOE_DTYPE_F32, {rows * inter / kGroup}).view);
+    const sm90::Fp8QuantizedAct quantized{static_cast<uint8_t*>(act_q.view().data),
+                                          static_cast<float*>(act_scales.view().data), false};
+    const std::vector<HostTensor> got = run({&h, &act, &act_q, &act_scales}, [&] {
+        return sm90::launch_m_grouped_fp8_gemm_sm90_gated(args, scales, h.view().data, act.view().data, num_sms,
+                                                          nullptr, &quantized);
+    });
+    EXPECT_EQ(got[0].bytes, plain[0].bytes) << "h differs when a is quantized";
+    EXPECT_EQ(got[1].bytes, plain[1].bytes) << "act differs when a is quantized";
+    const Quantized want = quantize(got[1], 1, rows, inter, false);
+    EXPECT_TRUE(std::equal(want.host.q.begin(), want.host.q.end(), got[2].bytes.begin()))
+        << "a's e4m3 bytes differ from launch_quantize_groups' of the stored a";
+    EXPECT_EQ(std::memcmp(want.host.scales.data(), got[3].bytes.data(), want.host.scales.size() * sizeof(float)), 0)
+        << "a's scales differ from launch_quantize_groups' of the stored a";
+    // Without act: the same bytes.
+    const std::vector<HostTensor> no_act = run({&act_q}, [&] {
+        return sm90::launch_m_grouped_fp8_gemm_sm90_gated(args, scales, nullptr, nullptr, num_sms, nullptr, &quantized);
+    });
+    EXPECT_EQ(no_act[0].bytes, got[2].bytes) << "a's bytes differ without h and act";
+}
+
 // One case on the store GEMM (out [rows, N]) or the gated one (h [rows, 2I], act [rows, I]).
 void check_case(const Case& c, bool gated, std::mt19937_64& rng) {
     SCOPED_TRACE(::testing::Message() << c.name << " (K " << c.k << ", N " << c.n << ", I " << c.inter << ", seed "
@@ -390,6 +419,7 @@ void check_case(const Case& c, bool gated, std::mt19937_64& rng) {
     expect_close(first[1], act_want, c.inter, "act");
     expect_close(run({&act}, launch(nullptr, act_dev))[0], act_want, c.inter, "act (h NULL)");
     expect_close(run({&out}, launch(out_dev, nullptr))[0], plain, n_b, "h (act NULL)");
+    check_quantized_act(args, scales, first, num_sms);
 }
 
 TEST(Fp8GemmSm90, StoreMatchesReference) {

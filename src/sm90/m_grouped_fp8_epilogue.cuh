@@ -1,0 +1,102 @@
+// The FP8 up projection's epilogue (issue #20): SwiGLU that writes a = silu(g) u quantized for the down GEMM, so no
+// pass over a follows. a is rounded to the output type first (the bf16 value the 16-bit path would store, and stores
+// here too where asked), then quantized in 1 x 128 groups along I by the recipe's rules (device/fp8_math.cuh): the
+// bytes and scales are those launch_quantize_groups makes from that a, bit for bit. One tile's 128 output columns are
+// one group of each of its rows (the rescaled 128 x 256 tile: kBlockN / 2 == 128, tiles start at multiples of 128).
+// Lane q of a quad holds columns 8 f + 2 q, + 1 of fragment f of its two rows: the group's amax is a quad reduction,
+// the bytes go out as one 16-bit store per fragment and row, a's bf16 pairs as one 32-bit store, the scale from lane 0.
+// h = [g, u] by sorted row, as the 16-bit epilogue writes it (store_tile), where asked.
+#pragma once
+
+#include <cstdint>
+
+#include "device/cuda_utils.h"
+#include "device/fp8_math.cuh"
+#include "sm90/m_grouped_epilogue.cuh"
+
+namespace megamoe::sm90::m_grouped {
+
+struct QuantizedSwiGLUEpilogue : NoEpilogueHooks {
+    using Activation = SwiGLUActivation;
+    struct Params : Activation::Params {
+        void* out;          // a [rows, I] in the element type, or NULL
+        int64_t ldo;        // I
+        void* h;            // [rows, 2I] by sorted row, or NULL
+        uint8_t* act_q;     // a [rows, I] e4m3 bytes
+        float* act_scales;  // [rows, I / 128]: the scale of row r's group g at act_scales[r * (I / 128) + g]
+        bool pow2;          // power-of-two scales
+    };
+    static constexpr bool kTmaA = false;
+    static constexpr bool kGateUpPairs = true;
+    static constexpr bool kGateUpHalves = true;
+    static constexpr bool kStaging = false;
+    static constexpr const char* name(BLayout) { return "m_grouped_gemm_sm90[swiglu, a quantized]"; }
+
+    template <typename T, class Config, int kLocalBlock, int kNumRegs>
+    __device__ __forceinline__ static void store(const CUtensorMap*, const MainloopParams& mainloop,
+                                                 const Params& params, const Tile& tile, const float (&acc)[kNumRegs],
+                                                 const TileState&, uint32_t, int row_block, int warp_idx,
+                                                 int lane_idx) {
+        constexpr int kFirstReg = kLocalBlock * Config::kBlockRegs;
+        constexpr int kNumFrags = Config::kBlockN / 8;
+        constexpr int kOutFrags = kNumFrags / 2;  // a's 8-column fragments: gate fragment f, up fragment f + kOutFrags
+        static_assert(kOutFrags * 8 == kFp8ScaleGroup, "a tile's output columns are one scale group");
+        if (params.h != nullptr) {
+            HOnly h_target{};
+            h_target.h = params.h;
+            store_tile<T, SwiGLUOptions, Config, kFirstReg>(mainloop, h_target, tile, acc, row_block, warp_idx,
+                                                            lane_idx);
+        }
+        const int quad_lane = lane_idx % 4;
+        const int64_t groups_per_row = mainloop.n / kFp8ScaleGroup;
+        const int64_t first_col = tile.n_tile_idx * kFp8ScaleGroup + 2 * quad_lane;
+#pragma unroll
+        for (int half = 0; half < 2; ++half) {
+            const int local_row = row_block * kWgmmaM + warp_idx * 16 + lane_idx / 4 + half * 8;
+            const bool row_valid = local_row < tile.num_rows;
+            const int64_t row_idx = tile.row_begin + local_row;
+            float values[2 * kOutFrags];
+            cuda::GroupStats stats;
+#pragma unroll
+            for (int frag_idx = 0; frag_idx < kOutFrags; ++frag_idx) {
+                const int reg_idx = kFirstReg + frag_idx * 4 + half * 2;
+#pragma unroll
+                for (int item = 0; item < 2; ++item) {
+                    const float gate = acc[reg_idx + item], up = acc[reg_idx + item + kOutFrags * 4];
+                    // The value a is stored as (and the quantizer would read back).
+                    values[2 * frag_idx + item] =
+                        cuda::to_float(cuda::from_float<T>(Activation::forward(params, gate, up)));
+                    stats.add(values[2 * frag_idx + item]);
+                }
+            }
+            stats.reduce_over_quad();
+            const float scale = cuda::group_scale(stats, params.pow2);
+            if (!row_valid) continue;
+            uint8_t* q_row = params.act_q + row_idx * mainloop.n;
+            T* out_row = static_cast<T*>(params.out) + row_idx * params.ldo;
+#pragma unroll
+            for (int frag_idx = 0; frag_idx < kOutFrags; ++frag_idx) {
+                const float first = values[2 * frag_idx], second = values[2 * frag_idx + 1];
+                const int64_t col = first_col + frag_idx * 8;
+                const uint16_t bytes =
+                    static_cast<uint16_t>(cuda::quantize_value(first, scale, stats.non_finite)) |
+                    static_cast<uint16_t>(cuda::quantize_value(second, scale, stats.non_finite) << 8);
+                *reinterpret_cast<uint16_t*>(q_row + col) = bytes;
+                if (params.out != nullptr) {
+                    *reinterpret_cast<uint32_t*>(out_row + col) = cuda::pack_pair<T>(first, second);
+                }
+            }
+            if (quad_lane == 0) params.act_scales[row_idx * groups_per_row + tile.n_tile_idx] = scale;
+        }
+    }
+
+  private:
+    // store_tile's target for h alone (out NULL).
+    struct HOnly : Activation::Params {
+        void* out;
+        int64_t ldo;
+        void* h;
+    };
+};
+
+}  // namespace megamoe::sm90::m_grouped
