@@ -3,8 +3,9 @@
 // here too where asked), then quantized in 1 x 128 groups along I by the recipe's rules (device/fp8_math.cuh): the
 // bytes and scales are those launch_quantize_groups makes from that a, bit for bit. One tile's 128 output columns are
 // one group of each of its rows (the rescaled 128 x 256 tile: kBlockN / 2 == 128, tiles start at multiples of 128).
-// Lane q of a quad holds columns 8 f + 2 q, + 1 of fragment f of its two rows: the group's amax is a quad reduction,
-// the bytes go out as one 16-bit store per fragment and row, a's bf16 pairs as one 32-bit store, the scale from lane 0.
+// Lane q of a quad holds columns 8 f + 2 q, + 1 of fragment f of its two rows: the group's amax is a quad reduction;
+// the pairs of 4 fragments are quad-transposed (as the 16-bit epilogue's stores) so that each lane stores 8 contiguous
+// bytes (and 16 of a); the scale from lane 0.
 // h = [g, u] by sorted row, as the 16-bit epilogue writes it (store_tile), where asked.
 #pragma once
 
@@ -47,9 +48,9 @@ struct QuantizedSwiGLUEpilogue : NoEpilogueHooks {
             store_tile<T, SwiGLUOptions, Config, kFirstReg>(mainloop, h_target, tile, acc, row_block, warp_idx,
                                                             lane_idx);
         }
+        constexpr int kFragsPerChunk = 4;  // a quad transpose: 4 fragments' pairs into 8 columns per lane
         const int quad_lane = lane_idx % 4;
         const int64_t groups_per_row = mainloop.n / kFp8ScaleGroup;
-        const int64_t first_col = tile.n_tile_idx * kFp8ScaleGroup + 2 * quad_lane;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int local_row = row_block * kWgmmaM + warp_idx * 16 + lane_idx / 4 + half * 8;
@@ -71,22 +72,36 @@ struct QuantizedSwiGLUEpilogue : NoEpilogueHooks {
             }
             stats.reduce_over_quad();
             const float scale = cuda::group_scale(stats, params.pow2);
-            if (!row_valid) continue;
             uint8_t* q_row = params.act_q + row_idx * mainloop.n;
             T* out_row = static_cast<T*>(params.out) + row_idx * params.ldo;
+            // 4 fragments at a time: their bf16 pairs quad-transposed into one 8-column chunk per lane (the shuffles
+            // take every lane, so rows past the tile only skip the stores), then 8 bytes and 16 of a per lane.
 #pragma unroll
-            for (int frag_idx = 0; frag_idx < kOutFrags; ++frag_idx) {
-                const float first = values[2 * frag_idx], second = values[2 * frag_idx + 1];
-                const int64_t col = first_col + frag_idx * 8;
-                const uint16_t bytes =
-                    static_cast<uint16_t>(cuda::quantize_value(first, scale, stats.non_finite)) |
-                    static_cast<uint16_t>(cuda::quantize_value(second, scale, stats.non_finite) << 8);
-                *reinterpret_cast<uint16_t*>(q_row + col) = bytes;
-                if (params.out != nullptr) {
-                    *reinterpret_cast<uint32_t*>(out_row + col) = cuda::pack_pair<T>(first, second);
+            for (int group_idx = 0; group_idx < kOutFrags / kFragsPerChunk; ++group_idx) {
+                uint32_t words[kFragsPerChunk];
+#pragma unroll
+                for (int word_idx = 0; word_idx < kFragsPerChunk; ++word_idx) {
+                    const int value_idx = 2 * (group_idx * kFragsPerChunk + word_idx);
+                    words[word_idx] = cuda::pack_pair<T>(values[value_idx], values[value_idx + 1]);
+                }
+                quad_transpose(words, quad_lane);
+                uint32_t bytes[2] = {0, 0};
+#pragma unroll
+                for (int word_idx = 0; word_idx < kFragsPerChunk; ++word_idx) {
+                    float first, second;
+                    cuda::unpack_pair<T>(words[word_idx], first, second);
+                    const uint32_t pair =
+                        cuda::quantize_value(first, scale, stats.non_finite) |
+                        (static_cast<uint32_t>(cuda::quantize_value(second, scale, stats.non_finite)) << 8);
+                    bytes[word_idx / 2] |= pair << (16 * (word_idx % 2));
+                }
+                const int64_t col = tile.n_tile_idx * kFp8ScaleGroup + (group_idx * kFragsPerChunk + quad_lane) * 8;
+                if (row_valid) {
+                    *reinterpret_cast<uint2*>(q_row + col) = make_uint2(bytes[0], bytes[1]);
+                    if (params.out != nullptr) store_chunk(out_row, col, words);
                 }
             }
-            if (quad_lane == 0) params.act_scales[row_idx * groups_per_row + tile.n_tile_idx] = scale;
+            if (row_valid && quad_lane == 0) params.act_scales[row_idx * groups_per_row + tile.n_tile_idx] = scale;
         }
     }
 

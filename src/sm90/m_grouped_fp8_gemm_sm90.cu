@@ -130,10 +130,10 @@ megamoe_status_t launch_m_grouped_fp8_gemm_sm90_gated(const cuda::MGroupedGemmAr
         return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "m_grouped_fp8_gemm_sm90: h and act must be 16-byte aligned");
     }
     if (act_q != nullptr) {
-        if (act_q->q == nullptr || act_q->scales == nullptr || !cuda::is_aligned(act_q->q, 2) ||
+        if (act_q->q == nullptr || act_q->scales == nullptr || !cuda::is_aligned(act_q->q, 8) ||
             !cuda::is_aligned(act_q->scales, 4)) {
             return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT,
-                             "m_grouped_fp8_gemm_sm90: act_q needs its bytes (2-byte aligned) and scales (4-byte)");
+                             "m_grouped_fp8_gemm_sm90: act_q needs its bytes (8-byte aligned) and scales (4-byte)");
         }
         if (fp8_promoted()) {
             return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,

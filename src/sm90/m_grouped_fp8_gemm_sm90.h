@@ -46,7 +46,7 @@ megamoe_status_t launch_m_grouped_fp8_gemm_sm90_store(const cuda::MGroupedGemmAr
 // a = silu(g) u quantized by the up projection's epilogue for the down GEMM: the bytes and scales
 // launch_quantize_groups makes from the a the 16-bit output holds (rounded to args.dtype first), bit for bit.
 struct Fp8QuantizedAct {
-    uint8_t* q;     // [rows, I] e4m3 bytes, by sorted row
+    uint8_t* q;     // [rows, I] e4m3 bytes, by sorted row (8-byte aligned)
     float* scales;  // [rows, I / 128]
     bool pow2;      // power-of-two scales
 };
