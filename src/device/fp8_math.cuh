@@ -8,7 +8,6 @@
 #include <cuda_fp8.h>
 
 #include <cstdint>
-#include <cstring>
 
 #include "device/cuda_utils.h"
 #include "device/warp_reduce.cuh"
@@ -61,69 +60,11 @@ __device__ __forceinline__ float group_scale(const GroupStats& stats, bool pow2)
     return pow2 ? next_pow2(scale) : scale;
 }
 
-// The bits of a float, and the correctly rounded reciprocal and quotient, on the device and (for the CPU tests of
-// GroupQuantizer) the host.
-__host__ __device__ __forceinline__ uint32_t float_bits(float value) {
-#ifdef __CUDA_ARCH__
-    return __float_as_uint(value);
-#else
-    uint32_t bits;
-    std::memcpy(&bits, &value, sizeof(bits));
-    return bits;
-#endif
+// The e4m3 byte of value / scale (clamped to +-448, round to nearest even), 0x7F for a non-finite group.
+__device__ __forceinline__ uint8_t quantize_value(float value, float scale, bool non_finite) {
+    if (non_finite) return kE4M3NanBits;
+    const float ratio = fminf(fmaxf(__fdiv_rn(value, scale), -kE4M3Max), kE4M3Max);
+    return static_cast<uint8_t>(__nv_cvt_float_to_fp8(ratio, __NV_SATFINITE, __NV_E4M3));
 }
-__host__ __device__ __forceinline__ float reciprocal_rn(float value) {
-#ifdef __CUDA_ARCH__
-    return __frcp_rn(value);
-#else
-    return 1.0f / value;
-#endif
-}
-__host__ __device__ __forceinline__ float quotient_rn(float dividend, float divisor) {
-#ifdef __CUDA_ARCH__
-    return __fdiv_rn(dividend, divisor);
-#else
-    return dividend / divisor;
-#endif
-}
-
-// The e4m3 bytes of a group: value / scale as the IEEE division rounds it (the reference's), clamped to +-448, rounded
-// to nearest even; 0x7F for a non-finite group. The quotient is taken as value * (1 / scale) (both correctly rounded:
-// within 3 units in the last place of the division's) wherever no e4m3 rounding midpoint lies within 4 units of it
-// (its low 20 mantissa bits, those e4m3 drops, not within 4 of 0x80000), so both round to the same byte; else (near a
-// midpoint, in e4m3's subnormal range below 2^-6, or a reciprocal that overflows) by the division itself.
-struct GroupQuantizer {
-    static constexpr uint32_t kDroppedBitsMask = (1u << 20) - 1;  // f32's mantissa bits below e4m3's 3
-    static constexpr uint32_t kMidpoint = 1u << 19;
-    static constexpr uint32_t kMidpointMargin = 4;
-    static constexpr uint32_t kE4M3MinNormalBits = 0x3C800000u;  // 2^-6
-
-    float scale;
-    float scale_rcp;
-    bool non_finite;
-    bool exact_only;  // the reciprocal overflows (a scale below 2^-126): every quotient by division
-
-    __host__ __device__ __forceinline__ GroupQuantizer(float group_scale, bool group_non_finite)
-        : scale(group_scale),
-          scale_rcp(reciprocal_rn(group_scale)),
-          non_finite(group_non_finite),
-          exact_only(!(float_bits(reciprocal_rn(group_scale)) < 0x7F800000u)) {}
-
-    // Whether a quotient q (as float bits without the sign) may round to another e4m3 byte than one within 3 units of
-    // it: near a midpoint of e4m3's normal grid, or in its subnormal range (where the midpoints sit elsewhere).
-    __host__ __device__ static __forceinline__ bool near_midpoint(uint32_t magnitude_bits) {
-        const uint32_t dropped = magnitude_bits & kDroppedBitsMask;
-        const uint32_t distance = dropped > kMidpoint ? dropped - kMidpoint : kMidpoint - dropped;
-        return magnitude_bits < kE4M3MinNormalBits || distance <= kMidpointMargin;
-    }
-
-    __host__ __device__ __forceinline__ uint8_t operator()(float value) const {
-        if (non_finite) return kE4M3NanBits;
-        float ratio = value * scale_rcp;
-        if (exact_only || near_midpoint(float_bits(ratio) & 0x7FFFFFFFu)) ratio = quotient_rn(value, scale);
-        ratio = fminf(fmaxf(ratio, -kE4M3Max), kE4M3Max);
-        return static_cast<uint8_t>(__nv_cvt_float_to_fp8(ratio, __NV_SATFINITE, __NV_E4M3));
-    }
-};
 
 }  // namespace megamoe::cuda

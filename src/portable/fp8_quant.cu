@@ -37,13 +37,12 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_groups_kernel(const Qu
         }
         stats.reduce_over_warp();
         const float scale = group_scale(stats, args.pow2);
-        const GroupQuantizer quantizer(scale, stats.non_finite);
         uint8_t* q_row = args.q + row_idx * args.cols;
 #pragma unroll
         for (int i = 0; i < kColsPerLane; ++i) {
             const int64_t col = first_col + i;
             if (col >= args.cols) break;
-            q_row[col] = quantizer(values[i]);
+            q_row[col] = quantize_value(values[i], scale, stats.non_finite);
         }
         if (lane_idx == 0) args.scales[group_idx] = scale;
     }
@@ -108,12 +107,11 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_expert_rows_kernel(con
         }
         stats.reduce_over_warp();
         const float scale = group_scale(stats, args.pow2);
-        const GroupQuantizer quantizer(scale, stats.non_finite);
         uint8_t* q_col = args.q_t + (first_col + col) * args.ld_q + first_row;
 #pragma unroll
         for (int i = 0; i < kRowsPerLane; ++i) {
             const int row = lane_idx + i * kWarpSize;  // a warp's store: 32 consecutive bytes
-            if (row < num_rows) q_col[row] = quantizer(values[i]);
+            if (row < num_rows) q_col[row] = quantize_value(values[i], scale, stats.non_finite);
         }
         if (lane_idx == 0) args.scales[(first_col + col) * args.ld_scales + tile_idx] = scale;
     }
@@ -165,7 +163,6 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_blocks_kernel(const Qu
         block.non_finite |= warp_non_finite[w] != 0;
     }
     const float scale = group_scale(block, args.pow2);
-    const GroupQuantizer quantizer(scale, block.non_finite);
 #pragma unroll
     for (int r = 0; r < kBlockRowsPerWarp; ++r) {
         const int64_t row = n_block * kBlockSide + warp_idx * kBlockRowsPerWarp + r;
@@ -173,7 +170,7 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_blocks_kernel(const Qu
         for (int c = 0; c < kColsPerLane; ++c) {
             const int64_t col = k_block * kBlockSide + lane_idx + c * kWarpSize;
             if (row >= args.n || col >= args.k) continue;
-            const uint8_t byte = quantizer(values[r][c]);
+            const uint8_t byte = quantize_value(values[r][c], scale, block.non_finite);
             args.q[(expert * args.n + row) * args.k + col] = byte;
             if (args.q_t != nullptr) args.q_t[(expert * args.k + col) * args.n + row] = byte;
         }

@@ -1,7 +1,6 @@
 // The FP8 up projection's epilogue (issue #20): SwiGLU that writes a = silu(g) u quantized for the down GEMM, so no
 // pass over a follows. a is rounded to the output type first (the bf16 value the 16-bit path would store, and stores
-// here too where asked), then quantized in 1 x 128 groups along I by the recipe's rules (device/fp8_math.cuh's
-// GroupQuantizer): the
+// here too where asked), then quantized in 1 x 128 groups along I by the recipe's rules (device/fp8_math.cuh): the
 // bytes and scales are those launch_quantize_groups makes from that a, bit for bit. One tile's 128 output columns are
 // one group of each of its rows (the rescaled 128 x 256 tile: kBlockN / 2 == 128, tiles start at multiples of 128).
 // Lane q of a quad holds columns 8 f + 2 q, + 1 of fragment f of its two rows: the group's amax is a quad reduction;
@@ -73,7 +72,6 @@ struct QuantizedSwiGLUEpilogue : NoEpilogueHooks {
             }
             stats.reduce_over_quad();
             const float scale = cuda::group_scale(stats, params.pow2);
-            const cuda::GroupQuantizer quantizer(scale, stats.non_finite);
             uint8_t* q_row = params.act_q + row_idx * mainloop.n;
             T* out_row = static_cast<T*>(params.out) + row_idx * params.ldo;
             // 4 fragments at a time: their bf16 pairs quad-transposed into one 8-column chunk per lane (the shuffles
@@ -92,7 +90,9 @@ struct QuantizedSwiGLUEpilogue : NoEpilogueHooks {
                 for (int word_idx = 0; word_idx < kFragsPerChunk; ++word_idx) {
                     float first, second;
                     cuda::unpack_pair<T>(words[word_idx], first, second);
-                    const uint32_t pair = quantizer(first) | (static_cast<uint32_t>(quantizer(second)) << 8);
+                    const uint32_t pair =
+                        cuda::quantize_value(first, scale, stats.non_finite) |
+                        (static_cast<uint32_t>(cuda::quantize_value(second, scale, stats.non_finite)) << 8);
                     bytes[word_idx / 2] |= pair << (16 * (word_idx % 2));
                 }
                 const int64_t col = tile.n_tile_idx * kFp8ScaleGroup + (group_idx * kFragsPerChunk + quad_lane) * 8;
