@@ -2,6 +2,8 @@
 // (sm90/m_grouped_gemm_sm90.h) at balanced routing (each expert gets T * topk / E rows) on the reference shapes:
 //   up    launch_m_grouped_gemm_sm90_gated (A = x [T, H] gathered by slot, B = w13 [E, 2I, H]) against the FP8 gated
 //   down  launch_m_grouped_gemm_sm90_store (A = a [rows, I], the sorted rows, B = w2 [E, H, I]) against the FP8 store
+//   dh    launch_m_grouped_gemm_sm90_dswiglu (A = dy [T, H] gathered, B = w2 read [K = H, N = I]) against the FP8 one
+//         (B = w2's transposed copy [E, I, H], its scales read transposed), both with the dSwiGLU epilogue
 //   chain the forward's GEMM chain, bf16 up + down against quantize x (1 x 128 groups) + FP8 up + quantize a + FP8 down
 //         (fp8: a quantized by a pass of its own; fp8-fused: by the up GEMM's epilogue, a not stored in bf16; routing
 //         and combine left out)
@@ -147,7 +149,7 @@ bool run_shape(const Shape& s, int num_sms) {
     }
     const int64_t kg_h = H / 128, kg_i = I / 128;
     Buffer offsets_dev, tiles_dev, slots_dev, x, w13, w2, act_in, h, act, out;
-    Buffer x8, w13_8, w2_8, act8, sx, sw13, sw2, sact;
+    Buffer x8, w13_8, w2_8, act8, sx, sw13, sw2, sact, dh, ds_parts, weights;
     const bool allocated =
         offsets_dev.alloc(offsets.size() * 4, "offsets") && tiles_dev.alloc(tiles.size() * 4, "tiles") &&
         slots_dev.alloc(slots.size() * 4, "slots") && x.alloc(T * H * 2, "x") && w13.alloc(E * 2 * I * H * 2, "w13") &&
@@ -155,7 +157,9 @@ bool run_shape(const Shape& s, int num_sms) {
         act.alloc(rows * I * 2, "act") && out.alloc(rows * H * 2, "out") && x8.alloc(T * H, "x8") &&
         w13_8.alloc(E * 2 * I * H, "w13_8") && w2_8.alloc(E * H * I, "w2_8") && act8.alloc(rows * I, "a8") &&
         sx.alloc(T * kg_h * 4, "x scales") && sw13.alloc(E * (2 * I / 128) * kg_h * 4, "w13 scales") &&
-        sw2.alloc(E * (H / 128) * kg_i * 4, "w2 scales") && sact.alloc(rows * kg_i * 4, "a scales");
+        sw2.alloc(E * (H / 128) * kg_i * 4, "w2 scales") && sact.alloc(rows * kg_i * 4, "a scales") &&
+        dh.alloc(rows * 2 * I * 2, "dh") && ds_parts.alloc(rows * ((I + 255) / 256) * 4, "ds parts") &&
+        weights.alloc(rows * 4, "topk weights");
     if (!allocated) return false;
     CHECK_CUDA(cudaMemcpy(offsets_dev.as<int>(), offsets.data(), offsets.size() * 4, cudaMemcpyHostToDevice));
     CHECK_CUDA(cudaMemcpy(tiles_dev.as<int>(), tiles.data(), tiles.size() * 4, cudaMemcpyHostToDevice));
@@ -164,8 +168,11 @@ bool run_shape(const Shape& s, int num_sms) {
         {&x, T * H}, {&w13, E * 2 * I * H}, {&w2, E * H * I}, {&act_in, rows * I}};
     const std::pair<const Buffer*, int64_t> e4m3s[] = {
         {&x8, T * H}, {&w13_8, E * 2 * I * H}, {&w2_8, E * H * I}, {&act8, rows * I}};
-    const std::pair<const Buffer*, int64_t> ones[] = {
-        {&sx, T * kg_h}, {&sw13, E * (2 * I / 128) * kg_h}, {&sw2, E * (H / 128) * kg_i}, {&sact, rows * kg_i}};
+    const std::pair<const Buffer*, int64_t> ones[] = {{&sx, T * kg_h},
+                                                      {&sw13, E * (2 * I / 128) * kg_h},
+                                                      {&sw2, E * (H / 128) * kg_i},
+                                                      {&sact, rows * kg_i},
+                                                      {&weights, rows}};
     uint64_t seed = 1;
     for (const auto& [buffer, count] : bf16s) fill<<<1024, 256>>>(buffer->as<void>(), count, kBf16, seed++);
     for (const auto& [buffer, count] : e4m3s) fill<<<1024, 256>>>(buffer->as<void>(), count, kE4m3, seed++);
@@ -210,6 +217,29 @@ bool run_shape(const Shape& s, int num_sms) {
     down8.b = w2_8.as<void>();
     const sm90::Fp8BlockScales down_scales{sact.as<float>(), kg_i, sw2.as<float>()};
 
+    // dH: p = dy w2[e] (K = H, N = I); dy is x's buffer (bf16) and x8's (e4m3), w2's transposed FP8 copy w2_8's.
+    MGroupedGemmArgs dh_args = up;
+    dh_args.b = w2.as<void>();
+    dh_args.b_expert_stride = H * I;
+    dh_args.ldb = I;  // [K = H, N = I], N contiguous (kKN)
+    dh_args.n = I;
+    dh_args.k = H;
+    MGroupedGemmArgs dh_args8 = dh_args;
+    dh_args8.a = x8.as<void>();
+    dh_args8.b = w2_8.as<void>();
+    dh_args8.ldb = H;  // the transposed copy [N = I, K = H], K contiguous (kNK)
+    sm90::Fp8BlockScales dh_scales{sx.as<float>(), kg_h, sw2.as<float>()};
+    dh_scales.b_transposed = true;
+    sm90::DSwiGLUEpilogueArgs dswiglu{};
+    dswiglu.h = h.as<void>();
+    dswiglu.dh = dh.as<void>();
+    dswiglu.act = act.as<void>();
+    dswiglu.ds_parts = ds_parts.as<float>();
+    dswiglu.weights = weights.as<void>();
+    dswiglu.weights_dtype = MEGAMOE_DTYPE_F32;
+    dswiglu.b_layout = megamoe::cuda::BLayout::kKN;
+    int64_t num_ds_parts = 0;
+
     const double up_flops = 2.0 * rows * 2 * I * H, down_flops = 2.0 * rows * H * I;
     double ms = 0.0;
     bool all_ok = true;
@@ -239,6 +269,13 @@ bool run_shape(const Shape& s, int num_sms) {
     time_one("down", "fp8", sm90::m_grouped_fp8_gemm_sm90_supported(down8, down_scales, false), down_flops, [&] {
         return sm90::launch_m_grouped_fp8_gemm_sm90_store(down8, down_scales, out.as<void>(), H, rows, num_sms,
                                                           nullptr);
+    });
+    time_one(
+        "dh", "bf16", sm90::m_grouped_gemm_sm90_supported(dh_args, false, megamoe::cuda::BLayout::kKN), down_flops,
+        [&] { return sm90::launch_m_grouped_gemm_sm90_dswiglu(dh_args, dswiglu, num_sms, nullptr, &num_ds_parts); });
+    time_one("dh", "fp8", sm90::m_grouped_fp8_gemm_sm90_supported(dh_args8, dh_scales, false), down_flops, [&] {
+        return sm90::launch_m_grouped_fp8_gemm_sm90_dswiglu(dh_args8, dh_scales, dswiglu, num_sms, nullptr,
+                                                            &num_ds_parts);
     });
     const auto quantize = [](const void* in, int64_t num_rows, int64_t cols, uint8_t* q, float* scales) {
         megamoe::cuda::QuantizeGroupsArgs args{};

@@ -193,10 +193,15 @@ struct NoScaleParams {};
 struct Fp8ScaleParams {
     const float* a;  // [A rows, num_k_groups], row stride a_ld: a_scales[a_row(r), g]
     int64_t a_ld;
-    const float* b;        // [E, b_block_rows, num_k_groups]
-    int64_t b_block_rows;  // ceil(rows of B_e / 128)
-    int64_t num_k_groups;  // ceil(K / 128)
+    // B_e's block (i, g) at b[e * b_block_rows * num_k_groups + i * b_block_stride + g * b_group_stride]:
+    // [E, b_block_rows, num_k_groups], or its transpose per expert
+    const float* b;
+    int64_t b_block_rows;    // ceil(rows of B_e / 128)
+    int64_t num_k_groups;    // ceil(K / 128)
+    int64_t b_block_stride;  // num_k_groups, or 1 (transposed)
+    int64_t b_group_stride;  // 1, or b_block_rows (transposed)
 };
+
 // The bits of one operand element of a configuration (A is read as such words by the gathering producer).
 template <class Config>
 using OperandBitsOf = std::conditional_t<Config::kFp8, uint8_t, uint16_t>;

@@ -5,6 +5,7 @@
 #pragma once
 
 #include "sm90/m_grouped_epilogue.cuh"
+#include "sm90/m_grouped_gemm_sm90.h"
 
 namespace megamoe::sm90::m_grouped {
 
@@ -238,6 +239,7 @@ __device__ __forceinline__ void store_tile_dswiglu(const MainloopParams& params,
 // loaded by TMA, the gather slots then only giving each row's weight.
 template <class Act, bool kInterleaved, bool kSortedA = false>
 struct DSwiGLUEpilogueOf : NoEpilogueHooks {
+    using Activation = Act;
     using Params = DSwiGLUParamsOf<Act>;
     static constexpr bool kTmaA = kSortedA;
     static constexpr bool kGateUpPairs = false;
@@ -275,5 +277,22 @@ struct DSwiGLUEpilogueOf : NoEpilogueHooks {
     }
 };
 using DSwiGLUEpilogue = DSwiGLUEpilogueOf<SwiGLUActivation, false>;
+
+// The policy's params from a launch's arguments (m_grouped_gemm_sm90.h: the 16-bit and the FP8 dH launches).
+template <class Act>
+DSwiGLUParamsOf<Act> make_dswiglu_params(const DSwiGLUEpilogueArgs& args) {
+    DSwiGLUParamsOf<Act> params{};
+    params.h = args.h;
+    params.dh = args.dh;
+    params.act = args.act;
+    params.ds_parts = args.ds_parts;
+    params.weights = args.weights;
+    params.weights_dtype = args.weights_dtype;
+    if constexpr (Act::kClamped) {
+        params.limit = args.activation.limit;
+        params.alpha = args.activation.alpha;
+    }
+    return params;
+}
 
 }  // namespace megamoe::sm90::m_grouped

@@ -24,6 +24,8 @@ Fp8ScaleParams make_scale_params(const cuda::MGroupedGemmArgs& args, const Fp8Bl
     params.b = scales.b;
     params.b_block_rows = ceil_div(b_rows, int64_t{kFp8ScaleGroup});
     params.num_k_groups = ceil_div(args.k, int64_t{kFp8ScaleGroup});
+    params.b_block_stride = scales.b_transposed ? 1 : params.num_k_groups;
+    params.b_group_stride = scales.b_transposed ? params.b_block_rows : 1;
     return params;
 }
 
@@ -144,6 +146,41 @@ megamoe_status_t launch_m_grouped_fp8_gemm_sm90_gated(const cuda::MGroupedGemmAr
     }
     return fp8_promoted() ? launch_gated<Fp8Cooperative>(args, scales, h, act, num_sms, stream)
                           : launch_gated<Fp8RescaledCooperative>(args, scales, h, act, num_sms, stream);
+}
+
+megamoe_status_t launch_m_grouped_fp8_gemm_sm90_dswiglu(const cuda::MGroupedGemmArgs& args,
+                                                        const Fp8BlockScales& scales,
+                                                        const DSwiGLUEpilogueArgs& epilogue, int num_sms,
+                                                        cudaStream_t stream, int64_t* num_ds_parts) {
+    if (!m_grouped_fp8_gemm_sm90_supported(args, scales, false)) {
+        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
+                         "m_grouped_fp8_gemm_sm90: operands the FP8 kernel cannot take (m_grouped_fp8_gemm_sm90.h)");
+    }
+    if (!cuda::is_aligned(epilogue.h, 16) || !cuda::is_aligned(epilogue.dh, 16) ||
+        !cuda::is_aligned(epilogue.act, 16)) {
+        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
+                         "m_grouped_fp8_gemm_sm90: h, dh and act must be 16-byte aligned");
+    }
+    if (epilogue.dh_interleaved && epilogue.dh == epilogue.h) {
+        return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "m_grouped_fp8_gemm_sm90: interleaved dh cannot go over h");
+    }
+    if (fp8_promoted()) {
+        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
+                         "m_grouped_fp8_gemm_sm90: dH needs the default mainloop, not MEGAMOE_SM90_FP8_PROMOTE=1");
+    }
+    *num_ds_parts = ceil_div(args.n, int64_t{Fp8RescaledCooperative::kBlockN});
+    const auto launch = [&](auto epilogue_policy) {
+        using Epi = decltype(epilogue_policy);
+        return launch_fp8<Epi, Fp8RescaledCooperative>(args, scales,
+                                                       make_dswiglu_params<typename Epi::Activation>(epilogue), num_sms,
+                                                       stream, CUtensorMap{}, CUtensorMap{});
+    };
+    if (epilogue.activation.is_clamped()) {
+        return epilogue.dh_interleaved ? launch(DSwiGLUEpilogueOf<ClampedSwiGLUActivation, true>{})
+                                       : launch(DSwiGLUEpilogueOf<ClampedSwiGLUActivation, false>{});
+    }
+    return epilogue.dh_interleaved ? launch(DSwiGLUEpilogueOf<SwiGLUActivation, true>{})
+                                   : launch(DSwiGLUEpilogueOf<SwiGLUActivation, false>{});
 }
 
 }  // namespace megamoe::sm90

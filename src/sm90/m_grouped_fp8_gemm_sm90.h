@@ -24,6 +24,7 @@
 
 #include "common.h"
 #include "device/grouped_gemm_args.h"
+#include "sm90/m_grouped_gemm_sm90.h"
 
 namespace megamoe::sm90 {
 
@@ -31,14 +32,19 @@ namespace megamoe::sm90 {
 struct Fp8BlockScales {
     const float* a;  // [num_a_rows, ceil(K / 128)]: the scale of A row r's K group g at a[r * a_ld + g]
     int64_t a_ld;    // >= ceil(K / 128)
-    const float* b;  // [E, ceil(N_b / 128), ceil(K / 128)], contiguous: B_e's 128 x 128 blocks
+    // B_e's 128 x 128 blocks: [E, ceil(N_b / 128), ceil(K / 128)], contiguous; or, b_transposed, the scales of the
+    // weight whose transposed copy B is ([E, ceil(K / 128), ceil(N_b / 128)], launch_quantize_blocks' scales beside its
+    // q_t: a square block's transpose keeps its scale), read transposed: the data gradients' B.
+    const float* b;
+    bool b_transposed = false;
 };
 
 // Whether the FP8 kernels take these operands (see the requirements above). `swiglu`: the gated up projection.
 bool m_grouped_fp8_gemm_sm90_supported(const cuda::MGroupedGemmArgs& args, const Fp8BlockScales& scales, bool swiglu);
 
 // out[r, n] = acc[r, n] in args.dtype, row stride ldo (a multiple of 8), out holding num_out_rows rows (at least the
-// sorted rows). A: the sorted rows (args.a_gather_slots NULL) or gathered by slot.
+// sorted rows). A: the sorted rows (args.a_gather_slots NULL) or gathered by slot. The down projection (A = a e4m3, B =
+// w2 [E, H, I]) and dX (A = dh e4m3 along 2I, B = w13's transposed copy [E, H, 2I] with w13's scales, b_transposed).
 megamoe_status_t launch_m_grouped_fp8_gemm_sm90_store(const cuda::MGroupedGemmArgs& args, const Fp8BlockScales& scales,
                                                       void* out, int64_t ldo, int64_t num_out_rows, int num_sms,
                                                       cudaStream_t stream);
@@ -57,5 +63,15 @@ struct Fp8QuantizedAct {
 megamoe_status_t launch_m_grouped_fp8_gemm_sm90_gated(const cuda::MGroupedGemmArgs& args, const Fp8BlockScales& scales,
                                                       void* h, void* act, int num_sms, cudaStream_t stream,
                                                       const Fp8QuantizedAct* act_q = nullptr);
+
+// dH with dSwiGLU fused, FP8 operands (A = dy e4m3 [T, H] gathered by slot with its 1 x 128 scales along H, B =
+// w2's transposed FP8 copy [E, I, H] (kNK) with w2's block scales, b_transposed; args.n = I, args.k = H): the
+// epilogue of launch_m_grouped_gemm_sm90_dswiglu (dh, s * a, the ds partial sums from h; epilogue.b_layout and
+// a_sorted are not used: B is kNK, dy gathered). SwiGLU or the clamped activation, dh in either order. Needs the
+// default mainloop (not MEGAMOE_SM90_FP8_PROMOTE=1). *num_ds_parts: the partial sums per row (256-column n-tiles).
+megamoe_status_t launch_m_grouped_fp8_gemm_sm90_dswiglu(const cuda::MGroupedGemmArgs& args,
+                                                        const Fp8BlockScales& scales,
+                                                        const DSwiGLUEpilogueArgs& epilogue, int num_sms,
+                                                        cudaStream_t stream, int64_t* num_ds_parts);
 
 }  // namespace megamoe::sm90

@@ -23,6 +23,7 @@ struct Fp8TileScales {
     const float* a_rows[kThreadRows];
     float a_row_masks[kThreadRows];  // 1, or 0 for a row past the tile's end
     const float* b_boxes[kNumBBoxes];
+    int64_t b_group_stride;  // from one K group's scale of a B block to the next's
 };
 
 // `box_first_rows`: the first row of B_e in each box of the tile (the producer's coordinates); a box lies inside one
@@ -44,8 +45,9 @@ __device__ __forceinline__ Fp8TileScales fp8_tile_scales(const MainloopParams& p
     for (int box_idx = 0; box_idx < kNumBBoxes; ++box_idx) {
         const int64_t block_row = box_first_rows[box_idx] / kFp8ScaleGroup;
         tile_scales.b_boxes[box_idx] =
-            scales.b + (tile.expert_idx * scales.b_block_rows + block_row) * scales.num_k_groups;
+            scales.b + tile.expert_idx * scales.b_block_rows * scales.num_k_groups + block_row * scales.b_block_stride;
     }
+    tile_scales.b_group_stride = scales.b_group_stride;
     return tile_scales;
 }
 
@@ -58,7 +60,8 @@ __device__ __forceinline__ void load_group_scales(const Fp8TileScales& tile_scal
         const float row_scale = __ldg(tile_scales.a_rows[half] + group_idx) * tile_scales.a_row_masks[half];
 #pragma unroll
         for (int box_idx = 0; box_idx < kNumBBoxes; ++box_idx) {
-            group_scales[half][box_idx] = row_scale * __ldg(tile_scales.b_boxes[box_idx] + group_idx);
+            group_scales[half][box_idx] =
+                row_scale * __ldg(tile_scales.b_boxes[box_idx] + group_idx * tile_scales.b_group_stride);
         }
     }
 }

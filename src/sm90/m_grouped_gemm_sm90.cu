@@ -59,17 +59,7 @@ megamoe_status_t launch_dswiglu(const cuda::MGroupedGemmArgs& args, const DSwiGL
     using Epi = DSwiGLUEpilogueOf<Act, kInterleaved, kSortedA>;
     *num_ds_parts =
         ceil_div(args.n, uses_pingpong_variant<Epi, BSource::kOne>() ? PingPong::kBlockN : ConfigOf<Epi>::kBlockN);
-    typename Epi::Params params{};
-    params.h = epilogue.h;
-    params.dh = epilogue.dh;
-    params.act = epilogue.act;
-    params.ds_parts = epilogue.ds_parts;
-    params.weights = epilogue.weights;
-    params.weights_dtype = epilogue.weights_dtype;
-    if constexpr (Act::kClamped) {
-        params.limit = epilogue.activation.limit;
-        params.alpha = epilogue.activation.alpha;
-    }
+    const typename Epi::Params params = make_dswiglu_params<Act>(epilogue);
     CUtensorMap a_map{};  // kSortedA: the sorted dy by boxes of kBlockM rows x kBlockK, zero fill past its rows and K
     if (kSortedA &&
         !encode_sorted_a_map<ConfigOf<Epi>>(args, epilogue.a_sorted, epilogue.a_sorted_rows, args.k, &a_map)) {
