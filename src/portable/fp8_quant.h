@@ -8,7 +8,9 @@
 //                    or read as they are) in groups of 128 of an expert's rows from its first row (the routing's M
 //                    tiles), written transposed (q_t [cols, rows]: tokens contiguous, as the FP8 wgmma reads K-major
 //                    operands) with scales [cols, tiles] (fp8_reference.quantize_expert_rows).
-// quantize_groups: one warp per group, 4 columns per lane (a partial last group reads and writes only its columns).
+// quantize_groups: one warp per group, 4 columns per lane (a partial last group reads and writes only its columns);
+// where cols and the row stride are multiples of 4 (and in, q aligned to 4 elements) a lane's 4 columns by one vector
+// load and one 32-bit store, two groups per warp in flight (not yet timed on a GPU: TODO(#20)).
 // quantize_expert_rows: one block per M tile and 32 columns, the tile staged transposed in shared memory, one warp per
 // 4 columns. Any sm_80+ GPU.
 //   quantize_blocks  weights [E, N, K] in 128 x 128 blocks (partial at the edges): the same rules over a block's

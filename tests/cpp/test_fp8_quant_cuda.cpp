@@ -16,6 +16,7 @@
 #include <algorithm>
 #include <random>
 #include <string>
+#include <utility>
 #include <vector>
 
 #include "cuda_test_util.h"
@@ -150,11 +151,15 @@ void expect_kernel_matches_host(const HostTensor& input, int64_t rows, int64_t c
 TEST(Fp8QuantCuda, RandomGroupsEveryDtype) {
     SKIP_WITHOUT_CUDA();
     std::mt19937_64 rng(fresh_seed());
-    for (const megamoe_dtype_t dtype : {MEGAMOE_DTYPE_BF16, MEGAMOE_DTYPE_F16, MEGAMOE_DTYPE_F32}) {
-        for (const bool pow2 : {false, true}) {
-            HostTensor input(dtype, {37, 312});  // 300 quantized columns of a 312-element stride: a partial group
-            input.fill_random(rng, 3.0);
-            expect_kernel_matches_host(input, 37, 300, pow2, pow2 ? "random, pow2" : "random");
+    // 300 quantized columns of a 312-element stride (a partial group; the kernel's vector path: 4-element aligned
+    // rows), and 301 of 301 (its scalar path).
+    for (const auto [cols, stride] : {std::pair<int64_t, int64_t>{300, 312}, std::pair<int64_t, int64_t>{301, 301}}) {
+        for (const megamoe_dtype_t dtype : {MEGAMOE_DTYPE_BF16, MEGAMOE_DTYPE_F16, MEGAMOE_DTYPE_F32}) {
+            for (const bool pow2 : {false, true}) {
+                HostTensor input(dtype, {37, stride});
+                input.fill_random(rng, 3.0);
+                expect_kernel_matches_host(input, 37, cols, pow2, pow2 ? "random, pow2" : "random");
+            }
         }
     }
 }
