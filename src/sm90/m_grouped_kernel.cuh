@@ -71,9 +71,14 @@
 // four sub-tile slots), then the full and empty mbarriers;
 // the stage count is the most that fits 227 KiB (cooperative: 4 stages of 48 KiB; ping-pong: 7 of 32 KiB). What was
 // measured of these choices (tile shapes, schedules, TMA against cp.async, prefetches): docs/log/.
-#include "sm90/m_grouped_gemm_sm90.h"
-
+// Operands (TileConfig's Operands): 16-bit (bf16 / f16, T) as above, or blockwise FP8 (m_grouped_fp8_gemm_sm90.h,
+// launched by m_grouped_fp8_gemm_sm90.cu): e4m3 A and B, kNK only, a K block of 128 e4m3 (the same 128-byte swizzled
+// row, so tiles, boxes, the gather and the epilogues are unchanged; T is then the output type) is one scale group;
+// the mainloop (m_grouped_fp8_mainloop.cuh) applies the scales per group: the rescaled 128 x 256 tile (one set of
+// accumulators in the current group's units) or the promoted 128 x 128 tile (a second set per group).
 #pragma once
+
+#include "sm90/m_grouped_gemm_sm90.h"
 
 #include <algorithm>
 #include <type_traits>
