@@ -6,7 +6,7 @@
 // Lane q of a quad holds columns 8 f + 2 q, + 1 of fragment f of its two rows: the group's amax is a quad reduction;
 // the pairs of 4 fragments are quad-transposed (as the 16-bit epilogue's stores) so that each lane stores 8 contiguous
 // bytes (and 16 of a); the scale from lane 0.
-// h = [g, u] by sorted row, as the 16-bit epilogue writes it (store_tile), where asked.
+// h = [g, u] by sorted row, as the 16-bit epilogue writes it (the same quad-transposed chunks), where asked.
 #pragma once
 
 #include <cstdint>
@@ -42,12 +42,6 @@ struct QuantizedSwiGLUEpilogue : NoEpilogueHooks {
         constexpr int kNumFrags = Config::kBlockN / 8;
         constexpr int kOutFrags = kNumFrags / 2;  // a's 8-column fragments: gate fragment f, up fragment f + kOutFrags
         static_assert(kOutFrags * 8 == kFp8ScaleGroup, "a tile's output columns are one scale group");
-        if (params.h != nullptr) {
-            HOnly h_target{};
-            h_target.h = params.h;
-            store_tile<T, SwiGLUOptions, Config, kFirstReg>(mainloop, h_target, tile, acc, row_block, warp_idx,
-                                                            lane_idx);
-        }
         constexpr int kFragsPerChunk = 4;  // a quad transpose: 4 fragments' pairs into 8 columns per lane
         const int quad_lane = lane_idx % 4;
         const int64_t groups_per_row = mainloop.n / kFp8ScaleGroup;
@@ -74,6 +68,7 @@ struct QuantizedSwiGLUEpilogue : NoEpilogueHooks {
             const float scale = cuda::group_scale(stats, params.pow2);
             uint8_t* q_row = params.act_q + row_idx * mainloop.n;
             T* out_row = static_cast<T*>(params.out) + row_idx * params.ldo;
+            T* h_row = static_cast<T*>(params.h) + row_idx * 2 * mainloop.n;
             // 4 fragments at a time: their bf16 pairs quad-transposed into one 8-column chunk per lane (the shuffles
             // take every lane, so rows past the tile only skip the stores), then 8 bytes and 16 of a per lane.
 #pragma unroll
@@ -100,18 +95,27 @@ struct QuantizedSwiGLUEpilogue : NoEpilogueHooks {
                     *reinterpret_cast<uint2*>(q_row + col) = make_uint2(bytes[0], bytes[1]);
                     if (params.out != nullptr) store_chunk(out_row, col, words);
                 }
+                if (params.h !=
+                    nullptr) {  // h = [g, u]: the same fragments' gate and up pairs, as store_tile writes them
+                    uint32_t gate_words[kFragsPerChunk], up_words[kFragsPerChunk];
+#pragma unroll
+                    for (int word_idx = 0; word_idx < kFragsPerChunk; ++word_idx) {
+                        const int reg_idx = kFirstReg + (group_idx * kFragsPerChunk + word_idx) * 4 + half * 2;
+                        gate_words[word_idx] = cuda::pack_pair<T>(acc[reg_idx], acc[reg_idx + 1]);
+                        up_words[word_idx] =
+                            cuda::pack_pair<T>(acc[reg_idx + kOutFrags * 4], acc[reg_idx + kOutFrags * 4 + 1]);
+                    }
+                    quad_transpose(gate_words, quad_lane);
+                    quad_transpose(up_words, quad_lane);
+                    if (row_valid) {
+                        store_chunk(h_row, col, gate_words);
+                        store_chunk(h_row + mainloop.n, col, up_words);
+                    }
+                }
             }
             if (row_valid && quad_lane == 0) params.act_scales[row_idx * groups_per_row + tile.n_tile_idx] = scale;
         }
     }
-
-  private:
-    // store_tile's target for h alone (out NULL).
-    struct HOnly : Activation::Params {
-        void* out;
-        int64_t ldo;
-        void* h;
-    };
 };
 
 }  // namespace megamoe::sm90::m_grouped
