@@ -249,4 +249,13 @@ __device__ __forceinline__ Tile decode_tile(const MainloopParams& params, int64_
     return tile;
 }
 
+// The first row of B_e in kNK box `box_idx` of the tile's B tile (rows of B_e: the N rows, or the gate / up rows):
+// gate / up halves take kBBoxRows gate rows from pair n0 and the matching up rows second_box_row_offset (I) further;
+// else the tile's kBlockN rows in order, box 1 kBBoxRows after box 0.
+template <class Config, class Epi>
+__device__ __forceinline__ int64_t b_box_first_row(const MainloopParams& params, const Tile& tile, int box_idx) {
+    const int64_t first_row = tile.n_tile_idx * (Epi::kGateUpHalves ? Config::kBBoxRows : Config::kBlockN);
+    return first_row + (box_idx == 0 ? 0 : params.second_box_row_offset);
+}
+
 }  // namespace megamoe::sm90::m_grouped

@@ -26,11 +26,11 @@ struct Fp8TileScales {
     int64_t b_group_stride;  // from one K group's scale of a B block to the next's
 };
 
-// `box_first_rows`: the first row of B_e in each box of the tile (the producer's coordinates); a box lies inside one
-// 128-row scale block (m_grouped_fp8_gemm_sm90_supported checks the shapes that guarantee it).
+// For a tile with rows; each B box (b_box_first_row, the producer's coordinates) lies inside one 128-row scale block
+// (m_grouped_fp8_gemm_sm90_supported checks the shapes that guarantee it).
+template <class Config, class Epi>
 __device__ __forceinline__ Fp8TileScales fp8_tile_scales(const MainloopParams& params, const Fp8ScaleParams& scales,
-                                                         const Tile& tile, const int64_t (&box_first_rows)[kNumBBoxes],
-                                                         int row_block, int warp_idx, int lane_idx) {
+                                                         const Tile& tile, int row_block, int warp_idx, int lane_idx) {
     Fp8TileScales tile_scales;
 #pragma unroll
     for (int half = 0; half < kThreadRows; ++half) {
@@ -43,7 +43,7 @@ __device__ __forceinline__ Fp8TileScales fp8_tile_scales(const MainloopParams& p
     }
 #pragma unroll
     for (int box_idx = 0; box_idx < kNumBBoxes; ++box_idx) {
-        const int64_t block_row = box_first_rows[box_idx] / kFp8ScaleGroup;
+        const int64_t block_row = b_box_first_row<Config, Epi>(params, tile, box_idx) / kFp8ScaleGroup;
         tile_scales.b_boxes[box_idx] =
             scales.b + tile.expert_idx * scales.b_block_rows * scales.num_k_groups + block_row * scales.b_block_stride;
     }
@@ -63,19 +63,6 @@ __device__ __forceinline__ void load_group_scales(const Fp8TileScales& tile_scal
             group_scales[half][box_idx] =
                 row_scale * __ldg(tile_scales.b_boxes[box_idx] + group_idx * tile_scales.b_group_stride);
         }
-    }
-}
-
-// acc *= factors, element by element (register j of fragment f: row j / 2, box of the fragment): the rescaled
-// mainloop's change of units, and its final scaling.
-template <class Config, int kNumRegs>
-__device__ __forceinline__ void scale_accumulators(float (&acc)[kNumRegs],
-                                                   const float (&factors)[kThreadRows][kNumBBoxes]) {
-    constexpr int kFragsPerBox = Config::kBBoxRows / 8;
-    static_assert(kNumRegs == Config::kBlockN / 8 * 4, "one row block: 4 registers per 8-column fragment");
-#pragma unroll
-    for (int reg_idx = 0; reg_idx < kNumRegs; ++reg_idx) {
-        acc[reg_idx] *= factors[reg_idx % 4 / 2][reg_idx / 4 / kFragsPerBox];
     }
 }
 
@@ -125,20 +112,27 @@ __device__ __forceinline__ void promote_group(float (&acc)[kNumRegs], const floa
     }
 }
 
-// One column half (B box kHalf) of an FP8 stage into its accumulators: kBlockK / 32 steps of m64 x kBBoxRows x k32,
-// accumulating.
+// One FP8 stage of one consumer: its 64 A rows at tile_a (K-major) times kN rows of B at tile_b (K-major) into acc,
+// kBlockK / 32 steps of m64 x kN x k32; accumulating, or (kOverwrite) from zero: the first step does not read acc.
+template <class Config, int kN, bool kOverwrite, int kNumRegs>
+__device__ __forceinline__ void fp8_mma(const uint8_t* tile_a, const uint8_t* tile_b, float (&acc)[kNumRegs]) {
+    static_assert(kNumRegs == kWgmmaM * kN / kWarpgroupThreads, "the accumulators are the wgmma's");
+    constexpr gmma::ScaleOut kFirstScaleOut = kOverwrite ? gmma::ScaleOut::Zero : gmma::ScaleOut::One;
+    const uint64_t desc_a = make_smem_desc_k_major_sw128(tile_a);
+    const uint64_t desc_b = make_smem_desc_k_major_sw128(tile_b);
+    wgmma_unpacked<WgmmaFp8Op<kN>, 0, kFirstScaleOut>(desc_a, desc_b, acc, std::make_index_sequence<kNumRegs>{});
+#pragma unroll
+    for (int k_step = 1; k_step < Config::kBlockK / Config::kMmaK; ++k_step) {
+        wgmma_unpacked<WgmmaFp8Op<kN>, 0>(desc_a + k_step * Config::kDescKStep, desc_b + k_step * Config::kDescKStep,
+                                          acc, std::make_index_sequence<kNumRegs>{});
+    }
+}
+
+// One column half (B box kHalf) of a rescaled FP8 stage into its accumulators, accumulating.
 template <class Config, int kHalf, int kHalfRegs>
 __device__ __forceinline__ void fp8_half_mma(const uint8_t* tile_a, const uint8_t* tile_b,
                                              float (&half_acc)[kHalfRegs]) {
-    static_assert(kHalfRegs == kWgmmaM * Config::kBBoxRows / kWarpgroupThreads, "a half is one B box's columns");
-    const uint64_t desc_a = make_smem_desc_k_major_sw128(tile_a);
-    const uint64_t desc_b = make_smem_desc_k_major_sw128(tile_b + kHalf * Config::kBBoxBytes);
-#pragma unroll
-    for (int k_step = 0; k_step < Config::kBlockK / Config::kMmaK; ++k_step) {
-        wgmma_unpacked<WgmmaFp8Op<Config::kBBoxRows>, 0>(desc_a + k_step * Config::kDescKStep,
-                                                         desc_b + k_step * Config::kDescKStep, half_acc,
-                                                         std::make_index_sequence<kHalfRegs>{});
-    }
+    fp8_mma<Config, Config::kBBoxRows, false>(tile_a, tile_b + kHalf * Config::kBBoxBytes, half_acc);
 }
 
 // A consumer with no rows in the tile: waits for each of its stages and releases it (the pipeline goes on).
@@ -149,6 +143,35 @@ __device__ __forceinline__ void skip_stages(Storage& smem, int& stage_idx, uint3
         mbarrier_wait(&smem.full[stage_idx], phase);
         if (lane_idx == 0) release_stage<kClusterSize>(&smem.empty[stage_idx]);
         advance_stage<kNumStages>(stage_idx, phase);
+    }
+}
+
+// The promoted FP8 mainloop of one tile with rows (Operands::kFp8Blockwise): each stage (one K group) summed into
+// group_acc from zero, completed before the stage is released (no batch stays in flight), then promoted into acc by
+// the group's scales (loaded a group ahead). The other consumer's wgmmas keep the tensor pipe busy meanwhile.
+template <class Config, class Epi, int kNumStages, class Storage, int kNumRegs>
+__device__ __forceinline__ void fp8_promoted_mainloop(Storage& smem, int& stage_idx, uint32_t& phase, int num_k_blocks,
+                                                      const Fp8TileScales& tile_scales, int first_row_block,
+                                                      int lane_idx, float (&acc)[kNumRegs]) {
+    float group_acc[kNumRegs];
+    float group_scales[kThreadRows][kNumBBoxes];
+    float next_scales[kThreadRows][kNumBBoxes];
+    load_group_scales(tile_scales, 0, next_scales);
+    for (int k_block_idx = 0; k_block_idx < num_k_blocks; ++k_block_idx) {
+        copy_scales(next_scales, group_scales);
+        if (k_block_idx + 1 < num_k_blocks) load_group_scales(tile_scales, k_block_idx + 1, next_scales);
+        mbarrier_wait(&smem.full[stage_idx], phase);
+        if constexpr (!Epi::kTmaA) fence_proxy_async_shared();
+        fence_accumulators(group_acc);
+        wgmma_fence();
+        fp8_mma<Config, Config::kBlockN, true>(smem.a[stage_idx] + first_row_block * kRowBlockATileBytes,
+                                               smem.b[stage_idx], group_acc);
+        wgmma_commit_group();
+        wgmma_wait_group<0>();
+        fence_accumulators(group_acc);
+        if (lane_idx == 0) release_stage<kClusterSize>(&smem.empty[stage_idx]);
+        advance_stage<kNumStages>(stage_idx, phase);
+        promote_group<Config>(acc, group_acc, group_scales);
     }
 }
 

@@ -105,22 +105,13 @@ using cuda::ceil_div;
 template <BLayout kBLayout>
 constexpr gmma::Major kBMajor = kBLayout == BLayout::kNK ? gmma::Major::K : gmma::Major::MN;
 
-// The wgmma atom of the mainloop: 16-bit T (A K-major, B as kBLayout) or e4m3 (both K-major).
-template <typename T, BLayout kBLayout, class Config>
-constexpr auto mainloop_op() {
-    if constexpr (Config::kFp8) {
-        static_assert(kBLayout == BLayout::kNK, "FP8 wgmma reads B K-major");
-        return WgmmaFp8Op<Config::kBlockN>{};
-    } else {
-        return WgmmaOp<T, Config::kBlockN, gmma::Major::K, kBMajor<kBLayout>>{};
-    }
-}
-
-// acc[kFirstReg, kFirstReg + kBlockRegs) (+)= A (64 x kMmaK) * B (kBlockN x kMmaK)^T, asynchronously: one row block.
-template <typename T, BLayout kBLayout, class Config, int kFirstReg, gmma::ScaleOut kScaleOut, int kNumRegs>
+// acc[kFirstReg, kFirstReg + kBlockRegs) += A (64 x 16) * B (kBlockN x 16)^T, asynchronously: one row block of
+// 16-bit operands (the FP8 ones: m_grouped_fp8_mainloop.cuh's fp8_mma).
+template <typename T, BLayout kBLayout, class Config, int kFirstReg, int kNumRegs>
 __device__ __forceinline__ void wgmma(uint64_t desc_a, uint64_t desc_b, float (&acc)[kNumRegs]) {
+    static_assert(!Config::kFp8, "16-bit operands");
     static_assert(kFirstReg + Config::kBlockRegs <= kNumRegs, "the row block's accumulators are the consumer's");
-    wgmma_unpacked<decltype(mainloop_op<T, kBLayout, Config>()), kFirstReg, kScaleOut>(
+    wgmma_unpacked<WgmmaOp<T, Config::kBlockN, gmma::Major::K, kBMajor<kBLayout>>, kFirstReg>(
         desc_a, desc_b, acc, std::make_index_sequence<Config::kBlockRegs>{});
 }
 
@@ -133,8 +124,8 @@ __device__ __forceinline__ uint64_t make_b_desc(const uint8_t* tile_b) {
         return make_smem_desc_mn_major_sw128<kKNBoxBytes>(tile_b);
     }
 }
-template <class Config, BLayout kBLayout>
-constexpr uint64_t kBDescKStep = kBLayout == BLayout::kNK ? Config::kDescKStep : kDescMnK16Step;
+template <BLayout kBLayout>
+constexpr uint64_t kBDescK16Step = kBLayout == BLayout::kNK ? kDescK16Step : kDescMnK16Step;
 
 // How the producer loads A (the policy's kTmaA): the store epilogue's A (down: a, dX: dh) holds the sorted rows
 // themselves, one TMA box of kBlockM rows per stage (thread 0); the others gather rows of x / dy with cp.async by all
@@ -151,15 +142,6 @@ struct CtaTiles {
     __device__ __forceinline__ CtaTiles() : first(blockIdx.x / kClusterSize), stride(gridDim.x / kClusterSize) {}
     __device__ __forceinline__ int64_t at(int64_t seq_idx) const { return first + seq_idx * stride; }
 };
-
-// The first row of B_e in kNK box `box_idx` of the tile's B tile (rows of B_e: the N rows, or the gate / up rows):
-// gate / up halves take kBBoxRows gate rows from pair n0 and the matching up rows second_box_row_offset (I) further;
-// else the tile's kBlockN rows in order, box 1 kBBoxRows after box 0.
-template <class Config, class Epi>
-__device__ __forceinline__ int64_t b_box_first_row(const MainloopParams& params, const Tile& tile, int box_idx) {
-    const int64_t first_row = tile.n_tile_idx * (Epi::kGateUpHalves ? Config::kBBoxRows : Config::kBlockN);
-    return first_row + (box_idx == 0 ? 0 : params.second_box_row_offset);
-}
 
 // Producer warpgroup: B by TMA, A by TMA or gathered by cp.async, stage by stage, for every tile of this CTA.
 // `b_second_map`: the second B map of kBSource kUpHalf / kKHalves (else unused).
@@ -269,17 +251,13 @@ __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensor
     cuda::cp_async_wait<0>();  // no copy outlives its thread
 }
 
-// One row block's wgmmas of a stage: kBlockK / kMmaK steps of m64 x kBlockN x kMmaK on the block's A rows,
-// accumulating into acc, or (kOverwrite) starting from zero: the first step does not read acc.
-template <typename T, BLayout kBLayout, class Config, int kRowBlock, bool kOverwrite = false, int kNumRegs>
+// One row block's wgmmas of a stage: kBlockK / 16 k16 steps of m64 x kBlockN x k16 on the block's A rows.
+template <typename T, BLayout kBLayout, class Config, int kRowBlock, int kNumRegs>
 __device__ __forceinline__ void row_block_mma(uint64_t desc_a, uint64_t desc_b, float (&acc)[kNumRegs]) {
-    constexpr int kFirstReg = kRowBlock * Config::kBlockRegs;
-    constexpr gmma::ScaleOut kFirstScaleOut = kOverwrite ? gmma::ScaleOut::Zero : gmma::ScaleOut::One;
-    wgmma<T, kBLayout, Config, kFirstReg, kFirstScaleOut>(desc_a, desc_b, acc);
 #pragma unroll
-    for (int k_step = 1; k_step < Config::kBlockK / Config::kMmaK; ++k_step) {
-        wgmma<T, kBLayout, Config, kFirstReg, gmma::ScaleOut::One>(
-            desc_a + k_step * Config::kDescKStep, desc_b + k_step * kBDescKStep<Config, kBLayout>, acc);
+    for (int k_step = 0; k_step < Config::kBlockK / kWgmmaK; ++k_step) {
+        wgmma<T, kBLayout, Config, kRowBlock * Config::kBlockRegs>(desc_a + k_step * kDescK16Step,
+                                                                   desc_b + k_step * kBDescK16Step<kBLayout>, acc);
     }
 }
 
@@ -294,9 +272,8 @@ constexpr uint32_t kOrderThreads = kNumConsumers * kWarpgroupThreads;
 // Consumer warpgroup `consumer_idx`: wgmma over the stages of its tiles, then the epilogue. Cooperative: every tile of
 // the CTA, rows [64 consumer_idx, + 64); ping-pong: every other tile (consumer_idx first), all 128 rows as two row
 // blocks, the other consumer's stages skipped (every tile has num_k_blocks stages), the mainloops in turn.
-// FP8 (Config::kFp8; m_grouped_fp8_mainloop.cuh): a stage is one K group. Promoted: its wgmmas sum into group_acc
-// from zero, complete before the stage is released (no batch stays in flight), and the group is promoted into acc by
-// its scales (loaded a group ahead). Rescaled: fp8_rescaled_mainloop runs the tile's stages at once.
+// FP8 (Config::kFp8): a stage is one K group; m_grouped_fp8_mainloop.cuh's promoted or rescaled mainloop runs a tile's
+// stages at once (skip_stages where the consumer has no rows).
 template <typename T, class Config, class Epi, BLayout kBLayout, class Storage>
 __device__ __forceinline__ void consume(const CUtensorMap* out_map, const MainloopParams& params,
                                         const typename Epi::Params& epilogue, const ScaleParamsOf<Config>& scales,
@@ -318,8 +295,6 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Mainlo
     const int64_t first_seq = Config::kPingPong ? consumer_idx : 0;
     if (first_seq > 0) advance_stages<kNumStages>(stage_idx, phase, first_seq * num_k_blocks);
     float acc[Config::kNumAccRegs];
-    // FP8 with promotion: the current K group's partial sums.
-    [[maybe_unused]] float group_acc[Config::kFp8Promoted ? Config::kNumAccRegs : 1];
     for (int64_t seq_idx = first_seq; tiles.at(seq_idx) < num_tiles; seq_idx += kTileStep) {
         const Tile tile = decode_tile(params, tiles.at(seq_idx), num_m_tiles, cta_rank);
         // A consumer whose first row block has no rows only keeps the pipeline going. Ping-pong's second row block runs
@@ -334,53 +309,24 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Mainlo
         if (Config::kPingPong && seq_idx > 0) {  // the CTA's previous tile is the other consumer's
             named_barrier_sync(kMainloopDoneBarrier + (consumer_idx ^ 1), kOrderThreads);
         }
-        [[maybe_unused]] Fp8TileScales tile_scales{};
-        [[maybe_unused]] float group_scales[kThreadRows][kNumBBoxes];  // FP8: sa * sb of the current K group
-        [[maybe_unused]] float next_scales[kThreadRows][kNumBBoxes];   // and of the next (loaded a group ahead)
-        if constexpr (Config::kFp8) {
-            int64_t box_first_rows[kNumBBoxes];
-#pragma unroll
-            for (int box_idx = 0; box_idx < kNumBBoxes; ++box_idx) {
-                box_first_rows[box_idx] = b_box_first_row<Config, Epi>(params, tile, box_idx);
-            }
-            if (has_rows) {
-                tile_scales =
-                    fp8_tile_scales(params, scales, tile, box_first_rows, first_row_block, warp_idx, lane_idx);
-            }
-            if (Config::kFp8Promoted && has_rows) load_group_scales(tile_scales, 0, next_scales);
-        }
         [[maybe_unused]] int in_flight_stage = -1;
-        for (int k_block_idx = 0; k_block_idx < num_k_blocks; ++k_block_idx) {
-            if constexpr (Config::kFp8Promoted) {
-                if (has_rows) {
-                    copy_scales(next_scales, group_scales);
-                    if (k_block_idx + 1 < num_k_blocks) load_group_scales(tile_scales, k_block_idx + 1, next_scales);
-                }
-                mbarrier_wait(&smem.full[stage_idx], phase);
-                if constexpr (!Epi::kTmaA) fence_proxy_async_shared();
-                if (has_rows) {
-                    const uint8_t* tile_a = smem.a[stage_idx] + first_row_block * kRowBlockATileBytes;
-                    fence_accumulators(group_acc);
-                    wgmma_fence();
-                    row_block_mma<T, kBLayout, Config, 0, true>(make_smem_desc_k_major_sw128(tile_a),
-                                                                make_b_desc<kBLayout>(smem.b[stage_idx]), group_acc);
-                    wgmma_commit_group();
-                }
-                wgmma_wait_group<0>();
-                fence_accumulators(group_acc);
-                if (lane_idx == 0) release_stage<kClusterSize>(&smem.empty[stage_idx]);
-                advance_stage<kNumStages>(stage_idx, phase);
-                if (has_rows) promote_group<Config>(acc, group_acc, group_scales);
-            } else if constexpr (Config::kFp8) {  // rescaled: the whole tile's mainloop at once
-                if (k_block_idx == 0) {
-                    if (has_rows) {
-                        fp8_rescaled_mainloop<Config, Epi, kNumStages>(smem, stage_idx, phase, num_k_blocks,
-                                                                       tile_scales, first_row_block, lane_idx, acc);
-                    } else {
-                        skip_stages<Config, kNumStages>(smem, stage_idx, phase, num_k_blocks, lane_idx);
-                    }
+        if constexpr (Config::kFp8) {  // the tile's stages at once (m_grouped_fp8_mainloop.cuh)
+            static_assert(kBLayout == BLayout::kNK, "FP8 wgmma reads B K-major");
+            if (has_rows) {
+                const Fp8TileScales tile_scales =
+                    fp8_tile_scales<Config, Epi>(params, scales, tile, first_row_block, warp_idx, lane_idx);
+                if constexpr (Config::kFp8Promoted) {
+                    fp8_promoted_mainloop<Config, Epi, kNumStages>(smem, stage_idx, phase, num_k_blocks, tile_scales,
+                                                                   first_row_block, lane_idx, acc);
+                } else {
+                    fp8_rescaled_mainloop<Config, Epi, kNumStages>(smem, stage_idx, phase, num_k_blocks, tile_scales,
+                                                                   first_row_block, lane_idx, acc);
                 }
             } else {
+                skip_stages<Config, kNumStages>(smem, stage_idx, phase, num_k_blocks, lane_idx);
+            }
+        } else {
+            for (int k_block_idx = 0; k_block_idx < num_k_blocks; ++k_block_idx) {
                 mbarrier_wait(&smem.full[stage_idx], phase);
                 // A written by cp.async (generic proxy) is read by wgmma (async proxy); a stage that TMA filled alone
                 // is the async proxy's throughout.
