@@ -278,6 +278,18 @@ struct DSwiGLUEpilogueOf : NoEpilogueHooks {
 };
 using DSwiGLUEpilogue = DSwiGLUEpilogueOf<SwiGLUActivation, false>;
 
+// The outputs a dH launch can take (`kernel`: the launcher, as the message names it): h, dh and act 16-byte aligned,
+// an interleaved dh not written over h.
+inline megamoe_status_t check_dswiglu_outputs(const DSwiGLUEpilogueArgs& args, const char* kernel) {
+    if (!cuda::is_aligned(args.h, 16) || !cuda::is_aligned(args.dh, 16) || !cuda::is_aligned(args.act, 16)) {
+        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "%s: h, dh and act must be 16-byte aligned", kernel);
+    }
+    if (args.dh_interleaved && args.dh == args.h) {
+        return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "%s: interleaved dh cannot go over h", kernel);
+    }
+    return MEGAMOE_STATUS_SUCCESS;
+}
+
 // The policy's params from a launch's arguments (m_grouped_gemm_sm90.h: the 16-bit and the FP8 dH launches).
 template <class Act>
 DSwiGLUParamsOf<Act> make_dswiglu_params(const DSwiGLUEpilogueArgs& args) {

@@ -156,14 +156,8 @@ megamoe_status_t launch_m_grouped_fp8_gemm_sm90_dswiglu(const cuda::MGroupedGemm
         return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
                          "m_grouped_fp8_gemm_sm90: operands the FP8 kernel cannot take (m_grouped_fp8_gemm_sm90.h)");
     }
-    if (!cuda::is_aligned(epilogue.h, 16) || !cuda::is_aligned(epilogue.dh, 16) ||
-        !cuda::is_aligned(epilogue.act, 16)) {
-        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
-                         "m_grouped_fp8_gemm_sm90: h, dh and act must be 16-byte aligned");
-    }
-    if (epilogue.dh_interleaved && epilogue.dh == epilogue.h) {
-        return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "m_grouped_fp8_gemm_sm90: interleaved dh cannot go over h");
-    }
+    const megamoe_status_t outputs_status = check_dswiglu_outputs(epilogue, "m_grouped_fp8_gemm_sm90");
+    if (outputs_status != MEGAMOE_STATUS_SUCCESS) return outputs_status;
     if (fp8_promoted()) {
         return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
                          "m_grouped_fp8_gemm_sm90: dH needs the default mainloop, not MEGAMOE_SM90_FP8_PROMOTE=1");

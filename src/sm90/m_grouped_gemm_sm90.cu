@@ -140,13 +140,8 @@ int64_t dswiglu_sm90_max_ds_parts(int64_t intermediate) {
 megamoe_status_t launch_m_grouped_gemm_sm90_dswiglu(const cuda::MGroupedGemmArgs& args,
                                                     const DSwiGLUEpilogueArgs& epilogue, int num_sms,
                                                     cudaStream_t stream, int64_t* num_ds_parts) {
-    if (!cuda::is_aligned(epilogue.h, 16) || !cuda::is_aligned(epilogue.dh, 16) ||
-        !cuda::is_aligned(epilogue.act, 16)) {
-        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "m_grouped_gemm_sm90: h, dh and act must be 16-byte aligned");
-    }
-    if (epilogue.dh_interleaved && epilogue.dh == epilogue.h) {
-        return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "m_grouped_gemm_sm90: interleaved dh cannot go over h");
-    }
+    const megamoe_status_t outputs_status = check_dswiglu_outputs(epilogue, "m_grouped_gemm_sm90");
+    if (outputs_status != MEGAMOE_STATUS_SUCCESS) return outputs_status;
     if (epilogue.activation.is_clamped()) {
         return epilogue.dh_interleaved
                    ? launch_dswiglu<ClampedSwiGLUActivation, true>(args, epilogue, num_sms, stream, num_ds_parts)
