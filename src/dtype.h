@@ -24,6 +24,8 @@ inline const char* dtype_name(megamoe_dtype_t dtype) {
             return "i32";
         case MEGAMOE_DTYPE_I64:
             return "i64";
+        case MEGAMOE_DTYPE_E4M3:
+            return "e4m3";
     }
     return "unknown";
 }
@@ -39,6 +41,8 @@ inline size_t dtype_size(megamoe_dtype_t dtype) {
         case MEGAMOE_DTYPE_F64:
         case MEGAMOE_DTYPE_I64:
             return 8;
+        case MEGAMOE_DTYPE_E4M3:
+            return 1;
     }
     return 0;
 }
@@ -106,6 +110,8 @@ inline double load_element(const void* data, megamoe_dtype_t dtype, int64_t inde
             return static_cast<const int32_t*>(data)[index];
         case MEGAMOE_DTYPE_I64:
             return static_cast<double>(static_cast<const int64_t*>(data)[index]);
+        case MEGAMOE_DTYPE_E4M3:  // never an input of the reference (validation keeps it to the FP8 weights)
+            break;
     }
     return NAN;
 }
@@ -134,6 +140,8 @@ inline void store_element(void* data, megamoe_dtype_t dtype, int64_t index, doub
             break;
         case MEGAMOE_DTYPE_I64:
             static_cast<int64_t*>(data)[index] = static_cast<int64_t>(value);
+            break;
+        case MEGAMOE_DTYPE_E4M3:  // never an output of the reference
             break;
     }
 }

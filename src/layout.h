@@ -83,11 +83,14 @@ struct Experts {
     const megamoe_tensor_t* b2;
     megamoe_layout_t layout;
     megamoe_activation_t activation;
+    megamoe_precision_t precision;
+    const megamoe_fp8_experts_t* fp8;  // the quantized weights of FP8_BLOCKWISE (absent tensors otherwise)
 
     template <typename Params>
     static Experts of(const Params& p) {
-        return {&p.w13, &p.w3, &p.w2, &p.b13, &p.b2, p.layout, p.activation};
+        return {&p.w13, &p.w3, &p.w2, &p.b13, &p.b2, p.layout, p.activation, p.precision, &p.fp8};
     }
+    bool fp8_blockwise() const { return precision == MEGAMOE_PRECISION_FP8_BLOCKWISE; }
 };
 
 // The weight gradients of a backward (data NULL: not wanted); `accumulate`: added into f32 buffers holding values

@@ -83,12 +83,12 @@ extern "C" {
 #endif
 
 #define MEGAMOE_VERSION_MAJOR 0
-#define MEGAMOE_VERSION_MINOR 5
+#define MEGAMOE_VERSION_MINOR 6
 #define MEGAMOE_VERSION_PATCH 0
 #define MEGAMOE_MAX_DIMS 4
 /* Raised whenever a public struct's layout or a function's signature changes; megamoe_abi_version() returns the
  * value the library was built with, so a binding can refuse a library that does not match its own declarations. */
-#define MEGAMOE_ABI_VERSION 4
+#define MEGAMOE_ABI_VERSION 5
 
 typedef enum {
     MEGAMOE_STATUS_SUCCESS = 0,
@@ -106,6 +106,7 @@ typedef enum {
     MEGAMOE_DTYPE_F64 = 3,
     MEGAMOE_DTYPE_I32 = 4,
     MEGAMOE_DTYPE_I64 = 5,
+    MEGAMOE_DTYPE_E4M3 = 6,  // float8_e4m3fn, 1 byte: the FP8 expert weights (megamoe_fp8_experts_t) only
 } megamoe_dtype_t;
 
 typedef enum {
@@ -151,6 +152,7 @@ typedef enum {
     MEGAMOE_PATH_CUDA_PORTABLE = 1,               // the portable CUDA kernels (any sm_80+ GPU)
     MEGAMOE_PATH_SM90 = 2,                        // the fused sm_90a kernels (backward: the weight gradients too)
     MEGAMOE_PATH_SM90_PORTABLE_WEIGHT_GRADS = 3,  // backward: sm_90a up / dH / dX, portable dW13 / dW2
+    MEGAMOE_PATH_SM90_FP8 = 4,                    // precision FP8_BLOCKWISE on the sm_90a kernels (see below)
 } megamoe_path_t;
 
 /* A strided view of memory. An absent optional tensor has data == NULL and ndim == 0. */
@@ -163,6 +165,37 @@ typedef struct {
     megamoe_device_type_t device_type;  // where data lives
     int32_t device_index;               // CUDA ordinal (ignored for CPU)
 } megamoe_tensor_t;
+
+/* The precision of the expert GEMMs.
+ *   DEFAULT         operands in the dtype of x, f32 accumulation.
+ *   FP8_BLOCKWISE   DeepSeek-V3's blockwise FP8 (DESIGN.md section 7): the up, down, dH and dX GEMMs read e4m3
+ *                   operands with f32 scales, the activations' per 1 x 128 group along the GEMM's K (quantized by the
+ *                   library: x and dy by one pass each, a in the up GEMM's epilogue, dh by a pass), the weights' per
+ *                   128 x 128 block (params.fp8, made once per optimizer step by megamoe_quantize_experts); each
+ *                   group's partial product scaled in f32. The combine, routing, d topk_weights and outputs stay as
+ *                   in DEFAULT (y, dx in the dtype of x); the weight gradients are computed from the 16-bit operands
+ *                   (dh, x, dy, s * a) as in DEFAULT. CUDA on a compute capability 9.0 GPU only, with the default
+ *                   layout and activation (concatenated, untransposed, SwiGLU), no biases, H and I multiples of 128;
+ *                   anything else is NOT_SUPPORTED with a message naming it (never a silent bf16 run). The path:
+ *                   MEGAMOE_PATH_SM90_FP8. */
+typedef enum {
+    MEGAMOE_PRECISION_DEFAULT = 0,
+    MEGAMOE_PRECISION_FP8_BLOCKWISE = 1,
+} megamoe_precision_t;
+
+/* The expert weights in blockwise FP8 and their transposed copies (the data gradients' GEMMs read both operands
+ * K-major), e4m3 contiguous, one f32 scale per 128 x 128 block (a square block's transpose keeps its scale, so the
+ * copies share the scales). megamoe_quantize_experts writes all six from w13 and w2. What each call reads: the forward
+ * w13, w13_scales, w2, w2_scales; the backward w2_t, w2_scales, w13_scales, w13_t (when dx is wanted) and w13 (when
+ * saved_h is absent: h recomputed). Absent in DEFAULT precision. */
+typedef struct {
+    megamoe_tensor_t w13;         // [E, 2I, H] e4m3
+    megamoe_tensor_t w13_t;       // [E, H, 2I] e4m3, the transpose of w13
+    megamoe_tensor_t w13_scales;  // [E, 2I / 128, H / 128] f32
+    megamoe_tensor_t w2;          // [E, H, I] e4m3
+    megamoe_tensor_t w2_t;        // [E, I, H] e4m3, the transpose of w2
+    megamoe_tensor_t w2_scales;   // [E, H / 128, I / 128] f32
+} megamoe_fp8_experts_t;
 
 /* Forward: y = sum_j s_tj W2[e] (silu(W13[e,:I] x_t) * W13[e,I:] x_t), e = topk_ids[t, j] (the default layout and
  * activation, no biases; the general form is at the top of this file). */
@@ -183,6 +216,8 @@ typedef struct {
     megamoe_tensor_t b2;              // [E, H] optional bias of the down projection
     megamoe_layout_t layout;          // storage of w13 / w3 / w2 (zero: the default)
     megamoe_activation_t activation;  // zero: SwiGLU
+    megamoe_precision_t precision;    // zero: DEFAULT
+    megamoe_fp8_experts_t fp8;        // FP8_BLOCKWISE: the quantized weights (above); else absent
 } megamoe_forward_params_t;
 
 /* Backward: given dy, the gradients of DESIGN.md section 1 (dx, d topk_weights, dw13, dw2; dw3, db13, db2). */
@@ -211,6 +246,8 @@ typedef struct {
     megamoe_layout_t layout;  // as the forward's
     megamoe_activation_t activation;
     int32_t accumulate_weight_grads;  // 0 or 1: add into the f32 dw13 / dw3 / dw2 / db13 / db2 (see the top)
+    megamoe_precision_t precision;    // as the forward's
+    megamoe_fp8_experts_t fp8;        // FP8_BLOCKWISE: the quantized weights; else absent
 } megamoe_backward_params_t;
 
 /* Grouped rows forward: out_r = s_r W2[e] (silu(W13[e,:I] x_r) * W13[e,I:] x_r) for the rows r of expert e,
@@ -232,6 +269,8 @@ typedef struct {
     megamoe_tensor_t b2;                 // [E, H] optional bias of the down projection (scaled by the score too)
     megamoe_layout_t layout;             // storage of w13 / w3 / w2 (zero: the default)
     megamoe_activation_t activation;     // zero: SwiGLU
+    megamoe_precision_t precision;       // zero: DEFAULT
+    megamoe_fp8_experts_t fp8;           // FP8_BLOCKWISE: the quantized weights (above); else absent
 } megamoe_grouped_forward_params_t;
 
 /* Grouped rows backward: given dout, d x_sorted, d scores (= <dout_r, o_r>, o_r the unscaled row), dw13 and dw2. */
@@ -260,6 +299,8 @@ typedef struct {
     megamoe_layout_t layout;   // as the forward's
     megamoe_activation_t activation;
     int32_t accumulate_weight_grads;  // 0 or 1: add into the f32 dw13 / dw3 / dw2 / db13 / db2 (see the top)
+    megamoe_precision_t precision;    // as the forward's
+    megamoe_fp8_experts_t fp8;        // FP8_BLOCKWISE: the quantized weights; else absent
 } megamoe_grouped_backward_params_t;
 
 /* The public structs whose sizes megamoe_struct_size() reports (the ABI guard of a binding). */
@@ -271,6 +312,7 @@ typedef enum {
     MEGAMOE_STRUCT_GROUPED_BACKWARD_PARAMS = 4,
     MEGAMOE_STRUCT_LAYOUT = 5,
     MEGAMOE_STRUCT_ACTIVATION = 6,
+    MEGAMOE_STRUCT_FP8_EXPERTS = 7,
 } megamoe_struct_kind_t;
 
 /* The message of the last failed call on this thread ("" after a success). Never NULL. */
@@ -299,6 +341,15 @@ MEGAMOE_API megamoe_status_t megamoe_grouped_backward_workspace_size(const megam
 MEGAMOE_API megamoe_status_t megamoe_grouped_forward(const megamoe_grouped_forward_params_t* params);
 MEGAMOE_API megamoe_status_t megamoe_grouped_backward(const megamoe_grouped_backward_params_t* params);
 
+/* The blockwise FP8 copies of the expert weights for FP8_BLOCKWISE calls: w13 [E, 2I, H] and w2 [E, H, I]
+ * (bf16, f16 or f32, CUDA, contiguous; the default layout), each in 128 x 128 blocks (amax in f32, scale = amax / 448,
+ * q = e4m3(v / scale) rounded to nearest even; a block of zeros has scale 1, a block holding a NaN or an infinity a
+ * NaN scale and NaN values), written into every tensor of fp8 (shapes above, E, H, I from w13 and w2; H and I
+ * multiples of 128). Run it once after each optimizer step; every micro-batch's forward and backward reads the same
+ * copies (memory: 2 bytes per weight element, half the bf16 weights' size, plus the scales). Asynchronous on stream. */
+MEGAMOE_API megamoe_status_t megamoe_quantize_experts(const megamoe_tensor_t* w13, const megamoe_tensor_t* w2,
+                                                      const megamoe_fp8_experts_t* fp8, void* stream);
+
 /* Which implementation the call with these params would run (validated as the call is, data not read: a CUDA call
  * whose options the CUDA path cannot run returns the call's NOT_SUPPORTED and its message). */
 MEGAMOE_API megamoe_status_t megamoe_forward_path(const megamoe_forward_params_t* params, megamoe_path_t* path);
@@ -313,7 +364,7 @@ MEGAMOE_API megamoe_status_t megamoe_grouped_backward_path(const megamoe_grouped
  * a device / shape the sm_90a kernels do not run anyway) or after a failed query. Never NULL; valid until the
  * thread's next megamoe_*_path call. */
 MEGAMOE_API const char* megamoe_path_reason(void);
-/* A fixed name for a path: "reference", "cuda", "sm90", "sm90+cuda-weight-grads". Never NULL. */
+/* A fixed name for a path: "reference", "cuda", "sm90", "sm90+cuda-weight-grads", "sm90-fp8". Never NULL. */
 MEGAMOE_API const char* megamoe_path_string(megamoe_path_t path);
 
 #ifdef __cplusplus

@@ -35,10 +35,15 @@ megamoe_device_type_t device_of(const megamoe_grouped_backward_params_t& p) {
     return p.x_sorted.device_type;
 }
 
-// Every argument (validate.h). Every layout, activation and bias runs on both devices.
+// Every argument (validate.h), and for FP8_BLOCKWISE the device (the sm_90a kernels only). Every layout, activation
+// and bias runs on both devices.
 template <typename Params>
 megamoe_status_t validate_for_device(const Params* params, Shape* shape) {
-    return validate(params, shape);
+    MEGAMOE_CHECK(validate(params, shape));
+    if (params->precision == MEGAMOE_PRECISION_FP8_BLOCKWISE) {  // validated: CUDA tensors
+        return cuda::check_fp8_device(Experts::of(*params).w13->device_index);
+    }
+    return MEGAMOE_STATUS_SUCCESS;
 }
 
 // megamoe_*_workspace_size of every entry point: validate, then ask the path the call would take.
@@ -135,6 +140,8 @@ size_t megamoe_struct_size(megamoe_struct_kind_t kind) {
             return sizeof(megamoe_layout_t);
         case MEGAMOE_STRUCT_ACTIVATION:
             return sizeof(megamoe_activation_t);
+        case MEGAMOE_STRUCT_FP8_EXPERTS:
+            return sizeof(megamoe_fp8_experts_t);
     }
     return 0;
 }
@@ -149,6 +156,8 @@ const char* megamoe_path_string(megamoe_path_t path) {
             return "sm90";
         case MEGAMOE_PATH_SM90_PORTABLE_WEIGHT_GRADS:
             return "sm90+cuda-weight-grads";
+        case MEGAMOE_PATH_SM90_FP8:
+            return "sm90-fp8";
     }
     return "unknown";
 }
@@ -184,6 +193,15 @@ megamoe_status_t megamoe_grouped_forward(const megamoe_grouped_forward_params_t*
 
 megamoe_status_t megamoe_grouped_backward(const megamoe_grouped_backward_params_t* params) {
     return megamoe::run_entry(params);
+}
+
+megamoe_status_t megamoe_quantize_experts(const megamoe_tensor_t* w13, const megamoe_tensor_t* w2,
+                                          const megamoe_fp8_experts_t* fp8, void* stream) {
+    megamoe::clear_error();
+    megamoe::Shape shape{};
+    MEGAMOE_CHECK(megamoe::check_quantize_experts(w13, w2, fp8, &shape));
+    MEGAMOE_CHECK(megamoe::cuda::check_fp8_device(w13->device_index));
+    return megamoe::cuda::quantize_experts(*w13, *w2, *fp8, shape, stream);
 }
 
 const char* megamoe_path_reason(void) {

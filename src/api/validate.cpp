@@ -13,7 +13,7 @@ namespace megamoe {
 namespace {
 
 bool is_valid_dtype(megamoe_dtype_t dtype) {
-    return dtype >= MEGAMOE_DTYPE_BF16 && dtype <= MEGAMOE_DTYPE_I64;
+    return dtype >= MEGAMOE_DTYPE_BF16 && dtype <= MEGAMOE_DTYPE_E4M3;
 }
 
 // A CUDA tensor's pointer must be device (or managed) memory of its device: a host pointer labelled

@@ -55,6 +55,26 @@ megamoe_status_t check_expert_grads(const ExpertGrads& grads, int32_t accumulate
 std::vector<Named> expert_inputs(const Experts& experts);
 std::vector<Named> expert_grad_outputs(const ExpertGrads& grads);
 
+// The FP8 weights a call reads (megamoe.h's megamoe_fp8_experts_t): the forward w13 and w2, the backward w2_t, w13_t
+// when dx is wanted and w13 when h is recomputed; the scales of each weight read in either form.
+struct Fp8Reads {
+    bool w13 = false;
+    bool w13_t = false;
+    bool w2 = false;
+    bool w2_t = false;
+};
+// The precision code; in FP8_BLOCKWISE the FP8 weights `reads` names present (the others may be absent), each shaped,
+// typed and on x's device, and a call the FP8 kernels run (else NOT_SUPPORTED); in DEFAULT none of them given
+// (validate_fp8.cpp). After check_rows_and_weights (shape filled).
+megamoe_status_t check_precision(const char* x_name, const megamoe_tensor_t& x, const Experts& experts,
+                                 const Shape& shape, const Fp8Reads& reads);
+// The FP8 weights, named as in the params structs (for the overlap and pointer checks).
+std::vector<Named> fp8_inputs(const Experts& experts);
+// megamoe_quantize_experts' arguments: w13 [E, 2I, H] and w2 [E, H, I] (bf16, f16 or f32, CUDA), every tensor of fp8
+// present in its shape, disjoint, device memory. Fills shape's num_experts, hidden and intermediate.
+megamoe_status_t check_quantize_experts(const megamoe_tensor_t* w13, const megamoe_tensor_t* w2,
+                                        const megamoe_fp8_experts_t* fp8, Shape* shape);
+
 // An input the caller passes besides the checked ones: rank, shape, dtype, device of x.
 megamoe_status_t check_input(const char* name, const megamoe_tensor_t& input, const megamoe_tensor_t& x,
                              const char* x_name, int32_t ndim, const char* dims, std::vector<int64_t> shape,

@@ -96,7 +96,24 @@ megamoe_status_t check_grouped_inputs(const megamoe_tensor_t& x, const megamoe_t
 // `named` followed by the call's expert parameters.
 std::vector<Named> with_experts(std::vector<Named> named, const Experts& experts) {
     for (const Named& item : expert_inputs(experts)) named.push_back(item);
+    for (const Named& item : fp8_inputs(experts)) named.push_back(item);
     return named;
+}
+
+// The FP8 weights a backward reads: the transposed copies of the data gradients (w13_t only when dx is wanted) and
+// w13 itself when h is recomputed.
+Fp8Reads backward_fp8_reads(const megamoe_tensor_t& dx, const megamoe_tensor_t& saved_h) {
+    Fp8Reads reads;
+    reads.w2_t = true;
+    reads.w13_t = is_present(dx);
+    reads.w13 = !is_present(saved_h);
+    return reads;
+}
+
+Fp8Reads forward_fp8_reads() {
+    Fp8Reads reads;
+    reads.w13 = reads.w2 = true;
+    return reads;
 }
 
 // `named` followed by the call's expert gradients.
@@ -125,6 +142,7 @@ megamoe_status_t validate(const megamoe_forward_params_t* params, Shape* shape) 
     const megamoe_forward_params_t& p = *params;
     const Experts experts = Experts::of(p);
     MEGAMOE_CHECK(check_routed_inputs(p.x, p.topk_ids, p.topk_weights, experts, p.accum, shape));
+    MEGAMOE_CHECK(check_precision("x", p.x, experts, *shape, forward_fp8_reads()));
     const std::vector<Named> inputs =
         with_experts({{"x", &p.x}, {"topk_ids", &p.topk_ids}, {"topk_weights", &p.topk_weights}}, experts);
     const megamoe_dtype_t dtype = p.x.dtype;
@@ -143,6 +161,7 @@ megamoe_status_t validate(const megamoe_grouped_forward_params_t* params, Shape*
     const megamoe_grouped_forward_params_t& p = *params;
     const Experts experts = Experts::of(p);
     MEGAMOE_CHECK(check_grouped_inputs(p.x_sorted, p.tokens_per_expert, p.scores, experts, p.accum, shape));
+    MEGAMOE_CHECK(check_precision("x_sorted", p.x_sorted, experts, *shape, forward_fp8_reads()));
     const std::vector<Named> inputs = with_experts(
         {{"x_sorted", &p.x_sorted}, {"tokens_per_expert", &p.tokens_per_expert}, {"scores", &p.scores}}, experts);
     const megamoe_dtype_t dtype = p.x_sorted.dtype;
@@ -161,6 +180,7 @@ megamoe_status_t validate(const megamoe_backward_params_t* params, Shape* shape)
     const megamoe_backward_params_t& p = *params;
     const Experts experts = Experts::of(p);
     MEGAMOE_CHECK(check_routed_inputs(p.x, p.topk_ids, p.topk_weights, experts, p.accum, shape));
+    MEGAMOE_CHECK(check_precision("x", p.x, experts, *shape, backward_fp8_reads(p.dx, p.saved_h)));
     const int64_t T = shape->num_tokens, H = shape->hidden;
     const megamoe_dtype_t dtype = p.x.dtype;
     MEGAMOE_CHECK(
@@ -192,6 +212,7 @@ megamoe_status_t validate(const megamoe_grouped_backward_params_t* params, Shape
     const megamoe_grouped_backward_params_t& p = *params;
     const Experts experts = Experts::of(p);
     MEGAMOE_CHECK(check_grouped_inputs(p.x_sorted, p.tokens_per_expert, p.scores, experts, p.accum, shape));
+    MEGAMOE_CHECK(check_precision("x_sorted", p.x_sorted, experts, *shape, backward_fp8_reads(p.dx_sorted, p.saved_h)));
     const int64_t R = shape->num_tokens, H = shape->hidden;
     const megamoe_dtype_t dtype = p.x_sorted.dtype;
     const char* same_dtype = "must equal the dtype of x_sorted";

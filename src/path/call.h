@@ -36,6 +36,9 @@ struct Call {
     WeightLayout layout;
     Activation<float> activation;
     bool default_experts;  // concatenated untransposed weights, SwiGLU, no biases
+    // precision FP8_BLOCKWISE: the quantized weights (validated: present as the call reads them, default experts, H
+    // and I multiples of 128; path/fp8_steps.h runs the GEMMs); NULL: the GEMMs in the element type.
+    const megamoe_fp8_experts_t* fp8;
     void* workspace;
     cudaStream_t stream;
     int device_index;
@@ -80,6 +83,7 @@ inline Call make_call(const Shape& shape, const megamoe_tensor_t& experts, bool 
     call.activation = Activation<float>::of(params.activation);
     call.default_experts =
         call.layout.is_default() && !call.activation.is_clamped() && call.b13 == nullptr && call.b2 == nullptr;
+    call.fp8 = params.fp8_blockwise() ? params.fp8 : nullptr;
     call.workspace = workspace;
     call.stream = static_cast<cudaStream_t>(stream);
     call.device_index = x.device_index;

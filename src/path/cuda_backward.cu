@@ -15,6 +15,7 @@
 #include "path/layout_steps.h"
 #include "portable/routing.h"
 #include "path/sm90_args.h"
+#include "path/fp8_steps.h"
 #include "dtype.h"
 #include "sm90/k_grouped_gemm_sm90.h"
 #include "sm90/knobs.h"
@@ -47,6 +48,11 @@ struct BackwardWorkspace {
     uint16_t* q_elem;
     int* k_schedule;  // sm_90a path: the K-grouped kernel's tile schedule scratch (k_grouped_schedule_ints), else NULL
     SortedDy dy_sorted;  // sm_90a path only (plan_sorted_dy)
+    // FP8_BLOCKWISE: dy [rows of dy, H] along H (dH's A), dh [S, 2I] along 2I (dX's A), x [rows of x, H] along H when h
+    // is recomputed (the up GEMM's A); else empty.
+    Fp8Rows dy_fp8;
+    Fp8Rows dh_fp8;
+    Fp8Rows x_fp8;
 
     // act_scratch: on the sm_90a path, the dw13 output when it can hold act (dw13_as_act_scratch), else NULL (carved).
     // dh_apart: dh gets its own buffer (the sm_90a dSwiGLU epilogue's interleaved dh cannot go over h).
@@ -69,6 +75,14 @@ struct BackwardWorkspace {
         workspace.k_schedule = sm90 ? carver.take<int>(k_grouped_schedule_ints(shape.num_experts)) : nullptr;
         workspace.dy_sorted = dy_sorted;
         return workspace;
+    }
+
+    // The FP8 operands of an FP8_BLOCKWISE call, after the rest.
+    void carve_fp8(WorkspaceCarver& carver, const BackwardCall& call) {
+        const Shape& shape = call.shape;
+        dy_fp8 = Fp8Rows::carve(carver, shape.num_tokens, shape.hidden);
+        dh_fp8 = Fp8Rows::carve(carver, shape.num_slots(), 2 * shape.intermediate);
+        if (call.saved_h == nullptr) x_fp8 = Fp8Rows::carve(carver, shape.num_tokens, shape.hidden);
     }
 };
 
@@ -226,7 +240,8 @@ struct BackwardPlan {
         plan.workspace =
             BackwardWorkspace::carve(portable_carver, plan.routing_plan, shape, false, call.saved_h, nullptr);
         plan.gemms = BackwardGemms::make(call, plan.routing_plan, plan.workspace);
-        plan.use_sm90 = shape.num_slots() > 0 && plan.gemms.sm90_ok(call.device_index);
+        // FP8_BLOCKWISE: the sm_90a kernels or nothing (its device checked with the arguments).
+        plan.use_sm90 = shape.num_slots() > 0 && (call.fp8 != nullptr || plan.gemms.sm90_ok(call.device_index));
         plan.weight_grads_sm90 = plan.use_sm90 && plan.gemms.weight_grads_sm90_ok(call);
         plan.sm90_blocked_by_options =
             shape.num_slots() > 0 && !sm90_options_ok(call) && plan.gemms.sm90_hardware_ok(call.device_index);
@@ -237,8 +252,10 @@ struct BackwardPlan {
             void* act_scratch = dw13_as_act_scratch(call);
             plan.act_in_dw13 = act_scratch != nullptr;
             const bool dh_apart = call.layout.gate_up == MEGAMOE_GATE_UP_INTERLEAVED;
+            const SortedDy dy_sorted = call.fp8 != nullptr ? SortedDy{} : plan_sorted_dy(call, act_scratch);
             plan.workspace = BackwardWorkspace::carve(carver, plan.routing_plan, shape, true, call.saved_h, act_scratch,
-                                                      dh_apart, plan_sorted_dy(call, act_scratch));
+                                                      dh_apart, dy_sorted);
+            if (call.fp8 != nullptr) plan.workspace.carve_fp8(carver, call);
             plan.gemms = BackwardGemms::make(call, plan.routing_plan, plan.workspace);
             plan.workspace_bytes = carver.bytes_used();
         }
@@ -290,7 +307,10 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
     // h = [g, u] by sorted row in workspace.h: kept by the forward (saved_h), or recomputed here; dh goes over it.
     const bool keep_h = call.saved_h != nullptr;
     const void* h = workspace.h;
-    if (!keep_h && use_sm90) {
+    if (!keep_h && call.fp8 != nullptr) {
+        MEGAMOE_CUDA_RETURN_IF_ERROR(quantize_rows(call, call.x, shape.num_tokens, workspace.x_fp8));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_fp8_up(call, gemms.up, workspace.x_fp8, workspace.h, nullptr, num_sms));
+    } else if (!keep_h && use_sm90) {
         MEGAMOE_CUDA_RETURN_IF_ERROR(sm90::launch_m_grouped_gemm_sm90_gated(gemms.sm90_up, workspace.h, nullptr,
                                                                             num_sms, stream, sm90_gated_args(call)));
     } else if (!keep_h) {
@@ -323,8 +343,14 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
             epilogue.a_sorted = workspace.dy_sorted.rows;
             epilogue.a_sorted_rows = num_slots;
         }
-        MEGAMOE_CUDA_RETURN_IF_ERROR(
-            sm90::launch_m_grouped_gemm_sm90_dswiglu(gemms.sm90_d_hidden, epilogue, num_sms, stream, &num_ds_parts));
+        if (call.fp8 != nullptr) {  // dy quantized along H, w2's transposed FP8 copy
+            MEGAMOE_CUDA_RETURN_IF_ERROR(quantize_rows(call, call.dy, shape.num_tokens, workspace.dy_fp8));
+            MEGAMOE_CUDA_RETURN_IF_ERROR(
+                launch_fp8_d_hidden(call, gemms.d_hidden, workspace.dy_fp8, epilogue, num_sms, &num_ds_parts));
+        } else {
+            MEGAMOE_CUDA_RETURN_IF_ERROR(sm90::launch_m_grouped_gemm_sm90_dswiglu(gemms.sm90_d_hidden, epilogue,
+                                                                                  num_sms, stream, &num_ds_parts));
+        }
         if (call.b2 != nullptr && call.dweights.data != nullptr) {  // ds's bias term <dy, b2[e]>, on the first part
             BiasDotArgs bias_dot{};
             bias_dot.dtype = dtype;
@@ -381,7 +407,11 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
 
     if (call.dx.data != nullptr) {
         // q = dh x w13[e]; then dx_t = sum_j q[row of (t, j)].
-        if (use_sm90) {
+        if (call.fp8 != nullptr) {  // dh quantized along 2I, w13's transposed FP8 copy
+            MEGAMOE_CUDA_RETURN_IF_ERROR(quantize_rows(call, workspace.dh, num_slots, workspace.dh_fp8));
+            MEGAMOE_CUDA_RETURN_IF_ERROR(
+                launch_fp8_d_input(call, gemms.d_input, workspace.dh_fp8, workspace.q_elem, num_sms));
+        } else if (use_sm90) {
             MEGAMOE_CUDA_RETURN_IF_ERROR(sm90::launch_m_grouped_gemm_sm90_store(
                 gemms.sm90_d_input, sm90_d_input_layout(call), workspace.q_elem, hidden, num_slots, num_sms, stream));
         } else {
@@ -412,6 +442,7 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
 megamoe_path_t backward_path(const BackwardCall& call, std::string* reason) {
     const BackwardPlan plan = BackwardPlan::make(call);
     reason->clear();
+    if (call.fp8 != nullptr) return MEGAMOE_PATH_SM90_FP8;  // the weight gradients on either kernel, 16-bit
     if (plan.sm90_blocked_by_options) *reason = blocked_reason(call);
     if (!plan.use_sm90) return MEGAMOE_PATH_CUDA_PORTABLE;
     return plan.weight_grads_sm90 ? MEGAMOE_PATH_SM90 : MEGAMOE_PATH_SM90_PORTABLE_WEIGHT_GRADS;

@@ -13,6 +13,7 @@
 #include "path/layout_steps.h"
 #include "portable/routing.h"
 #include "path/sm90_args.h"
+#include "path/fp8_steps.h"
 #include "dtype.h"
 #include "sm90/m_grouped_gemm_sm90.h"
 #include "sm90/k_grouped_gemm_sm90.h"
@@ -22,15 +23,22 @@ namespace {
 
 struct ForwardWorkspace {
     RoutingBuffers routing;
-    uint16_t* act;  // [S, I] element type
-    uint16_t* out;  // [S, H] element type
+    uint16_t* act;    // [S, I] element type (FP8: NULL)
+    uint16_t* out;    // [S, H] element type
+    Fp8Rows x_fp8;    // FP8: x [rows of x, H] quantized along H
+    Fp8Rows act_fp8;  // FP8: a [S, I] quantized along I by the up GEMM's epilogue
 
-    static ForwardWorkspace carve(WorkspaceCarver& carver, const RoutingPlan& plan, const Shape& shape) {
+    static ForwardWorkspace carve(WorkspaceCarver& carver, const RoutingPlan& plan, const Call& call) {
+        const Shape& shape = call.shape;
         ForwardWorkspace workspace;
         const int64_t num_slots = shape.num_slots();
         workspace.routing = RoutingBuffers::carve(carver, plan);
-        workspace.act = carver.take<uint16_t>(num_slots * shape.intermediate);
+        workspace.act = call.fp8 != nullptr ? nullptr : carver.take<uint16_t>(num_slots * shape.intermediate);
         workspace.out = carver.take<uint16_t>(num_slots * shape.hidden);
+        if (call.fp8 != nullptr) {
+            workspace.x_fp8 = Fp8Rows::carve(carver, shape.num_tokens, shape.hidden);
+            workspace.act_fp8 = Fp8Rows::carve(carver, num_slots, shape.intermediate);
+        }
         return workspace;
     }
 };
@@ -77,13 +85,19 @@ megamoe_status_t forward_on_device(const ForwardCall& call) {
     const cudaStream_t stream = call.stream;
     const RoutingPlan plan = make_routing_plan(call);
     WorkspaceCarver carver(call.workspace);
-    const ForwardWorkspace workspace = ForwardWorkspace::carve(carver, plan, shape);
+    const ForwardWorkspace workspace = ForwardWorkspace::carve(carver, plan, call);
     const RoutingBuffers& routing = workspace.routing;
 
     MEGAMOE_CUDA_RETURN_IF_ERROR(launch_routing(call.experts, call.experts_dtype, plan, routing, stream));
 
     const ForwardGemms gemms = ForwardGemms::make(call, plan, workspace);
-    if (gemms.sm90_ok(call.device_index)) {
+    if (call.fp8 != nullptr) {  // x quantized by a pass, a by the up GEMM's epilogue
+        const int num_sms = device_info(call.device_index).num_sms;
+        MEGAMOE_CUDA_RETURN_IF_ERROR(quantize_rows(call, call.x, shape.num_tokens, workspace.x_fp8));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(
+            launch_fp8_up(call, gemms.up, workspace.x_fp8, call.saved_h, &workspace.act_fp8, num_sms));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_fp8_down(call, gemms.down, workspace.act_fp8, workspace.out, num_sms));
+    } else if (gemms.sm90_ok(call.device_index)) {
         const int num_sms = device_info(call.device_index).num_sms;
         MEGAMOE_CUDA_RETURN_IF_ERROR(sm90::launch_m_grouped_gemm_sm90_gated(gemms.sm90_up, call.saved_h, workspace.act,
                                                                             num_sms, stream, sm90_gated_args(call)));
@@ -114,7 +128,7 @@ megamoe_status_t forward_on_device(const ForwardCall& call) {
 
 size_t forward_workspace_bytes(const ForwardCall& call) {
     WorkspaceCarver carver(nullptr);
-    ForwardWorkspace::carve(carver, make_routing_plan(call), call.shape);
+    ForwardWorkspace::carve(carver, make_routing_plan(call), call);
     return carver.bytes_used();
 }
 
@@ -133,16 +147,17 @@ megamoe_status_t run_forward(const ForwardCall& call) {
 ForwardGemms forward_gemms(const ForwardCall& call) {
     const RoutingPlan plan = make_routing_plan(call);
     WorkspaceCarver carver(call.workspace);
-    const ForwardWorkspace workspace = ForwardWorkspace::carve(carver, plan, call.shape);
+    const ForwardWorkspace workspace = ForwardWorkspace::carve(carver, plan, call);
     return ForwardGemms::make(call, plan, workspace);
 }
 
 bool forward_sm90(const ForwardCall& call) {
-    return call.shape.num_slots() > 0 && forward_gemms(call).sm90_ok(call.device_index);
+    return call.shape.num_slots() > 0 && (call.fp8 != nullptr || forward_gemms(call).sm90_ok(call.device_index));
 }
 
 megamoe_path_t forward_path(const ForwardCall& call, std::string* reason) {
     reason->clear();
+    if (call.fp8 != nullptr) return MEGAMOE_PATH_SM90_FP8;  // the device was checked with the arguments
     if (forward_sm90(call)) return MEGAMOE_PATH_SM90;
     if (call.shape.num_slots() > 0 && !sm90_options_ok(call) &&
         forward_gemms(call).sm90_hardware_ok(call.device_index)) {

@@ -34,6 +34,15 @@ megamoe_path_t path(const megamoe_grouped_forward_params_t& params, const Shape&
 megamoe_path_t path(const megamoe_backward_params_t& params, const Shape& shape, std::string* reason);
 megamoe_path_t path(const megamoe_grouped_backward_params_t& params, const Shape& shape, std::string* reason);
 
+// Precision FP8_BLOCKWISE: NOT_SUPPORTED (naming the device) unless the device runs the sm_90a kernels, for it has no
+// portable fallback (checked with the arguments, before any query or run).
+megamoe_status_t check_fp8_device(int device_index);
+
+// megamoe_quantize_experts on validated arguments (shape: E, H, I): w13 and w2 in 128 x 128 blocks with their
+// transposes, on the stream.
+megamoe_status_t quantize_experts(const megamoe_tensor_t& w13, const megamoe_tensor_t& w2,
+                                  const megamoe_fp8_experts_t& fp8, const Shape& shape, void* stream);
+
 size_t workspace_size(const megamoe_forward_params_t& params, const Shape& shape);
 size_t workspace_size(const megamoe_grouped_forward_params_t& params, const Shape& shape);
 megamoe_status_t run(const megamoe_forward_params_t& params, const Shape& shape);

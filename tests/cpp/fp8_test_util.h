@@ -12,6 +12,7 @@
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <iostream>
 #include <limits>
@@ -315,6 +316,13 @@ inline Prepared prepare(const Case& c, std::mt19937_64& rng) {
     p.offsets = upload_ints(p.map.offsets);
     p.tiles = upload_ints(p.map.tiles);
     return p;
+}
+
+// MEGAMOE_SM90_FP8_PROMOTE=1 (sm90/knobs.h's fp8_promoted()): the launches that need the default mainloop (dH, a
+// quantized in the gated epilogue) refuse it with MEGAMOE_STATUS_NOT_SUPPORTED.
+inline bool promote_requested() {
+    const char* value = std::getenv("MEGAMOE_SM90_FP8_PROMOTE");
+    return value != nullptr && std::string(value) == "1";
 }
 
 // Poisons the outputs, runs `launch`, downloads them.

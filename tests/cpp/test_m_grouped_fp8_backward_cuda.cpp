@@ -51,11 +51,6 @@ constexpr int64_t kDsTileCols = 256;              // the columns of I behind one
 constexpr double kDsSummation = 1.0 / 16384;      // e
 constexpr double kF32Evaluation = 1.0 / 1048576;  // 2^-20: x's factor
 
-bool promote_requested() {  // sm90/knobs.h's fp8_promoted()
-    const char* value = std::getenv("MEGAMOE_SM90_FP8_PROMOTE");
-    return value != nullptr && std::string(value) == "1";
-}
-
 int num_sms() {
     cudaDeviceProp prop{};
     expect_cuda(cudaGetDeviceProperties(&prop, 0), "cudaGetDeviceProperties");
