@@ -309,7 +309,8 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
     const void* h = workspace.h;
     if (!keep_h && call.fp8 != nullptr) {
         MEGAMOE_CUDA_RETURN_IF_ERROR(quantize_rows(call, call.x, shape.num_tokens, workspace.x_fp8));
-        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_fp8_up(call, gemms.up, workspace.x_fp8, workspace.h, nullptr, num_sms));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(
+            launch_fp8_up(call, gemms.up, workspace.x_fp8, workspace.h, nullptr, nullptr, num_sms));
     } else if (!keep_h && use_sm90) {
         MEGAMOE_CUDA_RETURN_IF_ERROR(sm90::launch_m_grouped_gemm_sm90_gated(gemms.sm90_up, workspace.h, nullptr,
                                                                             num_sms, stream, sm90_gated_args(call)));

@@ -118,6 +118,11 @@ bool sm90_weight_grads_enabled_by_env() {
     return value == nullptr || value[0] == '\0' || std::strcmp(value, "0") != 0;
 }
 
+bool fp8_act_by_pass() {
+    const char* value = std::getenv("MEGAMOE_FP8_ACT_PASS");
+    return value != nullptr && std::strcmp(value, "1") == 0;
+}
+
 bool sm90_device_ok(int device_index) {
     const char* disabled = std::getenv("MEGAMOE_DISABLE_SM90");
     if (disabled != nullptr && disabled[0] != '\0' && std::strcmp(disabled, "0") != 0) return false;

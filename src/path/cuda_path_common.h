@@ -34,6 +34,9 @@ struct DeviceInfo {
 DeviceInfo device_info(int device_index);
 
 bool sm90_weight_grads_enabled_by_env();  // MEGAMOE_SM90_WEIGHT_GRADS unset or not "0"
+// MEGAMOE_FP8_ACT_PASS=1: the FP8 forward stores a in the element type and quantizes it by a pass instead of in the up
+// GEMM's epilogue (bitwise the same operand; the A/B switch of the two, default off).
+bool fp8_act_by_pass();
 
 // The device is compute capability 9.0 and MEGAMOE_DISABLE_SM90 (set and not "0") does not keep calls off the sm_90a
 // kernels.

@@ -85,15 +85,15 @@ megamoe_status_t quantize_rows(const Call& call, const void* in, int64_t rows, c
     return launch_quantize_groups(args, call.stream);
 }
 
-megamoe_status_t launch_fp8_up(const Call& call, const MGroupedGemmArgs& args, const Fp8Rows& x, void* h,
+megamoe_status_t launch_fp8_up(const Call& call, const MGroupedGemmArgs& args, const Fp8Rows& x, void* h, void* act,
                                const Fp8Rows* act_q, int num_sms) {
     const MGroupedGemmArgs up = with_fp8_operands(args, x, call.fp8->w13.data, 2 * args.n);
     const sm90::Fp8BlockScales scales{x.scales, groups(x.cols), static_cast<const float*>(call.fp8->w13_scales.data)};
     if (act_q == nullptr) {
-        return sm90::launch_m_grouped_fp8_gemm_sm90_gated(up, scales, h, nullptr, num_sms, call.stream);
+        return sm90::launch_m_grouped_fp8_gemm_sm90_gated(up, scales, h, act, num_sms, call.stream);
     }
     const sm90::Fp8QuantizedAct quantized{act_q->q, act_q->scales, false};
-    return sm90::launch_m_grouped_fp8_gemm_sm90_gated(up, scales, h, nullptr, num_sms, call.stream, &quantized);
+    return sm90::launch_m_grouped_fp8_gemm_sm90_gated(up, scales, h, act, num_sms, call.stream, &quantized);
 }
 
 megamoe_status_t launch_fp8_down(const Call& call, const MGroupedGemmArgs& args, const Fp8Rows& act, void* out,

@@ -31,9 +31,9 @@ struct Fp8Rows {
 // `rows` rows of `in` (the call's element type, row stride cols) into `out`.
 megamoe_status_t quantize_rows(const Call& call, const void* in, int64_t rows, const Fp8Rows& out);
 
-// The up GEMM (args: up_gemm_args') with x quantized: h = [g, u] into h (may be NULL) and, when act_q is given, a
-// quantized in the epilogue into it (the down GEMM's operand).
-megamoe_status_t launch_fp8_up(const Call& call, const MGroupedGemmArgs& args, const Fp8Rows& x, void* h,
+// The up GEMM (args: up_gemm_args') with x quantized: h = [g, u] into h, a into act (element type) and, when act_q is
+// given, a quantized in the epilogue into it (the down GEMM's operand); h and act may be NULL.
+megamoe_status_t launch_fp8_up(const Call& call, const MGroupedGemmArgs& args, const Fp8Rows& x, void* h, void* act,
                                const Fp8Rows* act_q, int num_sms);
 // The down GEMM (args: the forward's 16-bit down arguments) with a quantized: o [S, H] into out.
 megamoe_status_t launch_fp8_down(const Call& call, const MGroupedGemmArgs& args, const Fp8Rows& act, void* out,
