@@ -196,11 +196,17 @@ constexpr int kBlockRowsPerWarp = kBlockSide / kBlockWarps;  // 16 rows of the b
 static_assert(kBlockSide % kWarpSize == 0 && kBlockSide % kBlockWarps == 0, "a warp takes whole rows");
 
 // Block (expert e, n-block, k-block): warp w reads rows 16 w .. 16 w + 15 of the block, lane l columns l, l + 32, ...;
-// the block's amax and non-finite flag by warp shuffles and shared memory; then each value's byte to q and, where
-// asked, to q_t (its transpose: a warp's 32 bytes there are 32 rows of q_t, one byte each; correct, not yet fast).
+// the block's amax and non-finite flag by warp shuffles and shared memory; then each value's byte into a shared tile,
+// from which a whole block (n and k multiples of 16) goes out in 16-byte rows of q and, where asked, of q_t (16 bytes
+// of a tile column each); a partial block at the edges byte by byte.
 __global__ void __launch_bounds__(kQuantThreads) quantize_blocks_kernel(const QuantizeBlocksArgs args) {
+    constexpr int kChunk = 16;                           // bytes per vector store
+    constexpr int kTileStride = kBlockSide + kChunk;     // a tile row's bytes: 16-byte aligned, rows off one bank
+    constexpr int kChunksPerSide = kBlockSide / kChunk;  // 16-byte chunks of a tile row
+    static_assert(kTileStride % kChunk == 0, "a tile row must start 16-byte aligned");
     __shared__ float warp_amax[kBlockWarps];
     __shared__ int warp_non_finite[kBlockWarps];
+    __shared__ __align__(16) uint8_t tile[kBlockSide * kTileStride];
     const int64_t n_blocks = ceil_div(args.n, static_cast<int64_t>(kBlockSide));
     const int64_t k_blocks = ceil_div(args.k, static_cast<int64_t>(kBlockSide));
     const int64_t block_idx = blockIdx.x;  // (e, nb, kb), kb fastest
@@ -236,19 +242,52 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_blocks_kernel(const Qu
         block.non_finite |= warp_non_finite[w] != 0;
     }
     const float scale = group_scale(block, args.pow2);
+    const bool whole = (n_block + 1) * kBlockSide <= args.n && (k_block + 1) * kBlockSide <= args.k &&
+                       args.n % kChunk == 0 && args.k % kChunk == 0 &&
+                       reinterpret_cast<uintptr_t>(args.q) % kChunk == 0 &&
+                       reinterpret_cast<uintptr_t>(args.q_t) % kChunk == 0;  // NULL q_t: aligned
 #pragma unroll
     for (int r = 0; r < kBlockRowsPerWarp; ++r) {
-        const int64_t row = n_block * kBlockSide + warp_idx * kBlockRowsPerWarp + r;
+        const int tile_row = warp_idx * kBlockRowsPerWarp + r;
+        const int64_t row = n_block * kBlockSide + tile_row;
 #pragma unroll
         for (int c = 0; c < kColsPerLane; ++c) {
-            const int64_t col = k_block * kBlockSide + lane_idx + c * kWarpSize;
+            const int tile_col = lane_idx + c * kWarpSize;
+            const int64_t col = k_block * kBlockSide + tile_col;
             if (row >= args.n || col >= args.k) continue;
             const uint8_t byte = quantize_value(values[r][c], scale, block.non_finite);
+            if (whole) {
+                tile[tile_row * kTileStride + tile_col] = byte;
+                continue;
+            }
             args.q[(expert * args.n + row) * args.k + col] = byte;
             if (args.q_t != nullptr) args.q_t[(expert * args.k + col) * args.n + row] = byte;
         }
     }
     if (threadIdx.x == 0) args.scales[block_idx] = scale;
+    if (!whole) return;
+    __syncthreads();
+    for (int i = static_cast<int>(threadIdx.x); i < kBlockSide * kChunksPerSide; i += kQuantThreads) {
+        const int line = i / kChunksPerSide, chunk = i % kChunksPerSide;  // q: tile row `line`
+        const int64_t row = n_block * kBlockSide + line, col = k_block * kBlockSide + chunk * kChunk;
+        *reinterpret_cast<uint4*>(args.q + (expert * args.n + row) * args.k + col) =
+            *reinterpret_cast<const uint4*>(tile + line * kTileStride + chunk * kChunk);
+    }
+    if (args.q_t == nullptr) return;
+    for (int i = static_cast<int>(threadIdx.x); i < kBlockSide * kChunksPerSide; i += kQuantThreads) {
+        const int line = i / kChunksPerSide, chunk = i % kChunksPerSide;  // q_t: tile column `line`
+        uint32_t words[kChunk / 4];
+#pragma unroll
+        for (int w = 0; w < kChunk / 4; ++w) {
+            const int r0 = chunk * kChunk + 4 * w;
+            words[w] = uint32_t{tile[r0 * kTileStride + line]} | uint32_t{tile[(r0 + 1) * kTileStride + line]} << 8 |
+                       uint32_t{tile[(r0 + 2) * kTileStride + line]} << 16 |
+                       uint32_t{tile[(r0 + 3) * kTileStride + line]} << 24;
+        }
+        const int64_t col = k_block * kBlockSide + line, row = n_block * kBlockSide + chunk * kChunk;
+        *reinterpret_cast<uint4*>(args.q_t + (expert * args.k + col) * args.n + row) =
+            make_uint4(words[0], words[1], words[2], words[3]);
+    }
 }
 
 }  // namespace

@@ -16,7 +16,8 @@
 //   quantize_blocks  weights [E, N, K] in 128 x 128 blocks (partial at the edges): the same rules over a block's
 //                    elements, q [E, N, K] and, where asked, its transpose q_t [E, K, N] (the data gradients' K-major
 //                    operand: a square block's transpose has the same scale), scales [E, ceil(N / 128), ceil(K / 128)].
-// quantize_blocks: one block of 256 threads per 128 x 128 block, 64 elements a thread.
+// quantize_blocks: one block of 256 threads per 128 x 128 block, 64 elements a thread, the bytes staged in shared
+// memory and stored 16 bytes at a time (q's rows and q_t's, whole blocks with n and k multiples of 16).
 // TODO(#20): the quantization fused into the passes that already read x, dy, a and dh.
 #pragma once
 

@@ -291,12 +291,10 @@ TEST(Fp8QuantCuda, ExpertRowsAlongTokens) {
     }
 }
 
-// quantize_blocks: weights [E = 2, N = 200, K = 300] (partial blocks at both edges) with a zero block and a NaN block,
-// q and its transpose against the host rules over each block's elements, and the scales.
-TEST(Fp8QuantCuda, WeightBlocksAndTheirTranspose) {
-    SKIP_WITHOUT_CUDA();
+// One quantize_blocks case of WeightBlocksAndTheirTranspose.
+void check_weight_blocks(int64_t N, int64_t K) {
     std::mt19937_64 rng(fresh_seed());
-    const int64_t E = 2, N = 200, K = 300, nb = 2, kb = 3;
+    const int64_t E = 2, nb = (N + kGroup - 1) / kGroup, kb = (K + kGroup - 1) / kGroup;
     HostTensor w(MEGAMOE_DTYPE_BF16, {E, N, K});
     w.fill_random(rng, 0.05);
     for (int64_t n = 0; n < 128; ++n) {
@@ -354,6 +352,16 @@ TEST(Fp8QuantCuda, WeightBlocksAndTheirTranspose) {
     }
 }
 
+// quantize_blocks: weights [E = 2, N, K] with a zero block and a NaN block, q and its transpose against the host rules
+// over each block's elements, and the scales: N = 200, K = 300 (partial blocks at both edges, every block stored byte
+// by byte) and N = 256, K = 304 (whole blocks through the 16-byte stores, beside a partial last k-block).
+TEST(Fp8QuantCuda, WeightBlocksAndTheirTranspose) {
+    SKIP_WITHOUT_CUDA();
+    for (const auto [N, K] : {std::pair<int64_t, int64_t>{200, 300}, std::pair<int64_t, int64_t>{256, 304}}) {
+        SCOPED_TRACE(::testing::Message() << "N " << N << ", K " << K);
+        check_weight_blocks(N, K);
+    }
+}
 // The launcher refuses what it cannot read, naming itself (no GPU needed: nothing is launched).
 TEST(Fp8QuantCuda, RefusesAShortRowStride) {
     cuda::QuantizeGroupsArgs args{};
