@@ -1,21 +1,30 @@
-"""The peers timed beside megamoe (DESIGN §4): SonicMoE (when `import sonicmoe` works) and the torch path under
-torch.compile. A peer has `about` (what ran) or `missing` (why not), and for_case(case) gives its Impl for a case.
+"""The peers timed beside megamoe (DESIGN §4): SonicMoE (when `import sonicmoe` works), the torch path under
+torch.compile, and torchao's FP8 grouped GEMM in that path (when `import torchao` works on an sm_90+ GPU). A peer has
+`about` (what ran) or `missing` (why not), and for_case(case) gives its Impl for a case.
 
 SonicMoE is called as ../shared/tools/peers/README.md says: moe_general_routing_inputs with token-major flat slot
 lists, w1 [2I, H, E] (gate / up rows interleaved, stride order (2, 0, 1)) and w2 [H, I, E], its own weight leaves
 built once per case, QuACK's default GEMM configs (tuned=False: no autotuning).
+
+torchao-fp8 is the torch `_grouped_mm` path of torch_moe_baseline.py with both grouped GEMMs replaced by torchao
+0.18's differentiable rowwise FP8 grouped GEMM, `_to_fp8_rowwise_then_scaled_grouped_mm` (e4m3, power-of-two scales,
+`torch._scaled_grouped_mm`): what torchao's FP8 MoE training conversion runs on Hopper. That GEMM needs every group's
+row count to be a multiple of 16 (its own padding, pad_token_groups_for_grouped_mm=True, is refused by 0.18's forward),
+so the routing permutation pads each expert's rows to a multiple of 16 with zero rows, on the device, timed with it.
 """
 import functools
 import importlib.metadata
+import inspect
 import sys
 from types import SimpleNamespace
 
 import torch
+import torch.nn.functional as F
 
-from impls import CompiledTorchPath, Impl
+from impls import FP8_TOLERANCE, CompiledTorchPath, Impl, fp8_device_missing
 from timing import short
 
-PEERS = ("sonicmoe", "torch_compiled")
+PEERS = ("sonicmoe", "torch_compiled", "torchao-fp8")
 QUACK_GEMMS = ("gemm", "gemm_gated", "gemm_dgated")  # quack.gemm_interface names sonicmoe.functional imports
 MUST_PATCH = ("sonicmoe.functional.forward.gemm", "sonicmoe.functional.forward.gemm_gated",
               "sonicmoe.functional.backward.gemm", "sonicmoe.functional.backward.gemm_dgated")
@@ -162,7 +171,103 @@ class TorchCompiledPeer:
         return self.impl
 
 
-FACTORIES = {"sonicmoe": SonicMoEPeer, "torch_compiled": TorchCompiledPeer}
+# ---------------------------------------------------------------------------------------------------- torchao FP8
+
+TORCHAO_FP8_MM = "torchao.prototype.moe_training.fp8_grouped_mm._to_fp8_rowwise_then_scaled_grouped_mm"
+GROUP_ALIGN = 16  # rows: torch._scaled_grouped_mm's FP8 groups
+
+
+def load_torchao_fp8():
+    """SimpleNamespace(mm, about): torchao's rowwise FP8 grouped GEMM as mm(A [M, K], B_t [E, K, N], offs [E] int32)
+    -> [M, N] bf16 on groups already padded to GROUP_ALIGN rows; PeerMissing without an sm_90+ GPU or torchao."""
+    missing = fp8_device_missing("cuda" if torch.cuda.is_available() else "cpu")
+    if missing:
+        raise PeerMissing(missing)
+    module_name, fn_name = TORCHAO_FP8_MM.rsplit(".", 1)
+    try:
+        fn = getattr(importlib.import_module(module_name), fn_name)
+    except ImportError as ex:
+        raise PeerMissing(f"not installed: {short(ex)} (scripts/pack_torchao.sh)") from ex
+    except AttributeError as ex:
+        raise PeerMissing(f"torchao {_version('torchao')} has no {TORCHAO_FP8_MM}") from ex
+    except Exception as ex:  # noqa: BLE001 - any failure to import is a reason, not a crash
+        raise PeerMissing(f"import failed: {short(ex)}") from ex
+    if "pad_token_groups_for_grouped_mm" not in inspect.signature(fn).parameters:
+        raise PeerMissing(f"torchao {_version('torchao')}: {fn_name} has no pad_token_groups_for_grouped_mm"
+                          " (another torchao version?)")
+    about = (f"torchao {_version('torchao')}: {fn_name} (rowwise e4m3, power-of-two scales, torch._scaled_grouped_mm)"
+             f" for both grouped GEMMs of the torch path, each expert's rows padded to {GROUP_ALIGN} in the routing")
+    return SimpleNamespace(mm=padded_groups_mm(fn), about=about)
+
+
+def padded_groups_mm(fn):
+    """mm(A, B_t, offs) of torchao's FP8 grouped GEMM `fn` on groups the caller padded (its own padding off)."""
+    def mm(a, b_t, offs):
+        return fn(a, b_t, offs, out_dtype=torch.bfloat16, pad_token_groups_for_grouped_mm=False)
+    return mm
+
+
+def padded_routing(ids, E, align=GROUP_ALIGN):
+    """The torch path's expert-sorted routing with every expert's rows padded with zero rows to a multiple of `align`
+    (at least `align`: no empty group), on the device without a host synchronisation (counts by scatter_add_, not
+    bincount; the padded row count M = S + align·E rounded up to `align`, a bound: the rows past the last group are
+    in no group):
+    (order [S] flat slot of each sorted row, pos [S] its row in the padded layout, src [M] the token each padded row
+    reads (T for a padding row), offs [E] int32 end offsets of the padded groups). Slots with id -1 are not handled
+    (as in torch_moe_baseline.moe_grouped)."""
+    T, k = ids.shape
+    S = T * k
+    flat = ids.reshape(-1)  # [S]
+    order = flat.argsort(stable=True)  # [S]
+    expert = flat[order]  # [S] expert of each sorted row
+    counts = torch.zeros(E, dtype=torch.int64, device=ids.device).scatter_add_(0, flat, torch.ones_like(flat))  # [E]
+    padded = ((counts + align - 1) // align * align).clamp_min(align)  # [E]
+    ends = padded.cumsum(0)  # [E]
+    first = counts.cumsum(0) - counts  # [E] first sorted row of each expert
+    pos = (ends - padded)[expert] + torch.arange(S, device=ids.device) - first[expert]  # [S]
+    M = (S + align * E + align - 1) // align * align  # S + align·E rows, rounded up to `align`
+    src = torch.full((M,), T, dtype=torch.int64, device=ids.device)  # [M]
+    src[pos] = order // k
+    return order, pos, src, ends.to(torch.int32)
+
+
+def moe_grouped_padded(x, ids, w, w13, w2, mm):
+    """torch_moe_baseline.moe_grouped with each expert's rows padded (padded_routing) and its two torch._grouped_mm
+    calls replaced by mm(A, B_t, offs): the padding rows read a zero row appended to x (an embedding with
+    padding_idx, so their gradient is dropped rather than summed into one row)."""
+    T, H = x.shape
+    E = w13.shape[0]
+    I = w2.shape[2]
+    order, pos, src, offs = padded_routing(ids, E)
+    xs = F.embedding(src, torch.cat([x, x.new_zeros(1, H)]), padding_idx=T)  # [M, H]
+    h = mm(xs, w13.transpose(1, 2), offs)  # [M, 2I]
+    g, u = h[:, :I], h[:, I:]
+    a = F.silu(g) * u  # [M, I]
+    o = mm(a, w2.transpose(1, 2), offs)[pos]  # [S, H] in sorted order
+    ws = w.flatten()[order].unsqueeze(1).to(o.dtype)  # [S, 1]
+    return torch.zeros_like(x).index_add(0, order // ids.shape[1], o * ws)  # [T, H]
+
+
+class TorchaoFp8Peer:
+    name = "torchao-fp8"
+
+    def __init__(self, loader=load_torchao_fp8):
+        try:
+            self.api, self.missing = loader(), None
+        except PeerMissing as ex:
+            self.api, self.missing = None, str(ex)
+        self.impl = self.api and Impl(self.name, functools.partial(moe_grouped_padded, mm=self.api.mm),
+                                      tolerance=FP8_TOLERANCE)
+
+    @property
+    def about(self):
+        return self.api.about if self.api else None
+
+    def for_case(self, case):
+        return self.impl
+
+
+FACTORIES = {"sonicmoe": SonicMoEPeer, "torch_compiled": TorchCompiledPeer, "torchao-fp8": TorchaoFp8Peer}
 
 
 def load_peers(names):

@@ -19,20 +19,21 @@ def load(path):
 
 def merge(runs):
     """One results dict from runs of the same commit on the same GPU: the first's header and settings, every case in
-    order, the commands joined by ' ; ', each peer as the run that measured it describes it."""
+    order, the commands joined by ' ; ', each peer and FP8 variant as the run that measured it describes it."""
     first = runs[0]
     for r in runs[1:]:
         if (r.get("commit"), r.get("gpu")) != (first.get("commit"), first.get("gpu")):
             raise ValueError(f"cannot merge runs of different commits or GPUs: {first.get('commit')} on"
                              f" {first.get('gpu')} vs {r.get('commit')} on {r.get('gpu')}")
-    peers = {}
-    for r in runs:
-        for name, info in r.get("peers", {}).items():
-            if name not in peers or "about" in info:
-                peers[name] = info
     merged = dict(first, cases=[c for r in runs for c in r["cases"]], command=" ; ".join(r["command"] for r in runs))
-    if any("peers" in r for r in runs):
-        merged["peers"] = peers
+    for key in ("peers", "fp8"):  # the peers and megamoe's FP8 variants: {name: {"about" or "missing": ...}}
+        described = {}
+        for r in runs:
+            for name, info in r.get(key, {}).items():
+                if name not in described or "about" in info:
+                    described[name] = info
+        if any(key in r for r in runs):
+            merged[key] = described
     return merged
 
 

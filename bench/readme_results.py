@@ -1,5 +1,6 @@
 """Regenerates the README's "## Results" block (between <!-- results:begin --> and <!-- results:end -->) from
-bench/results/: a kernel table per shape (balanced routing), a sentence on skewed routing, the bench plot, the
+bench/results/: a kernel table per shape (balanced routing), the FP8 table where the run measured FP8 (megamoe FP8
+beside megamoe bf16, SonicMoE and torchao FP8), a sentence on skewed routing, the bench plot, the
 tables of shapes that run lacks from the newest earlier runs holding them (with their commits; not without --bench
 given), and optionally an end-to-end training-step paragraph from two `examples/train_qwen3_moe.py --log-json` logs.
 
@@ -174,6 +175,12 @@ def kernel_section(results, bench_path, readme_dir):
              " minus its gradient outputs.", "",
              *report.markdown_rows(report.SUMMARY_HEADER, report.summary_rows(results, "", "balanced")),
              "", "Peers: " + report.peers_note(results)]
+    if report.fp8_measured(results):
+        lines += ["", "FP8 beside bf16 (balanced routing, per call; speed-up = megamoe bf16's ms / the row's ms; error ="
+                  " the largest relative error against the fp32 reference over the checked tensors):", "",
+                  *report.markdown_rows(report.FP8_HEADER, report.fp8_rows(results, "", "balanced"))]
+    if report.fp8_note(results):
+        lines += ["", report.fp8_note(results)]
     skewed_cases, by, source = skewed_runs(results, base, readme_dir)
     skew = []
     for case in skewed_cases:

@@ -1,7 +1,7 @@
 """Benchmark results: derived numbers, the tables (text and markdown), the PNG plot, and the files in bench/results/.
 
 Everything here works from the results dict alone (the JSON written by bench.py), so plot.py can re-render it; JSONs
-written before the peers and the three timings render too (their missing numbers print as "—").
+written before the peers, the three timings and FP8 render too (their missing numbers print as "—").
 """
 import json
 import math
@@ -10,9 +10,13 @@ import re
 import sys
 
 PASSES = (("fwd", "fwd"), ("fwdbwd", "fwd+bwd"))
-IMPLS = (("megamoe", "megamoe"), ("megamoe_recompute", "megamoe recompute"), ("sonicmoe", "SonicMoE"),
+IMPLS = (("megamoe", "megamoe"), ("megamoe_recompute", "megamoe recompute"), ("megamoe-fp8", "megamoe FP8"),
+         ("megamoe-fp8+wq", "megamoe FP8 + weight quant."), ("sonicmoe", "SonicMoE"), ("torchao-fp8", "torchao FP8"),
          ("torch_compiled", "torch compiled"), ("torch", "torch eager"))
-PEERS = {"sonicmoe": "SonicMoE", "torch_compiled": "torch compiled"}
+PEERS = {"sonicmoe": "SonicMoE", "torch_compiled": "torch compiled"}  # the bf16 peers (peers_note)
+# The FP8 implementations (fp8_rows, fp8_note): megamoe's FP8 variants (described in results["fp8"]) and torchao's
+# (a peer, in results["peers"]).
+FP8 = {"megamoe-fp8": "megamoe FP8", "megamoe-fp8+wq": "megamoe FP8 + weight quant.", "torchao-fp8": "torchao FP8"}
 MODES = (("", "per call"), ("b2b_", "back to back"), ("graph_", "CUDA graph"))  # key prefix: ms, b2b_ms, graph_ms
 HEADER = ("shape", "routing", "pass", "implementation", "ms per call / b2b / graph", "TFLOP/s", "% dense",
           "megamoe speed-up", "extra peak GiB", "activation GiB", "max rel err", "status")
@@ -94,10 +98,15 @@ def _check_of(case, name, p):
     return check.get(p, {}) if name == "megamoe" else check.get("impls", {}).get(name, {}).get(p, {})
 
 
+def _described(results, name):
+    """{"about": ...} or {"missing": ...} of an implementation the run may lack (a peer, an FP8 variant), or None."""
+    return results.get("peers", {}).get(name) or results.get("fp8", {}).get(name)
+
+
 def _status(results, case, name, p, cell):
     """'ok', or what is wrong with one implementation in one pass: missing, correctness, errors, graph capture;
     'not timed' where nothing else says why it has no time."""
-    missing = results.get("peers", {}).get(name, {}).get("missing")
+    missing = (_described(results, name) or {}).get("missing")
     if missing:
         return f"missing: {missing}"
     msgs = []
@@ -124,7 +133,7 @@ def _max_err(case, name, p):
 def _shown(results, case, p):
     """The implementations with a row in pass p: timed, checked, errored or missing."""
     names = [n for n, _ in IMPLS if n in _cells(case, p) or _check_of(case, n, p) or _errors_of(case, n, p)
-             or (n in PEERS and n in results.get("peers", {}))]
+             or _described(results, n)]
     return [n for n in names if n != "megamoe_recompute" or p == "fwdbwd"]
 
 
@@ -218,6 +227,53 @@ def peers_note(results):
     return "; ".join(parts) + "."
 
 
+FP8_HEADER = ("shape", "implementation", "ms fwd / fwd+bwd", "speed-up over megamoe bf16 fwd / fwd+bwd",
+              "activation GiB", "max rel err vs fp32 fwd / fwd+bwd")
+FP8_ROWS = (("megamoe", "megamoe bf16"), *FP8.items(), ("sonicmoe", "SonicMoE (bf16)"))
+
+
+def fp8_measured(results):
+    """Whether any case has a time, a check or an error of an FP8 implementation."""
+    return any(name in _cells(case, p) or _check_of(case, name, p) or _errors_of(case, name, p)
+               for case in results["cases"] for p, _ in PASSES for name in FP8)
+
+
+def fp8_rows(results, prefix="", routing=None):
+    """The FP8 implementations beside megamoe bf16 and SonicMoE, one row per case (of `routing`, or all) and
+    implementation with anything measured: ms fwd / fwd+bwd in one timing, the speed-up over megamoe bf16 (megamoe's
+    ms / its ms), activation GiB, the largest relative error against the fp32 reference per pass (the cases
+    derive()d)."""
+    cases = [c for c in results["cases"] if routing is None or c.get("routing") == routing]
+    label_routing = len({c.get("routing") for c in cases}) > 1
+    rows = []
+    for case in cases:
+        for name, label in FP8_ROWS:
+            errs = [_max_err(case, name, p) for p, _ in PASSES]
+            ms = [_num(case, p, name, prefix + "ms") for p, _ in PASSES]
+            if all(v is None for v in ms + errs):
+                continue
+            speedups = [_ratio(_num(case, p, "megamoe", prefix + "ms"), v) for (p, _), v in zip(PASSES, ms)]
+            rows.append([case["shape"] + (f" ({case['routing']})" if label_routing else ""), label, _pair(ms, _ms),
+                         _pair(speedups, _x), _f(_num(case, "fwdbwd", name, "activation_gib"), ".2f"),
+                         _pair(errs, lambda v: _f(v, ".1e"))])
+    return rows
+
+
+def fp8_note(results):
+    """What the FP8 implementations were in this run, or why one is missing; '' for a run that predates them."""
+    if "fp8" not in results and "torchao-fp8" not in results.get("peers", {}):
+        return ""
+    parts = []
+    for name, label in FP8.items():
+        info = _described(results, name)
+        parts.append(f"{label}: " + ("not run (" + ("--peers" if name == "torchao-fp8" else "--no-fp8") + ")"
+                                     if info is None else f"missing ({info['missing']})" if "missing" in info
+                                     else info["about"]))
+    tolerance = _num(results, "settings", "fp8_tolerance")
+    return ("FP8 (issue #20), each checked against the fp32 reference within a relative error of"
+            f" {_f(tolerance, 'g')} instead of the bf16 rule: " + "; ".join(parts) + ".")
+
+
 def markdown_rows(header, rows):
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     return lines + ["| " + " | ".join(c.replace("|", "/") for c in r) + " |" for r in rows]
@@ -232,9 +288,11 @@ def _text_rows(header, rows):
 
 
 def text_table(results):
-    """Every number, then the per-call summary (what the README shows)."""
+    """Every number, then the per-call summary (what the README shows) and the FP8 one, where FP8 was measured."""
+    fp8 = ["", "FP8, per call:"] + _text_rows(FP8_HEADER, fp8_rows(results)) if fp8_measured(results) else []
     return "\n".join(_text_rows(HEADER, table_rows(results)) + ["", "per call:"]
-                     + _text_rows(SUMMARY_HEADER, summary_rows(results)) + [peers_note(results)])
+                     + _text_rows(SUMMARY_HEADER, summary_rows(results)) + [peers_note(results)] + fp8
+                     + ([fp8_note(results)] if fp8_note(results) else []))
 
 
 def markdown_table(results):
@@ -249,6 +307,8 @@ def markdown(results, png_name):
         rows = summary_rows(results, prefix)
         if any(c != "—" for r in rows for c in r[1:]):
             summaries += [f"## {label[0].upper() + label[1:]}", "", *markdown_rows(SUMMARY_HEADER, rows), ""]
+    if fp8_measured(results):
+        summaries += ["## FP8 (per call)", "", *markdown_rows(FP8_HEADER, fp8_rows(results)), ""]
     return "\n".join([
         f"# megamoe benchmark: {results['gpu']}, {results['date']}",
         "",
@@ -256,6 +316,7 @@ def markdown(results, png_name):
         f" {results.get('torch_version', '—')} (CUDA {results.get('cuda_version', '—')})",
         f"- command: `{results.get('command', '—')}`",
         f"- peers: {peers_note(results)}",
+        *([f"- {fp8_note(results)}"] if fp8_note(results) else []),
         *([f"- skipped (--stop-after): {', '.join(results['skipped'])}"] if results.get("skipped") else []),
         f"- method: CUDA events; warm-up runs: {s.get('warmup')}, then the median of up to {s.get('iters')} runs"
         f" (fewer if one number would take over {s.get('max_seconds')} s). Three timings per pass: per call (events"
@@ -290,7 +351,8 @@ def markdown(results, png_name):
         ""])
 
 
-PLOT_SERIES = (("megamoe", "megamoe", "tab:green"), ("sonicmoe", "SonicMoE", "tab:red"),
+PLOT_SERIES = (("megamoe", "megamoe", "tab:green"), ("megamoe-fp8", "megamoe FP8", "tab:olive"),
+               ("sonicmoe", "SonicMoE", "tab:red"), ("torchao-fp8", "torchao FP8", "tab:purple"),
                ("torch_compiled", "torch compiled", "tab:orange"), ("torch", "torch eager", "tab:blue"),
                ("dense", "dense bf16 GEMM (ceiling)", "tab:gray"))
 
@@ -321,7 +383,7 @@ def plot(results, path):
                             ha="center", va="bottom", fontsize=7)
         ax.set_title(title + " (per call)")
         ax.set_xticks(range(len(cases)), labels, fontsize=8)
-        ax.set_ylabel("TFLOP/s (bf16)")
+        ax.set_ylabel("TFLOP/s (bf16 unless marked FP8)")
         ax.grid(axis="y", alpha=0.3)
     if series:
         axes[0].legend(fontsize=8, loc="upper left")
