@@ -186,8 +186,9 @@ typedef enum {
 /* The expert weights in blockwise FP8 and their transposed copies (the data gradients' GEMMs read both operands
  * K-major), e4m3 contiguous, one f32 scale per 128 x 128 block (a square block's transpose keeps its scale, so the
  * copies share the scales). megamoe_quantize_experts writes all six from w13 and w2. What each call reads: the forward
- * w13, w13_scales, w2, w2_scales; the backward w2_t, w2_scales, w13_scales, w13_t (when dx is wanted) and w13 (when
- * saved_h is absent: h recomputed). Absent in DEFAULT precision. */
+ * w13, w13_scales, w2, w2_scales; the backward w2_t and w2_scales, w13_t (when dx is wanted), w13 (when saved_h is
+ * absent: h recomputed) and w13_scales with either. Absent in DEFAULT precision; in FP8_BLOCKWISE the ones a call does
+ * not read may be absent (a given one is still checked). The scales' extents round up (ceil(n / 128)). */
 typedef struct {
     megamoe_tensor_t w13;         // [E, 2I, H] e4m3
     megamoe_tensor_t w13_t;       // [E, H, 2I] e4m3, the transpose of w13

@@ -64,10 +64,14 @@ struct Fp8Reads {
     bool w2_t = false;
 };
 // The precision code; in FP8_BLOCKWISE the FP8 weights `reads` names present (the others may be absent), each shaped,
-// typed and on x's device, and a call the FP8 kernels run (else NOT_SUPPORTED); in DEFAULT none of them given
-// (validate_fp8.cpp). After check_rows_and_weights (shape filled).
+// typed and on x's device; in DEFAULT none of them given (validate_fp8.cpp). After check_rows_and_weights (shape
+// filled), before the overlap checks that read the FP8 tensors.
 megamoe_status_t check_precision(const char* x_name, const megamoe_tensor_t& x, const Experts& experts,
                                  const Shape& shape, const Fp8Reads& reads);
+// FP8_BLOCKWISE: a call the FP8 kernels run (CUDA, the default layout and activation, no biases, H and I multiples of
+// 128), else NOT_SUPPORTED naming what; last, once every argument is valid.
+megamoe_status_t check_precision_supported(const char* x_name, const megamoe_tensor_t& x, const Experts& experts,
+                                           const Shape& shape);
 // The FP8 weights, named as in the params structs (for the overlap and pointer checks).
 std::vector<Named> fp8_inputs(const Experts& experts);
 // megamoe_quantize_experts' arguments: w13 [E, 2I, H] and w2 [E, H, I] (bf16, f16 or f32, CUDA), every tensor of fp8

@@ -115,7 +115,12 @@ megamoe_status_t check_precision(const char* x_name, const megamoe_tensor_t& x, 
         const char* rule = t.dtype == MEGAMOE_DTYPE_E4M3 ? "must be e4m3 (MEGAMOE_DTYPE_E4M3)" : "must be f32";
         MEGAMOE_CHECK(check_input(t.name, *t.tensor, x, x_name, 3, dims.c_str(), t.shape, t.dtype, t.dtype, rule));
     }
-    return check_fp8_supported(x_name, x, experts, shape);
+    return MEGAMOE_STATUS_SUCCESS;
+}
+
+megamoe_status_t check_precision_supported(const char* x_name, const megamoe_tensor_t& x, const Experts& experts,
+                                           const Shape& shape) {
+    return experts.fp8_blockwise() ? check_fp8_supported(x_name, x, experts, shape) : MEGAMOE_STATUS_SUCCESS;
 }
 
 std::vector<Named> fp8_inputs(const Experts& experts) {

@@ -153,6 +153,7 @@ megamoe_status_t validate(const megamoe_forward_params_t* params, Shape* shape) 
                                    {shape->num_slots(), 2 * shape->intermediate}, dtype, dtype,
                                    "must equal the dtype of x", inputs));
     }
+    MEGAMOE_CHECK(check_precision_supported("x", p.x, experts, *shape));
     return check_outputs_disjoint({{"y", &p.y}, {"saved_h", &p.saved_h}});
 }
 
@@ -172,6 +173,7 @@ megamoe_status_t validate(const megamoe_grouped_forward_params_t* params, Shape*
                                    {shape->num_tokens, 2 * shape->intermediate}, dtype, dtype,
                                    "must equal the dtype of x_sorted", inputs));
     }
+    MEGAMOE_CHECK(check_precision_supported("x_sorted", p.x_sorted, experts, *shape));
     return check_outputs_disjoint({{"out", &p.out}, {"saved_h", &p.saved_h}});
 }
 
@@ -204,6 +206,7 @@ megamoe_status_t validate(const megamoe_backward_params_t* params, Shape* shape)
     }
     const ExpertGrads grads = ExpertGrads::of(p);
     MEGAMOE_CHECK(check_expert_grads(grads, p.accumulate_weight_grads, p.x, "x", experts, inputs));
+    MEGAMOE_CHECK(check_precision_supported("x", p.x, experts, *shape));
     return check_outputs_disjoint(with_expert_grads({{"dx", &p.dx}, {"dtopk_weights", &p.dtopk_weights}}, grads));
 }
 
@@ -243,6 +246,7 @@ megamoe_status_t validate(const megamoe_grouped_backward_params_t* params, Shape
     }
     const ExpertGrads grads = ExpertGrads::of(p);
     MEGAMOE_CHECK(check_expert_grads(grads, p.accumulate_weight_grads, p.x_sorted, "x_sorted", experts, inputs));
+    MEGAMOE_CHECK(check_precision_supported("x_sorted", p.x_sorted, experts, *shape));
     return check_outputs_disjoint(with_expert_grads({{"dx_sorted", &p.dx_sorted}, {"dscores", &p.dscores}}, grads));
 }
 
