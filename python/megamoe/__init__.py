@@ -5,6 +5,7 @@
     y = megamoe.moe(x, topk_ids, topk_weights, gate_up_proj, down_proj, b13=b13, b2=b2,
                     layout=megamoe.GPT_OSS, activation=megamoe.GPT_OSS_ACTIVATION)   # other layouts (layouts.py)
     megamoe.path_of(x, topk_ids, topk_weights, w13, w2)   # "reference", "cuda", "sm90": which path runs
+    y = megamoe.moe(x, topk_ids, topk_weights, w13, w2, precision="fp8")   # blockwise FP8 GEMMs (fp8.py)
     block = megamoe.MoEBlock(hidden, intermediate, num_experts, topk)   # router + experts, nn.Module
     y = megamoe.ep.moe(x, topk_ids, topk_weights, w13_local, w2_local, group)   # experts sharded over ranks
     import megamoe.hf                                     # registers experts_implementation="megamoe" in transformers
@@ -13,7 +14,7 @@
 See docs/python.md for the API and docs/DESIGN.md for the math and the kernels.
 """
 
-from . import _lib, adapters, ep
+from . import _lib, adapters, ep, fp8
 from .grouped import GroupedGrads, grouped_backward, grouped_forward, grouped_moe, grouped_path_of
 from .layouts import (CONCATENATED, GPT_OSS, GPT_OSS_ACTIVATION, HF_TRANSPOSED, INTERLEAVED, SEPARATE, SWIGLU,
                       Activation, Layout, arrange_weights, clamped_swiglu)
@@ -30,6 +31,7 @@ def __getattr__(name):
 __all__ = [
     "adapters",
     "ep",
+    "fp8",
     "moe",
     "moe_forward",
     "moe_backward",

@@ -5,10 +5,12 @@ failed status into a Python exception carrying the library's message (which name
 Loading checks the library's ABI (megamoe_abi_version, megamoe_struct_size) against the ctypes structs below
 and refuses a library built from other declarations with an ImportError naming it and both versions.
 
-Every call takes its tensors by the params structs' field names and the experts' options (layout and activation,
-layouts.py) as the dict `options` of layouts.op_options(); path() asks which implementation a call would run (a Path:
-the name, and the reason when the call's expert options keep it off the fused sm_90a kernels). A CUDA call that runs
-on the portable kernels for that reason warns once per combination of options (warn_portable_once).
+Every call takes its tensors by the params structs' field names and the experts' options (layout, activation and
+precision, layouts.py) as the dict `options` of layouts.op_options(); path() asks which implementation a call would run
+(a Path: the name, and the reason when the call's expert options keep it off the fused sm_90a kernels). A CUDA call
+that runs on the portable kernels for that reason warns once per combination of options (warn_portable_once).
+The FP8 expert weights of precision "fp8" (megamoe_fp8_experts_t, the params structs' `fp8`) go by the names of
+FP8_ARGS, fp8_<field> (fp8_w13 for fp8.w13, ...); quantize_experts_into writes them (megamoe_quantize_experts).
 """
 
 import ctypes
@@ -19,7 +21,7 @@ import warnings
 import torch
 
 MAX_DIMS = 4
-ABI_VERSION = 4  # MEGAMOE_ABI_VERSION of include/megamoe/megamoe.h that the structs below declare
+ABI_VERSION = 5  # MEGAMOE_ABI_VERSION of include/megamoe/megamoe.h that the structs below declare
 
 STATUS_SUCCESS = 0
 STATUS_INVALID_ARGUMENT = 1
@@ -33,7 +35,8 @@ ACCUM_DEFAULT = 0
 
 GATE_UP_CODES = {"concatenated": 0, "interleaved": 1, "separate": 2}  # megamoe_gate_up_t
 ACTIVATION_CODES = {"swiglu": 0, "clamped_swiglu": 1}  # megamoe_activation_kind_t
-PATH_NAMES = {0: "reference", 1: "cuda", 2: "sm90", 3: "sm90+cuda-weight-grads"}  # megamoe_path_t
+PATH_NAMES = {0: "reference", 1: "cuda", 2: "sm90", 3: "sm90+cuda-weight-grads", 4: "sm90-fp8"}  # megamoe_path_t
+PRECISION_CODES = {"bf16": 0, "fp8": 1}  # megamoe_precision_t: DEFAULT (the dtype of x), FP8_BLOCKWISE
 
 _DTYPE_CODES = {
     torch.bfloat16: 0,
@@ -42,6 +45,7 @@ _DTYPE_CODES = {
     torch.float64: 3,
     torch.int32: 4,
     torch.int64: 5,
+    torch.float8_e4m3fn: 6,  # the FP8 expert weights only
 }
 
 
@@ -73,6 +77,15 @@ class CActivation(ctypes.Structure):
     ]
 
 
+# megamoe_fp8_experts_t: the FP8 weights of precision FP8_BLOCKWISE, e4m3 but the f32 scales (fp8.Fp8Experts's fields).
+FP8_FIELDS = ("w13", "w13_t", "w13_scales", "w2", "w2_t", "w2_scales")
+FP8_ARGS = tuple(f"fp8_{name}" for name in FP8_FIELDS)  # their names as call tensors and op arguments
+
+
+class CFp8Experts(ctypes.Structure):
+    _fields_ = [(name, Tensor) for name in FP8_FIELDS]
+
+
 # Appended to every params struct: the expert parameters beyond w13 / w2 and their options; the backward's also
 # carry the gradients of w3, b13 and b2 before the options.
 _EXPERT_FIELDS = [("w3", Tensor), ("b13", Tensor), ("b2", Tensor)]
@@ -81,6 +94,8 @@ _OPTION_FIELDS = [("layout", CLayout), ("activation", CActivation)]
 # accumulation precision, the caller's workspace and stream: after the tensors of every params struct
 _RUN_FIELDS = [("accum", ctypes.c_int), ("workspace", ctypes.c_void_p), ("workspace_bytes", ctypes.c_size_t),
                ("stream", ctypes.c_void_p)]
+# the last fields of every params struct: the GEMMs' precision and the FP8 weights
+_PRECISION_FIELDS = [("precision", ctypes.c_int), ("fp8", CFp8Experts)]
 
 
 class ForwardParams(ctypes.Structure):
@@ -95,6 +110,7 @@ class ForwardParams(ctypes.Structure):
         *_RUN_FIELDS,
         *_EXPERT_FIELDS,
         *_OPTION_FIELDS,
+        *_PRECISION_FIELDS,
     ]
 
 
@@ -116,6 +132,7 @@ class BackwardParams(ctypes.Structure):
         *_EXPERT_GRAD_FIELDS,
         *_OPTION_FIELDS,
         ("accumulate_weight_grads", ctypes.c_int32),
+        *_PRECISION_FIELDS,
     ]
 
 
@@ -131,6 +148,7 @@ class GroupedForwardParams(ctypes.Structure):
         *_RUN_FIELDS,
         *_EXPERT_FIELDS,
         *_OPTION_FIELDS,
+        *_PRECISION_FIELDS,
     ]
 
 
@@ -152,6 +170,7 @@ class GroupedBackwardParams(ctypes.Structure):
         *_EXPERT_GRAD_FIELDS,
         *_OPTION_FIELDS,
         ("accumulate_weight_grads", ctypes.c_int32),
+        *_PRECISION_FIELDS,
     ]
 
 
@@ -164,6 +183,7 @@ ABI_STRUCTS = {
     4: GroupedBackwardParams,
     5: CLayout,
     6: CActivation,
+    7: CFp8Experts,
 }
 
 _ENTRY_POINTS = (
@@ -214,6 +234,10 @@ def library():
             path_fn = getattr(lib, f"megamoe_{name}_path")
             path_fn.argtypes = [ctypes.POINTER(params), ctypes.POINTER(ctypes.c_int)]
             path_fn.restype = ctypes.c_int
+        if hasattr(lib, "megamoe_quantize_experts"):
+            lib.megamoe_quantize_experts.argtypes = [ctypes.POINTER(Tensor), ctypes.POINTER(Tensor),
+                                                     ctypes.POINTER(CFp8Experts), ctypes.c_void_p]
+            lib.megamoe_quantize_experts.restype = ctypes.c_int
         _LIB = lib
     return _LIB
 
@@ -251,7 +275,8 @@ def check_arg(name, tensor):
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"megamoe: {name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in _DTYPE_CODES:
-        raise TypeError(f"megamoe: {name} has dtype {tensor.dtype}; supported: bf16, f16, f32, f64, int32, int64")
+        raise TypeError(f"megamoe: {name} has dtype {tensor.dtype}; supported: bf16, f16, f32, f64, int32, int64 "
+                        "(and float8_e4m3fn for the FP8 expert weights)")
     if tensor.dim() > MAX_DIMS:
         raise ValueError(f"megamoe: {name} has {tensor.dim()} dimensions; at most {MAX_DIMS}")
     if tensor.device.type not in ("cpu", "cuda"):
@@ -291,9 +316,9 @@ def check(status):
 
 
 def set_options(params, gate_up="concatenated", w13_transposed=False, w2_transposed=False, activation="swiglu",
-                limit=0.0, alpha=0.0):
-    """The layout and activation fields of a params struct (the keyword arguments of layouts.op_options()); an unknown
-    name raises ValueError naming the argument."""
+                limit=0.0, alpha=0.0, precision="bf16"):
+    """The layout, activation and precision fields of a params struct (the keyword arguments of layouts.op_options());
+    an unknown name raises ValueError naming the argument."""
     if gate_up not in GATE_UP_CODES:
         raise ValueError(f"megamoe: gate_up: unknown arrangement {gate_up!r} (one of {', '.join(GATE_UP_CODES)})")
     if activation not in ACTIVATION_CODES:
@@ -305,6 +330,14 @@ def set_options(params, gate_up="concatenated", w13_transposed=False, w2_transpo
     params.activation.kind = ACTIVATION_CODES[activation]
     params.activation.limit = float(limit)
     params.activation.alpha = float(alpha)
+    params.precision = precision_code(precision)
+
+
+def precision_code(precision):
+    """megamoe_precision_t of a precision name (PRECISION_CODES); ValueError naming `precision` for another."""
+    if not isinstance(precision, str) or precision not in PRECISION_CODES:
+        raise ValueError(f"megamoe: precision: unknown precision {precision!r} (one of {', '.join(PRECISION_CODES)})")
+    return PRECISION_CODES[precision]
 
 
 _PARAMS = dict(_ENTRY_POINTS)
@@ -312,11 +345,15 @@ _PARAMS = dict(_ENTRY_POINTS)
 
 def params_of(kind, tensors, options=None, **fields):
     """The params struct of entry point `kind` ("forward", "backward", "grouped_forward", "grouped_backward") with
-    `tensors` (field name -> torch.Tensor or None: absent), the options dict (None: the defaults) and scalar `fields`
-    (e.g. accumulate_weight_grads=1)."""
+    `tensors` (field name -> torch.Tensor or None: absent; fp8_<field> for the struct's fp8.<field>), the options dict
+    (None: the defaults) and scalar `fields` (e.g. accumulate_weight_grads=1)."""
     params = _PARAMS[kind]()
     for name, tensor in tensors.items():
-        setattr(params, name, view(name, tensor))
+        if name in FP8_ARGS:
+            if tensor is not None:  # absent: the struct's zeros already
+                setattr(params.fp8, name[len("fp8_"):], view(name, tensor))
+        else:
+            setattr(params, name, view(name, tensor))
     set_options(params, **(options or {}))
     for name, value in fields.items():
         setattr(params, name, value)
@@ -361,7 +398,7 @@ def path(kind, tensors, options=None):
 
 _checked_portable = set()  # (device, options, which optional expert tensors) already checked
 _DEFAULT_OPTIONS = dict(gate_up="concatenated", w13_transposed=False, w2_transposed=False, activation="swiglu",
-                        limit=0.0, alpha=0.0)
+                        limit=0.0, alpha=0.0, precision="bf16")
 
 
 def warn_portable_once(kind, params, tensors, options, device):
@@ -381,7 +418,7 @@ def warn_portable_once(kind, params, tensors, options, device):
 
 def forward_into(x, topk_ids, topk_weights, w13, w2, y, saved_h=None, options=None, **experts):
     """megamoe_forward writing into the caller's y [T, H] (and h = [g, u] into saved_h [T*topk, 2I] if given);
-    experts: w3, b13, b2 (absent: None)."""
+    experts: w3, b13, b2 (absent: None) and, with options' precision "fp8", the FP8 weights fp8_w13, ... (FP8_ARGS)."""
     call("forward", dict(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13, w2=w2, y=y, saved_h=saved_h,
                          **experts), options)
 
@@ -390,7 +427,7 @@ def backward_into(dy, x, topk_ids, topk_weights, w13, w2, dx, dtopk_weights, dw1
                   accumulate=False, **experts):
     """megamoe_backward writing into the caller's gradients (None = not wanted); saved_h: the forward's, or None;
     experts: w3, b13, b2 and their gradients dw3, db13, db2; accumulate: the weight and bias gradients are added into
-    the given (f32) dw13, dw2, dw3, db13, db2 (accumulate_weight_grads)."""
+    the given (f32) dw13, dw2, dw3, db13, db2 (accumulate_weight_grads); the FP8 weights as for forward_into."""
     call("backward", dict(dy=dy, x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13, w2=w2, saved_h=saved_h,
                           dx=dx, dtopk_weights=dtopk_weights, dw13=dw13, dw2=dw2, **experts), options,
          accumulate_weight_grads=int(bool(accumulate)))
@@ -426,3 +463,24 @@ def _run(kind, params, device):
         params.stream = torch.cuda.current_stream(device).cuda_stream
     check(getattr(lib, f"megamoe_{kind}")(ctypes.byref(params)))
     del workspace  # freed only after the launch is queued; the caching allocator orders reuse on the stream
+
+
+def quantize_experts_into(w13, w2, fp8_tensors):
+    """megamoe_quantize_experts: the blockwise FP8 copies of w13 [E, 2I, H] and w2 [E, H, I] (CUDA, contiguous, the
+    default layout) written into fp8_tensors, the six tensors of FP8_FIELDS in that order (an fp8.Fp8Experts: w13
+    [E, 2I, H], w13_t [E, H, 2I] e4m3, w13_scales [E, 2I / 128, H / 128] f32, w2 [E, H, I], w2_t [E, I, H] e4m3,
+    w2_scales [E, H / 128, I / 128] f32), on the current stream."""
+    lib = library()
+    if not hasattr(lib, "megamoe_quantize_experts"):
+        raise NotImplementedError(f"megamoe: {lib._name} has no megamoe_quantize_experts (a library without the FP8 "
+                                  "weights' quantization)")
+    fp8_tensors = tuple(fp8_tensors)
+    if len(fp8_tensors) != len(FP8_FIELDS):
+        raise ValueError(f"megamoe: fp8 tensors: {len(fp8_tensors)} given, expected {len(FP8_FIELDS)} "
+                         f"({', '.join(FP8_FIELDS)})")
+    fp8 = CFp8Experts()
+    for name, tensor in zip(FP8_FIELDS, fp8_tensors):
+        setattr(fp8, name, view(f"fp8.{name}", tensor))
+    w13_view, w2_view = view("w13", w13), view("w2", w2)
+    stream = torch.cuda.current_stream(w13.device).cuda_stream if w13.is_cuda else None
+    check(lib.megamoe_quantize_experts(ctypes.byref(w13_view), ctypes.byref(w2_view), ctypes.byref(fp8), stream))

@@ -6,8 +6,9 @@ tokens_per_expert on the device: no host synchronisation, so torch.compile(fullg
 
     out_r = scores[r] * w2[e] (silu(w13[e, :I] x_r) * (w13[e, I:] x_r))   for the rows r of expert e
 
-Layouts, activations, biases, the gradients computed only where needed and the weight gradients accumulated into
-main_grads buffers as for the whole layer.
+Layouts, activations, biases, the precision (precision="fp8": blockwise FP8 GEMMs on fp8.py's FP8 weights), the
+gradients computed only where needed and the weight gradients accumulated into main_grads buffers as for the whole
+layer.
 """
 
 from .dtensor import expert_shard_local, refuse_dtensor_activations, same_sharding
@@ -23,7 +24,7 @@ OPS = OpFamily(EntryPoint(
     grads=GroupedGrads, num_slots=lambda a: a["x_sorted"].shape[0]))  # R: one slot per row
 
 # torch.ops.megamoe.grouped_forward(x_sorted, tokens_per_expert, w13, w2, scores=None, keep_h=False, w3, b13, b2,
-# <options>, main_grad_*) -> (out [R, H], h [R, 2I] when keep_h, else [0])
+# <options>, fp8_*, main_grad_*) -> (out [R, H], h [R, 2I] when keep_h, else [0])
 grouped_forward = OPS.forward_op
 
 
@@ -39,7 +40,7 @@ def _local_experts(entry, x_sorted, tokens_per_expert, w13, w2, scores, experts)
 
 
 def grouped_moe(x_sorted, tokens_per_expert, w13, w2, scores=None, recompute=False, *, w3=None, b13=None, b2=None,
-                layout=None, activation=None, main_grads=None):
+                layout=None, activation=None, main_grads=None, precision="bf16", fp8_experts=None):
     """The routed experts on rows already sorted by expert, differentiable in x_sorted, scores and the expert
     parameters.
 
@@ -60,28 +61,33 @@ def grouped_moe(x_sorted, tokens_per_expert, w13, w2, scores=None, recompute=Fal
 
     main_grads: f32 buffers (of the local experts) the weight gradients are added into during the backward, whose
     autograd gradients are then None: exactly as megamoe.moe's main_grads.
+
+    precision ("bf16" or "fp8") and fp8_experts (the FP8 weights of the local experts; None: the cache's,
+    megamoe.fp8.experts_for of the local w13 and w2): as megamoe.moe's.
     """
     inputs, experts = _local_experts("megamoe.grouped_moe", x_sorted, tokens_per_expert, w13, w2, scores,
                                      dict(w3=w3, b13=b13, b2=b2))
-    return OPS.apply(inputs, experts, recompute, layout, activation, main_grads)
+    return OPS.apply(inputs, experts, recompute, layout, activation, main_grads, precision, fp8_experts)
 
 
 def grouped_backward(dout, x_sorted, tokens_per_expert, w13, w2, scores=None, saved_h=None, wgrad_f32=False, *,
-                     w3=None, b13=None, b2=None, layout=None, activation=None, grads=None, main_grads=None):
+                     w3=None, b13=None, b2=None, layout=None, activation=None, grads=None, main_grads=None,
+                     precision="bf16", fp8_experts=None):
     """GroupedGrads (d x_sorted, d scores, dw13, dw2, dw3, db13, db2); d scores = <dout_r, o_r> (o_r the unscaled
     row); None for those not in `grads` (names of GRAD_NAMES; None: all) and for absent inputs. saved_h:
     grouped_forward's h (keep-h mode; consumed: dh is written over it) or None (recompute h). wgrad_f32: the weight
     and bias gradients in f32 instead of the parameters' dtype. Plain tensors only (a DTensor raises TypeError: pass
-    its .to_local()). main_grads: f32 buffers the weight gradients are added into, as megamoe.moe_backward's."""
+    its .to_local()). main_grads: f32 buffers the weight gradients are added into, as megamoe.moe_backward's.
+    precision / fp8_experts: as megamoe.moe_backward's."""
     inputs = dict(x_sorted=x_sorted, tokens_per_expert=tokens_per_expert, w13=w13, w2=w2, scores=scores)
     return OPS.backward("megamoe.grouped_backward", dout, inputs, saved_h, wgrad_f32, dict(w3=w3, b13=b13, b2=b2),
-                        layout, activation, grads, main_grads)
+                        layout, activation, grads, main_grads, precision, fp8_experts)
 
 
 def grouped_path_of(x_sorted, tokens_per_expert, w13, w2, scores=None, *, w3=None, b13=None, b2=None, layout=None,
-                    activation=None, backward=False):
+                    activation=None, backward=False, precision="bf16", fp8_experts=None):
     """Which implementation megamoe.grouped_moe's forward (backward=True: its backward) runs on these arguments; the
     names and errors of megamoe.path_of."""
     inputs, experts = _local_experts("megamoe.grouped_path_of", x_sorted, tokens_per_expert, w13, w2, scores,
                                      dict(w3=w3, b13=b13, b2=b2))
-    return OPS.path(inputs, experts, layout, activation, backward)
+    return OPS.path("megamoe.grouped_path_of", inputs, experts, layout, activation, backward, precision, fp8_experts)

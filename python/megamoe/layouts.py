@@ -13,13 +13,20 @@ megamoe_layout_t and megamoe_activation_t), as the ops and the modules take them
 
 The weights are read where they are, and their gradients come back in the same layout (dw13 shaped as w13).
 Biases (b13 [E, 2I] in w13's gate/up arrangement, concatenated for "separate"; b2 [E, H]) are arguments of the ops.
+
+The GEMMs' precision (the C API's megamoe_precision_t) is the third option of the ops:
+    "bf16"  the default: the GEMMs read their operands in the dtype of x (bf16 in training; f16, and f32 / f64 on the
+            CPU, alike)
+    "fp8"   DeepSeek-V3's blockwise FP8 (fp8.py): e4m3 operands, activations scaled per 1 x 128 group, weights per
+            128 x 128 block; CUDA on a compute capability 9.0 GPU, the default layout and SwiGLU, no biases, H and I
+            multiples of 128 (anything else raises NotImplementedError naming it)
 """
 
 from dataclasses import dataclass
 
 import torch
 
-from ._lib import ACTIVATION_CODES, GATE_UP_CODES
+from ._lib import ACTIVATION_CODES, GATE_UP_CODES, precision_code
 
 
 @dataclass(frozen=True)
@@ -72,24 +79,31 @@ SWIGLU = Activation()
 GPT_OSS_ACTIVATION = clamped_swiglu()
 
 
-def op_options(layout=None, activation=None):
-    """The keyword arguments of the custom ops (and of _lib.set_options) for a Layout and an Activation (None: the
-    defaults)."""
+def op_options(layout=None, activation=None, precision="bf16"):
+    """The keyword arguments of the custom ops (and of _lib.set_options) for a Layout, an Activation (None: the
+    defaults) and a precision ("bf16" or "fp8"; another raises ValueError naming `precision`)."""
     layout = CONCATENATED if layout is None else layout
     activation = SWIGLU if activation is None else activation
     if not isinstance(layout, Layout):
         raise TypeError(f"megamoe: layout must be a megamoe.Layout, got {type(layout).__name__}")
     if not isinstance(activation, Activation):
         raise TypeError(f"megamoe: activation must be a megamoe.Activation, got {type(activation).__name__}")
+    precision_code(precision)
     return dict(gate_up=layout.gate_up, w13_transposed=bool(layout.w13_transposed),
                 w2_transposed=bool(layout.w2_transposed), activation=activation.kind, limit=float(activation.limit),
-                alpha=float(activation.alpha))
+                alpha=float(activation.alpha), precision=precision)
 
 
-def options_of(gate_up, w13_transposed, w2_transposed, activation, limit, alpha):
+def is_default_layout(options):
+    """Whether op_options' dict has the default layout (w13 [E, 2I, H] concatenated, w2 [E, H, I]): the one the FP8
+    weights are quantized from."""
+    return options["gate_up"] == "concatenated" and not options["w13_transposed"] and not options["w2_transposed"]
+
+
+def options_of(gate_up, w13_transposed, w2_transposed, activation, limit, alpha, precision="bf16"):
     """The inverse of op_options: the ops' arguments as the options dict."""
     return dict(gate_up=gate_up, w13_transposed=w13_transposed, w2_transposed=w2_transposed, activation=activation,
-                limit=limit, alpha=alpha)
+                limit=limit, alpha=alpha, precision=precision)
 
 
 def arrange_weights(w13, w2, b13=None, layout=None):

@@ -17,6 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from ._lib import precision_code
 from .ops import moe
 
 
@@ -41,17 +42,24 @@ class MoEExperts(nn.Module):
 
     Initialised like Hugging Face Qwen3-MoE: normal(0, init_std). `recompute=True` selects the memory mode that
     keeps only the inputs for the backward (it recomputes h = [g, u]); the default keeps h ([T*topk, 2I]).
+    `precision="fp8"` runs the GEMMs in blockwise FP8 (megamoe.moe's precision; CUDA sm_90, H and I multiples of 128)
+    on FP8 copies of w13 / w2 that megamoe.fp8's cache makes once per update of the weights (as much memory again as
+    the weights, kept while the module lives; megamoe.fp8.clear_cache() drops them); the default "bf16" computes in
+    the weights' dtype.
 
     Under FSDP2 (`fully_shard`) the forward sees the unsharded parameters (plain tensors, or DTensors replicated over
     their mesh), which megamoe.moe takes; for experts sharded over ranks use megamoe.ep.MoEExperts.
     """
 
-    def __init__(self, num_experts, hidden, intermediate, dtype=None, device=None, init_std=0.02, recompute=False):
+    def __init__(self, num_experts, hidden, intermediate, dtype=None, device=None, init_std=0.02, recompute=False,
+                 precision="bf16"):
         super().__init__()
         factory = {"dtype": dtype, "device": device}
+        precision_code(precision)  # ValueError naming `precision` for an unknown one
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.init_std = init_std
         self.recompute = recompute
+        self.precision = precision
         self.w13 = nn.Parameter(torch.empty(num_experts, 2 * intermediate, hidden, **factory))  # [E, 2I, H]
         self.w2 = nn.Parameter(torch.empty(num_experts, hidden, intermediate, **factory))  # [E, H, I]
         self.register_load_state_dict_pre_hook(_accept_hf_names)
@@ -83,12 +91,12 @@ class MoEExperts(nn.Module):
         weights = topk_weights.reshape(ids.shape)  # [T, topk]
         if weights.dtype not in (torch.float32, x.dtype):
             weights = weights.float()
-        y = moe(x2, ids, weights, self.w13, self.w2, recompute=self.recompute)  # [T, H]
+        y = moe(x2, ids, weights, self.w13, self.w2, recompute=self.recompute, precision=self.precision)  # [T, H]
         return reshaped(y, (*lead, self.hidden))
 
     def extra_repr(self):
         return (f"num_experts={self.num_experts}, hidden={self.hidden}, intermediate={self.intermediate}, "
-                f"recompute={self.recompute}")
+                f"recompute={self.recompute}, precision={self.precision!r}")
 
 
 def _accept_hf_names(module, state_dict, prefix, *args):
@@ -127,7 +135,8 @@ class MoEBlock(nn.Module):
     forward(x) with x [B, S, H] or [T, H] returns `MoEBlockOutput(y, router_logits)`: y has x's shape and
     dtype, router_logits x's leading dims by E. The router weight `router.weight` [E, H] (Hugging Face
     Qwen3-MoE calls it `gate.weight`) is stored in the block's dtype and applied in fp32 (fp64 for fp64
-    inputs); the top-k weights reach the experts in that precision. Experts are in `experts`.
+    inputs); the top-k weights reach the experts in that precision. Experts are in `experts` (`precision`: theirs,
+    "bf16" or "fp8"; see MoEExperts).
     """
 
     def __init__(
@@ -141,6 +150,7 @@ class MoEBlock(nn.Module):
         device=None,
         init_std=0.02,
         recompute=False,
+        precision="bf16",
     ):
         super().__init__()
         if not 0 < topk <= num_experts:
@@ -150,7 +160,8 @@ class MoEBlock(nn.Module):
         self.init_std = init_std
         self.router = nn.Linear(hidden, num_experts, bias=False, dtype=dtype, device=device)  # weight [E, H]
         self.experts = MoEExperts(
-            num_experts, hidden, intermediate, dtype=dtype, device=device, init_std=init_std, recompute=recompute
+            num_experts, hidden, intermediate, dtype=dtype, device=device, init_std=init_std, recompute=recompute,
+            precision=precision,
         )
         nn.init.normal_(self.router.weight, mean=0.0, std=init_std)
 

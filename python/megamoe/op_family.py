@@ -3,17 +3,22 @@
 Each entry point (the whole layer: ops.py; grouped rows: grouped.py) is three torch.library custom ops with fake
 kernels, the forward's autograd backed by the two backward ops:
 
-    megamoe::<name>_forward              (*inputs, keep_h, *EXPERTS, *OPTIONS, *main_grad_* = None) -> (out, h)
-    megamoe::<name>_backward             (grad, *inputs, saved_h!, wgrad_f32, *EXPERTS, *OPTIONS, *need_*) -> grads
-    megamoe::<name>_backward_accumulate  (grad, *inputs, saved_h!, *main_grad_*!, *EXPERTS, *OPTIONS, *need_*) -> grads
+    megamoe::<name>_forward              (*inputs, keep_h, *EXPERTS, *OPTIONS, *FP8, *main_grad_* = None) -> (out, h)
+    megamoe::<name>_backward             (grad, *inputs, saved_h!, wgrad_f32, *EXPERTS, *OPTIONS, *FP8, *need_*)
+    megamoe::<name>_backward_accumulate  (grad, *inputs, saved_h!, *main_grad_*!, *EXPERTS, *OPTIONS, *FP8, *need_*)
 
 An EntryPoint names what differs (its own inputs, e.g. x, topk_ids, topk_weights, w13, w2; the names of its output and
 of the output's gradient; its gradients, the fields of a NamedTuple); the groups below are shared by both entry points.
 From the argument lists come each op's signature (torch infers the schema from it), the C API call (_lib.call: the
 tensors go by the params structs' field names, which are the arguments' names), the fake kernel and the autograd glue.
 Adding an argument is one entry in one list: an entry point's own input in its EntryPoint (ops.py, grouped.py), an
-expert tensor in EXPERTS, an option in layouts.op_options() (from Layout / Activation), a flag like WGRAD_F32 here;
-a new C API field also needs its ctypes field in _lib.py (the ABI guard checks the structs against the library).
+expert tensor in EXPERTS, an option in layouts.op_options() (from Layout / Activation / the precision), a flag like
+WGRAD_F32 here; a new C API field also needs its ctypes field in _lib.py (the ABI guard checks the structs against the
+library).
+
+Precision "fp8" (an option, like the layout's): the six FP8 weights (fp8.Fp8Experts) ride as the optional tensors FP8
+(fp8_w13, fp8_w13_t, fp8_w13_scales, fp8_w2, fp8_w2_t, fp8_w2_scales; None in "bf16"), inputs of every op like the
+experts; the forward's autograd saves them with the other inputs, so its backward reads the ones the forward read.
 
 The backwards compute only the gradients asked for (their need_* arguments; autograd asks for those of
 ctx.needs_input_grad) and return an empty [0] tensor for the others and for absent inputs (a custom op cannot return
@@ -31,6 +36,7 @@ from typing import Callable, NamedTuple, Optional
 import torch
 
 from . import _lib
+from . import fp8 as _fp8
 from . import main_grads as _main_grads
 from .dtensor import refuse_dtensors
 from .layouts import op_options
@@ -51,12 +57,16 @@ OPTIONAL_TENSOR = Optional[torch.Tensor]
 
 # The expert parameters beyond w13 / w2 (after the entry point's inputs in every op).
 EXPERTS = tuple(Arg(name, OPTIONAL_TENSOR, None) for name in ("w3", "b13", "b2"))
-# The experts' layout and activation (layouts.op_options(); their defaults are Layout()'s and Activation()'s).
+# The FP8 weights of precision "fp8" (fp8.Fp8Experts; the params structs' fp8.<field>), after the options.
+FP8 = tuple(Arg(name, OPTIONAL_TENSOR, None) for name in _lib.FP8_ARGS)
+# The experts' layout, activation and precision (layouts.op_options(); their defaults are Layout()'s, Activation()'s
+# and "bf16").
 OPTIONS = tuple(Arg(name, type(value), value) for name, value in op_options().items())
 KEEP_H = Arg("keep_h", bool, False)
 SAVED_H = Arg("saved_h", TENSOR)
 WGRAD_F32 = Arg("wgrad_f32", bool, False)
 EXPERT_NAMES = tuple(arg.name for arg in EXPERTS)
+FP8_NAMES = _lib.FP8_ARGS
 OPTION_NAMES = tuple(arg.name for arg in OPTIONS)
 
 
@@ -161,6 +171,12 @@ def _saved_tensors(ctx, entry):
         ) from ex
 
 
+def _given(tensors, names):
+    """{name: tensor} of the names whose tensor is given: an absent optional argument is left out of an op call (as
+    before the argument existed), not passed as None."""
+    return {name: tensors[name] for name in names if tensors.get(name) is not None}
+
+
 class ArgList:
     """An op's arguments: the function torch.library infers the op's schema from, and their binding by name."""
 
@@ -213,18 +229,18 @@ class OpFamily:
         self.entry = entry
         self.grad_names = entry.grads._fields
         self.grad_inputs = tuple(name[1:] for name in self.grad_names)  # dx -> x, dscores -> scores, dw13 -> w13
-        input_names = tuple(arg.name for arg in entry.inputs)
+        self.input_names = tuple(arg.name for arg in entry.inputs)
         self.rows = self.grad_inputs[0]  # x / x_sorted: its dtype and device are every row tensor's
-        self.tensor_names = input_names + EXPERT_NAMES  # the inputs of every op, in op order
+        self.tensor_names = self.input_names + EXPERT_NAMES + FP8_NAMES  # the inputs of every op, in op order
         grad_arg = Arg(entry.grad_output, TENSOR)
         inputs_required = tuple(arg._replace(default=REQUIRED) for arg in entry.inputs)  # saved_h follows them
         main_grads_required = tuple(Arg(name, TENSOR) for name in _main_grads.OP_ARGS)
         needs = tuple(Arg(f"need_{name}", bool, True) for name in self.grad_names)
-        self.forward_args = ArgList((*entry.inputs, KEEP_H, *EXPERTS, *OPTIONS,
+        self.forward_args = ArgList((*entry.inputs, KEEP_H, *EXPERTS, *OPTIONS, *FP8,
                                      *(Arg(name, OPTIONAL_TENSOR, None) for name in _main_grads.OP_ARGS)))
-        backward_args = ArgList((grad_arg, *inputs_required, SAVED_H, WGRAD_F32, *EXPERTS, *OPTIONS, *needs))
+        backward_args = ArgList((grad_arg, *inputs_required, SAVED_H, WGRAD_F32, *EXPERTS, *OPTIONS, *FP8, *needs))
         accumulate_args = ArgList((grad_arg, *inputs_required, SAVED_H, *main_grads_required, *EXPERTS, *OPTIONS,
-                                   *needs))
+                                   *FP8, *needs))
         self.grad_input_index = {grad: self.forward_args.names.index(name)
                                  for grad, name in zip(self.grad_names, self.grad_inputs)}
         grads_type = tuple[(torch.Tensor,) * len(self.grad_names)]
@@ -302,12 +318,13 @@ class OpFamily:
         """The backward op's gradients (grad_names order) for `tensors` (tensor_names -> tensor or None); with any
         main_grads buffer (PARAM_NAMES order) the accumulating op's, each weight gradient the buffer where one was
         given, else in its parameter's dtype (f32 when wgrad_f32)."""
-        inputs = [tensors[name] for name in self.tensor_names]
-        head, experts = inputs[:-len(EXPERT_NAMES)], inputs[-len(EXPERT_NAMES):]
+        head = [tensors[name] for name in self.input_names]
+        experts = [tensors[name] for name in EXPERT_NAMES]
+        fp8 = _given(tensors, FP8_NAMES)
         if not _main_grads.any_given(buffers):
-            return self.backward_op(grad, *head, saved_h, wgrad_f32, *experts, **options, **needs)
+            return self.backward_op(grad, *head, saved_h, wgrad_f32, *experts, **options, **fp8, **needs)
         outputs = self.backward_accumulate_op(grad, *head, saved_h, *_main_grads.op_arguments(buffers, grad),
-                                              *experts, **options, **needs)
+                                              *experts, **options, **fp8, **needs)
         params = [tensors[name] for name in _main_grads.PARAM_NAMES]
         return (*outputs[:2], *_weight_grads_from_accumulate(outputs[2:], params, buffers, wgrad_f32))
 
@@ -341,46 +358,54 @@ class OpFamily:
 
     # ---- the generic halves of the Python entry points (plain tensors: DTensors already read by the caller)
 
-    def apply(self, inputs, experts, recompute, layout, activation, main_grads):
+    def apply(self, inputs, experts, recompute, layout, activation, main_grads, precision="bf16", fp8_experts=None):
         """The forward op on `inputs` (the entry point's, by name) and `experts` (w3, b13, b2), h kept unless
-        recompute or no gradient is wanted; main_grads ride along to the autograd backward."""
+        recompute or no gradient is wanted; main_grads ride along to the autograd backward. precision "fp8": the FP8
+        weights fp8_experts, else the cache's (fp8.experts_for), saved for the backward with the other inputs."""
         tensors = {**inputs, **experts}
         check_args(tensors)
+        options = op_options(layout, activation, precision)
+        fp8 = _fp8.op_arguments(self.entry.user_entry, options, inputs["w13"], inputs["w2"], fp8_experts)
         buffers = _main_grads.by_param(self.entry.user_entry, main_grads,
                                        {name: tensors[name] for name in _main_grads.PARAM_NAMES})
         differentiable = [tensors[name] for name in self.grad_inputs if tensors[name] is not None]
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in differentiable)
-        out, _h = self.forward_op(*inputs.values(), needs_grad and not recompute, *experts.values(),
-                                  **op_options(layout, activation), **{
-                                      arg: buffer for arg, buffer in zip(_main_grads.OP_ARGS, buffers.values())
-                                      if buffer is not None})  # no main_grad_* arguments without buffers
+        out, _h = self.forward_op(*inputs.values(), needs_grad and not recompute, *experts.values(), **options, **fp8,
+                                  **{arg: buffer for arg, buffer in zip(_main_grads.OP_ARGS, buffers.values())
+                                     if buffer is not None})  # no main_grad_* / fp8_* arguments without tensors
         return out
 
-    def backward(self, entry, grad, inputs, saved_h, wgrad_f32, experts, layout, activation, grads, main_grads):
+    def backward(self, entry, grad, inputs, saved_h, wgrad_f32, experts, layout, activation, grads, main_grads,
+                 precision="bf16", fp8_experts=None):
         """The entry point's manual backward: an `entry.grads` tuple of the gradients, None for those not in `grads`
-        (None: all) and for absent inputs; `saved_h` the forward's h or None (recompute); main_grads as the forward's.
-        Plain tensors only (a DTensor raises TypeError naming the argument)."""
+        (None: all) and for absent inputs; `saved_h` the forward's h or None (recompute); main_grads as the forward's;
+        precision "fp8" reads fp8_experts, else the cache's. Plain tensors only (a DTensor raises TypeError naming
+        the argument)."""
         refuse_dtensors(entry, "the backward takes plain tensors", **{self.entry.grad_output: grad}, **inputs,
                         saved_h=saved_h, **experts)
+        options = op_options(layout, activation, precision)
         if saved_h is None:
             saved_h = grad.new_empty((0,)) if isinstance(grad, torch.Tensor) else None
         needs = _needs(self.grad_names, grads)
-        tensors = {**inputs, **experts}
+        tensors = {**inputs, **experts, **dict.fromkeys(FP8_NAMES),
+                   **_fp8.op_arguments(entry, options, inputs["w13"], inputs["w2"], fp8_experts)}
         buffers = _main_grads.by_param(entry, main_grads, {name: tensors[name] for name in _main_grads.PARAM_NAMES})
-        outputs = self.call_backward(grad, tensors, saved_h, tuple(buffers.values()), wgrad_f32,
-                                     op_options(layout, activation), needs)
+        outputs = self.call_backward(grad, tensors, saved_h, tuple(buffers.values()), wgrad_f32, options, needs)
         return self.entry.grads(*(out if tensors[name] is not None and needs[f"need_{grad_name}"] else None
                                   for grad_name, name, out in zip(self.grad_names, self.grad_inputs, outputs)))
 
-    def path(self, inputs, experts, layout, activation, backward):
+    def path(self, entry, inputs, experts, layout, activation, backward, precision="bf16", fp8_experts=None):
         """The implementation (a _lib.Path) the forward (backward=True: the backward) runs on these arguments. Reads
-        no data (allocates one output for the forward's query)."""
+        no data (allocates one output for the forward's query, and precision "fp8" without fp8_experts uninitialised
+        FP8 weights: fp8.empty_experts)."""
         check_args({**inputs, **experts})
-        tensors = self._contiguous_tensors({**inputs, **experts}, self.tensor_names)
+        options = op_options(layout, activation, precision)
+        fp8 = _fp8.op_arguments(entry, options, inputs["w13"], inputs["w2"], fp8_experts, quantize=False)
+        tensors = self._contiguous_tensors({**inputs, **experts, **dict.fromkeys(FP8_NAMES), **fp8},
+                                           self.tensor_names)
         rows = tensors[self.rows]
         if backward:
             tensors[self.entry.grad_output] = rows  # the query reads no data: only the shape, dtype and device
         else:
             tensors[self.entry.output] = torch.empty_like(rows, memory_format=torch.contiguous_format)
-        return _lib.path(self.entry.c_prefix + ("backward" if backward else "forward"), tensors,
-                         op_options(layout, activation))
+        return _lib.path(self.entry.c_prefix + ("backward" if backward else "forward"), tensors, options)

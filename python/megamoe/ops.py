@@ -6,7 +6,9 @@ every buffer allocated through torch (so CUDA graphs and the caching allocator j
 
 The experts' layout and activation (layouts.py) and their optional w3, b13, b2 are plain arguments of the ops; the
 weight gradients come back in the parameters' own layout. With main_grads (main_grads.py) the weight gradients are
-added into the caller's f32 buffers by moe_backward_accumulate, which declares them mutated.
+added into the caller's f32 buffers by moe_backward_accumulate, which declares them mutated. precision="fp8" runs the
+GEMMs in blockwise FP8 on the FP8 weights of fp8.py (the caller's fp8_experts, or the cache's), optional tensor
+arguments of the ops that the forward saves for its backward.
 """
 
 from .dtensor import refuse_dtensor_activations, replicated_local
@@ -20,7 +22,7 @@ OPS = OpFamily(EntryPoint(name="moe", user_entry="megamoe.moe", c_prefix="", out
                           inputs=tensor_args("x", "topk_ids", "topk_weights", "w13", "w2"), grads=MoEGrads,
                           num_slots=lambda a: a["topk_ids"].shape[0] * a["topk_ids"].shape[1]))  # T * topk
 
-# torch.ops.megamoe.moe_forward(x, topk_ids, topk_weights, w13, w2, keep_h=False, w3, b13, b2, <options>,
+# torch.ops.megamoe.moe_forward(x, topk_ids, topk_weights, w13, w2, keep_h=False, w3, b13, b2, <options>, fp8_*,
 # main_grad_*) -> (y [T, H], h [T*topk, 2I] by sorted row when keep_h, else [0])
 moe_forward = OPS.forward_op
 
@@ -34,7 +36,7 @@ def _replicated_weights(entry, x, topk_ids, topk_weights, w13, w2, experts):
 
 
 def moe(x, topk_ids, topk_weights, w13, w2, recompute=False, *, w3=None, b13=None, b2=None, layout=None,
-        activation=None, main_grads=None):
+        activation=None, main_grads=None, precision="bf16", fp8_experts=None):
     """Routed-expert MLP (DESIGN.md section 1), differentiable in x, topk_weights and the expert parameters.
 
     x [T, H]; topk_ids [T, topk] int32/int64 in [0, E) or -1 (dropped); topk_weights [T, topk] f32 or
@@ -70,14 +72,26 @@ def moe(x, topk_ids, topk_weights, w13, w2, recompute=False, *, w3=None, b13=Non
     and the compiled backward adds into them in place; the compiled graph saves them for its backward, so there each
     compiled forward's backward must run before another backward adds into the same buffers (forward, backward per
     microbatch). Zeroing the buffers between steps is the caller's (Megatron's zero_grad_buffer).
+
+    precision: "bf16" (the default: the GEMMs in the dtype of x) or "fp8": DeepSeek-V3's blockwise FP8 (fp8.py): the
+    up, down, dH and dX GEMMs read e4m3 operands, x, a, dy and dh scaled per 1 x 128 group (quantized by the
+    kernels), the weights per 128 x 128 block; routing, combine, d topk_weights, y and dx as in "bf16", the weight
+    gradients computed from the 16-bit operands as in "bf16" (in the weights' dtype). CUDA on a compute capability
+    9.0 GPU, the default layout, SwiGLU, no biases, H and I multiples of 128: anything else raises
+    NotImplementedError naming it (never a silent bf16 run); another precision string ValueError. The FP8 weights:
+    fp8_experts, a megamoe.fp8.Fp8Experts the caller made (megamoe.fp8.quantize_experts(w13, w2), e.g. after each
+    optimizer step), else megamoe.fp8.experts_for(w13, w2): quantized on the first call, cached while w13 and w2 are
+    unchanged (their identity, memory and version counters), so one quantization serves every micro-batch of a step;
+    under torch.compile, quantized in the graph on each call. The backward reads the FP8 weights its forward read
+    (saved with the inputs).
     """
     inputs, experts = _replicated_weights("megamoe.moe", x, topk_ids, topk_weights, w13, w2,
                                           dict(w3=w3, b13=b13, b2=b2))
-    return OPS.apply(inputs, experts, recompute, layout, activation, main_grads)
+    return OPS.apply(inputs, experts, recompute, layout, activation, main_grads, precision, fp8_experts)
 
 
 def moe_backward(dy, x, topk_ids, topk_weights, w13, w2, saved_h=None, wgrad_f32=False, *, w3=None, b13=None, b2=None,
-                 layout=None, activation=None, grads=None, main_grads=None):
+                 layout=None, activation=None, grads=None, main_grads=None, precision="bf16", fp8_experts=None):
     """MoEGrads (dx, d topk_weights, dw13, dw2, dw3, db13, db2) of moe_forward's inputs given dy [T, H]; None for
     those not in `grads` (names of GRAD_NAMES; None: all) and for absent parameters. saved_h: moe_forward's h (keep-h
     mode; consumed: dh is written over it, so it serves one backward) or None (recompute h). wgrad_f32: the weight
@@ -87,19 +101,24 @@ def moe_backward(dy, x, topk_ids, topk_weights, w13, w2, saved_h=None, wgrad_f32
     main_grads (Megatron's main_grad; main_grads.py): f32 buffers shaped as w13, w2 (, w3, b13, b2), as a tuple in that
     order or a dict by name; the backward adds each wanted weight gradient into its buffer in the kernels' epilogue
     (buffer = buffer + grad, deterministic), and MoEGrads holds that same buffer there. Wanted weight gradients without
-    a buffer come back as with wgrad_f32."""
+    a buffer come back as with wgrad_f32.
+
+    precision / fp8_experts: as the forward's (megamoe.moe): "fp8" reads the FP8 weights fp8_experts (pass the ones
+    the forward read), else megamoe.fp8.experts_for(w13, w2)'s."""
     return OPS.backward("megamoe.moe_backward", dy, dict(x=x, topk_ids=topk_ids, topk_weights=topk_weights, w13=w13,
                                                          w2=w2), saved_h, wgrad_f32, dict(w3=w3, b13=b13, b2=b2),
-                        layout, activation, grads, main_grads)
+                        layout, activation, grads, main_grads, precision, fp8_experts)
 
 
 def path_of(x, topk_ids, topk_weights, w13, w2, *, w3=None, b13=None, b2=None, layout=None, activation=None,
-            backward=False):
+            backward=False, precision="bf16", fp8_experts=None):
     """Which implementation megamoe.moe's forward (backward=True: its backward) runs on these arguments: "reference"
-    (CPU tensors), "cuda" (the portable CUDA kernels), "sm90" (the fused Hopper kernels) or "sm90+cuda-weight-grads"
-    (backward: sm_90a GEMMs, portable weight gradients), as a str with `.reason`: what keeps a call the fused sm_90a
-    kernels would otherwise run on the portable ones (e.g. "w3 not 16-byte aligned: ..."), else None. Reads no data
-    (allocates one [T, H] output for the forward's query)."""
+    (CPU tensors), "cuda" (the portable CUDA kernels), "sm90" (the fused Hopper kernels), "sm90+cuda-weight-grads"
+    (backward: sm_90a GEMMs, portable weight gradients) or "sm90-fp8" (precision="fp8"), as a str with `.reason`:
+    what keeps a call the fused sm_90a kernels would otherwise run on the portable ones (e.g. "w3 not 16-byte
+    aligned: ..."), else None. A call its path cannot run raises as the call would (precision="fp8" on the CPU or off
+    sm_90: NotImplementedError). Reads no data (allocates one [T, H] output for the forward's query, and for
+    precision="fp8" without fp8_experts uninitialised FP8 weights)."""
     inputs, experts = _replicated_weights("megamoe.path_of", x, topk_ids, topk_weights, w13, w2,
                                           dict(w3=w3, b13=b13, b2=b2))
-    return OPS.path(inputs, experts, layout, activation, backward)
+    return OPS.path("megamoe.path_of", inputs, experts, layout, activation, backward, precision, fp8_experts)

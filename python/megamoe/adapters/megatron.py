@@ -110,7 +110,7 @@ def _rows(entry, x, tokens_per_expert, permuted_probs, num_experts):
     return tokens_per_expert, _checks.scores_dtype(permuted_probs, x)
 
 
-def _run(entry, names, x, tokens_per_expert, probs, weights, buffers, layout, activation, recompute):
+def _run(entry, names, x, tokens_per_expert, probs, weights, buffers, layout, activation, recompute, precision="bf16"):
     """megamoe.grouped_moe on the weights {name: tensor or None} with main_grads {name: buffer or None}; returns
     Megatron's (output [R, H] in x's dtype, None). names: megamoe's weight names -> the caller's, for the errors."""
     main_grads = {name: buffer for name, buffer in buffers.items() if buffer is not None} or None
@@ -118,7 +118,7 @@ def _run(entry, names, x, tokens_per_expert, probs, weights, buffers, layout, ac
     with _checks.framework_names(entry, {**_ROW_NAMES, **names}):
         out = grouped_moe(x.to(w13.dtype), tokens_per_expert, w13, w2, probs, recompute=recompute,
                           b13=weights.get("b13"), b2=weights.get("b2"), layout=layout, activation=activation,
-                          main_grads=main_grads)  # [R, H]
+                          main_grads=main_grads, precision=precision)  # [R, H]
     return out.to(x.dtype), None
 
 
@@ -290,7 +290,7 @@ def _expert_list(entry, name, tensors, fusion):
 
 def te_grouped_mlp(permuted_local_hidden_states, tokens_per_expert, permuted_probs, fc1_weight, fc2_weight,
                    fc1_bias=None, fc2_bias=None, *, gradient_accumulation_fusion=False, activation=None,
-                   recompute=False):
+                   recompute=False, precision="bf16"):
     """Megatron's TEGroupedMLP forward on megamoe.
 
     fc1_weight [E, 2I, H] (gate rows, then up rows) and fc2_weight [E, H, I]: TE GroupedLinear's single grouped
@@ -298,6 +298,9 @@ def te_grouped_mlp(permuted_local_hidden_states, tokens_per_expert, permuted_pro
     in place when they are one contiguous block in expert order, else stacked on each call (a copy, warned once per
     argument; module docstring). fc1_bias [E, 2I] / fc2_bias [E, H] (or per-expert lists) optional. Rows, probs,
     returns and options as grouped_mlp; gradient_accumulation_fusion for a list needs its main_grads in one block.
+    precision: megamoe.grouped_moe's ("bf16" or "fp8": blockwise FP8 GEMMs on sm_90 CUDA, without biases; the FP8
+    weights from megamoe.fp8's cache, keyed on the weights, so per-expert lists stacked on each call are quantized
+    on each call).
     """
     entry = "megamoe.adapters.megatron.te_grouped_mlp"
     params = dict(w13=(fc1_weight, "fc1_weight", 2), w2=(fc2_weight, "fc2_weight", 2),
@@ -321,7 +324,7 @@ def te_grouped_mlp(permuted_local_hidden_states, tokens_per_expert, permuted_pro
     counts, probs = _rows(entry, permuted_local_hidden_states, tokens_per_expert, permuted_probs,
                           weights["w13"].shape[0])
     return _run(entry, {key: name for key, (_, name, _) in params.items()}, permuted_local_hidden_states, counts,
-                probs, weights, buffers, CONCATENATED, activation, recompute)
+                probs, weights, buffers, CONCATENATED, activation, recompute, precision)
 
 
 def _expert_groups(module):

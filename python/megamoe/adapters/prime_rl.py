@@ -29,15 +29,19 @@ module (or of a submodule) that the call would not read: no parameter is silentl
     compute.validate(experts)
     out = compute(experts, x_sorted, num_tokens_per_expert)   # [R, H] in x's dtype
 
-Computes in the weights' dtype. Expert-parallel DTensor weights (Shard(0)) are read through their local experts
-(megamoe.grouped_moe). Every storage runs on CPU and CUDA; on CUDA, the sm_90a kernels on a Hopper GPU (the separate
-w1 / w3 layout too, read in place; megamoe.grouped_path_of(...).reason names what would keep a call off them).
+Computes in the weights' dtype, or with precision="fp8" (expert_compute, MegamoeExpertCompute) in megamoe's blockwise
+FP8 (megamoe.moe's precision; the fused gate_up_proj storage without biases only, on sm_90 CUDA: every other storage
+raises megamoe's NotImplementedError naming what the FP8 kernels do not run). Expert-parallel DTensor weights
+(Shard(0)) are read through their local experts (megamoe.grouped_moe). Every storage runs on CPU and CUDA; on CUDA,
+the sm_90a kernels on a Hopper GPU (the separate w1 / w3 layout too, read in place; megamoe.grouped_path_of(...).reason
+names what would keep a call off them).
 """
 
 from typing import NamedTuple, Optional
 
 import torch
 
+from .._lib import precision_code
 from ..grouped import grouped_moe
 from ..layouts import CONCATENATED, GPT_OSS, SEPARATE, Activation, Layout, clamped_swiglu
 from . import _checks
@@ -174,9 +178,10 @@ def experts_arguments(experts):
     return args
 
 
-def expert_compute(experts, x, num_tokens_per_expert, recompute=False):
+def expert_compute(experts, x, num_tokens_per_expert, recompute=False, precision="bf16"):
     """prime-rl's expert compute on megamoe: x [R, H] grouped by expert, num_tokens_per_expert [E] on x's device
-    (int32 / int64; rows past its sum: padding, output 0) -> [R, H] in x's dtype (see the module docstring)."""
+    (int32 / int64; rows past its sum: padding, output 0) -> [R, H] in x's dtype (see the module docstring).
+    precision: megamoe.grouped_moe's ("bf16" or "fp8")."""
     entry = "megamoe.adapters.prime_rl.expert_compute"
     args = experts_arguments(experts)
     _checks.tensor(entry, "x", x, 2)
@@ -184,7 +189,7 @@ def expert_compute(experts, x, num_tokens_per_expert, recompute=False):
     with _checks.framework_names(entry, {"x_sorted": "x", "tokens_per_expert": "num_tokens_per_expert"}):
         out = grouped_moe(x.to(args.w13.dtype), num_tokens_per_expert, args.w13, args.w2, recompute=recompute,
                           w3=args.w3, b13=args.b13, b2=args.b2, layout=args.layout,
-                          activation=args.activation)  # [R, H]
+                          activation=args.activation, precision=precision)  # [R, H]
     return out.to(x.dtype)
 
 
@@ -194,12 +199,14 @@ class MegamoeExpertCompute:
 
     token_group_alignment = 1
 
-    def __init__(self, recompute=False):
+    def __init__(self, recompute=False, precision="bf16"):
+        precision_code(precision)  # ValueError naming `precision` for an unknown one
         self.recompute = recompute
+        self.precision = precision
 
     def validate(self, experts):
         """ValueError naming what megamoe cannot compute in `experts` (see unsupported_reason)."""
         experts_arguments(experts)
 
     def __call__(self, experts, x, num_tokens_per_expert):
-        return expert_compute(experts, x, num_tokens_per_expert, recompute=self.recompute)
+        return expert_compute(experts, x, num_tokens_per_expert, recompute=self.recompute, precision=self.precision)

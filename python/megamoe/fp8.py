@@ -1,0 +1,245 @@
+"""Blockwise FP8 expert weights for `precision="fp8"` (megamoe.moe, grouped_moe and their backwards; DeepSeek-V3's
+recipe, DESIGN.md section 7): the e4m3 copies of w13 and w2 the FP8 GEMMs read, one f32 scale per 128 x 128 block,
+made from the 16-bit weights by the library (megamoe_quantize_experts) once per optimizer step.
+
+Two ways to provide them:
+
+    # explicit: a framework that knows when its weights change quantizes after its optimizer step
+    fp8 = megamoe.fp8.quantize_experts(w13, w2)                      # Fp8Experts, on the current stream
+    y = megamoe.moe(x, ids, weights, w13, w2, precision="fp8", fp8_experts=fp8)   # every micro-batch of the step
+
+    # the cache: megamoe quantizes on the first call and reuses the copies while the weights are unchanged
+    y = megamoe.moe(x, ids, weights, w13, w2, precision="fp8")       # fp8_experts=None: experts_for(w13, w2)
+
+The cache (experts_for) keeps one Fp8Experts per pair of weights, keyed on the weights' identity (the tensors, or the
+base of a view such as DTensor.to_local()'s), their data pointers, shapes, strides, dtypes, devices and version
+counters (`_version`, which every in-place update through torch bumps: optimizer.step, `w.add_(...)`, `w.copy_(...)`
+under no_grad). So one quantization serves every micro-batch of an optimizer step, the forwards and the backwards, and
+the step's in-place update makes the next call quantize again. An entry lives as long as both weights do (it holds
+them weakly and is dropped with them) or until clear_cache(); a stale one is replaced at the next call for its
+weights. What the cache cannot see: writes that bypass the version counter (through `w.data`, by another library
+into the weights' memory, FSDP all-gathering into the same buffer each step). Frameworks that update weights so pass
+fp8_experts themselves (or call clear_cache() after each update). Tensors made anew on every call (`w.detach()`,
+`torch.stack` of per-expert weights) miss the cache each time: quantized on each call, correctly, at that cost.
+
+Under torch.compile (torch.compiler.is_compiling()) and while a CUDA graph is being captured, experts_for does not
+use the cache: it calls quantize_experts, which is the custom op megamoe::quantize_experts (with a fake kernel), so
+the quantization is part of the graph and runs on each of its calls; to quantize once per step there, call
+quantize_experts outside the compiled / captured region and pass fp8_experts.
+
+The backward reads the FP8 weights its forward was given (autograd saves them): quantizing again (a new Fp8Experts,
+as quantize_experts and the cache always make) never changes what a pending backward reads.
+"""
+
+import weakref
+from typing import NamedTuple
+
+import torch
+
+from . import _lib
+from . import fp8_reference
+from .dtensor import refuse_dtensors
+from .layouts import is_default_layout
+
+BLOCK = 128  # the weights' scale blocks: 128 x 128
+
+
+class Fp8Experts(NamedTuple):
+    """The expert weights in blockwise FP8, as the C API's megamoe_fp8_experts_t (the same order), contiguous:
+
+        w13         [E, 2I, H]               float8_e4m3fn   w13 in 128 x 128 blocks (rows [0, I) gate, [I, 2I) up)
+        w13_t       [E, H, 2I]               float8_e4m3fn   its transpose (the dX GEMM reads it K-major)
+        w13_scales  [E, 2I / 128, H / 128]   float32         one per block (w13_t's blocks: the same, transposed)
+        w2          [E, H, I]                float8_e4m3fn
+        w2_t        [E, I, H]                float8_e4m3fn   its transpose (the dH GEMM)
+        w2_scales   [E, H / 128, I / 128]    float32
+
+    q = e4m3(v / scale) rounded to nearest even, scale = amax / 448 of the block in f32 (a block of zeros: scale 1;
+    one holding a NaN or an infinity: NaN). Memory: one byte per weight element twice (the copy and its transpose),
+    so as much as the 16-bit weights themselves, plus 4 bytes of scale per 16384 elements; the cache keeps one such
+    set per pair of weights (per layer) for as long as the weights live.
+    """
+
+    w13: torch.Tensor
+    w13_t: torch.Tensor
+    w13_scales: torch.Tensor
+    w2: torch.Tensor
+    w2_t: torch.Tensor
+    w2_scales: torch.Tensor
+
+
+assert Fp8Experts._fields == _lib.FP8_FIELDS  # the C struct's order
+
+
+def _blocks(extent):
+    return (extent + BLOCK - 1) // BLOCK
+
+
+def _check_weights(w13, w2):
+    for name, tensor in (("w13", w13), ("w2", w2)):
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3:
+            raise ValueError(f"megamoe.fp8.quantize_experts: {name} must be a 3-dimensional tensor (w13 [E, 2I, H], "
+                             f"w2 [E, H, I]), got {getattr(tensor, 'shape', type(tensor).__name__)}")
+
+
+def empty_experts(w13, w2):
+    """Uninitialised Fp8Experts for w13 [E, 2I, H] and w2 [E, H, I], on their device (what quantize_experts fills)."""
+    _check_weights(w13, w2)
+    E, two_i, H = w13.shape
+    H2, I = w2.shape[1], w2.shape[2]
+    e4m3 = torch.float8_e4m3fn
+    return Fp8Experts(
+        w13=w13.new_empty((E, two_i, H), dtype=e4m3),  # [E, 2I, H]
+        w13_t=w13.new_empty((E, H, two_i), dtype=e4m3),  # [E, H, 2I]
+        w13_scales=w13.new_empty((E, _blocks(two_i), _blocks(H)), dtype=torch.float32),  # [E, 2I / 128, H / 128]
+        w2=w2.new_empty((w2.shape[0], H2, I), dtype=e4m3),  # [E, H, I]
+        w2_t=w2.new_empty((w2.shape[0], I, H2), dtype=e4m3),  # [E, I, H]
+        w2_scales=w2.new_empty((w2.shape[0], _blocks(H2), _blocks(I)), dtype=torch.float32))  # [E, H / 128, I / 128]
+
+
+def _reference_blocks(w):
+    """(q, q transposed, scales) of w [E, N, K] by fp8_reference (the recipe's specification, bitwise the kernels')."""
+    q, scales = fp8_reference.quantize_blocks(w)
+    return q, q.transpose(1, 2).contiguous(), scales
+
+
+@torch.library.custom_op("megamoe::quantize_experts", mutates_args=())
+def _quantize_op(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
+                                                                torch.Tensor, torch.Tensor, torch.Tensor]:
+    if not w13.is_cuda:  # CPU: the reference (the C API quantizes CUDA tensors only; the FP8 layer runs on CUDA)
+        return (*_reference_blocks(w13), *_reference_blocks(w2))
+    out = empty_experts(w13, w2)
+    _lib.quantize_experts_into(w13.contiguous(), w2.contiguous(), out)
+    return tuple(out)
+
+
+@_quantize_op.register_fake
+def _quantize_fake(w13, w2):
+    return tuple(empty_experts(w13, w2))
+
+
+def quantize_experts(w13, w2):
+    """Fp8Experts of w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I] (bf16, f16 or f32; the default layout):
+    every 128 x 128 block of each weight quantized to e4m3 with its f32 scale, and the transposed copies, written by
+    the library on the current CUDA stream (asynchronously; CPU tensors: fp8_reference's quantize_blocks, the same
+    bytes). New tensors on every call; no gradient flows through them. The torch custom op
+    megamoe::quantize_experts underneath (with a fake kernel), so torch.compile traces it. H and I multiples of 128
+    (else the library's NotImplementedError names them); other errors as the library reports them (ValueError)."""
+    _check_weights(w13, w2)
+    return Fp8Experts(*torch.ops.megamoe.quantize_experts(w13.detach(), w2.detach()))
+
+
+# ---- the cache
+
+class _Entry:
+    """One pair of weights' Fp8Experts and the state of the weights it was made from."""
+
+    def __init__(self, key, roots, state, experts):
+        self.state, self.experts = state, experts
+        self.refs = tuple(weakref.ref(root, _dropper(key)) for root in roots)
+
+    def holds(self, roots, state):
+        return all(ref() is root for ref, root in zip(self.refs, roots)) and self.state == state
+
+
+_CACHE = {}  # (id of w13's root, id of w2's root) -> _Entry
+
+
+def _dropper(key):
+    """The weakref callback dropping the entry under `key` when one of its weights dies (not a newer entry under a
+    reused id; it refers to no entry, so a dropped one is freed at once, not by the cycle collector)."""
+
+    def drop(ref):
+        entry = _CACHE.get(key)
+        if entry is not None and any(own is ref for own in entry.refs):
+            del _CACHE[key]
+
+    return drop
+
+
+def _root(tensor):
+    """The tensor whose identity stands for `tensor`: a view's base (DTensor.to_local() and w.view(...) make a new
+    view on each call; they share the base's memory and version counter), else itself."""
+    return tensor._base if tensor._base is not None else tensor
+
+
+def _state(tensor):
+    """What must be unchanged for a quantization of `tensor` to stand: where and how it lies, and its version."""
+    return (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device, tensor._version)
+
+
+def _bypasses_cache(w13):
+    if torch.compiler.is_compiling():
+        return True
+    return w13.is_cuda and torch.cuda.is_current_stream_capturing()
+
+
+def experts_for(w13, w2):
+    """The Fp8Experts of w13 and w2 from the cache (see the module docstring), quantizing them (quantize_experts) where
+    the cache has none for their current state. Under torch.compile and CUDA graph capture: quantize_experts itself,
+    in the graph (no cache)."""
+    if _bypasses_cache(w13):
+        return quantize_experts(w13, w2)
+    _check_weights(w13, w2)
+    try:
+        state = (_state(w13), _state(w2))
+    except RuntimeError:  # inference tensors have no version counter: nothing to key on
+        return quantize_experts(w13, w2)
+    roots = (_root(w13), _root(w2))
+    key = (id(roots[0]), id(roots[1]))
+    entry = _CACHE.get(key)
+    if entry is not None and entry.holds(roots, state):
+        return entry.experts
+    experts = quantize_experts(w13, w2)
+    _CACHE[key] = _Entry(key, roots, state, experts)
+    return experts
+
+
+def clear_cache():
+    """Drop every cached Fp8Experts (the memory goes back once no pending backward holds them)."""
+    _CACHE.clear()
+
+
+def cache_size():
+    """The number of cached Fp8Experts (pairs of weights)."""
+    return len(_CACHE)
+
+
+# ---- the ops' FP8 arguments
+
+def as_experts(entry, fp8_experts):
+    """fp8_experts as an Fp8Experts of six tensors (TypeError naming the argument otherwise; DTensors refused: the FP8
+    weights are this rank's, quantized from the local weights)."""
+    if not isinstance(fp8_experts, (tuple, list)) or len(fp8_experts) != len(Fp8Experts._fields) or not all(
+            isinstance(t, torch.Tensor) for t in fp8_experts):
+        raise TypeError(f"{entry}: fp8_experts must be a megamoe.fp8.Fp8Experts (megamoe.fp8.quantize_experts(w13, "
+                        f"w2)), got {type(fp8_experts).__name__}")
+    experts = Fp8Experts(*fp8_experts)
+    refuse_dtensors(entry, "the FP8 weights are plain tensors",
+                    **{f"fp8_experts.{name}": t for name, t in zip(Fp8Experts._fields, experts)})
+    return experts
+
+
+def op_arguments(entry, options, w13, w2, fp8_experts, *, quantize=True):
+    """The FP8 op arguments {fp8_w13: ..., ...} (_lib.FP8_ARGS) of a call with op_options() `options`: none in
+    precision "bf16" (fp8_experts given there: ValueError); in "fp8" the tensors of fp8_experts, else the cache's
+    (quantize=False: uninitialised ones, for a path query that reads no data). The FP8 weights are quantized from w13
+    [E, 2I, H] and w2 [E, H, I]: another layout raises NotImplementedError naming it."""
+    if options["precision"] != "fp8":
+        if fp8_experts is not None:
+            raise ValueError(f"{entry}: fp8_experts: given, but precision is {options['precision']!r} (the FP8 weights "
+                             "are read with precision='fp8' only)")
+        return {}
+    if not is_default_layout(options):
+        raise NotImplementedError(
+            f"{entry}: precision 'fp8' needs the default layout (w13 [E, 2I, H] gate rows then up rows, w2 "
+            f"[E, H, I], untransposed), got gate_up {options['gate_up']!r}, w13_transposed "
+            f"{options['w13_transposed']}, w2_transposed {options['w2_transposed']}: the FP8 weights are quantized "
+            "from w13 and w2 as they are")
+    if fp8_experts is not None:
+        experts = as_experts(entry, fp8_experts)
+    elif quantize:
+        experts = experts_for(w13, w2)
+    else:
+        experts = empty_experts(w13, w2)
+    return dict(zip(_lib.FP8_ARGS, experts))
