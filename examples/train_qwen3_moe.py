@@ -30,7 +30,8 @@ BRANCHING = 4  # successors per token in the synthetic Markov chain: the loss fl
 
 def parse_args(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--experts-impl", default="megamoe", help="megamoe, grouped_mm, batched_mm, eager, ...")
+    p.add_argument("--experts-impl", default="megamoe",
+                   help="megamoe, megamoe-fp8 (blockwise FP8, Hopper), grouped_mm, batched_mm, eager, ...")
     p.add_argument("--layers", type=int, default=8, help="decoder layers (Qwen3-30B-A3B has 48)")
     p.add_argument("--steps", type=int, default=20, help="optimizer steps")
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the timing")
@@ -97,8 +98,8 @@ def build_model(cfg, args, dtype):
     """The causal LM, initialised from --seed directly on the device, with the chosen experts implementation."""
     from transformers import AutoModelForCausalLM
 
-    if args.experts_impl == "megamoe":
-        import megamoe.hf  # noqa: F401  (registers experts_implementation="megamoe")
+    if args.experts_impl in ("megamoe", "megamoe-fp8"):
+        import megamoe.hf  # noqa: F401  (registers experts_implementation="megamoe" and "megamoe-fp8")
     torch.manual_seed(args.seed)
     with torch.device(args.device):
         model = AutoModelForCausalLM.from_config(

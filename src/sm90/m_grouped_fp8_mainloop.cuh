@@ -43,7 +43,10 @@ __device__ __forceinline__ Fp8TileScales fp8_tile_scales(const MainloopParams& p
     }
 #pragma unroll
     for (int box_idx = 0; box_idx < kNumBBoxes; ++box_idx) {
-        const int64_t block_row = b_box_first_row<Config, Epi>(params, tile, box_idx) / kFp8ScaleGroup;
+        // A box past N_b (N's tail tile: its columns are not stored, TMA zero-fills its rows) takes the last block's
+        // scales: a real number in bounds, so its zero products stay zero (and out of the ds sums).
+        const int64_t block_row = min(b_box_first_row<Config, Epi>(params, tile, box_idx) / kFp8ScaleGroup,
+                                      static_cast<int64_t>(scales.b_block_rows) - 1);
         tile_scales.b_boxes[box_idx] =
             scales.b + tile.expert_idx * scales.b_block_rows * scales.num_k_groups + block_row * scales.b_block_stride;
     }

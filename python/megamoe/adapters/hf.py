@@ -8,6 +8,7 @@ through `transformers.integrations.moe.ExpertsInterface`, chosen per model by `e
     import megamoe.hf                      # registers "megamoe" (megamoe.hf.register() does the same)
     model = AutoModelForCausalLM.from_pretrained(name, experts_implementation="megamoe")   # or from_config
     model.set_experts_implementation("megamoe")                                           # switch a live model
+    model.set_experts_implementation("megamoe-fp8")   # the same in blockwise FP8 (Hopper; megamoe.moe precision="fp8")
 
 The experts keep their own parameters, read where they are as transformers' flags say they are stored (no copy;
 the gradients come back in that layout):
@@ -69,6 +70,7 @@ except ImportError:
     EPImplementation = EPImplementationInterface = None
 
 NAME = "megamoe"
+NAME_FP8 = "megamoe-fp8"  # the same with precision="fp8" (DESIGN §7): the FP8 weights cached per optimizer step
 
 # transformers' experts gates that are gpt-oss's clamped SwiGLU on the module's `limit` and `alpha`, by the defining
 # module and qualified name (not imported: a model's modeling file is loaded only when the model is used), with the
@@ -177,12 +179,12 @@ def _inputs(hidden_states, top_k_weights, w13):
     return x, weights
 
 
-def _run(experts, setting, x, ids, weights, args):
+def _run(experts, setting, x, ids, weights, args, precision="bf16"):
     """megamoe.moe on the experts' own tensors; a NotImplementedError of megamoe's CUDA path (an option it cannot run
     yet) re-raised naming the experts module and its storage."""
     try:
         return moe(x, ids, weights, args.w13, args.w2, b13=args.b13, b2=args.b2, layout=args.layout,
-                   activation=args.activation)
+                   activation=args.activation, precision=precision)
     except NotImplementedError as error:
         raise NotImplementedError(
             f"megamoe: {setting}: {type(experts).__name__} stores its experts as {_describe(args) or 'the default'}, "
@@ -190,20 +192,27 @@ def _run(experts, setting, x, ids, weights, args):
         ) from error
 
 
-def megamoe_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+def megamoe_experts_forward(self, hidden_states, top_k_index, top_k_weights, precision="bf16"):
     """The "megamoe" experts implementation: the signature of transformers' experts forward.
 
     self: a `@use_experts_implementation` experts module; hidden_states [T, H]; top_k_index [T, topk] int64;
     top_k_weights [T, topk] (after softmax / top-k / renormalisation). Returns [T, H] in hidden_states' dtype.
     """
-    setting = "experts_implementation='megamoe'"
+    setting = f"experts_implementation='{NAME if precision == 'bf16' else NAME_FP8}'"
     _check_supported(self, setting)
     args = experts_arguments(self)
     x, weights = _inputs(hidden_states, top_k_weights, args.w13)
     ids = top_k_index  # [T, topk]
     if getattr(self, "_is_expert_parallel", False):
         ids = ids.masked_fill(ids >= args.w13.shape[0], -1)  # EP sentinels (tokens of other ranks' experts): dropped
-    return _run(self, setting, x, ids, weights, args).to(hidden_states.dtype)
+    return _run(self, setting, x, ids, weights, args, precision).to(hidden_states.dtype)
+
+
+def megamoe_fp8_experts_forward(self, hidden_states, top_k_index, top_k_weights):
+    """The "megamoe-fp8" experts implementation: "megamoe" with precision="fp8" (blockwise FP8 GEMMs on Hopper; the
+    weights' FP8 copies made once per optimizer step by megamoe.fp8's cache). Experts or devices the FP8 kernels cannot
+    run raise NotImplementedError naming why."""
+    return megamoe_experts_forward(self, hidden_states, top_k_index, top_k_weights, precision="fp8")
 
 
 if EPImplementation is not None:
@@ -242,6 +251,7 @@ def register():
     EPImplementationInterface (idempotent). Returns the name to pass as `experts_implementation` (and
     `ep_implementation`)."""
     ExpertsInterface.register(NAME, megamoe_experts_forward)
+    ExpertsInterface.register(NAME_FP8, megamoe_fp8_experts_forward)
     if EPImplementationInterface is not None:
         EPImplementationInterface.register(NAME, MegamoeEP)
     return NAME
