@@ -27,11 +27,18 @@ def summary(base, other):
     return max(diffs), sum(diffs) / len(diffs)
 
 
+def mean_relative_difference(base, other, last):
+    """mean of |other - base| / |base| over the last `last` common steps (DeepSeek-V3's FP8 accuracy measure)."""
+    pairs = list(zip(other, base))[-last:]
+    return sum(abs(a - b) / abs(b) for a, b in pairs) / len(pairs), len(pairs)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("logs", nargs="+", help="JSON logs of train_qwen3_moe.py --log-json (the first is the base)")
     p.add_argument("--out", default="losses.png", help="PNG to write")
     p.add_argument("--title", default="Qwen3-MoE training loss")
+    p.add_argument("--last", type=int, default=100, help="steps of the mean relative difference (default 100)")
     args = p.parse_args(argv)
     if len(args.logs) < 2:
         p.error("give at least two logs")
@@ -45,7 +52,9 @@ def main(argv=None):
         n = min(len(losses), len(base))
         bottom.plot(range(1, n + 1), [losses[i] - base[i] for i in range(n)], label=f"{label} - base", linewidth=1.0)
         worst, mean = summary(base, losses)
-        print(f"{label} vs {base_label}: max |diff| {worst:.4g}, mean |diff| {mean:.4g} over {n} steps")
+        relative, tail = mean_relative_difference(base, losses, args.last)
+        print(f"{label} vs {base_label}: max |diff| {worst:.4g}, mean |diff| {mean:.4g} over {n} steps; mean relative "
+              f"|diff| over the last {tail} steps {100 * relative:.3f} %")
     bottom.axhline(0.0, color="gray", linewidth=0.6)
     top.set_ylabel("loss")
     top.set_title(args.title)

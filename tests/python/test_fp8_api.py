@@ -501,11 +501,17 @@ def test_opcheck_with_the_fp8_weights(gen):
     x, ids, s, w13, w2, dy = [t.detach() for t in _cuda_leaves(*small_problem(gen, T=40, H=256, I=128, E=4))]
     options = dict(precision="fp8", **dict(zip(_lib.FP8_ARGS, fp8.quantize_experts(w13, w2))))
     torch.library.opcheck(torch.ops.megamoe.quantize_experts.default, (w13, w2))
-    torch.library.opcheck(torch.ops.megamoe.moe_forward.default, (x, ids, s, w13, w2, False), options)
+    # test_schema left out where an input is e4m3: its mutation check compares inputs by torch.allclose, which torch
+    # 2.11 does not implement for float8_e4m3fn ("mul_cuda" not implemented); the schema's declared mutations are
+    # those of the bf16 ops, which test it.
+    checks = ("test_autograd_registration", "test_faketensor", "test_aot_dispatch_dynamic")
+    torch.library.opcheck(torch.ops.megamoe.moe_forward.default, (x, ids, s, w13, w2, False), options,
+                          test_utils=checks)
     with torch.no_grad():
         for needs in ({}, {"need_dx": False}):
             torch.library.opcheck(torch.ops.megamoe.moe_backward.default,
-                                  (dy, x, ids, s, w13, w2, dy.new_empty(0), False), {**options, **needs})
+                                  (dy, x, ids, s, w13, w2, dy.new_empty(0), False), {**options, **needs},
+                                  test_utils=checks)
 
 
 @requires_sm90
