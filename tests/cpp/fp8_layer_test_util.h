@@ -119,7 +119,9 @@ inline LayerData make_layer(const LayerCase& c) {
         if (c.drop_every_slot) d.route.fill(-1.0);
         d.weights = HostTensor(c.weights_dtype, {T, c.topk});
     }
-    for (int64_t idx = 0; idx < d.weights.size(); ++idx) d.weights.set(idx, uniform(rng));
+    if (d.weighted()) {  // an absent HostTensor has no data (its size() is the empty product, 1)
+        for (int64_t idx = 0; idx < d.weights.size(); ++idx) d.weights.set(idx, uniform(rng));
+    }
     return d;
 }
 

@@ -144,7 +144,7 @@ inline Comparison compare(const Get& got, const Target& t, int64_t cols) {
     double diff = 0.0, norm = 0.0;
     std::ostringstream first;
     for (size_t i = 0; i < t.want.size(); ++i) {
-        const double g = got(static_cast<int64_t>(i)), err = std::fabs(g - t.want[i]);
+        const double g = got(static_cast<int64_t>(i)), err = g == t.want[i] ? 0.0 : std::fabs(g - t.want[i]);
         diff += err * err;
         norm += t.want[i] * t.want[i];
         if (!(err <= t.bound[i]) && c.bad++ < 5) {
