@@ -13,13 +13,16 @@ Two ways to provide them:
 
 The cache (experts_for) keeps one Fp8Experts per pair of weights, keyed on the weights' identity (the tensors, or the
 base of a view such as DTensor.to_local()'s), their data pointers, shapes, strides, dtypes, devices and version
-counters (`_version`, which every in-place update through torch bumps: optimizer.step, `w.add_(...)`, `w.copy_(...)`
-under no_grad). So one quantization serves every micro-batch of an optimizer step, the forwards and the backwards, and
-the step's in-place update makes the next call quantize again. An entry lives as long as both weights do (it holds
-them weakly and is dropped with them) or until clear_cache(); a stale one is replaced at the next call for its
-weights. What the cache cannot see: writes that bypass the version counter (through `w.data`, by another library
-into the weights' memory, FSDP all-gathering into the same buffer each step). Frameworks that update weights so pass
-fp8_experts themselves (or call clear_cache() after each update). Tensors made anew on every call (`w.detach()`,
+counters (`_version`, which in-place updates through torch ops bump: `w.add_(...)`, `w.copy_(...)` under no_grad, the
+foreach optimizers), and on a step generation that every torch.optim optimizer's step bumps (a global step post-hook,
+registered when this module is imported): the fused optimizers (`AdamW(fused=True)`, the default of many trainers)
+update weights without bumping their version counters, so the version alone would keep serving the previous step's
+copies. So one quantization serves every micro-batch of an optimizer step, the forwards and the backwards, and the
+next step makes the next call quantize again. An entry lives as long as both weights do (it holds them weakly and is
+dropped with them) or until clear_cache(); a stale one is replaced at the next call for its weights. What the cache
+cannot see: writes outside torch.optim that bypass the version counter (through `w.data`, by another library into the
+weights' memory, FSDP all-gathering into the same buffer each step) with no optimizer step in between. Frameworks that
+update weights so pass fp8_experts themselves (or call weights_changed() after each update). Tensors made anew on every call (`w.detach()`,
 `torch.stack` of per-expert weights) miss the cache each time: quantized on each call, correctly, at that cost.
 
 Under torch.compile (torch.compiler.is_compiling()) and while a CUDA graph is being captured, experts_for does not
@@ -35,6 +38,7 @@ import weakref
 from typing import NamedTuple
 
 import torch
+from torch.optim.optimizer import register_optimizer_step_post_hook
 
 from . import _lib
 from . import fp8_reference
@@ -163,9 +167,28 @@ def _root(tensor):
     return tensor._base if tensor._base is not None else tensor
 
 
+_step_generation = 0  # bumped by every torch.optim optimizer step (and weights_changed): part of every cache state
+
+
+def weights_changed():
+    """Tell the cache that weights may have changed in ways it cannot see (writes through `w.data` or raw memory with
+    no torch.optim step after them): every call after this quantizes its weights again."""
+    global _step_generation
+    _step_generation += 1
+
+
+def _after_optimizer_step(optimizer, args, kwargs):  # torch.optim's global step post-hook
+    weights_changed()
+
+
+_STEP_HOOK = register_optimizer_step_post_hook(_after_optimizer_step)
+
+
 def _state(tensor):
-    """What must be unchanged for a quantization of `tensor` to stand: where and how it lies, and its version."""
-    return (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device, tensor._version)
+    """What must be unchanged for a quantization of `tensor` to stand: where and how it lies, its version, and no
+    optimizer step since (fused optimizers do not bump versions)."""
+    return (tensor.data_ptr(), tuple(tensor.shape), tensor.stride(), tensor.dtype, tensor.device, tensor._version,
+            _step_generation)
 
 
 def _bypasses_cache(w13):

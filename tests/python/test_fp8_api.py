@@ -160,6 +160,40 @@ def test_op_schemas_carry_the_precision_and_the_fp8_weights():
 
 # ---------------------------------------------------------------- CPU: the cache
 
+@pytest.mark.parametrize("optimizer", ["adamw-fused", "adamw-foreach", "custom"])
+def test_cache_quantizes_again_after_every_optimizer_step(gen, optimizer):
+    """Fused optimizers update weights without bumping their version counters (AdamW(fused=True): checked on torch
+    2.15): the cache must still see the step (the 8-layer training example trained on stale FP8 copies before it did:
+    session 8 notes)."""
+    fp8.clear_cache()
+    w13 = torch.nn.Parameter(torch.randn(2, 256, 128, generator=gen).to(torch.bfloat16))
+    w2 = torch.nn.Parameter(torch.randn(2, 128, 128, generator=gen).to(torch.bfloat16))
+    if optimizer == "custom":  # a torch.optim subclass writing through .data: only the step hook can tell
+        class DataWriter(torch.optim.Optimizer):
+            def __init__(self, params):
+                super().__init__(params, {})
+
+            def step(self, closure=None):
+                for group in self.param_groups:
+                    for p in group["params"]:
+                        p.data.add_(1.0)
+        step = DataWriter([w13, w2])
+    else:
+        step = torch.optim.AdamW([w13, w2], lr=0.5, fused=optimizer == "adamw-fused",
+                                 foreach=None if optimizer == "adamw-fused" else True)
+    first = fp8.experts_for(w13, w2)
+    assert fp8.experts_for(w13, w2) is first
+    w13.grad, w2.grad = torch.ones_like(w13), torch.ones_like(w2)
+    step.step()
+    second = fp8.experts_for(w13, w2)
+    assert second is not first, f"{optimizer}: the cache served the previous step's FP8 weights"
+    assert not torch.equal(second.w13.view(torch.uint8), first.w13.view(torch.uint8))
+    assert fp8.experts_for(w13, w2) is second  # and one quantization per step again
+    fp8.weights_changed()  # the explicit call for writes the cache cannot see
+    assert fp8.experts_for(w13, w2) is not second
+    fp8.clear_cache()
+
+
 def test_cache_keeps_one_quantization_until_an_inplace_update(gen, monkeypatch):
     fp8.clear_cache()
     made = []
