@@ -174,9 +174,11 @@ typedef struct {
  *                   128 x 128 block (params.fp8, made once per optimizer step by megamoe_quantize_experts); each
  *                   group's partial product scaled in f32. The combine, routing, d topk_weights and outputs stay as
  *                   in DEFAULT (y, dx in the dtype of x); the weight gradients are computed from the 16-bit operands
- *                   (dh, x, dy, s * a) as in DEFAULT. CUDA on a compute capability 9.0 GPU only, with the default
- *                   layout and activation (concatenated, untransposed, SwiGLU), no biases, H and I multiples of 128;
- *                   anything else is NOT_SUPPORTED with a message naming it (never a silent bf16 run). The path:
+ *                   (dh, x, dy, s * a) as in DEFAULT, in the layout's arrangement. CUDA on a compute capability 9.0
+ *                   GPU only, SwiGLU, no biases, H and I multiples of 128, the concatenated or separate layout
+ *                   (transposed or not: params.fp8 is always in the default layout, w13 [E, 2I, H] gate rows then up
+ *                   rows and w2 [E, H, I]; the 16-bit weights give the shapes); anything else (the interleaved
+ *                   layout) is NOT_SUPPORTED with a message naming it (never a silent bf16 run). The path:
  *                   MEGAMOE_PATH_SM90_FP8. */
 typedef enum {
     MEGAMOE_PRECISION_DEFAULT = 0,
@@ -343,7 +345,8 @@ MEGAMOE_API megamoe_status_t megamoe_grouped_forward(const megamoe_grouped_forwa
 MEGAMOE_API megamoe_status_t megamoe_grouped_backward(const megamoe_grouped_backward_params_t* params);
 
 /* The blockwise FP8 copies of the expert weights for FP8_BLOCKWISE calls: w13 [E, 2I, H] and w2 [E, H, I]
- * (bf16, f16 or f32, CUDA, contiguous; the default layout), each in 128 x 128 blocks (amax in f32, scale = amax / 448,
+ * (bf16, f16 or f32, CUDA, contiguous; the default layout: weights stored otherwise are copied into it first, as
+ * python's megamoe.fp8 does), each in 128 x 128 blocks (amax in f32, scale = amax / 448,
  * q = e4m3(v / scale) rounded to nearest even; a block of zeros has scale 1, a block holding a NaN or an infinity a
  * NaN scale and NaN values), written into every tensor of fp8 (shapes above, E, H, I from w13 and w2; H and I
  * multiples of 128). Run it once after each optimizer step; every micro-batch's forward and backward reads the same

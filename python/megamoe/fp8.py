@@ -197,23 +197,53 @@ def _bypasses_cache(w13):
     return w13.is_cuda and torch.cuda.is_current_stream_capturing()
 
 
-def experts_for(w13, w2):
-    """The Fp8Experts of w13 and w2 from the cache (see the module docstring), quantizing them (quantize_experts) where
-    the cache has none for their current state. Under torch.compile and CUDA graph capture: quantize_experts itself,
-    in the graph (no cache)."""
+def default_layout_weights(w13, w2, w3=None, options=None):
+    """(w13 [E, 2I, H] gate rows then up rows, w2 [E, H, I]): the weights as the FP8 copies are quantized from. The
+    default layout as it is; the separate layout's gate w13 and up w3 concatenated, transposed storage transposed
+    back (options: layouts.op_options'; a copy of the weight for the length of the quantization). The interleaved
+    layout raises NotImplementedError (the FP8 layer does not take it: DESIGN §7)."""
+    if options is None or is_default_layout(options):
+        return w13, w2
+    if options["gate_up"] == "interleaved":
+        raise NotImplementedError("megamoe: precision 'fp8' does not take the interleaved gate / up layout (its dSwiGLU "
+                                  "epilogue writes dh in w13's row order, the FP8 dX reads it concatenated); the "
+                                  "concatenated and separate layouts, transposed or not, run")
+    def stored(w):  # [E, rows, H] from the stored [E, rows, H] or, transposed, [E, H, rows]
+        return w.transpose(1, 2) if options["w13_transposed"] else w
+
+    if options["gate_up"] == "separate":
+        if w3 is None:
+            raise ValueError("megamoe: the separate layout needs w3 (the up projection)")
+        w13 = torch.cat([stored(w13), stored(w3)], dim=1)  # [E, 2I, H]
+    else:
+        w13 = stored(w13).contiguous()
+    return w13, (w2.transpose(1, 2).contiguous() if options["w2_transposed"] else w2)
+
+
+def experts_for(w13, w2, w3=None, options=None):
+    """The Fp8Experts of w13 and w2 (and w3 in the separate layout; options: layouts.op_options', None: the default
+    layout) from the cache (see the module docstring), quantizing them (default_layout_weights, then
+    quantize_experts) where the cache has none for their current state. Under torch.compile and CUDA graph capture:
+    quantized anew, in the graph (no cache)."""
+    def quantize():
+        return quantize_experts(*default_layout_weights(w13, w2, w3, options))
+
     if _bypasses_cache(w13):
-        return quantize_experts(w13, w2)
-    _check_weights(w13, w2)
+        return quantize()
+    weights = (w13, w2) if w3 is None else (w13, w2, w3)
+    for tensor in weights:
+        if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3:
+            _check_weights(w13, w2)  # names the argument
     try:
-        state = (_state(w13), _state(w2))
+        state = tuple(_state(w) for w in weights)
     except RuntimeError:  # inference tensors have no version counter: nothing to key on
-        return quantize_experts(w13, w2)
-    roots = (_root(w13), _root(w2))
-    key = (id(roots[0]), id(roots[1]))
+        return quantize()
+    roots = tuple(_root(w) for w in weights)
+    key = tuple(id(root) for root in roots)
     entry = _CACHE.get(key)
     if entry is not None and entry.holds(roots, state):
         return entry.experts
-    experts = quantize_experts(w13, w2)
+    experts = quantize()
     _CACHE[key] = _Entry(key, roots, state, experts)
     return experts
 
@@ -243,26 +273,33 @@ def as_experts(entry, fp8_experts):
     return experts
 
 
-def op_arguments(entry, options, w13, w2, fp8_experts, *, quantize=True):
+def op_arguments(entry, options, w13, w2, fp8_experts, *, quantize=True, w3=None):
     """The FP8 op arguments {fp8_w13: ..., ...} (_lib.FP8_ARGS) of a call with op_options() `options`: none in
-    precision "bf16" (fp8_experts given there: ValueError); in "fp8" the tensors of fp8_experts, else the cache's
-    (quantize=False: uninitialised ones, for a path query that reads no data). The FP8 weights are quantized from w13
-    [E, 2I, H] and w2 [E, H, I]: another layout raises NotImplementedError naming it."""
+    precision "bf16" (fp8_experts given there: ValueError); in "fp8" the tensors of fp8_experts (always in the default
+    layout: w13 [E, 2I, H], w2 [E, H, I]), else the cache's for w13, w2 (and w3) in their layout (quantize=False:
+    uninitialised ones, for a path query that reads no data). The interleaved layout raises NotImplementedError."""
     if options["precision"] != "fp8":
         if fp8_experts is not None:
             raise ValueError(f"{entry}: fp8_experts: given, but precision is {options['precision']!r} (the FP8 weights "
                              "are read with precision='fp8' only)")
         return {}
-    if not is_default_layout(options):
+    if options["gate_up"] == "interleaved":
         raise NotImplementedError(
-            f"{entry}: precision 'fp8' needs the default layout (w13 [E, 2I, H] gate rows then up rows, w2 "
-            f"[E, H, I], untransposed), got gate_up {options['gate_up']!r}, w13_transposed "
-            f"{options['w13_transposed']}, w2_transposed {options['w2_transposed']}: the FP8 weights are quantized "
-            "from w13 and w2 as they are")
+            f"{entry}: precision 'fp8' does not take the interleaved gate / up layout (gpt-oss's): its dSwiGLU epilogue "
+            "writes dh in w13's row order and the FP8 dX reads it concatenated; the concatenated and separate layouts, "
+            "transposed or not, run")
     if fp8_experts is not None:
         experts = as_experts(entry, fp8_experts)
     elif quantize:
-        experts = experts_for(w13, w2)
+        experts = experts_for(w13, w2, w3, options)
     else:
-        experts = empty_experts(w13, w2)
+        experts = empty_experts(*_default_layout_shapes(w13, w2, w3, options))
     return dict(zip(_lib.FP8_ARGS, experts))
+
+
+def _default_layout_shapes(w13, w2, w3, options):
+    """Tensors shaped as default_layout_weights' results, on the weights' device, holding no memory (expanded from
+    one element: empty_experts reads only their shapes, dtype and device)."""
+    E = w13.shape[0]
+    H, I = (w2.shape[2], w2.shape[1]) if options["w2_transposed"] else (w2.shape[1], w2.shape[2])
+    return w13.new_empty(1).expand(E, 2 * I, H), w2.new_empty(1).expand(E, H, I)

@@ -18,8 +18,9 @@ The GEMMs' precision (the C API's megamoe_precision_t) is the third option of th
     "bf16"  the default: the GEMMs read their operands in the dtype of x (bf16 in training; f16, and f32 / f64 on the
             CPU, alike)
     "fp8"   DeepSeek-V3's blockwise FP8 (fp8.py): e4m3 operands, activations scaled per 1 x 128 group, weights per
-            128 x 128 block; CUDA on a compute capability 9.0 GPU, the default layout and SwiGLU, no biases, H and I
-            multiples of 128 (anything else raises NotImplementedError naming it)
+            128 x 128 block; CUDA on a compute capability 9.0 GPU, SwiGLU, no biases, H and I multiples of 128, the
+            concatenated or separate layout, transposed or not (the interleaved one and anything else raise
+            NotImplementedError naming it)
 """
 
 from dataclasses import dataclass

@@ -365,7 +365,8 @@ class OpFamily:
         tensors = {**inputs, **experts}
         check_args(tensors)
         options = op_options(layout, activation, precision)
-        fp8 = _fp8.op_arguments(self.entry.user_entry, options, inputs["w13"], inputs["w2"], fp8_experts)
+        fp8 = _fp8.op_arguments(self.entry.user_entry, options, inputs["w13"], inputs["w2"], fp8_experts,
+                                w3=experts.get("w3"))
         buffers = _main_grads.by_param(self.entry.user_entry, main_grads,
                                        {name: tensors[name] for name in _main_grads.PARAM_NAMES})
         differentiable = [tensors[name] for name in self.grad_inputs if tensors[name] is not None]
@@ -388,7 +389,8 @@ class OpFamily:
             saved_h = grad.new_empty((0,)) if isinstance(grad, torch.Tensor) else None
         needs = _needs(self.grad_names, grads)
         tensors = {**inputs, **experts, **dict.fromkeys(FP8_NAMES),
-                   **_fp8.op_arguments(entry, options, inputs["w13"], inputs["w2"], fp8_experts)}
+                   **_fp8.op_arguments(entry, options, inputs["w13"], inputs["w2"], fp8_experts,
+                                       w3=experts.get("w3"))}
         buffers = _main_grads.by_param(entry, main_grads, {name: tensors[name] for name in _main_grads.PARAM_NAMES})
         outputs = self.call_backward(grad, tensors, saved_h, tuple(buffers.values()), wgrad_f32, options, needs)
         return self.entry.grads(*(out if tensors[name] is not None and needs[f"need_{grad_name}"] else None
@@ -400,7 +402,8 @@ class OpFamily:
         FP8 weights: fp8.empty_experts)."""
         check_args({**inputs, **experts})
         options = op_options(layout, activation, precision)
-        fp8 = _fp8.op_arguments(entry, options, inputs["w13"], inputs["w2"], fp8_experts, quantize=False)
+        fp8 = _fp8.op_arguments(entry, options, inputs["w13"], inputs["w2"], fp8_experts, quantize=False,
+                                w3=experts.get("w3"))
         tensors = self._contiguous_tensors({**inputs, **experts, **dict.fromkeys(FP8_NAMES), **fp8},
                                            self.tensor_names)
         rows = tensors[self.rows]

@@ -77,8 +77,10 @@ def moe(x, topk_ids, topk_weights, w13, w2, recompute=False, *, w3=None, b13=Non
     up, down, dH and dX GEMMs read e4m3 operands, x, a, dy and dh scaled per 1 x 128 group (quantized by the
     kernels), the weights per 128 x 128 block; routing, combine, d topk_weights, y and dx as in "bf16", the weight
     gradients computed from the 16-bit operands as in "bf16" (in the weights' dtype). CUDA on a compute capability
-    9.0 GPU, the default layout, SwiGLU, no biases, H and I multiples of 128: anything else raises
-    NotImplementedError naming it (never a silent bf16 run); another precision string ValueError. The FP8 weights:
+    9.0 GPU, SwiGLU, no biases, H and I multiples of 128, the concatenated or separate layout (transposed or not; the
+    FP8 copies are quantized from the weights brought into the default layout, a transient copy where they are stored
+    otherwise): anything else (the interleaved layout) raises NotImplementedError naming it (never a silent bf16
+    run); another precision string ValueError. The FP8 weights:
     fp8_experts, a megamoe.fp8.Fp8Experts the caller made (megamoe.fp8.quantize_experts(w13, w2), e.g. after each
     optimizer step), else megamoe.fp8.experts_for(w13, w2): quantized on the first call, cached while w13 and w2 are
     unchanged (their identity, memory and version counters), so one quantization serves every micro-batch of a step;

@@ -68,8 +68,8 @@ struct Fp8Reads {
 // filled), before the overlap checks that read the FP8 tensors.
 megamoe_status_t check_precision(const char* x_name, const megamoe_tensor_t& x, const Experts& experts,
                                  const Shape& shape, const Fp8Reads& reads);
-// FP8_BLOCKWISE: a call the FP8 kernels run (CUDA, the default layout and activation, no biases, H and I multiples of
-// 128), else NOT_SUPPORTED naming what; last, once every argument is valid.
+// FP8_BLOCKWISE: a call the FP8 kernels run (CUDA, SwiGLU, no biases, a concatenated or separate layout, H and I
+// multiples of 128), else NOT_SUPPORTED naming what; last, once every argument is valid.
 megamoe_status_t check_precision_supported(const char* x_name, const megamoe_tensor_t& x, const Experts& experts,
                                            const Shape& shape);
 // The FP8 weights, named as in the params structs (for the overlap and pointer checks).

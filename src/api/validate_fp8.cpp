@@ -1,7 +1,9 @@
 // Checks of the precision and the FP8 expert weights (validate.h's check_precision): the precision code, the
 // megamoe_fp8_experts_t tensors a call reads (shapes, e4m3 / f32, x's device), absent ones in DEFAULT precision, and
-// what the FP8 kernels run (CUDA, the default layout and activation, no biases, H and I multiples of 128: else
-// NOT_SUPPORTED, never a silent 16-bit run). The device's compute capability is the CUDA path's check (cuda_path.h).
+// what the FP8 kernels run (CUDA, SwiGLU, no biases, not the interleaved layout, H and I multiples of 128: else
+// NOT_SUPPORTED, never a silent 16-bit run). The FP8 weights are in the default layout whatever the 16-bit weights'
+// (those give the shapes and the weight gradients' arrangement). The device's compute capability is the CUDA path's
+// check (cuda_path.h).
 #include <string>
 #include <vector>
 
@@ -59,11 +61,11 @@ megamoe_status_t check_fp8_supported(const char* x_name, const megamoe_tensor_t&
                          "reference is python's megamoe.fp8_reference)",
                          prefix, x_name);
     }
-    const megamoe_layout_t& layout = experts.layout;
-    if (layout.gate_up != MEGAMOE_GATE_UP_CONCATENATED || layout.w13_transposed || layout.w2_transposed) {
+    if (experts.layout.gate_up == MEGAMOE_GATE_UP_INTERLEAVED) {
         return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
-                         "%s needs the default layout (layout.gate_up concatenated, untransposed w13 and w2): the FP8 "
-                         "weights are quantized from w13 [E, 2I, H] and w2 [E, H, I]",
+                         "%s does not take layout.gate_up = interleaved (its dSwiGLU epilogue writes dh in w13's row "
+                         "order, the FP8 dX reads it concatenated); concatenated and separate layouts, transposed or "
+                         "not, run",
                          prefix);
     }
     if (experts.activation.kind != MEGAMOE_ACTIVATION_SWIGLU) {

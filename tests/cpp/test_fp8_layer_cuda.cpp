@@ -535,7 +535,6 @@ TEST(Fp8LayerCuda, RefusesWhatTheFp8KernelsDoNotRun) {
                  }},
                 {"interleaved gate / up",
                  [](auto& layout, auto&, auto&, auto&) { layout.gate_up = MEGAMOE_GATE_UP_INTERLEAVED; }},
-                {"w2 transposed (H = I)", [](auto& layout, auto&, auto&, auto&) { layout.w2_transposed = 1; }},
                 {"b13", [&](auto&, auto&, auto& b, auto&) { b = b13_dev.view(); }},
                 {"b2", [&](auto&, auto&, auto&, auto& b) { b = b2_dev.view(); }},
             };

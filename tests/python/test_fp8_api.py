@@ -26,6 +26,7 @@ import torch
 import megamoe
 from conftest import grads_of, group_rows, make_problem, rel_err
 from megamoe import _lib, fp8, fp8_reference
+from megamoe.layouts import op_options
 
 HEADER = pathlib.Path(__file__).resolve().parents[2] / "include" / "megamoe" / "megamoe.h"
 OUTPUTS = ("y", "dx", "dtopk_weights", "dw13", "dw2")
@@ -89,9 +90,8 @@ def test_fp8_on_cpu_tensors_is_the_librarys_not_supported(gen):
 
 def test_fp8_options_and_weights_are_checked(gen):
     x, ids, s, w13, w2, dy = small_problem(gen)
-    with pytest.raises(NotImplementedError, match="default layout"):
-        megamoe.moe(x, ids, s, w13.transpose(1, 2), w2.transpose(1, 2), layout=megamoe.HF_TRANSPOSED,
-                    precision="fp8")
+    with pytest.raises(NotImplementedError, match="interleaved"):
+        megamoe.moe(x, ids, s, w13.transpose(1, 2), w2.transpose(1, 2), layout=megamoe.GPT_OSS, precision="fp8")
     experts = fp8.quantize_experts(w13, w2)
     with pytest.raises(ValueError, match="fp8_experts"):
         megamoe.moe(x, ids, s, w13, w2, fp8_experts=experts)  # precision "bf16"
@@ -634,3 +634,54 @@ def test_explicit_fp8_experts_equal_the_cache_and_are_read_by_the_backward(gen):
     other = fp8.quantize_experts(w13 * 2, w2)
     doubled = grads_of(lambda *a: megamoe.moe(*a, precision="fp8", fp8_experts=other), x, ids, s, w13, w2, dy)
     assert not torch.equal(doubled[0], cached[0])
+
+
+def test_default_layout_weights_of_every_layout(gen):
+    """The FP8 copies of the separate and transposed layouts come from their weights brought into the default layout
+    (the gate rows, then the up rows; untransposed); the interleaved layout is refused."""
+    _, _, _, w13, w2, _ = small_problem(gen, H=128, I=128, E=2)
+    gate, up = w13[:, :128], w13[:, 128:]
+    cases = {
+        "concatenated": (megamoe.CONCATENATED, (w13, w2, None)),
+        "hf_transposed": (megamoe.HF_TRANSPOSED, (w13.transpose(1, 2), w2.transpose(1, 2), None)),
+        "separate": (megamoe.SEPARATE, (gate, w2, up)),
+        "separate_transposed": (megamoe.Layout("separate", True, True),
+                                (gate.transpose(1, 2), w2.transpose(1, 2), up.transpose(1, 2))),
+    }
+    for name, (layout, (a, b, c)) in cases.items():
+        options = op_options(layout, None)
+        got13, got2 = fp8.default_layout_weights(a, b, c, options)
+        assert torch.equal(got13, w13) and torch.equal(got2, w2), name
+    with pytest.raises(NotImplementedError, match="interleaved"):
+        fp8.default_layout_weights(w13, w2, None, op_options(megamoe.INTERLEAVED, None))
+
+
+@requires_sm90
+@pytest.mark.parametrize("name", ["hf_transposed", "separate", "separate_transposed"])
+def test_layouts_run_the_default_layouts_fp8_bits(gen, name):
+    """A layout other than the default, stored from the same weights, gives the default layout's FP8 y, dx and
+    d topk_weights bitwise (the FP8 kernels read the same default-layout copies) and its weight gradients in the
+    layout's arrangement."""
+    x, ids, s, w13, w2, dy = _cuda_leaves(*small_problem(gen, T=64, H=256, I=128, E=4))
+    want = grads_of(lambda *a: megamoe.moe(*a, precision="fp8"), x, ids, s, w13, w2, dy)
+    I = w2.shape[2]
+    t = lambda w: w.detach().transpose(1, 2).contiguous().requires_grad_()  # noqa: E731
+    leaf = lambda w: w.detach().clone().requires_grad_()  # noqa: E731
+    if name == "hf_transposed":
+        a, b, c, layout = t(w13), t(w2), None, megamoe.HF_TRANSPOSED
+    else:
+        transposed = name == "separate_transposed"
+        arrange = t if transposed else leaf
+        a, b, c = arrange(w13[:, :I]), arrange(w2) if not transposed else t(w2), arrange(w13[:, I:])
+        layout = megamoe.Layout("separate", transposed, transposed)
+    y = megamoe.moe(x, ids, s, a, b, precision="fp8", layout=layout, w3=c)
+    y.backward(dy)
+    assert megamoe.path_of(x, ids, s, a, b, layout=layout, w3=c, precision="fp8") == "sm90-fp8"
+    assert torch.equal(y.detach(), want[0]), f"{name}: y"
+    assert torch.equal(x.grad, want[1]) and torch.equal(s.grad, want[2]), f"{name}: dx, d topk_weights"
+    back = (lambda g: g.transpose(1, 2)) if layout.w13_transposed else (lambda g: g)
+    dw13 = back(a.grad) if c is None else torch.cat([back(a.grad), back(c.grad)], dim=1)
+    dw2 = b.grad.transpose(1, 2) if layout.w2_transposed else b.grad
+    # The weight gradients are the 16-bit K-grouped GEMMs of each layout (operands swapped where transposed): the
+    # same sums, within their bf16 rounding.
+    assert rel_err(dw13, want[3]) < 4e-3 and rel_err(dw2, want[4]) < 4e-3, f"{name}: the weight gradients"

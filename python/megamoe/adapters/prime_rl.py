@@ -30,8 +30,8 @@ module (or of a submodule) that the call would not read: no parameter is silentl
     out = compute(experts, x_sorted, num_tokens_per_expert)   # [R, H] in x's dtype
 
 Computes in the weights' dtype, or with precision="fp8" (expert_compute, MegamoeExpertCompute) in megamoe's blockwise
-FP8 (megamoe.moe's precision; the fused gate_up_proj storage without biases only, on sm_90 CUDA: every other storage
-raises megamoe's NotImplementedError naming what the FP8 kernels do not run). Expert-parallel DTensor weights
+FP8 (megamoe.moe's precision; storages without biases and with SwiGLU, on sm_90 CUDA: the others raise megamoe's
+NotImplementedError naming what the FP8 kernels do not run). Expert-parallel DTensor weights
 (Shard(0)) are read through their local experts (megamoe.grouped_moe). Every storage runs on CPU and CUDA; on CUDA,
 the sm_90a kernels on a Hopper GPU (the separate w1 / w3 layout too, read in place; megamoe.grouped_path_of(...).reason
 names what would keep a call off them).
