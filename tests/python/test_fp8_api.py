@@ -357,7 +357,16 @@ def test_modules_and_adapters_pass_the_precision(recorder, gen):
     megamoe.adapters.prime_rl.MegamoeExpertCompute(precision="fp8")(experts, x.detach(), counts)
     megamoe.adapters.megatron.te_grouped_mlp(x.detach(), counts, s[:, 0].detach().contiguous(), w13.detach(),
                                              w2.detach(), precision="fp8")
-    assert [call.options["precision"] for call in recorder] == ["fp8"] * 4
+    E, two_i, H = w13.shape  # the legacy GroupedMLP's transposed storage: weight1 [H, E*2I], weight2 [E*I, H]
+    weight1 = w13.detach().transpose(1, 2).contiguous().view(H, E * two_i)
+    weight2 = w2.detach().transpose(1, 2).contiguous().view(E * two_i // 2, H)
+    megamoe.adapters.megatron.grouped_mlp(x.detach(), counts, s[:, 0].detach().contiguous(), weight1, weight2, E,
+                                          precision="fp8")
+    titan = megamoe.adapters.torchtitan.GroupedExperts(H, two_i // 2, E, dtype=torch.bfloat16, precision="fp8")
+    titan(x.detach(), counts)  # torchtitan's separate w1 / w3
+    routed = megamoe.adapters.torchtitan.RoutedExperts(H, two_i // 2, E, dtype=torch.bfloat16, precision="fp8")
+    routed(x.detach(), s.detach(), ids)
+    assert [call.options["precision"] for call in recorder] == ["fp8"] * 7
     assert all(call.tensors["fp8_w13"] is not None for call in recorder)
 
 

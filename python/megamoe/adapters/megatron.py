@@ -123,14 +123,16 @@ def _run(entry, names, x, tokens_per_expert, probs, weights, buffers, layout, ac
 
 
 def grouped_mlp(permuted_local_hidden_states, tokens_per_expert, permuted_probs, weight1, weight2, num_local_experts,
-                *, gradient_accumulation_fusion=False, activation=None, recompute=False):
+                *, gradient_accumulation_fusion=False, activation=None, recompute=False, precision="bf16"):
     """Megatron's legacy GroupedMLP forward on megamoe, its weights read in place.
 
     permuted_local_hidden_states [R, H] (rows grouped by local expert; rows past sum(tokens_per_expert): padding,
     output 0); tokens_per_expert [E] int32 / int64; permuted_probs [R]; weight1 [H, E*2I] (viewed [E, H, 2I], gate
     columns then up columns per expert); weight2 [E*I, H] (viewed [E, I, H]); num_local_experts E.
     Returns (output [R, H] in x's dtype, None) as Megatron's experts do. gradient_accumulation_fusion, activation
-    (megamoe.Activation; None: SwiGLU) and recompute (megamoe's memory mode): see the module docstring.
+    (megamoe.Activation; None: SwiGLU) and recompute (megamoe's memory mode): see the module docstring. precision:
+    megamoe.grouped_moe's ("bf16" or "fp8": blockwise FP8 GEMMs on sm_90 CUDA, SwiGLU; the FP8 copies quantized from
+    the transposed weights once per optimizer step by megamoe.fp8's cache).
     """
     entry = "megamoe.adapters.megatron.grouped_mlp"
     _checks.tensor(entry, "weight1", weight1, 2)
@@ -144,7 +146,7 @@ def grouped_mlp(permuted_local_hidden_states, tokens_per_expert, permuted_probs,
     w2, buf2 = _fused_view(entry, "weight2", weight2, (E, I, H), gradient_accumulation_fusion)
     counts, probs = _rows(entry, permuted_local_hidden_states, tokens_per_expert, permuted_probs, E)
     return _run(entry, {"w13": "weight1", "w2": "weight2"}, permuted_local_hidden_states, counts, probs,
-                dict(w13=w13, w2=w2), dict(w13=buf13, w2=buf2), HF_TRANSPOSED, activation, recompute)
+                dict(w13=w13, w2=w2), dict(w13=buf13, w2=buf2), HF_TRANSPOSED, activation, recompute, precision)
 
 
 _warned = set()  # the list arguments whose fallback copy has been warned about (once each)

@@ -66,14 +66,16 @@ class GroupedExperts(nn.Module):
 
     forward(x_sorted [R, H], num_tokens_per_expert [E]) -> [R, H]: rows grouped by expert (expert 0's rows first),
     num_tokens_per_expert on x's device (int32 / int64); rows past its sum are padding (output 0).
-    recompute=True keeps only the inputs for the backward (megamoe's recompute mode).
+    recompute=True keeps only the inputs for the backward (megamoe's recompute mode). precision: megamoe.moe's
+    ("bf16", or "fp8": blockwise FP8 GEMMs on sm_90 CUDA, the FP8 copies of w1 / w3 / w2 cached per optimizer step).
     """
 
-    def __init__(self, dim, hidden_dim, num_experts, dtype=None, device=None, recompute=False):
+    def __init__(self, dim, hidden_dim, num_experts, dtype=None, device=None, recompute=False, precision="bf16"):
         super().__init__()
         factory = {"dtype": dtype, "device": device}
         self.num_experts = num_experts
         self.recompute = recompute
+        self.precision = precision
         self.w1 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **factory))  # [E, I, H] gate
         self.w2 = nn.Parameter(torch.empty(num_experts, dim, hidden_dim, **factory))  # [E, H, I] down
         self.w3 = nn.Parameter(torch.empty(num_experts, hidden_dim, dim, **factory))  # [E, I, H] up
@@ -92,7 +94,8 @@ class GroupedExperts(nn.Module):
         _checks.counts(entry, "num_tokens_per_expert", num_tokens_per_expert, self.num_experts)
         with _checks.framework_names(entry, _GROUPED_NAMES):
             out = grouped_moe(x_sorted.to(self.w1.dtype), num_tokens_per_expert, self.w1, self.w2,
-                              recompute=self.recompute, w3=self.w3, layout=SEPARATE)  # [R, H]
+                              recompute=self.recompute, w3=self.w3, layout=SEPARATE,
+                              precision=self.precision)  # [R, H]
         return out.to(x_sorted.dtype)
 
 
@@ -107,10 +110,10 @@ class RoutedExperts(nn.Module):
     num_tokens_per_expert is not read (shape checked only).
     """
 
-    def __init__(self, dim, hidden_dim, num_experts, dtype=None, device=None, recompute=False):
+    def __init__(self, dim, hidden_dim, num_experts, dtype=None, device=None, recompute=False, precision="bf16"):
         super().__init__()
         self.inner_experts = GroupedExperts(dim, hidden_dim, num_experts, dtype=dtype, device=device,
-                                            recompute=recompute)
+                                            recompute=recompute, precision=precision)
 
     def forward(self, x, topk_scores, topk_expert_ids, num_tokens_per_expert=None):
         entry = "megamoe.adapters.torchtitan.RoutedExperts"
@@ -123,5 +126,6 @@ class RoutedExperts(nn.Module):
         ids, scores = topk_expert_ids.reshape(-1, K), topk_scores.reshape(-1, K)  # [T, K]
         with _checks.framework_names(entry, _ROUTED_NAMES):
             y = moe(x_in, ids, _checks.scores_dtype(scores, x_in), experts.w1, experts.w2,
-                    recompute=experts.recompute, w3=experts.w3, layout=SEPARATE)  # [T, H]
+                    recompute=experts.recompute, w3=experts.w3, layout=SEPARATE,
+                    precision=experts.precision)  # [T, H]
         return y.to(x.dtype).view(x.shape)
