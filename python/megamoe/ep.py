@@ -15,9 +15,12 @@ import torch.distributed as dist
 from torch import nn
 
 from . import ep_routing
+from . import fp8 as _fp8
 from . import main_grads as _main_grads
+from ._lib import FP8_ARGS
 from .dtensor import expert_parallel_local, refuse_dtensor_activations
 from .ep_pipeline import ExpertParallelMoE
+from .layouts import op_options
 from .modules import reshaped
 
 # TODO(#13): choose by measurement on several GPUs (NCCL): the overlap a chunk buys against its extra launches and
@@ -36,6 +39,7 @@ _AGREED = (
     ("num_chunks", "num_chunks", "num_chunks"),
     ("num_experts", "num_experts", "num_experts (-1: None)"),
     ("needs_grad", "x", "gradient mode (1: autograd on and an input requires grad)"),
+    ("precision", "precision", "precision code (0 bf16, 1 fp8)"),
 )
 _host_groups = {}
 
@@ -103,10 +107,11 @@ def _main_grad_buffers(main_grads, w13, w2):
     return buffers["w13"], buffers["w2"]
 
 
-def _metadata(x, w2, w13, num_chunks, num_experts, needs_grad):
+def _metadata(x, w2, w13, num_chunks, num_experts, needs_grad, precision):
     values = {"hidden": x.shape[1], "intermediate": w2.shape[2], "local_experts": w13.shape[0],
               "dtype": _DTYPE_CODE[x.dtype], "cuda": int(x.is_cuda), "num_chunks": num_chunks,
-              "num_experts": -1 if num_experts is None else num_experts, "needs_grad": int(needs_grad)}
+              "num_experts": -1 if num_experts is None else num_experts, "needs_grad": int(needs_grad),
+              "precision": int(precision == "fp8")}
     return [values[field] for field, _, _ in _AGREED]
 
 
@@ -148,7 +153,7 @@ def _agree_or_raise(group, error, metadata):
 
 @torch.compiler.disable
 def moe(x, topk_ids, topk_weights, w13_local, w2_local, group=None, num_chunks=DEFAULT_NUM_CHUNKS, num_experts=None,
-        recompute=False, main_grads=None):
+        recompute=False, main_grads=None, precision="bf16", fp8_experts=None):
     """The routed-expert MLP of megamoe.moe over experts sharded across the ranks of `group` (collective: every rank
     of the group calls it, and later runs the backward, together).
 
@@ -195,6 +200,10 @@ def moe(x, topk_ids, topk_weights, w13_local, w2_local, group=None, num_chunks=D
     without main_grads; a weight without a buffer beside one with a buffer gets its gradient through an f32 buffer,
     as in megamoe.moe). Two backwards add twice. The buffers are kept by reference, not saved for backward (other
     backwards may add into them in between). Each rank chooses its own buffers (they need not agree).
+
+    precision / fp8_experts: megamoe.moe's, for this rank's experts (precision "fp8": blockwise FP8 GEMMs on sm_90
+    CUDA; fp8_experts the local weights' megamoe.fp8.Fp8Experts, else megamoe.fp8's cache of w13_local / w2_local;
+    every rank must pass the same precision).
     """
     if not dist.is_available() or not dist.is_initialized():
         raise ValueError("megamoe.ep.moe: torch.distributed is not initialized (call init_process_group first)")
@@ -211,13 +220,17 @@ def moe(x, topk_ids, topk_weights, w13_local, w2_local, group=None, num_chunks=D
         _check_local(x, topk_ids, topk_weights, w13_local, w2_local, num_chunks, num_experts, world,
                      dist.get_backend(group))
         buffers = _main_grad_buffers(main_grads, w13_local, w2_local)
-        metadata = _metadata(x, w2_local, w13_local, num_chunks, num_experts, needs_grad)
+        options = op_options(None, None, precision)  # ValueError for an unknown precision, agreed below
+        metadata = _metadata(x, w2_local, w13_local, num_chunks, num_experts, needs_grad, precision)
     except (TypeError, ValueError) as ex:
         error = ex
     _agree_or_raise(group, error, metadata)
+    fp8 = _fp8.op_arguments("megamoe.ep.moe", options, w13_local, w2_local, fp8_experts)
     route = ep_routing.plan(topk_ids, w13_local.shape[0], num_chunks, group)
     x, topk_weights = x.contiguous(), topk_weights.contiguous()
-    return ExpertParallelMoE.apply(x, topk_weights, w13_local, w2_local, route, needs_grad and not recompute, buffers)
+    fp8_local = _fp8.Fp8Experts(*(fp8[name] for name in FP8_ARGS)) if fp8 else None
+    return ExpertParallelMoE.apply(x, topk_weights, w13_local, w2_local, route, needs_grad and not recompute, buffers,
+                                   fp8_local)
 
 
 class MoEExperts(nn.Module):
@@ -234,14 +247,14 @@ class MoEExperts(nn.Module):
     """
 
     def __init__(self, num_experts, hidden, intermediate, group=None, dtype=None, device=None, init_std=0.02,
-                 recompute=False, num_chunks=DEFAULT_NUM_CHUNKS):
+                 recompute=False, num_chunks=DEFAULT_NUM_CHUNKS, precision="bf16"):
         super().__init__()
         world = dist.get_world_size(group)
         if num_experts % world:
             raise ValueError(f"megamoe.ep.MoEExperts: num_experts={num_experts} must be divisible by the group "
                              f"size {world}")
         factory = {"dtype": dtype, "device": device}
-        self.group, self.num_chunks, self.recompute = group, num_chunks, recompute
+        self.group, self.num_chunks, self.recompute, self.precision = group, num_chunks, recompute, precision
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.num_local_experts = num_experts // world
         self.first_expert = dist.get_rank(group) * self.num_local_experts
@@ -279,10 +292,12 @@ class MoEExperts(nn.Module):
         if weights.dtype not in (torch.float32, x.dtype):
             weights = weights.float()
         y = moe(x2, ids, weights, self.w13_local, self.w2_local, group=self.group, num_chunks=self.num_chunks,
-                num_experts=self.num_experts, recompute=self.recompute, main_grads=main_grads)  # [T_r, H]
+                num_experts=self.num_experts, recompute=self.recompute, main_grads=main_grads,
+                precision=self.precision)  # [T_r, H]
         return reshaped(y, (*lead, self.hidden))
 
     def extra_repr(self):
         return (f"num_experts={self.num_experts}, local_experts=[{self.first_expert}, "
                 f"{self.first_expert + self.num_local_experts}), hidden={self.hidden}, "
-                f"intermediate={self.intermediate}, num_chunks={self.num_chunks}, recompute={self.recompute}")
+                f"intermediate={self.intermediate}, num_chunks={self.num_chunks}, recompute={self.recompute}, "
+                f"precision={self.precision!r}")

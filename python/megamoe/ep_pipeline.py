@@ -12,6 +12,7 @@ the same y, dx and d topk_weights run to run and for every num_chunks.
 import torch
 import torch.distributed as dist
 
+from ._lib import FP8_ARGS
 from .grouped import grouped_backward, grouped_forward
 
 
@@ -89,11 +90,13 @@ def _run_chunks(route, sent, compute):
 
 
 class ExpertParallelMoE(torch.autograd.Function):
-    """apply(x, topk_weights, w13_local, w2_local, route, keep_h, main_grads) -> y [T, H]; see megamoe.ep.moe.
-    main_grads: (w13 buffer or None, w2 buffer or None), checked by megamoe.ep.moe, kept on ctx by reference."""
+    """apply(x, topk_weights, w13_local, w2_local, route, keep_h, main_grads, fp8_experts) -> y [T, H]; see
+    megamoe.ep.moe. main_grads: (w13 buffer or None, w2 buffer or None), checked by megamoe.ep.moe, kept on ctx by
+    reference. fp8_experts: the local experts' megamoe.fp8.Fp8Experts (precision "fp8"; every chunk's forward and
+    backward reads them), or None (the GEMMs in the weights' dtype)."""
 
     @staticmethod
-    def forward(ctx, x, topk_weights, w13, w2, route, keep_h, main_grads=(None, None)):
+    def forward(ctx, x, topk_weights, w13, w2, route, keep_h, main_grads=(None, None), fp8_experts=None):
         T, H = x.shape
         token_of_row = route.sent_slots // route.topk  # [N_send]
         x_sent = x.index_select(0, token_of_row)  # [N_send, H]
@@ -105,13 +108,15 @@ class ExpertParallelMoE(torch.autograd.Function):
             x_recv, scores_recv = received  # [R_c, H], [R_c] by source rank
             x_grouped = x_recv.index_select(0, chunk.recv_of_grouped)  # [R_c, H] by local expert
             scores_grouped = scores_recv.index_select(0, chunk.recv_of_grouped)  # [R_c]
-            out, h = grouped_forward(x_grouped, chunk.tokens_per_expert, w13, w2, scores_grouped, keep_h)
+            out, h = grouped_forward(x_grouped, chunk.tokens_per_expert, w13, w2, scores_grouped, keep_h,
+                                     **_fp8_options(fp8_experts))
             saved.append((x_grouped, scores_grouped, h))
             return _combine(route, chunk, [y_rows], [out.index_select(0, chunk.grouped_of_recv)])
 
         _run_chunks(route, [x_sent, scores_sent], compute)
         y = sum_over_topk(y_rows, route.row_of_slot, x.dtype)  # [T, H]
         ctx.route, ctx.saved, ctx.keep_h, ctx.consumed = route, saved, keep_h, False
+        ctx.fp8_experts = fp8_experts  # made for this call (quantized or cached): kept, not saved
         ctx.shapes, ctx.scores_dtype = (x.shape, topk_weights.shape), topk_weights.dtype
         ctx.save_for_backward(w13, w2)
         # Kept as they are, not saved: other backwards add into them in between (microbatches), as in ops.py.
@@ -150,7 +155,9 @@ class ExpertParallelMoE(torch.autograd.Function):
             dout = dy_recv.index_select(0, chunk.recv_of_grouped)  # [R_c, H] by local expert
             saved_h = h if h.dim() == 2 else None
             grads = grouped_backward(dout, x_grouped, chunk.tokens_per_expert, w13, w2, scores_grouped, saved_h,
-                                     wgrad_f32, grads=names, main_grads=main_grads)
+                                     wgrad_f32, grads=names, main_grads=main_grads,
+                                     precision="bf16" if ctx.fp8_experts is None else "fp8",
+                                     fp8_experts=ctx.fp8_experts)
             for i, grad in enumerate((grads.dw13, grads.dw2)):
                 if summed[i]:
                     if dw[i] is None:
@@ -167,4 +174,11 @@ class ExpertParallelMoE(torch.autograd.Function):
         dx = sum_over_topk(dx_rows, route.row_of_slot, dy.dtype)  # [T, H]
         dtopk_weights = dscores_rows.index_select(0, route.row_of_slot.t().reshape(-1)).view(weights_shape)
         dw13, dw2 = (grad.to(w.dtype) if grad is not None else None for grad, w in zip(dw, (w13, w2)))
-        return dx, dtopk_weights, dw13, dw2, None, None, None
+        return dx, dtopk_weights, dw13, dw2, None, None, None, None
+
+
+def _fp8_options(fp8_experts):
+    """The grouped forward op's precision option and FP8 weight arguments for fp8_experts (None: none)."""
+    if fp8_experts is None:
+        return {}
+    return {"precision": "fp8", **dict(zip(FP8_ARGS, fp8_experts))}

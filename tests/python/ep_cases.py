@@ -271,7 +271,22 @@ def case_bad_input_raises_on_every_rank(rank, P, seed):
     _raises(lambda: moe(x, ids.float() if rank == 0 else ids, s, a, b), TypeError, "topk_ids")
     grad_a = a.clone().requires_grad_(rank == 0)
     _raises(lambda: moe(x, ids, s, grad_a, b), ValueError, "gradient mode")
+    _raises(lambda: moe(x, ids, s, a, b, precision="e5m2" if last else "bf16"), ValueError, "precision")
+    _raises(lambda: moe(x, ids, s, a, b, precision="fp8" if rank == 0 else "bf16"), ValueError, "precision")
     case_uneven_tokens_dropped_slots(rank, P, seed)  # the group is still in step
+
+
+def case_fp8_on_cpu_is_not_supported_on_every_rank(rank, P, seed):
+    """precision="fp8" reaches the library's FP8 path (CUDA on sm_90 only): on CPU every rank raises its
+    NotImplementedError naming FP8, and the group stays in step."""
+    ranks, w13, w2 = make_batch(P, tokens_for(P), 128, 128, 2, 2, seed, dtype=torch.bfloat16)
+    x, ids, s, _ = ranks[rank]
+    a, b = w13[2 * rank:2 * rank + 2], w2[2 * rank:2 * rank + 2]
+    _raises(lambda: megamoe.ep.moe(x, ids, s, a, b, precision="fp8"), NotImplementedError, "FP8")
+    shard = megamoe.ep.MoEExperts(2 * P, 128, 128, dtype=torch.bfloat16, precision="fp8")
+    assert "precision='fp8'" in repr(shard)
+    _raises(lambda: shard(x, ids, s), NotImplementedError, "FP8")
+    case_uneven_tokens_dropped_slots(rank, P, seed)
 
 
 # ---- main_grads: the local weights' gradients added into f32 buffers ----
