@@ -2,9 +2,10 @@
 // balanced routing (slot (t, j) to expert (t * topk + j) mod E): the forward (keep-h: saved_h written) and the forward
 // + backward (dx, d topk_weights, dw13, dw2 in bf16), with the FP8 weights made once beforehand by
 // megamoe_quantize_experts (timed on its own: once per optimizer step in training). FP8 runs twice: a quantized in the
-// up GEMM's epilogue (the default) and by a pass (MEGAMOE_FP8_ACT_PASS=1). CUDA events on the default stream, 3
-// warm-up calls, the median of 10; the variants alternate within each of ROUNDS rounds (argument 2, default 2).
-// Weights N(0, 1 / K)-like, x and dy uniform in [-1, 1]. Usage:
+// up GEMM's epilogue (the default), by a pass (MEGAMOE_FP8_ACT_PASS=1), and with the weight gradients on the K-grouped
+// FP8 GEMM (MEGAMOE_FP8_WGRAD=1; expert 0's dw13 against bf16's printed beside y and dx). CUDA events on the default
+// stream, 3 warm-up calls, the median of 10; the variants alternate within each of ROUNDS rounds (argument 2, default
+// 2). Weights N(0, 1 / K)-like, x and dy uniform in [-1, 1]. Usage:
 //   megamoe_fp8_layer_timing [shape name|all] [rounds]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -174,11 +175,13 @@ void time_shape(const Shape& s, int rounds) {
     bwd.dw13 = tensor(dw13.data, MEGAMOE_DTYPE_BF16, {E, 2 * I, H});
     bwd.dw2 = tensor(dw2.data, MEGAMOE_DTYPE_BF16, {E, H, I});
 
-    // The workspace of the largest variant (the size depends on the precision and MEGAMOE_FP8_ACT_PASS).
+    // The workspace of the largest variant (the size depends on the precision, MEGAMOE_FP8_ACT_PASS and
+    // MEGAMOE_FP8_WGRAD).
     size_t workspace_bytes = 0;
     for (const megamoe_precision_t precision : {MEGAMOE_PRECISION_DEFAULT, MEGAMOE_PRECISION_FP8_BLOCKWISE}) {
         for (const char* pass : {"0", "1"}) {
             setenv("MEGAMOE_FP8_ACT_PASS", pass, 1);
+            setenv("MEGAMOE_FP8_WGRAD", pass, 1);
             fwd.precision = bwd.precision = precision;
             fwd.fp8 = bwd.fp8 = precision == MEGAMOE_PRECISION_DEFAULT ? megamoe_fp8_experts_t{} : fp8;
             size_t bytes = 0;
@@ -196,31 +199,39 @@ void time_shape(const Shape& s, int rounds) {
         const char* name;
         megamoe_precision_t precision;
         const char* act_pass;
-    } variants[] = {{"bf16", MEGAMOE_PRECISION_DEFAULT, "0"},
-                    {"fp8", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0"},
-                    {"fp8-act-pass", MEGAMOE_PRECISION_FP8_BLOCKWISE, "1"}};
+        const char* wgrad;  // MEGAMOE_FP8_WGRAD
+    } variants[] = {{"bf16", MEGAMOE_PRECISION_DEFAULT, "0", "0"},
+                    {"fp8", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "0"},
+                    {"fp8-act-pass", MEGAMOE_PRECISION_FP8_BLOCKWISE, "1", "0"},
+                    {"fp8-wgrad", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "1"}};
+    const auto select = [&](const Variant& v) {
+        setenv("MEGAMOE_FP8_ACT_PASS", v.act_pass, 1);
+        setenv("MEGAMOE_FP8_WGRAD", v.wgrad, 1);
+        fwd.precision = bwd.precision = v.precision;
+        fwd.fp8 = bwd.fp8 = v.precision == MEGAMOE_PRECISION_DEFAULT ? megamoe_fp8_experts_t{} : fp8;
+    };
     const megamoe_tensor_t* w13p = &w13_t;
     const megamoe_tensor_t* w2p = &w2_t;
     // A sanity check, not a test (tests/cpp/test_fp8_layer_cuda.cpp is): y and dx of each variant against bf16's.
     std::vector<std::vector<float>> y_of, dx_of;
+    std::vector<std::vector<float>> dw13_of;
     for (const Variant& v : variants) {
-        setenv("MEGAMOE_FP8_ACT_PASS", v.act_pass, 1);
-        fwd.precision = bwd.precision = v.precision;
-        fwd.fp8 = bwd.fp8 = v.precision == MEGAMOE_PRECISION_DEFAULT ? megamoe_fp8_experts_t{} : fp8;
+        select(v);
         CHECK_MEGAMOE(megamoe_forward(&fwd));
         CHECK_MEGAMOE(megamoe_backward(&bwd));
         y_of.push_back(download_bf16(y.data, T * H));
         dx_of.push_back(download_bf16(dx.data, T * H));
-        std::printf("%-16s %-13s y vs bf16 %.4f, dx vs bf16 %.4f (relative Frobenius)\n", s.name, v.name,
-                    relative_difference(y_of.back(), y_of.front()), relative_difference(dx_of.back(), dx_of.front()));
+        dw13_of.push_back(download_bf16(dw13.data, 2 * I * H));  // expert 0's: host memory
+        std::printf("%-16s %-13s y vs bf16 %.4f, dx vs bf16 %.4f, dw13[0] vs bf16 %.4f (relative Frobenius)\n", s.name,
+                    v.name, relative_difference(y_of.back(), y_of.front()),
+                    relative_difference(dx_of.back(), dx_of.front()),
+                    relative_difference(dw13_of.back(), dw13_of.front()));
     }
     std::printf("%-16s fp8 against fp8-act-pass: y %s, dx %s\n", s.name,
                 y_of[1] == y_of[2] ? "bitwise equal" : "DIFFER", dx_of[1] == dx_of[2] ? "bitwise equal" : "DIFFER");
     for (int round = 1; round <= rounds; ++round) {
         for (const Variant& v : variants) {
-            setenv("MEGAMOE_FP8_ACT_PASS", v.act_pass, 1);
-            fwd.precision = bwd.precision = v.precision;
-            fwd.fp8 = bwd.fp8 = v.precision == MEGAMOE_PRECISION_DEFAULT ? megamoe_fp8_experts_t{} : fp8;
+            select(v);
             const float fwd_ms = median_ms([&] { CHECK_MEGAMOE(megamoe_forward(&fwd)); });
             const float step_ms = median_ms([&] {
                 CHECK_MEGAMOE(megamoe_forward(&fwd));

@@ -1,30 +1,38 @@
 #!/usr/bin/env bash
-# One device call for the FP8 work (issue #20): the FP8 gtests (Fp8* suites: quantization, forward and backward GEMMs)
-# under the default mainloop and MEGAMOE_SM90_FP8_PROMOTE=1, compute-sanitizer memcheck over them, then
-# ROUNDS rounds of megamoe_fp8_gemm_timing (bf16 against FP8 per GEMM, dH, the forward chain), the dense ceiling
-# (bench/dense_gemm_ceiling.py) and megamoe_fp8_layer_timing (the layer through the C API, bf16 against FP8; skipped
-# when LAYER_ROUNDS=0). Logs in OUT (timings packed into OUT/fp8-timing.tar.xz: a call brings back <= 8 files).
+# One device call for the FP8 work (issue #20): the FP8 gtests (*Fp8* suites: quantization, the M-grouped forward and
+# backward GEMMs, the K-grouped weight-gradient GEMM, the layer) under the default mainloop, Fp8GemmSm90 under
+# MEGAMOE_SM90_FP8_PROMOTE=1 and the layer with MEGAMOE_FP8_WGRAD=1 (its weight gradients on the FP8 GEMM),
+# compute-sanitizer memcheck over them, then ROUNDS rounds of megamoe_fp8_gemm_timing (bf16 against FP8 per GEMM, dH,
+# the forward chain) and megamoe_fp8_wgrad_timing (the weight gradients), the dense ceiling
+# (bench/dense_gemm_ceiling.py) and megamoe_fp8_layer_timing (the layer through the C API, bf16 against FP8: its
+# variants, the weight gradients in FP8 among them, alternate in each round; skipped when LAYER_ROUNDS=0). Logs in OUT (timings
+# packed into OUT/fp8-timing.tar.xz: a call brings back <= 8 files). SKIP_MEMCHECK=1 leaves memcheck out.
 # Inputs: CARRY (default .carry/) with libmegamoe.so[.xz], megamoe_tests[.xz], megamoe_fp8_gemm_timing[.xz],
-# megamoe_fp8_layer_timing[.xz] (each step skipped when its binary is not there).
+# megamoe_fp8_wgrad_timing[.xz], megamoe_fp8_layer_timing[.xz] (each step skipped when its binary is not there).
 #   OUT=/tmp/out ROUNDS=2 bash scripts/gpu_fp8.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CARRY=${CARRY:-.carry}
 OUT=${OUT:-/tmp/megamoe-out}
 mkdir -p "$OUT"
-for f in megamoe_tests libmegamoe.so megamoe_fp8_gemm_timing megamoe_fp8_layer_timing; do
+for f in megamoe_tests libmegamoe.so megamoe_fp8_gemm_timing megamoe_fp8_wgrad_timing megamoe_fp8_layer_timing; do
     if [ -f "$CARRY/$f.xz" ]; then xz -dkf "$CARRY/$f.xz"; fi
     if [ -f "$CARRY/$f" ] && [ "$f" != libmegamoe.so ]; then chmod +x "$CARRY/$f"; fi
 done
 export MEGAMOE_LIBRARY=$PWD/$CARRY/libmegamoe.so
 status=0
-timeout 120 "$CARRY/megamoe_tests" --gtest_filter='Fp8*' >"$OUT/gtest-fp8.log" 2>&1 || status=1
+timeout 150 "$CARRY/megamoe_tests" --gtest_filter='*Fp8*' >"$OUT/gtest-fp8.log" 2>&1 || status=1
 MEGAMOE_SM90_FP8_PROMOTE=1 timeout 120 "$CARRY/megamoe_tests" --gtest_filter='Fp8GemmSm90.*' \
     >"$OUT/gtest-fp8-promote.log" 2>&1 || status=1
-grep -hE "^\[  (PASSED|FAILED) |^\[  FAILED  \]" "$OUT/gtest-fp8.log" "$OUT/gtest-fp8-promote.log"
-timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 "$CARRY/megamoe_tests" \
-    --gtest_filter='Fp8*' >"$OUT/memcheck-fp8.log" 2>&1 || status=1
-grep -E "ERROR SUMMARY" "$OUT/memcheck-fp8.log"
+MEGAMOE_FP8_WGRAD=1 timeout 120 "$CARRY/megamoe_tests" --gtest_filter='Fp8LayerCuda.*' \
+    >"$OUT/gtest-fp8-wgrad.log" 2>&1 || status=1
+grep -hE "^\[  (PASSED|FAILED) |^\[  FAILED  \]" "$OUT/gtest-fp8.log" "$OUT/gtest-fp8-promote.log" \
+    "$OUT/gtest-fp8-wgrad.log"
+if [ "${SKIP_MEMCHECK:-0}" != 1 ]; then
+    timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 "$CARRY/megamoe_tests" \
+        --gtest_filter='*Fp8*' >"$OUT/memcheck-fp8.log" 2>&1 || status=1
+    grep -E "ERROR SUMMARY" "$OUT/memcheck-fp8.log"
+fi
 mkdir -p "$OUT/timing"
 if [ -x "$CARRY/megamoe_fp8_gemm_timing" ]; then
     for round in $(seq 1 "${ROUNDS:-2}"); do
@@ -33,9 +41,15 @@ if [ -x "$CARRY/megamoe_fp8_gemm_timing" ]; then
     done
     timeout 120 python3 bench/dense_gemm_ceiling.py >"$OUT/timing/dense-gemm-ceiling.log" 2>&1 || status=1
 fi
+if [ -x "$CARRY/megamoe_fp8_wgrad_timing" ]; then
+    for round in $(seq 1 "${ROUNDS:-2}"); do
+        timeout 150 "$CARRY/megamoe_fp8_wgrad_timing" >"$OUT/timing/fp8-wgrad-r$round.log" 2>&1 || status=1
+        grep -E " ms |FAILED" "$OUT/timing/fp8-wgrad-r$round.log"
+    done
+fi
 if [ -x "$CARRY/megamoe_fp8_layer_timing" ] && [ "${LAYER_ROUNDS:-2}" != 0 ]; then
-    timeout 240 "$CARRY/megamoe_fp8_layer_timing" all "${LAYER_ROUNDS:-2}" >"$OUT/timing/fp8-layer.log" 2>&1 || status=1
-    grep -E "ms|bitwise|DIFFER" "$OUT/timing/fp8-layer.log"
+    timeout 300 "$CARRY/megamoe_fp8_layer_timing" all "${LAYER_ROUNDS:-2}" >"$OUT/timing/fp8-layer.log" 2>&1 || status=1
+    grep -E "ms|bitwise|DIFFER|Frobenius" "$OUT/timing/fp8-layer.log"
 fi
 (cd "$OUT" && tar -cJf fp8-timing.tar.xz timing && rm -rf timing)
 exit $status

@@ -15,7 +15,8 @@ Defined edge cases (never a silent wrong number):
     torch's own e4m3 cast would turn an infinity into 448, a finite number nobody asked for;
   - a scale below 2^-149 (the smallest positive f32: amax under ~6e-43) is raised to it, pow2 or not.
 A partial last group (K not a multiple of `group`) is a group of its own. Along tokens (the weight gradients'
-operands, quantize_expert_rows) the groups are 128 of one expert's rows from its first row, never two experts'.
+operands, quantize_expert_rows) the groups are 128 of one expert's rows from its first row, never two experts', each
+written into 128 columns of its own (zero-padded) as the kernels lay them out.
 
 This module is the specification; it is not tuned (f32 torch on the CPU). Dequantized products go through float64
 in `blockwise_gemm`, the recipe's GEMM: out = sum over K groups of (a_q . b_q) * a_scale * b_scale, and in
@@ -93,36 +94,52 @@ def quantize_blocks(w, block=GROUP, pow2=False):
     return q[..., :N, :K].contiguous(), scales.contiguous()
 
 
+def _expert_tiles(counts, rows):
+    """counts as ints (checked against the R rows) and each expert's M tile count, ceil(count / 128)."""
+    counts = [int(c) for c in counts]
+    if sum(counts) != rows or any(c < 0 for c in counts):
+        raise ValueError(f"quantize_expert_rows: counts must be >= 0 and sum to the {rows} rows, got {counts}")
+    return counts, [-(-c // GROUP) for c in counts]
+
+
 def quantize_expert_rows(rows, counts, pow2=False):
     """The weight gradients' operands, quantized along tokens: rows [R, C] sorted by expert (expert e's rows follow
     e - 1's, counts[e] of them, R = sum(counts)) in groups of 128 of an expert's rows counted from its first row (a
-    group never spans two experts). Returns (q_t e4m3 [C, R]: transposed, tokens contiguous, as the K-grouped GEMM
-    reads its K-major operands; scales f32 [C, num_tiles]): tile i is the routing's M tile i (m_tile_offsets: tile
-    m_tile_offsets[e] + g holds expert e's rows [128 g, 128 g + 128)), so scales[c, i] scales q_t[c, rows of tile i]."""
-    counts = [int(c) for c in counts]
-    if sum(counts) != rows.shape[0] or any(c < 0 for c in counts):
-        raise ValueError(f"quantize_expert_rows: counts must be >= 0 and sum to the {rows.shape[0]} rows, got {counts}")
-    q_parts, scale_parts, first = [], [], 0
-    for count in counts:
-        if count == 0:
-            continue
-        q, scales = quantize_groups(rows[first:first + count], dim=0, pow2=pow2)  # [count, C], [tiles_e, C]
-        q_parts.append(q.T)
-        scale_parts.append(scales.T)
-        first += count
-    if not q_parts:
-        return torch.empty(rows.shape[1], 0, dtype=E4M3), torch.empty(rows.shape[1], 0)
-    return torch.cat(q_parts, dim=1).contiguous(), torch.cat(scale_parts, dim=1).contiguous()
+    group never spans two experts): the routing's M tiles (m_tile_offsets: tile m_tile_offsets[e] + g holds expert e's
+    rows [128 g, 128 g + 128)). Returns, tile-padded as the K-grouped FP8 GEMM loads them by TMA (the kernel
+    launch_quantize_expert_rows' layout):
+      q_t e4m3 [C, 128 * num_tiles]: transposed, tokens contiguous; tile i at columns [128 i, 128 i + 128), its rows
+          first, then zeros (the byte 0x00) to 128 (a GEMM reading whole 128-column groups sums nothing from the pad);
+      scales f32 [num_tiles, C]: tile-major, scales[i, c] scales q_t[c, 128 i:128 i + 128].
+    Expert e's row j lies at column 128 * m_tile_offsets[e] + j (its tiles are consecutive)."""
+    counts, tiles = _expert_tiles(counts, rows.shape[0])
+    num_cols, num_tiles = rows.shape[1], sum(tiles)
+    q_t = torch.zeros(num_cols, GROUP * num_tiles, dtype=torch.uint8)  # the pads stay 0x00
+    scales = torch.empty(num_tiles, num_cols)
+    first, tile = 0, 0
+    for count, expert_tiles in zip(counts, tiles):
+        if count:
+            q, s = quantize_groups(rows[first:first + count], dim=0, pow2=pow2)  # [count, C], [tiles_e, C]
+            q_t[:, GROUP * tile:GROUP * tile + count] = q.view(torch.uint8).T
+            scales[tile:tile + expert_tiles] = s
+        first, tile = first + count, tile + expert_tiles
+    return q_t.view(E4M3), scales
 
 
 def dequantize_expert_rows(q_t, scales, counts):
-    """float64 [R, C] values of quantize_expert_rows' output (q * its tile's scale), rows in the sorted order."""
-    rows_per_tile = []
-    for count in (int(c) for c in counts):
-        full, rest = divmod(count, GROUP)
-        rows_per_tile += [GROUP] * full + ([rest] if rest else [])
-    expanded = scales.to(torch.float64).repeat_interleave(torch.tensor(rows_per_tile, dtype=torch.int64), dim=1)
-    return (q_t.to(torch.float64) * expanded).T
+    """float64 [R, C] values of quantize_expert_rows' output (q * its tile's scale), rows in the sorted order (the
+    pads dropped)."""
+    counts, tiles = _expert_tiles(counts, sum(int(c) for c in counts))
+    parts, tile = [], 0
+    for count, expert_tiles in zip(counts, tiles):
+        if count:
+            values = q_t[:, GROUP * tile:GROUP * tile + count].to(torch.float64).T  # [count, C]
+            expanded = scales[tile:tile + expert_tiles].to(torch.float64).repeat_interleave(GROUP, dim=0)[:count]
+            parts.append(values * expanded)
+        tile += expert_tiles
+    if not parts:
+        return torch.empty(0, q_t.shape[0], dtype=torch.float64)
+    return torch.cat(parts, dim=0)
 
 
 def dequantize_groups(q, scales, group=GROUP, dim=-1, dtype=torch.float32):

@@ -53,6 +53,10 @@ struct BackwardWorkspace {
     Fp8Rows dy_fp8;
     Fp8Rows dh_fp8;
     Fp8Rows x_fp8;
+    // FP8_BLOCKWISE with MEGAMOE_FP8_WGRAD=1: the weight gradients' A and B quantized along the tokens (dW2's, then
+    // dW13's: max(H, 2I) columns each); else empty.
+    Fp8ExpertCols wgrad_a;
+    Fp8ExpertCols wgrad_b;
 
     // act_scratch: on the sm_90a path, the dw13 output when it can hold act (dw13_as_act_scratch), else NULL (carved).
     // dh_apart: dh gets its own buffer (the sm_90a dSwiGLU epilogue's interleaved dh cannot go over h).
@@ -78,11 +82,16 @@ struct BackwardWorkspace {
     }
 
     // The FP8 operands of an FP8_BLOCKWISE call, after the rest.
-    void carve_fp8(WorkspaceCarver& carver, const BackwardCall& call) {
+    void carve_fp8(WorkspaceCarver& carver, const BackwardCall& call, const RoutingPlan& plan) {
         const Shape& shape = call.shape;
         dy_fp8 = Fp8Rows::carve(carver, shape.num_tokens, shape.hidden);
         dh_fp8 = Fp8Rows::carve(carver, shape.num_slots(), 2 * shape.intermediate);
         if (call.saved_h == nullptr) x_fp8 = Fp8Rows::carve(carver, shape.num_tokens, shape.hidden);
+        if (fp8_weight_grads_by_env()) {
+            const int64_t cols = std::max(shape.hidden, 2 * shape.intermediate);
+            wgrad_a = Fp8ExpertCols::carve(carver, cols, plan.max_m_tiles);
+            wgrad_b = Fp8ExpertCols::carve(carver, cols, plan.max_m_tiles);
+        }
     }
 };
 
@@ -175,6 +184,37 @@ megamoe_status_t launch_weight_grad_sm90(const KGroupedGemmArgs& args, const meg
     return sm90::launch_k_grouped_gemm_sm90(args, grad.data, grad.dtype, num_sms, stream);
 }
 
+// The wanted dW13 GEMMs (dw13, and dw3 in the separate layout) in FP8, from the default one (`args`).
+megamoe_status_t launch_fp8_dw13(const BackwardCall& call, const KGroupedGemmArgs& args,
+                                 const BackwardWorkspace& workspace, int num_sms) {
+    for (int half = 0; half < sm90_num_dw13_outputs(call); ++half) {
+        const megamoe_tensor_t& grad = sm90_dw13_output(call, half == 1);
+        if (grad.data == nullptr) continue;
+        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_fp8_weight_grad(call, sm90_dw13_args(call, args, half == 1),
+                                                            workspace.routing, grad, workspace.wgrad_a,
+                                                            workspace.wgrad_b, num_sms));
+    }
+    return MEGAMOE_STATUS_SUCCESS;
+}
+
+// Whether every wanted weight gradient of an FP8 call runs on the K-grouped FP8 GEMM (its operands carved: the switch
+// is on); else they all run in 16 bits.
+bool fp8_weight_grads_ok(const BackwardCall& call, const BackwardGemms& gemms, const BackwardWorkspace& workspace) {
+    if (call.fp8 == nullptr || workspace.wgrad_a.q_t == nullptr) return false;
+    if (call.dw2.data != nullptr &&
+        !fp8_weight_grad_ok(gemms.sm90_dw2, workspace.routing, call.dw2, workspace.wgrad_a, workspace.wgrad_b)) {
+        return false;
+    }
+    for (int half = 0; half < sm90_num_dw13_outputs(call); ++half) {
+        const megamoe_tensor_t& grad = sm90_dw13_output(call, half == 1);
+        if (grad.data != nullptr && !fp8_weight_grad_ok(sm90_dw13_args(call, gemms.dw13, half == 1), workspace.routing,
+                                                        grad, workspace.wgrad_a, workspace.wgrad_b)) {
+            return false;
+        }
+    }
+    return true;
+}
+
 // The sm_90a backward's act buffer (s * a [S, I], then q [S, H], element type) inside the dw13 output, when the call
 // asks for dw13 without accumulation and it is large and aligned enough: dw13 is written only by the last GEMM, after
 // dW2 (the reader of s * a) and dx's gather-sum (the reader of q), so it is free scratch until then, and the backward's
@@ -228,8 +268,9 @@ struct BackwardPlan {
     BackwardGemms gemms;
     bool use_sm90;
     bool weight_grads_sm90;
-    bool act_in_dw13;              // sm_90a: act is the dw13 output (dw13_as_act_scratch), not carved
-    bool sm90_blocked_by_options;  // the sm_90a kernels would run the call but for its expert options
+    bool fp8_weight_grads = false;  // FP8_BLOCKWISE: the weight gradients on the K-grouped FP8 GEMM (MEGAMOE_FP8_WGRAD)
+    bool act_in_dw13;               // sm_90a: act is the dw13 output (dw13_as_act_scratch), not carved
+    bool sm90_blocked_by_options;   // the sm_90a kernels would run the call but for its expert options
     size_t workspace_bytes;
 
     static BackwardPlan make(const BackwardCall& call) {
@@ -255,9 +296,10 @@ struct BackwardPlan {
             const SortedDy dy_sorted = call.fp8 != nullptr ? SortedDy{} : plan_sorted_dy(call, act_scratch);
             plan.workspace = BackwardWorkspace::carve(carver, plan.routing_plan, shape, true, call.saved_h, act_scratch,
                                                       dh_apart, dy_sorted);
-            if (call.fp8 != nullptr) plan.workspace.carve_fp8(carver, call);
+            if (call.fp8 != nullptr) plan.workspace.carve_fp8(carver, call, plan.routing_plan);
             plan.gemms = BackwardGemms::make(call, plan.routing_plan, plan.workspace);
             plan.workspace_bytes = carver.bytes_used();
+            plan.fp8_weight_grads = fp8_weight_grads_ok(call, plan.gemms, plan.workspace);
         }
         return plan;
     }
@@ -400,7 +442,10 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
     }
 
     // dW2 first: on the sm_90a path q is written over s * a, which only dW2 reads.
-    if (call.dw2.data != nullptr) {  // dW2[e] = sum dy (s a)^T
+    if (call.dw2.data != nullptr && backward_plan.fp8_weight_grads) {  // dW2[e] = sum dy (s a)^T
+        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_fp8_weight_grad(call, gemms.sm90_dw2, routing, call.dw2, workspace.wgrad_a,
+                                                            workspace.wgrad_b, num_sms));
+    } else if (call.dw2.data != nullptr) {
         MEGAMOE_CUDA_RETURN_IF_ERROR(weight_grads_sm90
                                          ? launch_weight_grad_sm90(gemms.sm90_dw2, call.dw2, num_sms, stream)
                                          : launch_dw2(call, gemms.dw2, stream));
@@ -432,7 +477,9 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
         MEGAMOE_CUDA_RETURN_IF_ERROR(launch_gather_sum(gather, stream));
     }
 
-    if (call.dw13.data != nullptr || call.dw3.data != nullptr) {  // dW13[e] = sum dh x^T
+    if ((call.dw13.data != nullptr || call.dw3.data != nullptr) && backward_plan.fp8_weight_grads) {
+        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_fp8_dw13(call, gemms.dw13, workspace, num_sms));
+    } else if (call.dw13.data != nullptr || call.dw3.data != nullptr) {  // dW13[e] = sum dh x^T
         MEGAMOE_CUDA_RETURN_IF_ERROR(weight_grads_sm90 ? launch_sm90_dw13(call, gemms.dw13, num_sms, stream)
                                                        : launch_dw13(call, gemms.dw13, stream));
     }
@@ -443,7 +490,7 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
 megamoe_path_t backward_path(const BackwardCall& call, std::string* reason) {
     const BackwardPlan plan = BackwardPlan::make(call);
     reason->clear();
-    if (call.fp8 != nullptr) return MEGAMOE_PATH_SM90_FP8;  // the weight gradients on either kernel, 16-bit
+    if (call.fp8 != nullptr) return MEGAMOE_PATH_SM90_FP8;  // weight gradients in 16 bits or (MEGAMOE_FP8_WGRAD) FP8
     if (plan.sm90_blocked_by_options) *reason = blocked_reason(call);
     if (!plan.use_sm90) return MEGAMOE_PATH_CUDA_PORTABLE;
     return plan.weight_grads_sm90 ? MEGAMOE_PATH_SM90 : MEGAMOE_PATH_SM90_PORTABLE_WEIGHT_GRADS;

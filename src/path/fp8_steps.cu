@@ -1,9 +1,14 @@
 // The FP8_BLOCKWISE steps (fp8_steps.h): the 16-bit GEMM arguments with the FP8 operands and their scales swapped in.
 #include "path/fp8_steps.h"
 
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+
 #include "path/cuda_path.h"
 #include "path/cuda_path_common.h"
 #include "portable/fp8_quant.h"
+#include "sm90/k_grouped_fp8_gemm_sm90.h"
 #include "sm90/m_grouped_fp8_gemm_sm90.h"
 
 namespace megamoe::cuda {
@@ -32,6 +37,87 @@ Fp8Rows Fp8Rows::carve(WorkspaceCarver& carver, int64_t rows, int64_t cols) {
     out.scales = carver.take<float>(rows * groups(cols));
     out.cols = cols;
     return out;
+}
+
+Fp8ExpertCols Fp8ExpertCols::carve(WorkspaceCarver& carver, int64_t cols, int64_t max_tiles) {
+    Fp8ExpertCols out;
+    out.cols = cols;
+    out.max_tiles = max_tiles;
+    out.ld = kFp8GroupSize * max_tiles;
+    out.ld_scales = ceil_div(cols, int64_t{4}) * 4;  // 16-byte rows of scales
+    out.q_t = carver.take<uint8_t>(cols * out.ld);
+    out.scales = carver.take<float>(std::max<int64_t>(max_tiles, 1) * out.ld_scales);
+    return out;
+}
+
+bool fp8_weight_grads_by_env() {
+    const char* value = std::getenv("MEGAMOE_FP8_WGRAD");
+    return value != nullptr && std::strcmp(value, "1") == 0;
+}
+
+namespace {
+
+// The K-grouped FP8 GEMM's view of quantized columns: the first `cols` of `operand`.
+sm90::KGroupedFp8Operand fp8_operand(const Fp8ExpertCols& operand) {
+    return {operand.q_t, operand.ld, operand.scales, operand.ld_scales};
+}
+
+sm90::KGroupedFp8GemmArgs fp8_weight_grad_args(const KGroupedGemmArgs& args, const int* m_tile_offsets,
+                                               const Fp8ExpertCols& a, const Fp8ExpertCols& b) {
+    sm90::KGroupedFp8GemmArgs fp8{};
+    fp8.a = fp8_operand(a);
+    fp8.b = fp8_operand(b);
+    fp8.m = args.m;
+    fp8.n = args.n;
+    fp8.m_tile_offsets = m_tile_offsets;
+    fp8.num_experts = args.num_experts;
+    fp8.max_tiles = a.max_tiles;
+    fp8.accumulate = args.accumulate;
+    return fp8;
+}
+
+// One operand of a 16-bit weight gradient (rows of `cols` values at `data`, row stride ld, gathered by slot or not)
+// quantized along the expert rows into `out`.
+megamoe_status_t quantize_expert_cols(const Call& call, const RoutingBuffers& routing, const KGroupedGemmArgs& args,
+                                      const void* data, int64_t ld, const int* gather_slots, int64_t cols,
+                                      const Fp8ExpertCols& out) {
+    QuantizeExpertRowsArgs quantize{};
+    quantize.in = data;
+    quantize.in_dtype = call.dtype;
+    quantize.cols = cols;
+    quantize.in_row_stride = ld;
+    quantize.sorted_slot = gather_slots;
+    quantize.topk = std::max<int64_t>(args.topk, 1);
+    quantize.expert_offsets = args.expert_offsets;
+    quantize.m_tile_offsets = routing.m_tile_offsets;
+    quantize.num_experts = args.num_experts;
+    quantize.max_tiles = out.max_tiles;
+    quantize.q_t = out.q_t;
+    quantize.ld_q = out.ld;
+    quantize.scales = out.scales;
+    quantize.ld_scales = out.ld_scales;
+    quantize.pow2 = false;
+    return launch_quantize_expert_rows(quantize, call.stream);
+}
+
+}  // namespace
+
+bool fp8_weight_grad_ok(const KGroupedGemmArgs& args, const RoutingBuffers& routing, const megamoe_tensor_t& grad,
+                        const Fp8ExpertCols& a, const Fp8ExpertCols& b) {
+    if (a.q_t == nullptr || b.q_t == nullptr || args.m > a.cols || args.n > b.cols) return false;
+    return sm90::k_grouped_fp8_gemm_sm90_supported(fp8_weight_grad_args(args, routing.m_tile_offsets, a, b), grad.data,
+                                                   grad.dtype);
+}
+
+megamoe_status_t launch_fp8_weight_grad(const Call& call, const KGroupedGemmArgs& args, const RoutingBuffers& routing,
+                                        const megamoe_tensor_t& grad, const Fp8ExpertCols& a, const Fp8ExpertCols& b,
+                                        int num_sms) {
+    MEGAMOE_CUDA_RETURN_IF_ERROR(
+        quantize_expert_cols(call, routing, args, args.a, args.lda, args.a_gather_slots, args.m, a));
+    MEGAMOE_CUDA_RETURN_IF_ERROR(
+        quantize_expert_cols(call, routing, args, args.b, args.ldb, args.b_gather_slots, args.n, b));
+    return sm90::launch_k_grouped_fp8_gemm_sm90(fp8_weight_grad_args(args, routing.m_tile_offsets, a, b), grad.data,
+                                                grad.dtype, num_sms, call.stream);
 }
 
 megamoe_status_t check_fp8_device(int device_index) {

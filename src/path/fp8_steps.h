@@ -15,6 +15,7 @@
 #include "device/cuda_utils.h"
 #include "path/call.h"
 #include "portable/grouped_gemm.h"
+#include "portable/routing.h"
 #include "sm90/m_grouped_gemm_sm90.h"
 
 namespace megamoe::cuda {
@@ -27,6 +28,34 @@ struct Fp8Rows {
 
     static Fp8Rows carve(WorkspaceCarver& carver, int64_t rows, int64_t cols);
 };
+
+// An operand of the FP8 weight gradients: columns of an expert-sorted matrix quantized along its rows (tokens) in the
+// routing's 128-row M tiles, transposed and tile-padded (launch_quantize_expert_rows' layout, the K-grouped FP8 GEMM's
+// operand): q_t [cols, ld] e4m3 with ld = 128 max_tiles, scales [max_tiles, ld_scales].
+struct Fp8ExpertCols {
+    uint8_t* q_t = nullptr;
+    float* scales = nullptr;
+    int64_t cols = 0;  // the most columns the buffer holds
+    int64_t ld = 0;
+    int64_t ld_scales = 0;
+    int64_t max_tiles = 0;
+
+    static Fp8ExpertCols carve(WorkspaceCarver& carver, int64_t cols, int64_t max_tiles);
+};
+
+// MEGAMOE_FP8_WGRAD=1: the FP8 call's weight gradients on the K-grouped FP8 GEMM (their operands quantized along the
+// tokens by passes), else on the 16-bit K-grouped kernel (the default while the FP8 one is measured: TODO(#20)).
+bool fp8_weight_grads_by_env();
+
+// Whether launch_fp8_weight_grad takes the 16-bit weight gradient `args` into `grad` (the kernel's requirements).
+bool fp8_weight_grad_ok(const KGroupedGemmArgs& args, const RoutingBuffers& routing, const megamoe_tensor_t& grad,
+                        const Fp8ExpertCols& a, const Fp8ExpertCols& b);
+// The 16-bit weight gradient `args` (its A and B: rows of M and N columns, gathered or not, sorted by expert) in FP8:
+// A and B quantized along the expert rows into `a` and `b`, then the K-grouped FP8 GEMM into grad [E, M, N]
+// (accumulating where args.accumulate).
+megamoe_status_t launch_fp8_weight_grad(const Call& call, const KGroupedGemmArgs& args, const RoutingBuffers& routing,
+                                        const megamoe_tensor_t& grad, const Fp8ExpertCols& a, const Fp8ExpertCols& b,
+                                        int num_sms);
 
 // `rows` rows of `in` (the call's element type, row stride cols) into `out`.
 megamoe_status_t quantize_rows(const Call& call, const void* in, int64_t rows, const Fp8Rows& out);

@@ -121,98 +121,41 @@ bool quantize_groups_vectorizable(const QuantizeGroupsArgs& args) {
            is_aligned(args.in, kColsPerLane * elem_bytes) && is_aligned(args.q, kColsPerLane);
 }
 
-constexpr int kTileRows = kFp8GroupSize;  // an M tile: 128 sorted rows of one expert
-constexpr int kTileCols = kWarpSize;      // columns per block
-constexpr int kRowsPerLane = kTileRows / kWarpSize;
-constexpr int kColsPerWarp = kTileCols / (kQuantThreads / kWarpSize);
-static_assert(kRowsPerLane == 4 && kColsPerWarp == 4, "a warp quantizes 4 columns, a lane 4 rows of each");
-
-// Block (tile i, 32 columns): the tile's rows staged transposed in shared memory (passes of 8 rows x 32 columns), then
-// each warp takes 4 columns: amax over the tile's rows (lane l holds rows l, l + 32, ...), the scale, the bytes.
-__global__ void __launch_bounds__(kQuantThreads) quantize_expert_rows_kernel(const QuantizeExpertRowsArgs args) {
-    __shared__ float tile_values[kTileCols][kTileRows + 1];  // [column][row], +1: no bank conflicts on the transpose
-    __shared__ int tile_rows[2];                             // first sorted row, rows in the tile
-    const int64_t tile_idx = blockIdx.x;
-    const int thread_idx = static_cast<int>(threadIdx.x);
-    if (thread_idx == 0) {
-        int first_row = 0, num_rows = 0;
-        if (tile_idx < args.m_tile_offsets[args.num_experts]) {
-            int64_t low = 0, high = args.num_experts - 1;  // the last expert e with m_tile_offsets[e] <= tile_idx
-            while (low < high) {
-                const int64_t mid = (low + high + 1) / 2;
-                if (args.m_tile_offsets[mid] <= tile_idx)
-                    low = mid;
-                else
-                    high = mid - 1;
-            }
-            first_row = args.expert_offsets[low] + static_cast<int>(tile_idx - args.m_tile_offsets[low]) * kTileRows;
-            num_rows = min(kTileRows, args.expert_offsets[low + 1] - first_row);
-        }
-        tile_rows[0] = first_row;
-        tile_rows[1] = num_rows;
-    }
-    __syncthreads();
-    const int first_row = tile_rows[0], num_rows = tile_rows[1];
-    if (num_rows <= 0) return;  // past the device's tile count
-    const int64_t first_col = static_cast<int64_t>(blockIdx.y) * kTileCols;
-    for (int row = thread_idx / kTileCols; row < kTileRows; row += kQuantThreads / kTileCols) {
-        const int col = thread_idx % kTileCols;
-        float value = 0.0f;
-        if (row < num_rows && first_col + col < args.cols) {
-            const int64_t sorted_row = first_row + row;
-            const int64_t source_row =
-                args.sorted_slot != nullptr ? args.sorted_slot[sorted_row] / args.topk : sorted_row;
-            value = load_scalar(args.in, args.in_dtype, source_row * args.in_row_stride + first_col + col);
-        }
-        tile_values[col][row] = value;
-    }
-    __syncthreads();
-    const int warp_idx = thread_idx / kWarpSize, lane_idx = thread_idx % kWarpSize;
-    for (int c = 0; c < kColsPerWarp; ++c) {
-        const int col = warp_idx * kColsPerWarp + c;
-        if (first_col + col >= args.cols) break;
-        float values[kRowsPerLane];
-        GroupStats stats;
-#pragma unroll
-        for (int i = 0; i < kRowsPerLane; ++i) {
-            values[i] = tile_values[col][lane_idx + i * kWarpSize];  // rows past the tile's end hold 0
-            stats.add(values[i]);
-        }
-        stats.reduce_over_warp();
-        const float scale = group_scale(stats, args.pow2);
-        uint8_t* q_col = args.q_t + (first_col + col) * args.ld_q + first_row;
-#pragma unroll
-        for (int i = 0; i < kRowsPerLane; ++i) {
-            const int row = lane_idx + i * kWarpSize;  // a warp's store: 32 consecutive bytes
-            if (row < num_rows) q_col[row] = quantize_value(values[i], scale, stats.non_finite);
-        }
-        if (lane_idx == 0) args.scales[(first_col + col) * args.ld_scales + tile_idx] = scale;
-    }
-}
-
 constexpr int kBlockSide = kFp8GroupSize;  // a weight block: 128 x 128
 constexpr int kBlockWarps = kQuantThreads / kWarpSize;
 constexpr int kBlockRowsPerWarp = kBlockSide / kBlockWarps;  // 16 rows of the block per warp
 static_assert(kBlockSide % kWarpSize == 0 && kBlockSide % kBlockWarps == 0, "a warp takes whole rows");
 
-// Block (expert e, n-block, k-block): warp w reads rows 16 w .. 16 w + 15 of the block, lane l columns l, l + 32, ...;
-// the block's amax and non-finite flag by warp shuffles and shared memory; then each value's byte into a shared tile,
-// from which a whole block (n and k multiples of 16) goes out in 16-byte rows of q and, where asked, of q_t (16 bytes
-// of a tile column each); a partial block at the edges byte by byte.
-__global__ void __launch_bounds__(kQuantThreads) quantize_blocks_kernel(const QuantizeBlocksArgs args) {
-    constexpr int kChunk = 16;                           // bytes per vector store
-    constexpr int kTileStride = kBlockSide + kChunk;     // a tile row's bytes: 16-byte aligned, rows off one bank
-    constexpr int kChunksPerSide = kBlockSide / kChunk;  // 16-byte chunks of a tile row
-    static_assert(kTileStride % kChunk == 0, "a tile row must start 16-byte aligned");
-    __shared__ float warp_amax[kBlockWarps];
-    __shared__ int warp_non_finite[kBlockWarps];
-    __shared__ __align__(16) uint8_t tile[kBlockSide * kTileStride];
+// The (expert, n-block, k-block) of block i of quantize_blocks_kernel's grid: every block, kb fastest, or where
+// quantize_blocks_vector_kernel takes the whole blocks (edges_only), the partial ones alone: per expert the last
+// n-block's row of blocks (N not a multiple of 128), then the last k-block's column above that row (K not a multiple
+// of 128).
+struct BlockCoords {
+    int64_t expert, n_block, k_block;
+};
+__device__ __forceinline__ BlockCoords block_coords(const QuantizeBlocksArgs& args, int64_t block_idx,
+                                                    bool edges_only) {
     const int64_t n_blocks = ceil_div(args.n, static_cast<int64_t>(kBlockSide));
     const int64_t k_blocks = ceil_div(args.k, static_cast<int64_t>(kBlockSide));
-    const int64_t block_idx = blockIdx.x;  // (e, nb, kb), kb fastest
-    const int64_t expert = block_idx / (n_blocks * k_blocks);
-    const int64_t n_block = block_idx / k_blocks % n_blocks;
-    const int64_t k_block = block_idx % k_blocks;
+    if (!edges_only) return {block_idx / (n_blocks * k_blocks), block_idx / k_blocks % n_blocks, block_idx % k_blocks};
+    const int64_t n_whole = args.n / kBlockSide, k_whole = args.k / kBlockSide;
+    const int64_t bottom = n_whole < n_blocks ? k_blocks : 0;  // the last n-block's row
+    const int64_t side = k_whole < k_blocks ? n_whole : 0;     // the last k-block's column above it
+    const int64_t expert = block_idx / (bottom + side), edge = block_idx % (bottom + side);
+    return edge < bottom ? BlockCoords{expert, n_whole, edge} : BlockCoords{expert, edge - bottom, k_whole};
+}
+
+// The scalar path, for the blocks quantize_blocks_vector_kernel does not take (partial blocks at the edges; every
+// block where N or K is not a multiple of 16 or a pointer is not 16-byte aligned): warp w reads rows 16 w .. 16 w + 15
+// of the block, lane l columns l, l + 32, ...; the block's amax and non-finite flag by warp shuffles and shared
+// memory; q and q_t byte by byte.
+__global__ void __launch_bounds__(kQuantThreads)
+    quantize_blocks_kernel(const QuantizeBlocksArgs args, bool edges_only) {
+    __shared__ float warp_amax[kBlockWarps];
+    __shared__ int warp_non_finite[kBlockWarps];
+    const int64_t n_blocks = ceil_div(args.n, static_cast<int64_t>(kBlockSide));
+    const int64_t k_blocks = ceil_div(args.k, static_cast<int64_t>(kBlockSide));
+    const auto [expert, n_block, k_block] = block_coords(args, blockIdx.x, edges_only);
     const int warp_idx = static_cast<int>(threadIdx.x) / kWarpSize;
     const int lane_idx = static_cast<int>(threadIdx.x) % kWarpSize;
     constexpr int kColsPerLane = kBlockSide / kWarpSize;
@@ -242,52 +185,207 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_blocks_kernel(const Qu
         block.non_finite |= warp_non_finite[w] != 0;
     }
     const float scale = group_scale(block, args.pow2);
-    const bool whole = (n_block + 1) * kBlockSide <= args.n && (k_block + 1) * kBlockSide <= args.k &&
-                       args.n % kChunk == 0 && args.k % kChunk == 0 &&
-                       reinterpret_cast<uintptr_t>(args.q) % kChunk == 0 &&
-                       reinterpret_cast<uintptr_t>(args.q_t) % kChunk == 0;  // NULL q_t: aligned
 #pragma unroll
     for (int r = 0; r < kBlockRowsPerWarp; ++r) {
-        const int tile_row = warp_idx * kBlockRowsPerWarp + r;
-        const int64_t row = n_block * kBlockSide + tile_row;
+        const int64_t row = n_block * kBlockSide + warp_idx * kBlockRowsPerWarp + r;
 #pragma unroll
         for (int c = 0; c < kColsPerLane; ++c) {
-            const int tile_col = lane_idx + c * kWarpSize;
-            const int64_t col = k_block * kBlockSide + tile_col;
+            const int64_t col = k_block * kBlockSide + lane_idx + c * kWarpSize;
             if (row >= args.n || col >= args.k) continue;
             const uint8_t byte = quantize_value(values[r][c], scale, block.non_finite);
-            if (whole) {
-                tile[tile_row * kTileStride + tile_col] = byte;
-                continue;
-            }
             args.q[(expert * args.n + row) * args.k + col] = byte;
             if (args.q_t != nullptr) args.q_t[(expert * args.k + col) * args.n + row] = byte;
         }
     }
-    if (threadIdx.x == 0) args.scales[block_idx] = scale;
-    if (!whole) return;
+    if (threadIdx.x == 0) args.scales[(expert * n_blocks + n_block) * k_blocks + k_block] = scale;
+}
+
+// The vector path of quantize_blocks, for the whole blocks where N and K are multiples of 16 and in, q and q_t are
+// 16-byte aligned. One block per CTA; each thread 64 elements of the block by 16-byte loads (8 of 8 bf16 / f16, 16 of
+// 4 f32), all issued before any is used: warp w reads rows 16 w .. 16 w + 15, a load instruction whole rows (a warp:
+// 2 rows of bf16 / f16, 1 of f32). The amax (a max: order-free) and the non-finite flag by warp shuffles and shared
+// memory, the scale and the bytes by group_scale / quantize_value as in the scalar path: the same bytes. The bytes go
+// into a 128 x 128 shared tile (16 KB), then out in 16-byte rows of q (8 lanes: one 128-byte row) and of q_t (each
+// thread transposes 16 rows x 4 columns of the tile by byte permutes: 8 lanes write one 128-byte row of q_t). The
+// tile's 16-byte chunks are swizzled, chunk c of row r at c ^ (r / 16), so that the tile's writes, the q rows' reads
+// and the transposing 4-byte reads (a warp: 4 columns of words in 8 row groups, r / 16 = 0..7) are free of bank
+// conflicts. Shared memory 16 KB, registers <= 64 for bf16 / f16: 4 CTAs an SM, up to 128 KB of loads in flight.
+constexpr int kChunk = 16;                              // bytes per vector load and store
+constexpr int kTileChunks = kBlockSide / kChunk;        // 16-byte chunks of a tile row: 8
+constexpr int kSwizzleRows = kBlockSide / kTileChunks;  // rows of one swizzle pattern: 16
+constexpr int kTransposeRows = 16;                      // q_t bytes per thread per column: one 16-byte store
+constexpr int kTransposeCols = 4;                       // columns per thread: one 4-byte tile read per row
+static_assert(kQuantThreads == (kBlockSide / kTransposeRows) * (kBlockSide / kTransposeCols),
+              "the transpose: one thread per 16 rows x 4 columns of the tile");
+static_assert(kBlockSide * kTileChunks % kQuantThreads == 0, "the q rows: whole 16-byte chunks per thread");
+
+template <typename T>
+struct BlockLoads {
+    static constexpr int kPerLoad = kChunk / static_cast<int>(sizeof(T));  // elements: 8 bf16 / f16, 4 f32
+    static constexpr int kPerRow = kBlockSide / kPerLoad;                  // loads per block row: 16, 32
+    static constexpr int kRowsPerLoad = kWarpSize / kPerRow;               // rows per warp load: 2, 1
+    static constexpr int kLoads = kBlockRowsPerWarp / kRowsPerLoad;        // per thread: 8, 16
+    static constexpr int kMinBlocks = sizeof(T) == 2 ? 4 : 2;              // CTAs per SM: <= 64 / 128 registers
+    static_assert(kWarpSize % kPerRow == 0 && kPerLoad % 4 == 0, "a warp load: whole rows, whole 4-byte words of q");
+};
+
+static_assert(kBlockRowsPerWarp == kSwizzleRows && kTransposeRows == kSwizzleRows,
+              "a warp's rows and a transposing thread's rows share one swizzle: row r + i at offset(r) + i rows");
+
+// Byte offset of (row, col) in the swizzled tile (col a multiple of 4: 4-byte words stay whole).
+__device__ __forceinline__ unsigned tile_offset(unsigned row, unsigned col) {
+    return row * kBlockSide + ((col / kChunk) ^ (row / kSwizzleRows)) * kChunk + col % kChunk;
+}
+
+// The elements of one 16-byte load as floats.
+template <typename T>
+__device__ __forceinline__ void unpack_chunk(const uint4& raw, float (&values)[BlockLoads<T>::kPerLoad]) {
+    if constexpr (std::is_same_v<T, float>) {
+        values[0] = __uint_as_float(raw.x);
+        values[1] = __uint_as_float(raw.y);
+        values[2] = __uint_as_float(raw.z);
+        values[3] = __uint_as_float(raw.w);
+    } else {
+        unpack_pair<T>(raw.x, values[0], values[1]);
+        unpack_pair<T>(raw.y, values[2], values[3]);
+        unpack_pair<T>(raw.z, values[4], values[5]);
+        unpack_pair<T>(raw.w, values[6], values[7]);
+    }
+}
+
+template <typename T>
+__global__ void __launch_bounds__(kQuantThreads, BlockLoads<T>::kMinBlocks)
+    quantize_blocks_vector_kernel(const QuantizeBlocksArgs args) {
+    using Loads = BlockLoads<T>;
+    __shared__ float warp_amax[kBlockWarps];
+    __shared__ int warp_non_finite[kBlockWarps];
+    __shared__ __align__(16) uint8_t tile[kBlockSide * kBlockSide];
+    // Block (e, nb, kb) of the whole blocks, kb fastest (the launcher: E * whole n-blocks * whole k-blocks < 2^31).
+    const uint32_t n_whole = static_cast<uint32_t>(args.n / kBlockSide);
+    const uint32_t k_whole = static_cast<uint32_t>(args.k / kBlockSide);
+    const uint32_t block_idx = blockIdx.x;
+    const int64_t expert = block_idx / (n_whole * k_whole);
+    const int64_t n_block = block_idx / k_whole % n_whole, k_block = block_idx % k_whole;
+    const unsigned thread_idx = threadIdx.x;  // unsigned: the tile's offsets by shifts
+    const unsigned warp_idx = thread_idx / kWarpSize, lane_idx = thread_idx % kWarpSize;
+    const int64_t first_row = expert * args.n + n_block * kBlockSide;  // of [E * N, K]
+    const int64_t first_col = k_block * kBlockSide;
+
+    const unsigned load_row = warp_idx * kBlockRowsPerWarp + lane_idx / Loads::kPerRow;  // + j * kRowsPerLoad
+    const unsigned load_col = lane_idx % Loads::kPerRow * Loads::kPerLoad;
+    const T* source = static_cast<const T*>(args.in) + (first_row + load_row) * args.k + first_col + load_col;
+    uint4 raw[Loads::kLoads];
+#pragma unroll
+    for (int j = 0; j < Loads::kLoads; ++j) {
+        raw[j] = *reinterpret_cast<const uint4*>(source + j * Loads::kRowsPerLoad * args.k);
+    }
+    uint8_t* const tile_chunk = tile + tile_offset(load_row, load_col);
+    GroupStats stats;
+    if constexpr (std::is_same_v<T, float>) {
+#pragma unroll
+        for (int j = 0; j < Loads::kLoads; ++j) {
+            float values[Loads::kPerLoad];
+            unpack_chunk<T>(raw[j], values);
+#pragma unroll
+            for (int i = 0; i < Loads::kPerLoad; ++i) stats.add(values[i]);
+        }
+    } else {
+        // bf16 / f16: a packed max of |x| (the sign bits cleared) that keeps a NaN, 2 elements an instruction, its two
+        // halves then added as floats: the same amax (a max, exact in T) and non-finite flag (a NaN or an infinity
+        // survives the max) as adding each element.
+        using Pair = std::conditional_t<std::is_same_v<T, __half>, __half2, __nv_bfloat162>;
+        constexpr uint32_t kMagnitude = 0x7FFF7FFFu;
+        uint32_t amax_bits = 0;
+#pragma unroll
+        for (int j = 0; j < Loads::kLoads; ++j) {
+#pragma unroll
+            for (const uint32_t word : {raw[j].x, raw[j].y, raw[j].z, raw[j].w}) {
+                const uint32_t magnitude = word & kMagnitude;
+                const Pair amax =
+                    __hmax2_nan(*reinterpret_cast<const Pair*>(&amax_bits), *reinterpret_cast<const Pair*>(&magnitude));
+                amax_bits = *reinterpret_cast<const uint32_t*>(&amax);
+            }
+        }
+        float low, high;
+        unpack_pair<T>(amax_bits, low, high);
+        stats.add(low);
+        stats.add(high);
+    }
+    stats.reduce_over_warp();
+    if (lane_idx == 0) {
+        warp_amax[warp_idx] = stats.amax;
+        warp_non_finite[warp_idx] = stats.non_finite ? 1 : 0;
+    }
     __syncthreads();
-    for (int i = static_cast<int>(threadIdx.x); i < kBlockSide * kChunksPerSide; i += kQuantThreads) {
-        const int line = i / kChunksPerSide, chunk = i % kChunksPerSide;  // q: tile row `line`
-        const int64_t row = n_block * kBlockSide + line, col = k_block * kBlockSide + chunk * kChunk;
-        *reinterpret_cast<uint4*>(args.q + (expert * args.n + row) * args.k + col) =
-            *reinterpret_cast<const uint4*>(tile + line * kTileStride + chunk * kChunk);
+    GroupStats block;  // the warps' in warp order
+#pragma unroll
+    for (int w = 0; w < kBlockWarps; ++w) {
+        block.amax = fmaxf(block.amax, warp_amax[w]);
+        block.non_finite |= warp_non_finite[w] != 0;
+    }
+    const float scale = group_scale(block, args.pow2);
+#pragma unroll
+    for (int j = 0; j < Loads::kLoads; ++j) {
+        float values[Loads::kPerLoad];
+        unpack_chunk<T>(raw[j], values);
+        uint32_t words[Loads::kPerLoad / 4] = {};
+#pragma unroll
+        for (int i = 0; i < Loads::kPerLoad; ++i) {
+            words[i / 4] |= uint32_t{quantize_value(values[i], scale, block.non_finite)} << (8 * (i % 4));
+        }
+        uint8_t* target = tile_chunk + j * Loads::kRowsPerLoad * kBlockSide;  // row load_row + j * kRowsPerLoad
+        if constexpr (Loads::kPerLoad == 8) {
+            *reinterpret_cast<uint2*>(target) = make_uint2(words[0], words[1]);
+        } else {
+            *reinterpret_cast<uint32_t*>(target) = words[0];
+        }
+    }
+    if (thread_idx == 0) {
+        const int64_t n_blocks = ceil_div(args.n, static_cast<int64_t>(kBlockSide));
+        const int64_t k_blocks = ceil_div(args.k, static_cast<int64_t>(kBlockSide));
+        args.scales[(expert * n_blocks + n_block) * k_blocks + k_block] = scale;
+    }
+    __syncthreads();
+#pragma unroll
+    for (int pass = 0; pass < kBlockSide * kTileChunks / kQuantThreads; ++pass) {
+        const unsigned i = pass * kQuantThreads + thread_idx;
+        const unsigned line = i / kTileChunks, chunk = i % kTileChunks;  // q: tile row `line`, 8 lanes a row
+        *reinterpret_cast<uint4*>(args.q + (first_row + line) * args.k + first_col + chunk * kChunk) =
+            *reinterpret_cast<const uint4*>(tile + tile_offset(line, chunk * kChunk));
     }
     if (args.q_t == nullptr) return;
-    for (int i = static_cast<int>(threadIdx.x); i < kBlockSide * kChunksPerSide; i += kQuantThreads) {
-        const int line = i / kChunksPerSide, chunk = i % kChunksPerSide;  // q_t: tile column `line`
-        uint32_t words[kChunk / 4];
+    // q_t: thread (rows 16 r .. 16 r + 15, columns 4 c .. 4 c + 3) with r = thread % 8 (8 lanes: one q_t row).
+    const unsigned first_t_row = thread_idx % (kBlockSide / kTransposeRows) * kTransposeRows;
+    const unsigned first_t_col = thread_idx / (kBlockSide / kTransposeRows) * kTransposeCols;
+    const uint8_t* const tile_words = tile + tile_offset(first_t_row, first_t_col);
+    uint32_t words[kTransposeRows];  // row first_t_row + i: columns first_t_col .. + 3, one byte each
 #pragma unroll
-        for (int w = 0; w < kChunk / 4; ++w) {
-            const int r0 = chunk * kChunk + 4 * w;
-            words[w] = uint32_t{tile[r0 * kTileStride + line]} | uint32_t{tile[(r0 + 1) * kTileStride + line]} << 8 |
-                       uint32_t{tile[(r0 + 2) * kTileStride + line]} << 16 |
-                       uint32_t{tile[(r0 + 3) * kTileStride + line]} << 24;
-        }
-        const int64_t col = k_block * kBlockSide + line, row = n_block * kBlockSide + chunk * kChunk;
-        *reinterpret_cast<uint4*>(args.q_t + (expert * args.k + col) * args.n + row) =
-            make_uint4(words[0], words[1], words[2], words[3]);
+    for (int i = 0; i < kTransposeRows; ++i) words[i] = *reinterpret_cast<const uint32_t*>(tile_words + i * kBlockSide);
+    uint32_t columns[kTransposeCols][kTransposeRows / 4];  // column c's 16 bytes, rows in order
+#pragma unroll
+    for (int m = 0; m < kTransposeRows / 4; ++m) {  // the 4 x 4 bytes of rows 4 m .. 4 m + 3
+        const uint32_t low01 = __byte_perm(words[4 * m], words[4 * m + 1], 0x5140);   // columns 0, 1 of rows 0, 1
+        const uint32_t high01 = __byte_perm(words[4 * m], words[4 * m + 1], 0x7362);  // columns 2, 3 of rows 0, 1
+        const uint32_t low23 = __byte_perm(words[4 * m + 2], words[4 * m + 3], 0x5140);
+        const uint32_t high23 = __byte_perm(words[4 * m + 2], words[4 * m + 3], 0x7362);
+        columns[0][m] = __byte_perm(low01, low23, 0x5410);
+        columns[1][m] = __byte_perm(low01, low23, 0x7632);
+        columns[2][m] = __byte_perm(high01, high23, 0x5410);
+        columns[3][m] = __byte_perm(high01, high23, 0x7632);
     }
+    uint8_t* target =
+        args.q_t + (expert * args.k + first_col + first_t_col) * args.n + n_block * kBlockSide + first_t_row;
+#pragma unroll
+    for (int c = 0; c < kTransposeCols; ++c) {
+        *reinterpret_cast<uint4*>(target + c * args.n) =
+            make_uint4(columns[c][0], columns[c][1], columns[c][2], columns[c][3]);
+    }
+}
+
+// Whether quantize_blocks takes its vector path for the whole blocks.
+bool quantize_blocks_vectorizable(const QuantizeBlocksArgs& args) {
+    return args.n % kChunk == 0 && args.k % kChunk == 0 && is_aligned(args.in, kChunk) && is_aligned(args.q, kChunk) &&
+           is_aligned(args.q_t, kChunk);  // NULL q_t: aligned
 }
 
 }  // namespace
@@ -321,33 +419,40 @@ megamoe_status_t launch_quantize_groups(const QuantizeGroupsArgs& args, cudaStre
     return check_launch("quantize_groups_kernel");
 }
 
-megamoe_status_t launch_quantize_expert_rows(const QuantizeExpertRowsArgs& args, cudaStream_t stream) {
-    if (args.max_tiles == 0 || args.cols == 0) return MEGAMOE_STATUS_SUCCESS;
-    if (args.in == nullptr || args.q_t == nullptr || args.scales == nullptr || args.expert_offsets == nullptr ||
-        args.m_tile_offsets == nullptr || args.num_experts <= 0 || args.in_row_stride < args.cols ||
-        args.ld_scales < args.max_tiles || args.max_tiles > INT32_MAX ||
-        (args.sorted_slot != nullptr && args.topk <= 0)) {
-        return set_error(MEGAMOE_STATUS_INTERNAL_ERROR,
-                         "quantize_expert_rows: in, q_t, scales, the routing's offsets, a row stride >= cols and "
-                         "ld_scales >= max_tiles");
-    }
-    const dim3 grid(static_cast<unsigned>(args.max_tiles),
-                    static_cast<unsigned>(ceil_div(args.cols, static_cast<int64_t>(kTileCols))));
-    if (grid.y > 65535) return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "quantize_expert_rows: more than 2^21 columns");
-    quantize_expert_rows_kernel<<<grid, kQuantThreads, 0, stream>>>(args);
-    return check_launch("quantize_expert_rows_kernel");
-}
-
 megamoe_status_t launch_quantize_blocks(const QuantizeBlocksArgs& args, cudaStream_t stream) {
     if (args.num_experts == 0 || args.n == 0 || args.k == 0) return MEGAMOE_STATUS_SUCCESS;
     if (args.in == nullptr || args.q == nullptr || args.scales == nullptr || args.num_experts < 0 || args.n < 0 ||
         args.k < 0) {
         return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "quantize_blocks: in, q and scales, sizes >= 0");
     }
-    const int64_t num_blocks = args.num_experts * ceil_div(args.n, static_cast<int64_t>(kBlockSide)) *
-                               ceil_div(args.k, static_cast<int64_t>(kBlockSide));
+    const int64_t n_blocks = ceil_div(args.n, static_cast<int64_t>(kBlockSide));
+    const int64_t k_blocks = ceil_div(args.k, static_cast<int64_t>(kBlockSide));
+    const int64_t num_blocks = args.num_experts * n_blocks * k_blocks;
     if (num_blocks > INT32_MAX) return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "quantize_blocks: 2^31 blocks or more");
-    quantize_blocks_kernel<<<static_cast<unsigned>(num_blocks), kQuantThreads, 0, stream>>>(args);
+    if (!quantize_blocks_vectorizable(args)) {
+        quantize_blocks_kernel<<<static_cast<unsigned>(num_blocks), kQuantThreads, 0, stream>>>(args, false);
+        return check_launch("quantize_blocks_kernel");
+    }
+    const int64_t n_whole = args.n / kBlockSide, k_whole = args.k / kBlockSide;
+    const int64_t whole_blocks = args.num_experts * n_whole * k_whole;
+    if (whole_blocks > 0) {
+        const dim3 grid(static_cast<unsigned>(whole_blocks));
+        switch (args.in_dtype) {
+            case MEGAMOE_DTYPE_BF16:
+                quantize_blocks_vector_kernel<__nv_bfloat16><<<grid, kQuantThreads, 0, stream>>>(args);
+                break;
+            case MEGAMOE_DTYPE_F16:
+                quantize_blocks_vector_kernel<__half><<<grid, kQuantThreads, 0, stream>>>(args);
+                break;
+            default:
+                quantize_blocks_vector_kernel<float><<<grid, kQuantThreads, 0, stream>>>(args);
+                break;
+        }
+        MEGAMOE_CUDA_RETURN_IF_ERROR(check_launch("quantize_blocks_vector_kernel"));
+    }
+    const int64_t edge_blocks = num_blocks - whole_blocks;  // block_coords' edges_only order
+    if (edge_blocks == 0) return MEGAMOE_STATUS_SUCCESS;
+    quantize_blocks_kernel<<<static_cast<unsigned>(edge_blocks), kQuantThreads, 0, stream>>>(args, true);
     return check_launch("quantize_blocks_kernel");
 }
 

@@ -6,18 +6,32 @@
 //                    scale NaN and every q the byte 0x7F.
 //   quantize_expert_rows  the weight gradients' operands along tokens: sorted rows (gathered from a token-major source
 //                    or read as they are) in groups of 128 of an expert's rows from its first row (the routing's M
-//                    tiles), written transposed (q_t [cols, rows]: tokens contiguous, as the FP8 wgmma reads K-major
-//                    operands) with scales [cols, tiles] (fp8_reference.quantize_expert_rows).
+//                    tiles), written transposed and tile-padded for a K-grouped FP8 GEMM that loads its operands and
+//                    scales by TMA (fp8_reference.quantize_expert_rows). M tile i of expert e (i in [m_tile_offsets[e],
+//                    m_tile_offsets[e + 1]); its first sorted row first = expert_offsets[e] + (i - m_tile_offsets[e])
+//                    * 128, rows = min(128, expert_offsets[e + 1] - first)) lies at columns [128 i, 128 i + 128) of
+//                    q_t [cols, ld_q]: q_t[c * ld_q + 128 i + j] = the e4m3 byte of sorted row first + j, column c,
+//                    for j < rows, and 0x00 for j in [rows, 128) (a zero pad: a GEMM reading a whole 128-column
+//                    group sums nothing from it). Scales tile-major: scales[i * ld_scales + c] scales column c of
+//                    tile i (its amax over the tile's `rows` values of column c). Tiles i >= m_tile_offsets[E] (up to
+//                    max_tiles) are left untouched, in q_t and in scales.
 // quantize_groups: one warp per group, 4 columns per lane (a partial last group reads and writes only its columns);
 // where cols and the row stride are multiples of 4 (and in, q aligned to 4 elements) a lane's 4 columns by one vector
 // load and one 32-bit store, two groups per warp in flight (not yet timed on a GPU: TODO(#20)).
-// quantize_expert_rows: one block per M tile and 32 columns, the tile staged transposed in shared memory, one warp per
-// 4 columns. Any sm_80+ GPU.
+// quantize_expert_rows (its own file, fp8_quant_expert_rows.cu): one block of 256 threads per (M tile, 128 columns),
+// the tile's values by 16-byte loads where cols is a multiple of 8 and the source rows are 16-byte aligned (element by
+// element otherwise), the column amaxes by integer maxima of the magnitudes' bits, the bytes staged in a swizzled 16 KB
+// shared tile and stored transposed, 16 bytes at a time (8 lanes: a 128-byte segment of a q_t row). Any sm_80+ GPU.
+// Not yet timed on a GPU: TODO(#20).
 //   quantize_blocks  weights [E, N, K] in 128 x 128 blocks (partial at the edges): the same rules over a block's
 //                    elements, q [E, N, K] and, where asked, its transpose q_t [E, K, N] (the data gradients' K-major
 //                    operand: a square block's transpose has the same scale), scales [E, ceil(N / 128), ceil(K / 128)].
-// quantize_blocks: one block of 256 threads per 128 x 128 block, 64 elements a thread, the bytes staged in shared
-// memory and stored 16 bytes at a time (q's rows and q_t's, whole blocks with n and k multiples of 16).
+// quantize_blocks: one block of 256 threads per 128 x 128 block, 64 elements a thread. Whole blocks where N and K are
+// multiples of 16 and in, q, q_t are 16-byte aligned (every block of the reference models' weights): a kernel per
+// input dtype, the 64 elements by 16-byte loads all in flight before any is used (<= 64 registers for bf16 / f16: 4
+// blocks an SM, 128 KB of loads in flight), the bytes staged in a swizzled 16 KB shared tile and stored 16 bytes at a
+// time (q's rows and q_t's, transposed by byte permutes). The partial blocks at the edges (and every block otherwise):
+// a second, scalar kernel, element by element. Not yet timed on a GPU after the vector loads: TODO(#20).
 // TODO(#20): the quantization fused into the passes that already read x, dy, a and dh.
 #pragma once
 
@@ -54,10 +68,15 @@ struct QuantizeExpertRowsArgs {
     const int* m_tile_offsets;  // [E + 1] exclusive scan of ceil(rows of e / 128)
     int64_t num_experts;
     int64_t max_tiles;  // host bound on m_tile_offsets[E]
-    uint8_t* q_t;       // [cols, ld_q] e4m3 bytes: q_t[c, r] of sorted row r (columns of unrouted rows untouched)
-    int64_t ld_q;       // >= the sorted rows
-    float* scales;      // [cols, ld_scales]: scales[c, i] of M tile i
-    int64_t ld_scales;  // >= max_tiles
+    // [cols, ld_q] e4m3 bytes, 16-byte aligned: q_t[c * ld_q + 128 i + j] the byte of column c of row j of M tile i
+    // (the tile's first sorted row + j), 0x00 for j past the tile's rows; the columns of tiles past m_tile_offsets[E]
+    // untouched
+    uint8_t* q_t;
+    int64_t ld_q;  // >= 128 * max_tiles, a multiple of 16
+    // [max_tiles, ld_scales] f32, 16-byte aligned: scales[i * ld_scales + c] of column c of M tile i (the rows of tiles
+    // past m_tile_offsets[E] untouched)
+    float* scales;
+    int64_t ld_scales;  // >= cols, a multiple of 4
     bool pow2;
 };
 megamoe_status_t launch_quantize_expert_rows(const QuantizeExpertRowsArgs& args, cudaStream_t stream);

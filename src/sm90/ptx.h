@@ -4,11 +4,12 @@
 //   cluster    CTA rank, cluster-wide barrier; named CTA barriers (sync, arrive);
 //   griddepcontrol  programmatic dependent launch: wait for the grids this one depends on, launch dependents;
 //   TMA        cp.async.bulk.tensor 2-D and 3-D loads, plain or multicast to CTAs of the cluster, completing
-//              on an mbarrier; 2-D and 3-D stores from shared memory in bulk async-groups, commit_group and
-//              wait_group (.read: until the stores have read their shared memory);
+//              on an mbarrier; 2-D and 3-D stores (and 3-D reduce-adds) from shared memory in bulk async-groups,
+//              commit_group and wait_group (.read: until the stores have read their shared memory); the plain
+//              (non-tensor) bulk copy of contiguous bytes into shared memory, completing on an mbarrier;
 //   cp.async   16-byte copy to a shared-memory address; arrival on an mbarrier once a thread's copies landed;
 //   stmatrix   four 8 x 8 b16 matrices from the mma fragment layout to shared memory; ldmatrix, the other way;
-//   ld.shared  a 16-byte vector load from a shared-memory address;
+//   ld.shared / st.shared  a 16-byte vector load from, an 8-byte f32 pair store to, a shared-memory address;
 //   proxies    fence.proxy.async: generic-proxy writes to shared memory (cp.async, st.shared, stmatrix) before
 //              the async proxy (wgmma, TMA) reads them;
 //   wgmma      shared-memory matrix descriptors (K-major and MN-major, 128-byte swizzle), fence / commit / wait, and
@@ -279,6 +280,27 @@ __device__ __forceinline__ void tma_store_3d(const CUtensorMap* tensor_map, uint
                  : "memory");
 }
 
+// As tma_store_3d, the box added into global memory element by element (cp.reduce.async.bulk.tensor .add: each
+// element one read-add-write at the destination, f32 by round to nearest; elements out of bounds untouched).
+__device__ __forceinline__ void tma_reduce_add_3d(const CUtensorMap* tensor_map, uint32_t shared_src, int32_t coord0,
+                                                  int32_t coord1, int32_t coord2) {
+    asm volatile(
+        "cp.reduce.async.bulk.tensor.3d.global.shared::cta.add.tile.bulk_group [%0, {%2, %3, %4}], [%1];\n" ::"l"(
+            reinterpret_cast<uint64_t>(tensor_map)),
+        "r"(shared_src), "r"(coord0), "r"(coord1), "r"(coord2)
+        : "memory");
+}
+
+// `num_bytes` contiguous bytes (a multiple of 16; both addresses 16-byte aligned) from global memory into this CTA's
+// shared memory, completing them on `barrier` as a TMA load does.
+__device__ __forceinline__ void bulk_load(void* shared_dst, const void* global_src, uint32_t num_bytes,
+                                          uint64_t* barrier) {
+    asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];\n" ::"r"(
+                     shared_address(shared_dst)),
+                 "l"(__cvta_generic_to_global(global_src)), "r"(num_bytes), "r"(shared_address(barrier))
+                 : "memory");
+}
+
 // Closes this thread's current bulk async-group (the TMA stores issued since the previous commit).
 __device__ __forceinline__ void bulk_commit_group() {
     asm volatile("cp.async.bulk.commit_group;\n" ::: "memory");
@@ -293,6 +315,11 @@ __device__ __forceinline__ void bulk_wait_group() {
     } else {
         asm volatile("cp.async.bulk.wait_group %0;\n" ::"n"(kNumPending) : "memory");
     }
+}
+
+// Two f32 values to a shared-memory address (8-byte aligned), one 8-byte store.
+__device__ __forceinline__ void st_shared_v2_f32(uint32_t shared_addr, float first, float second) {
+    asm volatile("st.shared.v2.f32 [%0], {%1, %2};\n" ::"r"(shared_addr), "f"(first), "f"(second) : "memory");
 }
 
 // Four 8 x 8 b16 matrices from the mma accumulator fragment layout (register i of lane l: row l / 4, columns 2 (l % 4)

@@ -12,7 +12,8 @@
 //     (a = silu(g) u of the bf16 h) within c sum |a| S_p + e sum |p a| (+ u |ds| in a 16-bit dtype); dh = [dg, du] and
 //     s a of launch_m_grouped_fp8_gemm_sm90_dswiglu on the same operands within test_m_grouped_fp8_backward_cuda.cpp's
 //     bounds; dx_t = sum_j q_tj, q = dh_q w13 (dh quantized along 2I, B = w13_t) within u |dx| + sum_j (2u |q| + c S);
-//     dw13 = sum dh x^T and dw2 = sum dy (s a)^T from those 16-bit operands within w sum |terms| + u_out |dw|.
+//     dw13 = sum dh x^T and dw2 = sum dy (s a)^T from those 16-bit operands within w sum |terms| + u_out |dw|, or,
+//     with MEGAMOE_FP8_WGRAD=1, the recipe over those operands quantized along the tokens (fp8_wgrad_test_util.h).
 //   u: x's rounding (bf16 2^-8, f16 2^-11; f32 outputs 2^-24), c = 2^-9 the FP8 accumulation budget per unit of the
 //   term sizes S (fp8_test_util.h's kAccumulation, justified in test_m_grouped_fp8_gemm_cuda.cpp), e = 2^-14 the f32
 //   evaluation and summation of <p, a> (as the dH test's), w = 2^-12 the f32 sums of the weight gradients (at most a
@@ -42,6 +43,7 @@
 #include "activation.h"
 #include "cuda_test_util.h"
 #include "fp8_layer_test_util.h"
+#include "fp8_wgrad_test_util.h"
 #include "fp8_test_util.h"
 #include "portable/fp8_quant.h"
 #include "sm90/m_grouped_fp8_gemm_sm90.h"
@@ -379,8 +381,17 @@ void check_layer(const LayerCase& c) {
     const auto x_at = [&](int64_t r, int64_t j) { return d.x.get(s.token[static_cast<size_t>(r)] * H + j); };
     const auto dy_at = [&](int64_t r, int64_t j) { return d.dy.get(s.token[static_cast<size_t>(r)] * H + j); };
     const auto sa_at = [&](int64_t r, int64_t i) { return dh.sa.get(r * I + i); };
-    expect_close(got.dw13, weight_grad_target(s, E, 2 * I, H, dh_at, x_at, c.grad_dtype()), H, "dw13");
-    expect_close(got.dw2, weight_grad_target(s, E, H, I, dy_at, sa_at, c.grad_dtype()), I, "dw2");
+    if (fp8_weight_grads_requested()) {  // MEGAMOE_FP8_WGRAD=1: on the K-grouped FP8 GEMM (fp8_wgrad_test_util.h)
+        const double u = output_rounding(c.grad_dtype()), f = floor_of(c.grad_dtype());
+        const HostTensor x_rows = gather_rows(d.x, s.token, H), dy_rows = gather_rows(d.dy, s.token, H);
+        expect_close(got.dw13, fp8_weight_grad_target(s.gathered, s.offsets, s.tiles, dh.dh, 2 * I, x_rows, H, u, f), H,
+                     "dw13 (FP8)");
+        expect_close(got.dw2, fp8_weight_grad_target(s.gathered, s.offsets, s.tiles, dy_rows, H, dh.sa, I, u, f), I,
+                     "dw2 (FP8)");
+    } else {
+        expect_close(got.dw13, weight_grad_target(s, E, 2 * I, H, dh_at, x_at, c.grad_dtype()), H, "dw13");
+        expect_close(got.dw2, weight_grad_target(s, E, H, I, dy_at, sa_at, c.grad_dtype()), I, "dw2");
+    }
 
     if (!c.f32_grads) return;
     // Accumulated into f32 buffers holding values: previous + the fresh gradient, one f32 addition, twice the same.

@@ -201,48 +201,61 @@ TEST(Fp8QuantCuda, HostPortKnownBytes) {
     EXPECT_EQ(host_quantize({3.0f * 448.0f}, 1, 1, true).scales[0], 4.0f);  // scale 3 -> the next power of two
 }
 
-// quantize_expert_rows: sorted rows of E = 5 experts (one empty, one of a single row, one over two M tiles, a NaN in
-// one tile), gathered from token rows by sorted slot or read as they are, against the host port applied to each M
-// tile's rows column by column; columns past the routed rows and scales past the device's tile count keep the poison.
-TEST(Fp8QuantCuda, ExpertRowsAlongTokens) {
-    SKIP_WITHOUT_CUDA();
+// One source layout of ExpertRowsAlongTokens: token rows [450, stride] of dtype (placed `offset` elements past a
+// 16-byte boundary), the first cols of each quantized along the sorted rows of E = 7 experts: 130 rows (a whole tile
+// and 2 rows), none, 1, 256 (two whole tiles), 37, 128 (exactly one tile) and 129 (a whole tile and one row); a NaN in
+// expert 0's first tile and -inf / +inf in expert 2's one-row tile (a NaN scale: its pad must stay 0, not 0x7F).
+// Gathered by sorted slot or read as they are, power-of-two scales or not, every tile against the host port of its
+// rows column by column, bitwise: q_t's tile-padded columns (the pad bytes [rows, 128) exactly 0) and the tile-major
+// scales. Columns of q_t past 128 * num_tiles (to ld_q), scale rows past num_tiles and scale columns past cols keep
+// the poison.
+void check_expert_rows(megamoe_dtype_t dtype, int64_t cols, int64_t stride, int64_t offset) {
     std::mt19937_64 rng(fresh_seed());
-    const std::vector<int> counts = {130, 0, 1, 256, 37};
-    const int64_t num_experts = 5, topk = 2, cols = 70, stride = 72, num_tokens = 450;  // >= the 424 sorted rows
+    const std::vector<int> counts = {130, 0, 1, 256, 37, 128, 129};
+    const int64_t num_experts = static_cast<int64_t>(counts.size()), topk = 2, num_tokens = 450;
     std::vector<int> expert_offsets = {0}, tile_offsets = {0};
     for (const int count : counts) {
         expert_offsets.push_back(expert_offsets.back() + count);
         tile_offsets.push_back(tile_offsets.back() + (count + kGroup - 1) / kGroup);
     }
     const int64_t num_rows = expert_offsets.back(), num_tiles = tile_offsets.back(), max_tiles = num_tiles + 2;
-    const int64_t ld_q = num_rows + 12;  // bytes per column: 16-byte multiple, room past the routed rows
-    HostTensor tokens(MEGAMOE_DTYPE_BF16, {num_tokens, stride});
+    const int64_t ld_q = kGroup * max_tiles + 16;  // room past the tiles, and past max_tiles
+    const int64_t ld_scales = (cols + 3) / 4 * 4 + 4;
+    HostTensor tokens(dtype, {num_tokens, stride});
     tokens.fill_random(rng, 2.0);
-    tokens.set(7 * stride + 3, std::numeric_limits<double>::quiet_NaN());
-    std::vector<int> slots(static_cast<size_t>(num_tokens * topk));
-    std::iota(slots.begin(), slots.end(), 0);
+    const int64_t one_row = expert_offsets[2];  // expert 2's only row
+    std::vector<int> slots;  // every slot but those of the tokens holding the non-finite values, shuffled
+    for (int slot = 0; slot < num_tokens * topk; ++slot) {
+        if (slot / topk != 7 && slot / topk != 9 && slot / topk != one_row) slots.push_back(slot);
+    }
     std::shuffle(slots.begin(), slots.end(), rng);
+    ASSERT_LE(num_rows, static_cast<int64_t>(slots.size())) << "a sorted row per slot at most";
     HostTensor sorted_slot(MEGAMOE_DTYPE_I32, {num_rows}), offsets(MEGAMOE_DTYPE_I32, {num_experts + 1}),
         tiles(MEGAMOE_DTYPE_I32, {num_experts + 1});
     for (int64_t r = 0; r < num_rows; ++r) sorted_slot.set(r, slots[static_cast<size_t>(r)]);
-    sorted_slot.set(0, 7 * topk);  // the NaN token's row in expert 0's first tile
+    sorted_slot.set(0, 7 * topk);  // gathered: token 7 in expert 0's first tile, token 9 in expert 2's
+    sorted_slot.set(one_row, 9 * topk);
+    // rows as they are: rows 7 and 9 in expert 0's first tile, row one_row in expert 2's
+    tokens.set(7 * stride + 3, std::numeric_limits<double>::quiet_NaN());
+    tokens.set(9 * stride + 5, -std::numeric_limits<double>::infinity());
+    tokens.set(one_row * stride + 5, std::numeric_limits<double>::infinity());
     for (int64_t e = 0; e <= num_experts; ++e) {
         offsets.set(e, expert_offsets[static_cast<size_t>(e)]);
         tiles.set(e, tile_offsets[static_cast<size_t>(e)]);
     }
-    const DeviceTensor tokens_dev = DeviceTensor::upload(tokens), slots_dev = DeviceTensor::upload(sorted_slot);
+    const DeviceTensor tokens_dev = DeviceTensor::upload(tokens, offset), slots_dev = DeviceTensor::upload(sorted_slot);
     const DeviceTensor offsets_dev = DeviceTensor::upload(offsets), tiles_dev = DeviceTensor::upload(tiles);
     for (const bool gathered : {true, false}) {
         for (const bool pow2 : {false, true}) {
             SCOPED_TRACE(::testing::Message()
                          << (gathered ? "gathered" : "rows as they are") << (pow2 ? ", pow2" : ""));
             DeviceTensor q_dev(HostTensor(MEGAMOE_DTYPE_I32, {cols * ld_q / 4}).view);
-            DeviceTensor scales_dev(HostTensor(MEGAMOE_DTYPE_F32, {cols, max_tiles}).view);
+            DeviceTensor scales_dev(HostTensor(MEGAMOE_DTYPE_F32, {max_tiles, ld_scales}).view);
             q_dev.poison();
             scales_dev.poison();
             cuda::QuantizeExpertRowsArgs args{};
             args.in = tokens_dev.view().data;
-            args.in_dtype = MEGAMOE_DTYPE_BF16;
+            args.in_dtype = dtype;
             args.cols = cols;
             args.in_row_stride = stride;
             args.sorted_slot = gathered ? static_cast<const int*>(slots_dev.view().data) : nullptr;
@@ -254,17 +267,18 @@ TEST(Fp8QuantCuda, ExpertRowsAlongTokens) {
             args.q_t = static_cast<uint8_t*>(q_dev.view().data);
             args.ld_q = ld_q;
             args.scales = static_cast<float*>(scales_dev.view().data);
-            args.ld_scales = max_tiles;
+            args.ld_scales = ld_scales;
             args.pow2 = pow2;
             ASSERT_EQ(cuda::launch_quantize_expert_rows(args, nullptr), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
             expect_cuda(cudaDeviceSynchronize(), "quantize_expert_rows");
             const HostTensor q = q_dev.download(), scales = scales_dev.download();
+            int non_finite_tiles = 0;
             for (int64_t e = 0; e < num_experts; ++e) {
-                for (int64_t t = tile_offsets[static_cast<size_t>(e)]; t < tile_offsets[static_cast<size_t>(e) + 1];
-                     ++t) {
-                    const int64_t first =
-                        expert_offsets[static_cast<size_t>(e)] + (t - tile_offsets[static_cast<size_t>(e)]) * kGroup;
+                const int64_t first_tile = tile_offsets[static_cast<size_t>(e)];
+                for (int64_t t = first_tile; t < tile_offsets[static_cast<size_t>(e) + 1]; ++t) {
+                    const int64_t first = expert_offsets[static_cast<size_t>(e)] + (t - first_tile) * kGroup;
                     const int64_t rows = std::min<int64_t>(kGroup, expert_offsets[static_cast<size_t>(e) + 1] - first);
+                    bool non_finite = false;
                     for (int64_t c = 0; c < cols; ++c) {
                         std::vector<float> column(static_cast<size_t>(rows));
                         for (int64_t r = 0; r < rows; ++r) {
@@ -272,34 +286,77 @@ TEST(Fp8QuantCuda, ExpertRowsAlongTokens) {
                             column[static_cast<size_t>(r)] = static_cast<float>(tokens.get(source * stride + c));
                         }
                         const HostQuant want = host_quantize(column, 1, rows, pow2);
-                        ASSERT_TRUE(same_scale(word_at(scales, c * max_tiles + t), want.scales[0]))
-                            << "tile " << t << " column " << c;
+                        non_finite |= std::isnan(want.scales[0]);
+                        ASSERT_TRUE(same_scale(word_at(scales, t * ld_scales + c), want.scales[0]))
+                            << "tile " << t << " column " << c << ": " << float_of(word_at(scales, t * ld_scales + c))
+                            << " against " << want.scales[0];
+                        const size_t q_column = static_cast<size_t>(c * ld_q + t * kGroup);
                         for (int64_t r = 0; r < rows; ++r) {
-                            ASSERT_EQ(q.bytes[static_cast<size_t>(c * ld_q + first + r)],
-                                      want.q[static_cast<size_t>(r)])
+                            ASSERT_EQ(q.bytes[q_column + static_cast<size_t>(r)], want.q[static_cast<size_t>(r)])
                                 << "tile " << t << " column " << c << " row " << r;
                         }
+                        for (int64_t r = rows; r < kGroup; ++r) {
+                            ASSERT_EQ(q.bytes[q_column + static_cast<size_t>(r)], 0x00)
+                                << "the pad: tile " << t << " (" << rows << " rows) column " << c << " row " << r;
+                        }
+                    }
+                    non_finite_tiles += non_finite ? 1 : 0;
+                    for (int64_t c = cols; c < ld_scales; ++c) {
+                        ASSERT_EQ(word_at(scales, t * ld_scales + c), 0xFFFFFFFFu) << "tile " << t << " column " << c;
                     }
                 }
             }
-            for (int64_t c = 0; c < cols; ++c) {  // the poison past the routed rows and past the tile count
-                for (int64_t r = num_rows; r < ld_q; ++r) ASSERT_EQ(q.bytes[static_cast<size_t>(c * ld_q + r)], 0xFF);
-                for (int64_t t = num_tiles; t < max_tiles; ++t)
-                    ASSERT_EQ(word_at(scales, c * max_tiles + t), 0xFFFFFFFFu);
+            EXPECT_EQ(non_finite_tiles, 2) << "expert 0's first tile (a NaN) and expert 2's (an infinity)";
+            for (int64_t c = 0; c < cols; ++c) {  // the poison past the tile count
+                for (int64_t j = num_tiles * kGroup; j < ld_q; ++j) {
+                    ASSERT_EQ(q.bytes[static_cast<size_t>(c * ld_q + j)], 0xFF) << "column " << c << ", byte " << j;
+                }
+            }
+            for (int64_t t = num_tiles; t < max_tiles; ++t) {
+                for (int64_t c = 0; c < ld_scales; ++c) {
+                    ASSERT_EQ(word_at(scales, t * ld_scales + c), 0xFFFFFFFFu) << "tile " << t << " column " << c;
+                }
             }
         }
     }
 }
 
-// One quantize_blocks case of WeightBlocksAndTheirTranspose.
-void check_weight_blocks(int64_t N, int64_t K) {
+// quantize_expert_rows in its tile-padded layout (check_expert_rows), bf16 and f32 sources: 70 columns of a 72-element
+// stride (cols not a multiple of 8: the scalar loads), 136 of 144 (the 16-byte loads; two column blocks, the second
+// of 8 columns), 136 of 140 (bf16: rows 8-byte aligned only, the scalar loads; f32: 16-byte rows, the vector loads)
+// and 136 of 144 placed one element past a 16-byte boundary (the scalar loads).
+TEST(Fp8QuantCuda, ExpertRowsAlongTokens) {
+    SKIP_WITHOUT_CUDA();
+    struct Layout {
+        int64_t cols, stride, offset;
+    };
+    for (const megamoe_dtype_t dtype : {MEGAMOE_DTYPE_BF16, MEGAMOE_DTYPE_F32}) {
+        for (const Layout layout : {Layout{70, 72, 0}, Layout{136, 144, 0}, Layout{136, 140, 0}, Layout{136, 144, 1}}) {
+            SCOPED_TRACE(::testing::Message() << "dtype " << dtype << ", cols " << layout.cols << ", stride "
+                                              << layout.stride << ", offset " << layout.offset);
+            check_expert_rows(dtype, layout.cols, layout.stride, layout.offset);
+        }
+    }
+}
+
+// One quantize_blocks case of WeightBlocksAndTheirTranspose (N > 150, K > 290: the special values below lie inside).
+void check_weight_blocks(megamoe_dtype_t dtype, int64_t N, int64_t K) {
     std::mt19937_64 rng(fresh_seed());
     const int64_t E = 2, nb = (N + kGroup - 1) / kGroup, kb = (K + kGroup - 1) / kGroup;
-    HostTensor w(MEGAMOE_DTYPE_BF16, {E, N, K});
+    HostTensor w(dtype, {E, N, K});
     w.fill_random(rng, 0.05);
     for (int64_t n = 0; n < 128; ++n) {
         for (int64_t k = 128; k < 256; ++k) w.set((0 * N + n) * K + k, 0.0);  // expert 0, block (0, 1): zeros
     }
+    // expert 1, block (0, 0): values below the dtype's smallest normal (bf16 / f32 2^-126, f16 2^-14): the max of
+    // subnormals, a subnormal scale (bf16 / f32)
+    const double tiny = dtype == MEGAMOE_DTYPE_F16 ? 1e-5 : 1e-37;
+    for (int64_t n = 0; n < 128; ++n) {
+        for (int64_t k = 0; k < 128; ++k) w.set((1 * N + n) * K + k, w.get((1 * N + n) * K + k) * tiny);
+    }
+    w.set((0 * N + 5) * K + 7, -0.0);                                          // expert 0, block (0, 0): -0, 0x80
+    w.set((0 * N + 130) * K + 5, -std::numeric_limits<double>::infinity());    // expert 0, block (1, 0): -inf
+    w.set((1 * N + 20) * K + 130, std::numeric_limits<double>::quiet_NaN());   // expert 1, block (0, 1): NaN
     w.set((1 * N + 150) * K + 290, std::numeric_limits<double>::quiet_NaN());  // expert 1, block (1, 2): NaN
     const DeviceTensor w_dev = DeviceTensor::upload(w);
     for (const bool pow2 : {false, true}) {
@@ -312,7 +369,7 @@ void check_weight_blocks(int64_t N, int64_t K) {
         scales_dev.poison();
         cuda::QuantizeBlocksArgs args{};
         args.in = w_dev.view().data;
-        args.in_dtype = MEGAMOE_DTYPE_BF16;
+        args.in_dtype = dtype;
         args.num_experts = E;
         args.n = N;
         args.k = K;
@@ -338,6 +395,9 @@ void check_weight_blocks(int64_t N, int64_t K) {
                     ASSERT_TRUE(same_scale(got, scale))
                         << "block (" << e << ", " << bn << ", " << bk << "): " << float_of(got) << " against " << scale;
                     if (e == 0 && bn == 0 && bk == 1) EXPECT_EQ(float_of(got), 1.0f) << "the zero block's scale";
+                    if ((e == 0 && bn == 1 && bk == 0) || (e == 1 && bn == 0 && bk == 1)) {
+                        EXPECT_TRUE(std::isnan(float_of(got))) << "a non-finite block's scale";
+                    }
                     for (int64_t n = bn * kGroup; n < n_end; ++n) {
                         for (int64_t k = bk * kGroup; k < k_end; ++k) {
                             const uint8_t want =
@@ -352,14 +412,19 @@ void check_weight_blocks(int64_t N, int64_t K) {
     }
 }
 
-// quantize_blocks: weights [E = 2, N, K] with a zero block and a NaN block, q and its transpose against the host rules
-// over each block's elements, and the scales: N = 200, K = 300 (partial blocks at both edges, every block stored byte
-// by byte) and N = 256, K = 304 (whole blocks through the 16-byte stores, beside a partial last k-block).
+// quantize_blocks: weights [E = 2, N, K] in bf16, f16 and f32 with a zero block, a block of subnormals, a -0, a -inf
+// and NaNs (the special blocks whole where N and K allow), q and its transpose against the host rules over each
+// block's elements, and the scales: N = 200, K = 300 (N, K not multiples of 16: every block by the scalar kernel, byte
+// by byte), N = 256, K = 304 (the whole blocks by the vector kernel: 16-byte loads and stores; the partial last
+// k-blocks by the scalar kernel) and N = 272, K = 304 (the same with partial blocks at both edges).
 TEST(Fp8QuantCuda, WeightBlocksAndTheirTranspose) {
     SKIP_WITHOUT_CUDA();
-    for (const auto [N, K] : {std::pair<int64_t, int64_t>{200, 300}, std::pair<int64_t, int64_t>{256, 304}}) {
-        SCOPED_TRACE(::testing::Message() << "N " << N << ", K " << K);
-        check_weight_blocks(N, K);
+    for (const megamoe_dtype_t dtype : {MEGAMOE_DTYPE_BF16, MEGAMOE_DTYPE_F16, MEGAMOE_DTYPE_F32}) {
+        for (const auto [N, K] : {std::pair<int64_t, int64_t>{200, 300}, std::pair<int64_t, int64_t>{256, 304},
+                                  std::pair<int64_t, int64_t>{272, 304}}) {
+            SCOPED_TRACE(::testing::Message() << "dtype " << dtype << ", N " << N << ", K " << K);
+            check_weight_blocks(dtype, N, K);
+        }
     }
 }
 // The launcher refuses what it cannot read, naming itself (no GPU needed: nothing is launched).
@@ -376,6 +441,56 @@ TEST(Fp8QuantCuda, RefusesAShortRowStride) {
     args.scales = &scale;
     EXPECT_EQ(cuda::launch_quantize_groups(args, nullptr), MEGAMOE_STATUS_INTERNAL_ERROR);
     EXPECT_NE(std::string(megamoe_last_error()).find("quantize_groups"), std::string::npos) << megamoe_last_error();
+}
+
+// quantize_expert_rows' launcher refuses the layouts the tile-padded q_t and the tile-major scales cannot hold, naming
+// the argument (no GPU needed: the checks come before any launch).
+TEST(Fp8QuantCuda, ExpertRowsRefuseShortOrMisalignedStrides) {
+    alignas(16) static uint8_t q_t[16 * 4 * 128 + 16];
+    alignas(16) static float scales[64 * 4 + 4];
+    const int offsets[2] = {0, 300}, tiles[2] = {0, 3};
+    float in = 0.0f;
+    cuda::QuantizeExpertRowsArgs good{};
+    good.in = &in;
+    good.in_dtype = MEGAMOE_DTYPE_F32;
+    good.cols = 16;
+    good.in_row_stride = 16;
+    good.expert_offsets = offsets;
+    good.m_tile_offsets = tiles;
+    good.num_experts = 1;
+    good.max_tiles = 4;
+    good.q_t = q_t;
+    good.ld_q = 4 * 128;
+    good.scales = scales;
+    good.ld_scales = 16;
+    const auto expect_refused = [](const cuda::QuantizeExpertRowsArgs& args, const char* name, const char* what) {
+        SCOPED_TRACE(what);
+        EXPECT_EQ(cuda::launch_quantize_expert_rows(args, nullptr), MEGAMOE_STATUS_INTERNAL_ERROR);
+        const std::string error = megamoe_last_error();
+        EXPECT_NE(error.find("quantize_expert_rows"), std::string::npos) << error;
+        EXPECT_NE(error.find(name), std::string::npos) << error;
+    };
+    cuda::QuantizeExpertRowsArgs args = good;
+    args.ld_q = 128 * 4 - 16;  // a multiple of 16, one tile's worth short of 128 * max_tiles
+    expect_refused(args, "ld_q", "ld_q < 128 * max_tiles");
+    args = good;
+    args.max_tiles = 5;
+    expect_refused(args, "ld_q", "max_tiles past ld_q / 128");
+    args = good;
+    args.ld_q = 4 * 128 + 8;
+    expect_refused(args, "ld_q", "ld_q not a multiple of 16");
+    args = good;
+    args.q_t = q_t + 8;
+    expect_refused(args, "q_t", "q_t not 16-byte aligned");
+    args = good;
+    args.ld_scales = 12;
+    expect_refused(args, "ld_scales", "ld_scales < cols");
+    args = good;
+    args.ld_scales = 18;
+    expect_refused(args, "ld_scales", "ld_scales not a multiple of 4");
+    args = good;
+    args.scales = scales + 1;
+    expect_refused(args, "scales", "scales not 16-byte aligned");
 }
 
 }  // namespace

@@ -228,27 +228,60 @@ def test_layer_refuses_out_of_range_ids(gen):
 
 @pytest.mark.parametrize("pow2", [False, True])
 def test_expert_rows_groups_restart_at_each_expert(gen, pow2):
-    """Along tokens, the groups are 128 of an expert's rows from its first row, scales indexed by the routing's M
-    tiles; the transposed bytes are each expert's rows quantized on their own."""
-    counts = [130, 0, 5, 256, 1]
+    """Along tokens, the groups are 128 of an expert's rows from its first row, tile-padded: tile i (the routing's M
+    tile i) at q_t's columns [128 i, 128 i + 128), the expert's rows then zero bytes, its scales in row i of the
+    tile-major scales; the bytes are each expert's rows quantized on their own. Experts of 130 rows (a tile and 2
+    rows), none, 5, 256 (two whole tiles), 1, 128 (one whole tile) and 129."""
+    counts = [130, 0, 5, 256, 1, 128, 129]
     rows = random_bf16((sum(counts), 40), gen)
     q_t, scales = fp8.quantize_expert_rows(rows, counts, pow2=pow2)
     tiles = [-(-c // 128) for c in counts]
-    assert q_t.shape == (40, sum(counts)) and scales.shape == (40, sum(tiles))
+    assert q_t.dtype == fp8.E4M3 and q_t.shape == (40, 128 * sum(tiles))
+    assert scales.dtype == torch.float32 and scales.shape == (sum(tiles), 40)
     first, tile = 0, 0
     for count, num_tiles in zip(counts, tiles):
         if count:
             q, s = fp8.quantize_groups(rows[first:first + count], dim=0, pow2=pow2)
-            assert torch.equal(q_t[:, first:first + count].view(torch.uint8), q.T.contiguous().view(torch.uint8))
-            assert torch.equal(scales[:, tile:tile + num_tiles], s.T)
+            columns = q_t[:, 128 * tile:128 * (tile + num_tiles)].view(torch.uint8)
+            assert torch.equal(columns[:, :count], q.T.contiguous().view(torch.uint8))
+            assert torch.equal(columns[:, count:], torch.zeros(40, 128 * num_tiles - count, dtype=torch.uint8))
+            assert torch.equal(scales[tile:tile + num_tiles], s)
         first, tile = first + count, tile + num_tiles
-    # a group never spans two experts: expert 2's 5 rows have a scale of their own
+    # a group never spans two experts: expert 2's 5 rows (tile 2) have a scale of their own
     want = rows[130:135].float().abs().amax(dim=0) / 448.0
     if not pow2:
-        assert torch.equal(scales[:, 2], want)
+        assert torch.equal(scales[2], want)
     back = fp8.dequantize_expert_rows(q_t, scales, counts)
-    assert back.shape == rows.shape
+    assert back.dtype == torch.float64 and back.shape == rows.shape
     assert float((back - rows.double()).norm() / rows.double().norm()) < 2.0 ** -4
+    # dequantize_expert_rows is q times its tile's scale, row by row in the sorted order
+    first, tile = 0, 0
+    for count, num_tiles in zip(counts, tiles):
+        for j in range(count):
+            i = tile + j // 128
+            want_row = q_t[:, 128 * tile + j].double() * scales[i].double()
+            assert torch.equal(back[first + j], want_row)
+        first, tile = first + count, tile + num_tiles
+
+
+def test_expert_rows_pad_stays_zero_beside_a_nan(gen):
+    """A NaN in a partial tile: that column's scale NaN and its rows' bytes 0x7F, the pad bytes still 0x00; the other
+    columns as they were."""
+    counts = [3, 128]
+    rows = random_bf16((sum(counts), 8), gen)
+    rows[1, 2] = float("nan")
+    q_t, scales = fp8.quantize_expert_rows(rows, counts)
+    assert torch.isnan(scales[0, 2]) and not torch.isnan(scales[0, :2]).any() and not torch.isnan(scales[1]).any()
+    assert torch.equal(q_t[2, :3].view(torch.uint8), torch.full((3,), fp8.E4M3_NAN_BITS, dtype=torch.uint8))
+    assert torch.equal(q_t[:, 3:128].view(torch.uint8), torch.zeros(8, 125, dtype=torch.uint8))
+    back = fp8.dequantize_expert_rows(q_t, scales, counts)
+    assert torch.isnan(back[:3, 2]).all() and not torch.isnan(back[3:]).any()
+
+
+def test_expert_rows_of_no_rows():
+    q_t, scales = fp8.quantize_expert_rows(torch.empty(0, 6, dtype=torch.bfloat16), [0, 0])
+    assert q_t.shape == (6, 0) and scales.shape == (0, 6)
+    assert fp8.dequantize_expert_rows(q_t, scales, [0, 0]).shape == (0, 6)
 
 
 def test_expert_rows_refuse_counts_that_do_not_add_up(gen):
