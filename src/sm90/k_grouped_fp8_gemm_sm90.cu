@@ -115,9 +115,11 @@ struct Tile {
     int num_k_blocks;
 };
 
+// Tile `tile_idx`, or, past the last one, a tile with no k-blocks (nothing read).
 __device__ __forceinline__ Tile decode_tile(const Params& params, int tile_idx) {
+    Tile tile{};
+    if (tile_idx >= params.num_tiles) return tile;
     const int per_expert = params.num_m_tiles * params.num_n_tiles;
-    Tile tile;
     tile.expert_idx = tile_idx / per_expert;
     const int within = tile_idx % per_expert;
     tile.m_begin = within / params.num_n_tiles * kBlockM;
@@ -132,9 +134,11 @@ __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensor
                                         SharedStorage& smem) {
     int stage_idx = 0;
     uint32_t phase = 0;
-    for (int tile_idx = static_cast<int>(blockIdx.x); tile_idx < params.num_tiles;
-         tile_idx += static_cast<int>(gridDim.x)) {
-        const Tile tile = decode_tile(params, tile_idx);
+    const auto grid = static_cast<int>(gridDim.x);
+    Tile next = decode_tile(params, static_cast<int>(blockIdx.x));
+    for (int tile_idx = static_cast<int>(blockIdx.x); tile_idx < params.num_tiles; tile_idx += grid) {
+        const Tile tile = next;
+        next = decode_tile(params, tile_idx + grid);  // its loads in flight during this tile
         for (int k_block_idx = 0; k_block_idx < tile.num_k_blocks; ++k_block_idx) {
             const int k_tile = tile.first_k_tile + k_block_idx;
             uint64_t* full = &smem.full[stage_idx];
@@ -213,9 +217,11 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Params
     uint32_t phase = 0;
     float acc[kAccRegs];
     float part[kAccRegs];
-    for (int tile_idx = static_cast<int>(blockIdx.x); tile_idx < params.num_tiles;
-         tile_idx += static_cast<int>(gridDim.x)) {
-        const Tile tile = decode_tile(params, tile_idx);
+    const auto grid = static_cast<int>(gridDim.x);
+    Tile next = decode_tile(params, static_cast<int>(blockIdx.x));
+    for (int tile_idx = static_cast<int>(blockIdx.x); tile_idx < params.num_tiles; tile_idx += grid) {
+        const Tile tile = next;
+        next = decode_tile(params, tile_idx + grid);  // its loads in flight during this tile
 #pragma unroll
         for (int reg_idx = 0; reg_idx < kAccRegs; ++reg_idx) acc[reg_idx] = 0.0f;
         for (int k_block_idx = 0; k_block_idx < tile.num_k_blocks; ++k_block_idx) {
@@ -224,14 +230,15 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Params
             wgmma_fence();
             group_mma(smem.a[stage_idx] + consumer_idx * kConsumerRows * kBlockK, smem.b[stage_idx], part);
             wgmma_commit_group();
-            wgmma_wait_group<0>();
-            fence_accumulators(part);
+            // The group's scales while its wgmmas run.
             const float row_scales[2] = {smem.a_scales[stage_idx][first_row], smem.a_scales[stage_idx][first_row + 8]};
             float2 col_scales[kNumFrags];
 #pragma unroll
             for (int frag = 0; frag < kNumFrags; ++frag) {
                 col_scales[frag] = *reinterpret_cast<const float2*>(&smem.b_scales[stage_idx][frag * 8 + first_col]);
             }
+            wgmma_wait_group<0>();
+            fence_accumulators(part);
             __syncwarp();  // the warp's scale reads before its release of the stage
             if (lane_idx == 0) mbarrier_arrive(&smem.empty[stage_idx]);
             advance_stage<kNumStages>(stage_idx, phase);
