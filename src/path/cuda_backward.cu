@@ -341,6 +341,8 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
     const BackwardGemms& gemms = backward_plan.gemms;
     const bool use_sm90 = backward_plan.use_sm90;
     const bool weight_grads_sm90 = backward_plan.weight_grads_sm90;
+    // FP8: dh quantized for dX by dH's epilogue (else by a pass before dX: MEGAMOE_FP8_DH_PASS=1).
+    const bool fp8_dh_in_epilogue = call.fp8 != nullptr && call.dx.data != nullptr && !fp8_dh_by_pass();
 
     MEGAMOE_CUDA_RETURN_IF_ERROR(
         launch_routing(call.experts, call.experts_dtype, backward_plan.routing_plan, routing, stream));
@@ -387,6 +389,10 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
             epilogue.a_sorted_rows = num_slots;
         }
         if (call.fp8 != nullptr) {  // dy quantized along H, w2's transposed FP8 copy
+            if (fp8_dh_in_epilogue) {
+                epilogue.dh_q = workspace.dh_fp8.q;
+                epilogue.dh_scales = workspace.dh_fp8.scales;
+            }
             MEGAMOE_CUDA_RETURN_IF_ERROR(quantize_rows(call, call.dy, shape.num_tokens, workspace.dy_fp8));
             MEGAMOE_CUDA_RETURN_IF_ERROR(
                 launch_fp8_d_hidden(call, gemms.d_hidden, workspace.dy_fp8, epilogue, num_sms, &num_ds_parts));
@@ -453,8 +459,10 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
 
     if (call.dx.data != nullptr) {
         // q = dh x w13[e]; then dx_t = sum_j q[row of (t, j)].
-        if (call.fp8 != nullptr) {  // dh quantized along 2I, w13's transposed FP8 copy
-            MEGAMOE_CUDA_RETURN_IF_ERROR(quantize_rows(call, workspace.dh, num_slots, workspace.dh_fp8));
+        if (call.fp8 != nullptr) {  // dh quantized along 2I (by dH's epilogue, or here), w13's transposed FP8 copy
+            if (!fp8_dh_in_epilogue) {
+                MEGAMOE_CUDA_RETURN_IF_ERROR(quantize_rows(call, workspace.dh, num_slots, workspace.dh_fp8));
+            }
             MEGAMOE_CUDA_RETURN_IF_ERROR(
                 launch_fp8_d_input(call, gemms.d_input, workspace.dh_fp8, workspace.q_elem, num_sms));
         } else if (use_sm90) {

@@ -50,6 +50,11 @@ Fp8ExpertCols Fp8ExpertCols::carve(WorkspaceCarver& carver, int64_t cols, int64_
     return out;
 }
 
+bool fp8_dh_by_pass() {
+    const char* value = std::getenv("MEGAMOE_FP8_DH_PASS");
+    return value != nullptr && std::strcmp(value, "1") == 0;
+}
+
 bool fp8_weight_grads_by_env() {
     const char* value = std::getenv("MEGAMOE_FP8_WGRAD");
     return value != nullptr && std::strcmp(value, "1") == 0;

@@ -169,10 +169,19 @@ megamoe_status_t launch_m_grouped_fp8_gemm_sm90_dswiglu(const cuda::MGroupedGemm
                                                        make_dswiglu_params<typename Epi::Activation>(epilogue), num_sms,
                                                        stream, CUtensorMap{}, CUtensorMap{});
     };
+    const bool quantize_dh = epilogue.dh_q != nullptr;
+    if (quantize_dh && (epilogue.dh_interleaved || epilogue.dh_scales == nullptr ||
+                        !cuda::is_aligned(epilogue.dh_q, 8) || !cuda::is_aligned(epilogue.dh_scales, 4))) {
+        return set_error(MEGAMOE_STATUS_INTERNAL_ERROR,
+                         "m_grouped_fp8_gemm_sm90: dh quantized needs the [dg, du] order, 8-byte aligned bytes and "
+                         "4-byte aligned scales");
+    }
     if (epilogue.activation.is_clamped()) {
+        if (quantize_dh) return launch(DSwiGLUEpilogueOf<ClampedSwiGLUActivation, false, false, true>{});
         return epilogue.dh_interleaved ? launch(DSwiGLUEpilogueOf<ClampedSwiGLUActivation, true>{})
                                        : launch(DSwiGLUEpilogueOf<ClampedSwiGLUActivation, false>{});
     }
+    if (quantize_dh) return launch(DSwiGLUEpilogueOf<SwiGLUActivation, false, false, true>{});
     return epilogue.dh_interleaved ? launch(DSwiGLUEpilogueOf<SwiGLUActivation, true>{})
                                    : launch(DSwiGLUEpilogueOf<SwiGLUActivation, false>{});
 }

@@ -55,6 +55,12 @@ struct DSwiGLUEpilogueArgs {
     // the fast-math switch, which gather). The gather slots still give each row's weight.
     const void* a_sorted;
     int64_t a_sorted_rows;
+    // The FP8 dH only (launch_m_grouped_fp8_gemm_sm90_dswiglu), [dg, du] order: dh also quantized along 2I in 1 x 128
+    // groups for the FP8 dX, the bytes [rows, 2I] and scales [rows, 2I / 128] launch_quantize_groups makes from the
+    // dh written, bit for bit (8-byte aligned bytes, 4-byte aligned scales); NULL: not.
+    uint8_t* dh_q = nullptr;
+    float* dh_scales = nullptr;
+    bool dh_q_pow2 = false;
 };
 
 // The most partial sums of ds per row that launch_m_grouped_gemm_sm90_dswiglu writes (one per n-tile of I: 256
