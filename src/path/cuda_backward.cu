@@ -343,6 +343,10 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
     const bool weight_grads_sm90 = backward_plan.weight_grads_sm90;
     // FP8: dh quantized for dX by dH's epilogue (else by a pass before dX: MEGAMOE_FP8_DH_PASS=1).
     const bool fp8_dh_in_epilogue = call.fp8 != nullptr && call.dx.data != nullptr && !fp8_dh_by_pass();
+    // FP8 weight gradients with dW2 wanted: one pass over dy writes both its copies (dW2's dy: A, or B when w2 is
+    // stored transposed).
+    const bool dy_fp8_one_pass = backward_plan.fp8_weight_grads && call.dw2.data != nullptr;
+    const bool dy_is_dw2_a = !call.layout.w2_transposed;
 
     MEGAMOE_CUDA_RETURN_IF_ERROR(
         launch_routing(call.experts, call.experts_dtype, backward_plan.routing_plan, routing, stream));
@@ -393,7 +397,13 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
                 epilogue.dh_q = workspace.dh_fp8.q;
                 epilogue.dh_scales = workspace.dh_fp8.scales;
             }
-            MEGAMOE_CUDA_RETURN_IF_ERROR(quantize_rows(call, call.dy, shape.num_tokens, workspace.dy_fp8));
+            if (dy_fp8_one_pass) {  // along H for dH and along the tokens for dW2 (its dy side) in one pass
+                MEGAMOE_CUDA_RETURN_IF_ERROR(
+                    quantize_dy_for_fp8_weight_grad(call, gemms.sm90_dw2, routing, dy_is_dw2_a, workspace.dy_fp8,
+                                                    dy_is_dw2_a ? workspace.wgrad_a : workspace.wgrad_b));
+            } else {
+                MEGAMOE_CUDA_RETURN_IF_ERROR(quantize_rows(call, call.dy, shape.num_tokens, workspace.dy_fp8));
+            }
             MEGAMOE_CUDA_RETURN_IF_ERROR(
                 launch_fp8_d_hidden(call, gemms.d_hidden, workspace.dy_fp8, epilogue, num_sms, &num_ds_parts));
         } else {
@@ -450,7 +460,8 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
     // dW2 first: on the sm_90a path q is written over s * a, which only dW2 reads.
     if (call.dw2.data != nullptr && backward_plan.fp8_weight_grads) {  // dW2[e] = sum dy (s a)^T
         MEGAMOE_CUDA_RETURN_IF_ERROR(launch_fp8_weight_grad(call, gemms.sm90_dw2, routing, call.dw2, workspace.wgrad_a,
-                                                            workspace.wgrad_b, num_sms));
+                                                            workspace.wgrad_b, num_sms, dy_fp8_one_pass && dy_is_dw2_a,
+                                                            dy_fp8_one_pass && !dy_is_dw2_a));
     } else if (call.dw2.data != nullptr) {
         MEGAMOE_CUDA_RETURN_IF_ERROR(weight_grads_sm90
                                          ? launch_weight_grad_sm90(gemms.sm90_dw2, call.dw2, num_sms, stream)

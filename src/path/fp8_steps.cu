@@ -82,10 +82,11 @@ sm90::KGroupedFp8GemmArgs fp8_weight_grad_args(const KGroupedGemmArgs& args, con
 }
 
 // One operand of a 16-bit weight gradient (rows of `cols` values at `data`, row stride ld, gathered by slot or not)
-// quantized along the expert rows into `out`.
+// quantized along the expert rows into `out`, and, where `rows` is given, its source rows along the columns into it
+// in the same pass (each routed row once).
 megamoe_status_t quantize_expert_cols(const Call& call, const RoutingBuffers& routing, const KGroupedGemmArgs& args,
                                       const void* data, int64_t ld, const int* gather_slots, int64_t cols,
-                                      const Fp8ExpertCols& out) {
+                                      const Fp8ExpertCols& out, const Fp8Rows* rows = nullptr) {
     QuantizeExpertRowsArgs quantize{};
     quantize.in = data;
     quantize.in_dtype = call.dtype;
@@ -102,6 +103,11 @@ megamoe_status_t quantize_expert_cols(const Call& call, const RoutingBuffers& ro
     quantize.scales = out.scales;
     quantize.ld_scales = out.ld_scales;
     quantize.pow2 = false;
+    if (rows != nullptr) {
+        quantize.row_q = rows->q;
+        quantize.row_scales = rows->scales;
+        quantize.slot_to_row = routing.slot_to_row;
+    }
     return launch_quantize_expert_rows(quantize, call.stream);
 }
 
@@ -114,13 +120,26 @@ bool fp8_weight_grad_ok(const KGroupedGemmArgs& args, const RoutingBuffers& rout
                                                    grad.dtype);
 }
 
+megamoe_status_t quantize_dy_for_fp8_weight_grad(const Call& call, const KGroupedGemmArgs& args,
+                                                 const RoutingBuffers& routing, bool dy_is_a, const Fp8Rows& dy_rows,
+                                                 const Fp8ExpertCols& dy_cols) {
+    return dy_is_a ? quantize_expert_cols(call, routing, args, args.a, args.lda, args.a_gather_slots, args.m, dy_cols,
+                                          &dy_rows)
+                   : quantize_expert_cols(call, routing, args, args.b, args.ldb, args.b_gather_slots, args.n, dy_cols,
+                                          &dy_rows);
+}
+
 megamoe_status_t launch_fp8_weight_grad(const Call& call, const KGroupedGemmArgs& args, const RoutingBuffers& routing,
                                         const megamoe_tensor_t& grad, const Fp8ExpertCols& a, const Fp8ExpertCols& b,
-                                        int num_sms) {
-    MEGAMOE_CUDA_RETURN_IF_ERROR(
-        quantize_expert_cols(call, routing, args, args.a, args.lda, args.a_gather_slots, args.m, a));
-    MEGAMOE_CUDA_RETURN_IF_ERROR(
-        quantize_expert_cols(call, routing, args, args.b, args.ldb, args.b_gather_slots, args.n, b));
+                                        int num_sms, bool a_quantized, bool b_quantized) {
+    if (!a_quantized) {
+        MEGAMOE_CUDA_RETURN_IF_ERROR(
+            quantize_expert_cols(call, routing, args, args.a, args.lda, args.a_gather_slots, args.m, a));
+    }
+    if (!b_quantized) {
+        MEGAMOE_CUDA_RETURN_IF_ERROR(
+            quantize_expert_cols(call, routing, args, args.b, args.ldb, args.b_gather_slots, args.n, b));
+    }
     return sm90::launch_k_grouped_fp8_gemm_sm90(fp8_weight_grad_args(args, routing.m_tile_offsets, a, b), grad.data,
                                                 grad.dtype, num_sms, call.stream);
 }

@@ -55,11 +55,16 @@ bool fp8_weight_grads_by_env();
 bool fp8_weight_grad_ok(const KGroupedGemmArgs& args, const RoutingBuffers& routing, const megamoe_tensor_t& grad,
                         const Fp8ExpertCols& a, const Fp8ExpertCols& b);
 // The 16-bit weight gradient `args` (its A and B: rows of M and N columns, gathered or not, sorted by expert) in FP8:
-// A and B quantized along the expert rows into `a` and `b`, then the K-grouped FP8 GEMM into grad [E, M, N]
-// (accumulating where args.accumulate).
+// A and B quantized along the expert rows into `a` and `b` (unless a_quantized / b_quantized: already there), then the
+// K-grouped FP8 GEMM into grad [E, M, N] (accumulating where args.accumulate).
 megamoe_status_t launch_fp8_weight_grad(const Call& call, const KGroupedGemmArgs& args, const RoutingBuffers& routing,
                                         const megamoe_tensor_t& grad, const Fp8ExpertCols& a, const Fp8ExpertCols& b,
-                                        int num_sms);
+                                        int num_sms, bool a_quantized = false, bool b_quantized = false);
+// dW2's dy operand (`args`' A where dy_is_a, else its B) quantized in one pass over dy: along the tokens into dy_cols
+// (for dW2, then launched with that side already quantized) and along H into dy_rows (dH's A), each routed row once.
+megamoe_status_t quantize_dy_for_fp8_weight_grad(const Call& call, const KGroupedGemmArgs& args,
+                                                 const RoutingBuffers& routing, bool dy_is_a, const Fp8Rows& dy_rows,
+                                                 const Fp8ExpertCols& dy_cols);
 
 // `rows` rows of `in` (the call's element type, row stride cols) into `out`.
 megamoe_status_t quantize_rows(const Call& call, const void* in, int64_t rows, const Fp8Rows& out);

@@ -21,7 +21,9 @@
 // quantize_expert_rows (its own file, fp8_quant_expert_rows.cu): one block of 256 threads per (M tile, 128 columns),
 // the tile's values by 16-byte loads where cols is a multiple of 8 and the source rows are 16-byte aligned (element by
 // element otherwise), the column amaxes by integer maxima of the magnitudes' bits, the bytes staged in a swizzled 16 KB
-// shared tile and stored transposed, 16 bytes at a time (8 lanes: a 128-byte segment of a q_t row). Any sm_80+ GPU.
+// shared tile and stored transposed, 16 bytes at a time (8 lanes: a 128-byte segment of a q_t row); with row_q, the
+// same loads also give each source row's 1 x 128 groups (the CTA's 128 columns: one group), reduced over the lanes of
+// the row and stored from the tile of its first routed slot (one pass over dy for dH and dW2). Any sm_80+ GPU.
 // Not yet timed on a GPU: TODO(#20).
 //   quantize_blocks  weights [E, N, K] in 128 x 128 blocks (partial at the edges): the same rules over a block's
 //                    elements, q [E, N, K] and, where asked, its transpose q_t [E, K, N] (the data gradients' K-major
@@ -78,6 +80,14 @@ struct QuantizeExpertRowsArgs {
     float* scales;
     int64_t ld_scales;  // >= cols, a multiple of 4
     bool pow2;
+    // Also, where row_q is set, the source rows quantized along their columns in 1 x 128 groups (a data gradient's
+    // operand, in the same pass: launch_quantize_groups' bytes and scales, bit for bit): row_q [source rows, cols]
+    // e4m3 (row stride cols), row_scales [source rows, ceil(cols / 128)] f32, each source row written once, from the
+    // tile of its first routed slot (the first j with slot_to_row[t * topk + j] >= 0; with sorted_slot NULL every
+    // sorted row); rows no slot routes are left untouched. NULL: not.
+    uint8_t* row_q = nullptr;
+    float* row_scales = nullptr;
+    const int* slot_to_row = nullptr;  // [source rows * topk]: slot -> sorted row, -1 when dropped
 };
 megamoe_status_t launch_quantize_expert_rows(const QuantizeExpertRowsArgs& args, cudaStream_t stream);
 

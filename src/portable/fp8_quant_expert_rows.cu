@@ -50,6 +50,7 @@ struct TileLoads {
     static constexpr int kRowsPerLoad = kWarpSize / kPerRow;               // rows per warp load: 2, 1
     static constexpr int kLoads = kRowsPerWarp / kRowsPerLoad;             // per thread: 8, 16
     static constexpr int kMinBlocks = sizeof(T) == 2 ? 4 : 2;              // CTAs per SM: <= 64 / 128 registers
+    static constexpr int kMinRowBlocks = sizeof(T) == 2 ? 3 : 2;           // with row_q: <= 85 / 128 (no spills)
     static constexpr uint32_t kMagnitude = sizeof(T) == 2 ? 0x7FFF7FFFu : 0x7FFFFFFFu;  // a word's sign bits cleared
     static_assert(kWarpSize % kPerRow == 0 && kPerLoad % 4 == 0, "a warp load: whole rows, whole 4-byte words");
 };
@@ -105,11 +106,64 @@ __device__ __forceinline__ void unpack_chunk(const uint4& raw, float (&values)[T
     }
 }
 
+// The tile's source rows quantized along their columns (QuantizeExpertRowsArgs::row_q; the CTA's 128 columns are one
+// group of each row): the thread's chunk of each of its rows to floats and a GroupStats, reduced over the kPerRow lanes
+// holding the row's chunks, the scale, the chunk's bytes stored (8 or 4 bytes; element by element on the scalar path)
+// and, by the row's first lane, the scale; only the rows this tile writes (row_writer).
 template <typename T, bool kVector>
-__global__ void __launch_bounds__(kThreads, TileLoads<T>::kMinBlocks)
+__device__ __forceinline__ void quantize_tile_rows(const QuantizeExpertRowsArgs& args,
+                                                   const uint4 (&raw)[TileLoads<T>::kLoads], const int* source_rows,
+                                                   const bool* row_writer, unsigned load_row, unsigned load_col,
+                                                   unsigned lane_idx, int64_t first_col) {
+    using Loads = TileLoads<T>;
+    const int64_t columns_left = args.cols - (first_col + static_cast<int64_t>(load_col));
+    const int64_t groups_per_row = ceil_div(args.cols, static_cast<int64_t>(kTileCols));
+#pragma unroll
+    for (int j = 0; j < Loads::kLoads; ++j) {
+        const unsigned tile_row = load_row + j * Loads::kRowsPerLoad;
+        float values[Loads::kPerLoad];
+        unpack_chunk<T>(raw[j], values);  // columns past cols: 0
+        GroupStats stats;
+#pragma unroll
+        for (int k = 0; k < Loads::kPerLoad; ++k) stats.add(values[k]);
+#pragma unroll
+        for (int mask = 1; mask < Loads::kPerRow; mask *= 2) {  // the row's lanes (every lane takes part)
+            stats.amax = fmaxf(stats.amax, __shfl_xor_sync(kFullMask, stats.amax, mask));
+            stats.non_finite |= __shfl_xor_sync(kFullMask, static_cast<int>(stats.non_finite), mask) != 0;
+        }
+        const int source = source_rows[tile_row];
+        if (source < 0 || !row_writer[tile_row] || columns_left <= 0) continue;
+        const float scale = group_scale(stats, args.pow2);
+        uint8_t* q_row = args.row_q + static_cast<int64_t>(source) * args.cols + first_col + load_col;
+        if constexpr (kVector) {  // cols % 8 == 0: the chunk is whole
+            uint32_t words[Loads::kPerLoad / 4] = {};
+#pragma unroll
+            for (int k = 0; k < Loads::kPerLoad; ++k) {
+                words[k / 4] |= uint32_t{quantize_value(values[k], scale, stats.non_finite)} << (8 * (k % 4));
+            }
+            if constexpr (Loads::kPerLoad == 8) {
+                *reinterpret_cast<uint2*>(q_row) = make_uint2(words[0], words[1]);
+            } else {
+                *reinterpret_cast<uint32_t*>(q_row) = words[0];
+            }
+        } else {
+#pragma unroll
+            for (int k = 0; k < Loads::kPerLoad; ++k) {
+                if (k < columns_left) q_row[k] = quantize_value(values[k], scale, stats.non_finite);
+            }
+        }
+        if (lane_idx % Loads::kPerRow == 0) {
+            args.row_scales[static_cast<int64_t>(source) * groups_per_row + first_col / kTileCols] = scale;
+        }
+    }
+}
+
+template <typename T, bool kVector, bool kRowQuantize>
+__global__ void __launch_bounds__(kThreads, kRowQuantize ? TileLoads<T>::kMinRowBlocks : TileLoads<T>::kMinBlocks)
     quantize_expert_rows_kernel(const QuantizeExpertRowsArgs args) {
     using Loads = TileLoads<T>;
-    __shared__ int source_rows[kTileRows];                         // the tile's source rows, -1 past its end
+    __shared__ int source_rows[kTileRows];  // the tile's source rows, -1 past its end
+    __shared__ bool row_writer[kTileRows];  // kRowQuantize: the tile holds the row's first routed slot
     __shared__ __align__(16) uint32_t col_max[kWarps][kTileCols];  // each warp's column magnitudes, f32 bits
     __shared__ __align__(16) float col_scale[kTileCols];
     __shared__ __align__(16) uint8_t tile[kTileRows * kTileCols];  // the e4m3 bytes [row][column], swizzled
@@ -129,12 +183,22 @@ __global__ void __launch_bounds__(kThreads, TileLoads<T>::kMinBlocks)
     const int num_rows = min(kTileRows, args.expert_offsets[expert + 1] - first_row);
     if (thread_idx < kTileRows) {
         int source = -1;
+        bool writer = true;
         if (static_cast<int>(thread_idx) < num_rows) {
             const int sorted_row = first_row + static_cast<int>(thread_idx);
-            source =
-                args.sorted_slot != nullptr ? static_cast<int>(args.sorted_slot[sorted_row] / args.topk) : sorted_row;
+            if (args.sorted_slot != nullptr) {
+                const int slot = args.sorted_slot[sorted_row];
+                source = static_cast<int>(slot / args.topk);
+                if constexpr (kRowQuantize) {  // an earlier slot of the token routed: its tile writes the row
+                    const int64_t first_slot = static_cast<int64_t>(source) * args.topk;
+                    for (int64_t other = first_slot; other < slot; ++other) writer &= args.slot_to_row[other] < 0;
+                }
+            } else {
+                source = sorted_row;
+            }
         }
         source_rows[thread_idx] = source;
+        row_writer[thread_idx] = writer;
     }
     __syncthreads();
 
@@ -150,6 +214,10 @@ __global__ void __launch_bounds__(kThreads, TileLoads<T>::kMinBlocks)
         const int row = source_rows[load_row + j * Loads::kRowsPerLoad];
         raw[j] =
             row >= 0 ? load_chunk<T, kVector>(source + row * args.in_row_stride, columns_left) : make_uint4(0, 0, 0, 0);
+    }
+
+    if constexpr (kRowQuantize) {
+        quantize_tile_rows<T, kVector>(args, raw, source_rows, row_writer, load_row, load_col, lane_idx, first_col);
     }
 
     // Each column's amax: the thread's rows, the warp's lanes of the same columns, then the warps.
@@ -257,14 +325,19 @@ bool quantize_expert_rows_vectorizable(const QuantizeExpertRowsArgs& args) {
     return args.cols % 8 == 0 && args.in_row_stride * elem_bytes % kChunk == 0 && is_aligned(args.in, kChunk);
 }
 
-template <typename T>
+template <typename T, bool kRowQuantize>
 megamoe_status_t launch_for(const QuantizeExpertRowsArgs& args, dim3 grid, cudaStream_t stream) {
     if (quantize_expert_rows_vectorizable(args)) {
-        quantize_expert_rows_kernel<T, true><<<grid, kThreads, 0, stream>>>(args);
+        quantize_expert_rows_kernel<T, true, kRowQuantize><<<grid, kThreads, 0, stream>>>(args);
     } else {
-        quantize_expert_rows_kernel<T, false><<<grid, kThreads, 0, stream>>>(args);
+        quantize_expert_rows_kernel<T, false, kRowQuantize><<<grid, kThreads, 0, stream>>>(args);
     }
     return check_launch("quantize_expert_rows_kernel");
+}
+
+template <typename T>
+megamoe_status_t launch_for(const QuantizeExpertRowsArgs& args, dim3 grid, cudaStream_t stream) {
+    return args.row_q != nullptr ? launch_for<T, true>(args, grid, stream) : launch_for<T, false>(args, grid, stream);
 }
 
 }  // namespace
@@ -294,6 +367,13 @@ megamoe_status_t launch_quantize_expert_rows(const QuantizeExpertRowsArgs& args,
                          "quantize_expert_rows: ld_scales (%lld) must be >= cols (%lld) and a multiple of 4, scales "
                          "16-byte aligned",
                          static_cast<long long>(args.ld_scales), static_cast<long long>(args.cols));
+    }
+    if (args.row_q != nullptr &&
+        (args.row_scales == nullptr || (args.sorted_slot != nullptr && args.slot_to_row == nullptr) ||
+         (args.cols % 8 == 0 && !is_aligned(args.row_q, 8)))) {
+        return set_error(MEGAMOE_STATUS_INTERNAL_ERROR,
+                         "quantize_expert_rows: row_q needs row_scales, slot_to_row when gathered, and 8-byte "
+                         "alignment");
     }
     const dim3 grid(static_cast<unsigned>(args.max_tiles),
                     static_cast<unsigned>(ceil_div(args.cols, static_cast<int64_t>(kTileCols))));

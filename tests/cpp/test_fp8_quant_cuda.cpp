@@ -201,18 +201,78 @@ TEST(Fp8QuantCuda, HostPortKnownBytes) {
     EXPECT_EQ(host_quantize({3.0f * 448.0f}, 1, 1, true).scales[0], 4.0f);  // scale 3 -> the next power of two
 }
 
-// One source layout of ExpertRowsAlongTokens: token rows [450, stride] of dtype (placed `offset` elements past a
-// 16-byte boundary), the first cols of each quantized along the sorted rows of E = 7 experts: 130 rows (a whole tile
-// and 2 rows), none, 1, 256 (two whole tiles), 37, 128 (exactly one tile) and 129 (a whole tile and one row); a NaN in
-// expert 0's first tile and -inf / +inf in expert 2's one-row tile (a NaN scale: its pad must stay 0, not 0x7F).
-// Gathered by sorted slot or read as they are, power-of-two scales or not, every tile against the host port of its
-// rows column by column, bitwise: q_t's tile-padded columns (the pad bytes [rows, 128) exactly 0) and the tile-major
-// scales. Columns of q_t past 128 * num_tiles (to ld_q), scale rows past num_tiles and scale columns past cols keep
-// the poison.
+// check_expert_rows' second run: `args` (its first run's, which gave q and scales) with row_q, row_scales and,
+// gathered, slot_to_row (from sorted_slot; the slots it leaves out dropped).
+void check_source_rows(cuda::QuantizeExpertRowsArgs args, const HostTensor& q, const HostTensor& scales,
+                       const HostTensor& tokens, const HostTensor& sorted_slot, int64_t num_rows, bool gathered) {
+    SCOPED_TRACE("with the source rows along their columns (row_q)");
+    const int64_t num_tokens = tokens.view.shape[0], stride = tokens.view.shape[1], cols = args.cols;
+    const int64_t groups = (cols + kGroup - 1) / kGroup;
+    HostTensor slot_to_row(MEGAMOE_DTYPE_I32, {num_tokens * args.topk});
+    slot_to_row.fill(-1.0);
+    std::vector<bool> routed(static_cast<size_t>(num_tokens), false);
+    for (int64_t r = 0; r < num_rows; ++r) {
+        const int64_t slot = static_cast<int64_t>(sorted_slot.get(r));
+        if (gathered) slot_to_row.set(slot, static_cast<double>(r));
+        routed[static_cast<size_t>(gathered ? slot / args.topk : r)] = true;
+    }
+    const DeviceTensor slot_to_row_dev = DeviceTensor::upload(slot_to_row);
+    DeviceTensor q_dev(q.view), scales_dev(scales.view);
+    DeviceTensor row_q_dev(HostTensor(MEGAMOE_DTYPE_E4M3, {num_tokens, cols}).view);
+    DeviceTensor row_scales_dev(HostTensor(MEGAMOE_DTYPE_F32, {num_tokens, groups}).view);
+    for (DeviceTensor* t : {&q_dev, &scales_dev, &row_q_dev, &row_scales_dev}) t->poison();
+    args.q_t = static_cast<uint8_t*>(q_dev.view().data);
+    args.scales = static_cast<float*>(scales_dev.view().data);
+    args.row_q = static_cast<uint8_t*>(row_q_dev.view().data);
+    args.row_scales = static_cast<float*>(row_scales_dev.view().data);
+    args.slot_to_row = gathered ? static_cast<const int*>(slot_to_row_dev.view().data) : nullptr;
+    ASSERT_EQ(cuda::launch_quantize_expert_rows(args, nullptr), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
+    expect_cuda(cudaDeviceSynchronize(), "quantize_expert_rows with row_q");
+    EXPECT_EQ(q_dev.download().bytes, q.bytes) << "q_t differs when the rows are quantized too";
+    EXPECT_EQ(scales_dev.download().bytes, scales.bytes) << "the scales differ when the rows are quantized too";
+    const HostTensor row_q = row_q_dev.download(), row_scales = row_scales_dev.download();
+    int64_t num_routed = 0;
+    for (int64_t source = 0; source < num_tokens; ++source) {
+        if (!routed[static_cast<size_t>(source)]) {
+            for (int64_t c = 0; c < cols; ++c) {
+                ASSERT_EQ(row_q.bytes[static_cast<size_t>(source * cols + c)], 0xFF) << "unrouted row " << source;
+            }
+            for (int64_t g = 0; g < groups; ++g) {
+                ASSERT_EQ(word_at(row_scales, source * groups + g), 0xFFFFFFFFu) << "unrouted row " << source;
+            }
+            continue;
+        }
+        ++num_routed;
+        std::vector<float> values(static_cast<size_t>(cols));
+        for (int64_t c = 0; c < cols; ++c)
+            values[static_cast<size_t>(c)] = static_cast<float>(tokens.get(source * stride + c));
+        const HostQuant want = host_quantize(values, 1, cols, args.pow2);
+        for (int64_t g = 0; g < groups; ++g) {
+            ASSERT_TRUE(same_scale(word_at(row_scales, source * groups + g), want.scales[static_cast<size_t>(g)]))
+                << "row " << source << " group " << g;
+        }
+        for (int64_t c = 0; c < cols; ++c) {
+            ASSERT_EQ(row_q.bytes[static_cast<size_t>(source * cols + c)], want.q[static_cast<size_t>(c)])
+                << "row " << source << " column " << c;
+        }
+    }
+    EXPECT_GT(num_routed, 0);
+}
+
+// One source layout of ExpertRowsAlongTokens: token rows [700, stride] of dtype (>= the 681 sorted rows, read as they
+// are) (placed `offset` elements past a 16-byte boundary), the first cols of each quantized along the sorted rows of E
+// = 7 experts: 130 rows (a whole tile and 2 rows), none, 1, 256 (two whole tiles), 37, 128 (exactly one tile) and 129
+// (a whole tile and one row); a NaN in expert 0's first tile and -inf / +inf in expert 2's one-row tile (a NaN scale:
+// its pad must stay 0, not 0x7F). Gathered by sorted slot or read as they are, power-of-two scales or not, every tile
+// against the host port of its rows column by column, bitwise: q_t's tile-padded columns (the pad bytes [rows, 128)
+// exactly 0) and the tile-major scales. Columns of q_t past 128 * num_tiles (to ld_q), scale rows past num_tiles and
+// scale columns past cols keep the poison. Then the same pass also writing the source rows along their columns (row_q,
+// row_scales): q_t and the scales bitwise the first run's, every routed source row's bytes and scales the host rules'
+// over its cols values (written once, from its first routed slot), the rows no slot routes keeping the poison.
 void check_expert_rows(megamoe_dtype_t dtype, int64_t cols, int64_t stride, int64_t offset) {
     std::mt19937_64 rng(fresh_seed());
     const std::vector<int> counts = {130, 0, 1, 256, 37, 128, 129};
-    const int64_t num_experts = static_cast<int64_t>(counts.size()), topk = 2, num_tokens = 450;
+    const int64_t num_experts = static_cast<int64_t>(counts.size()), topk = 2, num_tokens = 700;
     std::vector<int> expert_offsets = {0}, tile_offsets = {0};
     for (const int count : counts) {
         expert_offsets.push_back(expert_offsets.back() + count);
@@ -317,6 +377,7 @@ void check_expert_rows(megamoe_dtype_t dtype, int64_t cols, int64_t stride, int6
                     ASSERT_EQ(word_at(scales, t * ld_scales + c), 0xFFFFFFFFu) << "tile " << t << " column " << c;
                 }
             }
+            check_source_rows(args, q, scales, tokens, sorted_slot, num_rows, gathered);
         }
     }
 }
