@@ -6,6 +6,8 @@
 # reports with KEEP_REPORTS=0).
 # Each PROFILE is NAME:SHAPE:KERNEL_REGEX:SKIP[:VAR=VALUE,...] (SKIP counts the matching launches before it: the
 # first pass's and the second pass's earlier ones; keep-h mode runs 4 m_grouped and 2 k_grouped kernels a pass).
+# NCU_ARGS adds arguments of scripts/ncu_moe.py (--precision fp8: the FP8 layer, e.g. with MEGAMOE_FP8_WGRAD=1 in the
+# profile's settings and the regex k_grouped_fp8 for its weight-gradient GEMM).
 #   OUT=/tmp/out PROFILES="up-q235:qwen3-235b-a22b:m_grouped:4 dh-q30:qwen3-30b-a3b:m_grouped:6" bash scripts/gpu_ncu.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,7 +24,7 @@ for profile in ${PROFILES:?PROFILES=NAME:SHAPE:KERNEL_REGEX:SKIP[:VAR=VALUE,...]
     for pair in "${pairs[@]}"; do env_args+=("$pair"); done
     env "${env_args[@]}" timeout "${NCU_TIMEOUT:-240}" ncu --clock-control none --set full --import-source no \
         --section SourceCounters -k "regex:$regex" --launch-skip "$skip" --launch-count 1 -f -o "$OUT/$name" \
-        python3 scripts/ncu_moe.py --shape "$shape" >"$OUT/$name-ncu.log" 2>&1 || status=1
+        python3 scripts/ncu_moe.py --shape "$shape" ${NCU_ARGS:-} >"$OUT/$name-ncu.log" 2>&1 || status=1
     tail -n 2 "$OUT/$name-ncu.log"
     ncu --import "$OUT/$name.ncu-rep" --page details --print-units base >"$OUT/$name-details.txt" 2>&1 || status=1
     ncu --import "$OUT/$name.ncu-rep" --page source --print-source sass --csv >"$OUT/$name-sass.csv" 2>&1 || status=1
