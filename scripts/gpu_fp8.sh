@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call for the FP8 work (issue #20): the FP8 gtests (*Fp8* suites: quantization, the M-grouped forward and
 # backward GEMMs, the K-grouped weight-gradient GEMM, the layer) under the default mainloop, Fp8GemmSm90 under
-# MEGAMOE_SM90_FP8_PROMOTE=1 and the layer with MEGAMOE_FP8_WGRAD=1 (its weight gradients on the FP8 GEMM),
+# MEGAMOE_SM90_FP8_PROMOTE=1, the M-grouped FP8 GEMMs under MEGAMOE_SM90_FP8_FULL_N=1 (gtests and timing, alternated
+# with the default) and the layer with MEGAMOE_FP8_WGRAD=1 (its weight gradients on the FP8 GEMM),
 # compute-sanitizer memcheck over them, then ROUNDS rounds of megamoe_fp8_gemm_timing (bf16 against FP8 per GEMM, dH,
 # the forward chain) and megamoe_fp8_wgrad_timing (the weight gradients), the dense ceiling
 # (bench/dense_gemm_ceiling.py) and megamoe_fp8_layer_timing (the layer through the C API, bf16 against FP8: its
@@ -26,8 +27,10 @@ MEGAMOE_SM90_FP8_PROMOTE=1 timeout 120 "$CARRY/megamoe_tests" --gtest_filter='Fp
     >"$OUT/gtest-fp8-promote.log" 2>&1 || status=1
 MEGAMOE_FP8_WGRAD=1 timeout 120 "$CARRY/megamoe_tests" --gtest_filter='Fp8LayerCuda.*' \
     >"$OUT/gtest-fp8-wgrad.log" 2>&1 || status=1
+MEGAMOE_SM90_FP8_FULL_N=1 timeout 120 "$CARRY/megamoe_tests" --gtest_filter='Fp8GemmSm90.*:Fp8BackwardSm90.*' \
+    >"$OUT/gtest-fp8-full-n.log" 2>&1 || status=1
 grep -hE "^\[  (PASSED|FAILED) |^\[  FAILED  \]" "$OUT/gtest-fp8.log" "$OUT/gtest-fp8-promote.log" \
-    "$OUT/gtest-fp8-wgrad.log"
+    "$OUT/gtest-fp8-wgrad.log" "$OUT/gtest-fp8-full-n.log"
 if [ "${SKIP_MEMCHECK:-0}" != 1 ]; then
     timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 "$CARRY/megamoe_tests" \
         --gtest_filter='*Fp8*' >"$OUT/memcheck-fp8.log" 2>&1 || status=1
@@ -38,6 +41,10 @@ if [ -x "$CARRY/megamoe_fp8_gemm_timing" ]; then
     for round in $(seq 1 "${ROUNDS:-2}"); do
         timeout 120 "$CARRY/megamoe_fp8_gemm_timing" >"$OUT/timing/fp8-gemm-r$round.log" 2>&1 || status=1
         grep -E " ms " "$OUT/timing/fp8-gemm-r$round.log"
+        MEGAMOE_SM90_FP8_FULL_N=1 timeout 120 "$CARRY/megamoe_fp8_gemm_timing" >"$OUT/timing/fp8-gemm-full-n-r$round.log" \
+            2>&1 || status=1
+        echo "MEGAMOE_SM90_FP8_FULL_N=1"
+        grep -E " ms " "$OUT/timing/fp8-gemm-full-n-r$round.log"
     done
     timeout 120 python3 bench/dense_gemm_ceiling.py >"$OUT/timing/dense-gemm-ceiling.log" 2>&1 || status=1
 fi

@@ -18,6 +18,9 @@
 //   MEGAMOE_SM90_FP8_PROMOTE=1         the FP8 M-grouped GEMMs on the 128 x 128 tile promoting each K group from a
 //                                      second set of accumulators (Operands::kFp8Blockwise) instead of the 128 x 256
 //                                      tile with one set in the current group's units: 0.6-0.75x its speed (H200)
+//   MEGAMOE_SM90_FP8_FULL_N=1          the FP8 M-grouped GEMMs' rescaled mainloop with m64 x 256 wgmmas (A read once
+//                                      per k step) instead of two m64 x 128 column halves (Operands::kFp8RescaledFullN;
+//                                      the same math; not yet run on a GPU)
 #pragma once
 
 #include <cstdlib>
@@ -51,6 +54,9 @@ inline bool k_grouped_narrow_a_tile() {
 }
 inline bool fp8_promoted() {
     return env_is("MEGAMOE_SM90_FP8_PROMOTE", "1");
+}
+inline bool fp8_full_n() {
+    return env_is("MEGAMOE_SM90_FP8_FULL_N", "1");
 }
 
 }  // namespace megamoe::sm90

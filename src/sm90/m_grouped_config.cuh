@@ -74,6 +74,8 @@ enum class Operands {
     kFp8Rescaled,   // the same operands, one set of accumulators kept in units of the current group's scales: before
                     // a group's wgmmas the accumulators are multiplied by (previous scales / its scales), after the
                     // last group by its scales (the 128 x 256 tile without a second set; the default)
+    kFp8RescaledFullN,  // kFp8Rescaled with m64 x 256 wgmmas (A read once per k step, not once per column half), both
+                        // halves rescaled before the group's wgmmas (MEGAMOE_SM90_FP8_FULL_N=1, an experiment)
 };
 
 // The tile configuration of a schedule and operand type; every size the kernel, its epilogues and the host derive from
@@ -83,7 +85,8 @@ template <Schedule kSchedule, Operands kOperands = Operands::k16Bit>
 struct TileConfig {
     static constexpr bool kPingPong = kSchedule == Schedule::kPingPong;
     static constexpr bool kFp8 = kOperands != Operands::k16Bit;
-    static constexpr bool kFp8Promoted = kOperands == Operands::kFp8Blockwise;  // a second set of accumulators
+    static constexpr bool kFp8Promoted = kOperands == Operands::kFp8Blockwise;   // a second set of accumulators
+    static constexpr bool kFp8FullN = kOperands == Operands::kFp8RescaledFullN;  // full-width wgmmas
     static constexpr int kOperandBytes = kFp8 ? 1 : kElemBytes;
     static constexpr int kBlockK = kSwizzleBytes / kOperandBytes;         // K elements per stage (FP8: one scale group)
     static constexpr int kOperandChunkElems = 16 / kOperandBytes;         // elements of one 16-byte cp.async
@@ -164,6 +167,7 @@ using Cooperative = TileConfig<Schedule::kCooperative>;
 using PingPong = TileConfig<Schedule::kPingPong>;
 using Fp8Cooperative = TileConfig<Schedule::kCooperative, Operands::kFp8Blockwise>;
 using Fp8RescaledCooperative = TileConfig<Schedule::kCooperative, Operands::kFp8Rescaled>;
+using Fp8RescaledFullNCooperative = TileConfig<Schedule::kCooperative, Operands::kFp8RescaledFullN>;
 static_assert(num_stages<Cooperative, true>() == 4 && num_stages<Cooperative, false>() == 4,
               "the cooperative 128 x 256 tile: 4 stages of 48 KiB (with staging: + 32 KiB)");
 static_assert(num_stages<PingPong, false>() == 7, "the ping-pong 128 x 128 tile: 7 stages of 32 KiB");

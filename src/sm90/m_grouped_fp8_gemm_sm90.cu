@@ -5,6 +5,8 @@
 // kernels.
 #include "sm90/m_grouped_fp8_gemm_sm90.h"
 
+#include <type_traits>
+
 #include "device/cuda_utils.h"
 #include "sm90/m_grouped_fp8_epilogue.cuh"
 #include "sm90/m_grouped_kernel.cuh"
@@ -34,6 +36,12 @@ megamoe_status_t launch_fp8(const cuda::MGroupedGemmArgs& args, const Fp8BlockSc
                             const typename Epi::Params& epilogue, int num_sms, cudaStream_t stream,
                             const CUtensorMap& a_map, const CUtensorMap& out_map) {
     const int64_t b_rows = Epi::kGateUpPairs ? 2 * args.n : args.n;
+    if constexpr (std::is_same_v<Config, Fp8RescaledCooperative>) {
+        if (fp8_full_n()) {  // the same tile and math with full-width wgmmas (MEGAMOE_SM90_FP8_FULL_N=1)
+            return launch_on<Epi, BLayout::kNK, BSource::kOne, Fp8RescaledFullNCooperative>(
+                args, epilogue, num_sms, stream, a_map, out_map, make_scale_params(args, scales, b_rows));
+        }
+    }
     return launch_on<Epi, BLayout::kNK, BSource::kOne, Config>(args, epilogue, num_sms, stream, a_map, out_map,
                                                                make_scale_params(args, scales, b_rows));
 }

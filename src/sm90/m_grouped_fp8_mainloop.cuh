@@ -1,4 +1,4 @@
-// The blockwise FP8 mainloops of the M-grouped kernel (Operands::kFp8Blockwise and kFp8Rescaled of
+// The blockwise FP8 mainloops of the M-grouped kernel (Operands::kFp8Blockwise, kFp8Rescaled and kFp8RescaledFullN of
 // m_grouped_config.cuh; m_grouped_kernel.cuh's consume runs them): which scales a consumer thread applies, the
 // promotion of a K group's f32 partial sums into the accumulators, and the rescaled mainloop of a tile. A thread's
 // accumulators of a row block are 2 rows (lane / 4 and + 8 of its warp's 16) x the tile's columns, fragment f (8
@@ -245,6 +245,65 @@ __device__ __forceinline__ void fp8_rescaled_mainloop(Storage& smem, int& stage_
         acc[reg_idx] = acc0[reg_idx];
         acc[kHalfRegs + reg_idx] = acc1[reg_idx];
     }
+}
+
+// The accumulators of a full-width tile row (fragment f: box f / (kBBoxRows / 8), register j: row j % 4 / 2) *=
+// the factors of their rows and boxes.
+template <class Config, int kNumRegs>
+__device__ __forceinline__ void scale_accumulators(float (&acc)[kNumRegs],
+                                                   const float (&factors)[kThreadRows][kNumBBoxes]) {
+    constexpr int kFragsPerBox = Config::kBBoxRows / 8;
+#pragma unroll
+    for (int reg_idx = 0; reg_idx < kNumRegs; ++reg_idx)
+        acc[reg_idx] *= factors[reg_idx % 4 / 2][reg_idx / 4 / kFragsPerBox];
+}
+
+// The rescaled FP8 mainloop with full-width wgmmas (Operands::kFp8RescaledFullN, MEGAMOE_SM90_FP8_FULL_N=1): the
+// math of fp8_rescaled_mainloop (the same units, factors and order of roundings; bitwise its results if the wgmma sums
+// an element's products the same whatever its N: not yet checked on a GPU), but once
+// group g - 1 has completed both column halves are rescaled and group g is issued as m64 x kBlockN wgmmas, so a k step
+// reads A from shared memory once instead of once per half; the rescaling is not under the consumer's own wgmmas (the
+// other consumer's keep the tensor pipe busy). Only wgmmas of the current iteration are in flight when the accumulators
+// are read (ptxas C7514).
+template <class Config, class Epi, int kNumStages, class Storage, int kNumRegs>
+__device__ __forceinline__ void fp8_rescaled_full_mainloop(Storage& smem, int& stage_idx, uint32_t& phase,
+                                                           int num_k_blocks, const Fp8TileScales& tile_scales,
+                                                           int first_row_block, int lane_idx, float (&acc)[kNumRegs]) {
+#pragma unroll
+    for (int reg_idx = 0; reg_idx < kNumRegs; ++reg_idx) acc[reg_idx] = 0.0f;
+    float group_scales[kThreadRows][kNumBBoxes];  // sa * sb of the group last issued
+    float next_scales[kThreadRows][kNumBBoxes];
+    float later_scales[kThreadRows][kNumBBoxes];
+    float unit_factors[kThreadRows][kNumBBoxes];
+    load_group_scales(tile_scales, 0, group_scales);
+    load_group_scales(tile_scales, min(1, num_k_blocks - 1), next_scales);
+    load_group_scales(tile_scales, min(2, num_k_blocks - 1), later_scales);
+    int issued_stage = -1;
+    for (int k_block_idx = 0; k_block_idx < num_k_blocks; ++k_block_idx) {
+        if (k_block_idx > 0) {
+            unit_change(group_scales, next_scales, unit_factors);
+            copy_scales(next_scales, group_scales);
+            copy_scales(later_scales, next_scales);
+            load_group_scales(tile_scales, min(k_block_idx + 2, num_k_blocks - 1), later_scales);
+        }
+        mbarrier_wait(&smem.full[stage_idx], phase);
+        if constexpr (!Epi::kTmaA) fence_proxy_async_shared();
+        const uint8_t* tile_a = smem.a[stage_idx] + first_row_block * kRowBlockATileBytes;
+        wgmma_wait_group<0>();  // the previous group
+        fence_accumulators(acc);
+        if (k_block_idx > 0) scale_accumulators<Config>(acc, unit_factors);
+        fence_accumulators(acc);
+        wgmma_fence();
+        fp8_mma<Config, Config::kBlockN, false>(tile_a, smem.b[stage_idx], acc);
+        wgmma_commit_group();
+        if (k_block_idx > 0 && lane_idx == 0) release_stage<kClusterSize>(&smem.empty[issued_stage]);
+        issued_stage = stage_idx;
+        advance_stage<kNumStages>(stage_idx, phase);
+    }
+    wgmma_wait_group<0>();
+    fence_accumulators(acc);
+    if (lane_idx == 0) release_stage<kClusterSize>(&smem.empty[issued_stage]);
+    scale_accumulators<Config>(acc, group_scales);  // from the last group's units
 }
 
 }  // namespace megamoe::sm90::m_grouped

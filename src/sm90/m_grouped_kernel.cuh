@@ -318,6 +318,9 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Mainlo
                 if constexpr (Config::kFp8Promoted) {
                     fp8_promoted_mainloop<Config, Epi, kNumStages>(smem, stage_idx, phase, num_k_blocks, tile_scales,
                                                                    first_row_block, lane_idx, acc);
+                } else if constexpr (Config::kFp8FullN) {
+                    fp8_rescaled_full_mainloop<Config, Epi, kNumStages>(smem, stage_idx, phase, num_k_blocks,
+                                                                        tile_scales, first_row_block, lane_idx, acc);
                 } else {
                     fp8_rescaled_mainloop<Config, Epi, kNumStages>(smem, stage_idx, phase, num_k_blocks, tile_scales,
                                                                    first_row_block, lane_idx, acc);
