@@ -7,7 +7,8 @@
 # the forward chain) and megamoe_fp8_wgrad_timing (the weight gradients), the dense ceiling
 # (bench/dense_gemm_ceiling.py) and megamoe_fp8_layer_timing (the layer through the C API, bf16 against FP8: its
 # variants, the weight gradients in FP8 among them, alternate in each round; skipped when LAYER_ROUNDS=0). Logs in OUT (timings
-# packed into OUT/fp8-timing.tar.xz: a call brings back <= 8 files). SKIP_MEMCHECK=1 leaves memcheck out.
+# packed into OUT/fp8-timing.tar.xz: a call brings back <= 8 files). SKIP_MEMCHECK=1 leaves memcheck out,
+# MEMCHECK_TESTS narrows it (a gtest filter); NEW_TESTS (default: the kernels not yet run on a GPU) run first, alone.
 # Inputs: CARRY (default .carry/) with libmegamoe.so[.xz], megamoe_tests[.xz], megamoe_fp8_gemm_timing[.xz],
 # megamoe_fp8_wgrad_timing[.xz], megamoe_fp8_layer_timing[.xz] (each step skipped when its binary is not there).
 #   OUT=/tmp/out ROUNDS=2 bash scripts/gpu_fp8.sh
@@ -22,7 +23,12 @@ for f in megamoe_tests libmegamoe.so megamoe_fp8_gemm_timing megamoe_fp8_wgrad_t
 done
 export MEGAMOE_LIBRARY=$PWD/$CARRY/libmegamoe.so
 status=0
-timeout 150 "$CARRY/megamoe_tests" --gtest_filter='*Fp8*' >"$OUT/gtest-fp8.log" 2>&1 || status=1
+# The kernels new since the last GPU run in a process of their own first (a crash or a hang there costs one short
+# step, not the rest), then every other FP8 suite.
+NEW_TESTS=${NEW_TESTS:-KGroupedFp8GemmCuda.*:Fp8QuantCuda.*:Fp8BackwardSm90.DHidden*}
+timeout "${NEW_TIMEOUT:-90}" "$CARRY/megamoe_tests" --gtest_filter="$NEW_TESTS" >"$OUT/gtest-fp8-new.log" 2>&1 || status=1
+grep -hE "^\[  (PASSED|FAILED) |^\[  FAILED  \]" "$OUT/gtest-fp8-new.log" || tail -n 5 "$OUT/gtest-fp8-new.log"
+timeout 150 "$CARRY/megamoe_tests" --gtest_filter="*Fp8*:-$NEW_TESTS" >"$OUT/gtest-fp8.log" 2>&1 || status=1
 MEGAMOE_SM90_FP8_PROMOTE=1 timeout 120 "$CARRY/megamoe_tests" --gtest_filter='Fp8GemmSm90.*' \
     >"$OUT/gtest-fp8-promote.log" 2>&1 || status=1
 MEGAMOE_FP8_WGRAD=1 timeout 120 "$CARRY/megamoe_tests" --gtest_filter='Fp8LayerCuda.*' \
@@ -32,8 +38,8 @@ MEGAMOE_SM90_FP8_FULL_N=1 timeout 120 "$CARRY/megamoe_tests" --gtest_filter='Fp8
 grep -hE "^\[  (PASSED|FAILED) |^\[  FAILED  \]" "$OUT/gtest-fp8.log" "$OUT/gtest-fp8-promote.log" \
     "$OUT/gtest-fp8-wgrad.log" "$OUT/gtest-fp8-full-n.log"
 if [ "${SKIP_MEMCHECK:-0}" != 1 ]; then
-    timeout 240 compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 "$CARRY/megamoe_tests" \
-        --gtest_filter='*Fp8*' >"$OUT/memcheck-fp8.log" 2>&1 || status=1
+    timeout "${MEMCHECK_TIMEOUT:-240}" compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
+        "$CARRY/megamoe_tests" --gtest_filter="${MEMCHECK_TESTS:-*Fp8*}" >"$OUT/memcheck-fp8.log" 2>&1 || status=1
     grep -E "ERROR SUMMARY" "$OUT/memcheck-fp8.log"
 fi
 mkdir -p "$OUT/timing"
