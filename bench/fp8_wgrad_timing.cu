@@ -4,8 +4,9 @@
 //   dw13  C_e [2I, H] = dh^T x: bf16 (A = dh [rows, 2I] by TMA, B = x [T, H] gathered by slot) against FP8 (both
 //         quantized along the tokens by launch_quantize_expert_rows into the tile-padded transposed layout)
 //   dw2   C_e [H, I] = dy^T (s a): bf16 (A = dy [T, H] gathered, B = s a [rows, I]) against FP8
-// each into the weights' dtype (bf16) and accumulated into f32 main_grads; FP8 as the GEMM alone (`fp8`) and with the
-// two quantization passes it needs (`fp8+q`). CUDA events around each launch on the default stream, 3 warm-up
+// each into the weights' dtype (bf16) and accumulated into f32 main_grads; FP8 as the GEMM alone (`fp8`; `fp8-pair`: in
+// CTA pairs sharing A by multicast, MEGAMOE_SM90_FP8_WGRAD_PAIR=1) and with the two quantization passes it needs
+// (`fp8+q`). CUDA events around each launch on the default stream, 3 warm-up
 // launches, the median of 10; FLOPs 2 rows M N. Operands random (bf16 uniform in [-1/16, 1/16)). Usage:
 //   megamoe_fp8_wgrad_timing [shape name]     (all shapes without one)
 #include <cuda_runtime.h>
@@ -13,6 +14,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <functional>
 #include <vector>
@@ -185,8 +187,13 @@ bool run_shape(const Shape& s, int num_sms) {
             }
             const sm90::KGroupedFp8GemmArgs fp8_args = fp8.gemm_args(accumulate);
             const bool fp8_ok = sm90::k_grouped_fp8_gemm_sm90_supported(fp8_args, out, out_dtype);
-            time_one(gemm, "fp8", fp8_ok, flops,
-                     [&] { return sm90::launch_k_grouped_fp8_gemm_sm90(fp8_args, out, out_dtype, num_sms, nullptr); });
+            const auto fp8_gemm = [&] {
+                return sm90::launch_k_grouped_fp8_gemm_sm90(fp8_args, out, out_dtype, num_sms, nullptr);
+            };
+            time_one(gemm, "fp8", fp8_ok, flops, fp8_gemm);
+            setenv("MEGAMOE_SM90_FP8_WGRAD_PAIR", "1", 1);  // CTA pairs sharing A by multicast
+            time_one(gemm, "fp8-pair", fp8_ok, flops, fp8_gemm);
+            unsetenv("MEGAMOE_SM90_FP8_WGRAD_PAIR");
             time_one(gemm, "fp8+q", fp8_ok, flops, [&] {
                 const megamoe_status_t status = fp8.quantize();
                 return status != MEGAMOE_STATUS_SUCCESS

@@ -35,6 +35,7 @@
 #include "device/cuda_utils.h"
 #include "sm90/epilogue.cuh"
 #include "sm90/hopper.h"
+#include "sm90/knobs.h"
 #include "sm90/launch.h"
 #include "sm90/ptx.h"
 
@@ -104,7 +105,8 @@ struct Params {
     const int* m_tile_offsets;  // [E + 1]
     int num_m_tiles;            // output tiles per expert: num_m_tiles x num_n_tiles
     int num_n_tiles;
-    int num_tiles;  // E * num_m_tiles * num_n_tiles (checked < 2^31 on the host)
+    int pairs_n;    // cluster tiles per m-tile: ceil(num_n_tiles / kPair)
+    int num_tiles;  // cluster tiles, E * num_m_tiles * pairs_n (checked < 2^31 on the host)
 };
 
 struct Tile {
@@ -113,38 +115,63 @@ struct Tile {
     int n_begin;
     int first_k_tile;  // the expert's first routing tile: reduction columns from 128 first_k_tile on
     int num_k_blocks;
+    bool store;  // false: the partner CTA's tile again (an odd n-tile count), computed only to keep the pair in step
 };
 
-// Tile `tile_idx`, or, past the last one, a tile with no k-blocks (nothing read).
-__device__ __forceinline__ Tile decode_tile(const Params& params, int tile_idx) {
+// This CTA's tile of cluster tile `tile_idx` (kPair CTAs: neighbouring n-tiles of one m-tile, sharing A), or, past the
+// last one, a tile with no k-blocks (nothing read).
+template <int kPair>
+__device__ __forceinline__ Tile decode_tile(const Params& params, int tile_idx, int cta_rank) {
     Tile tile{};
     if (tile_idx >= params.num_tiles) return tile;
-    const int per_expert = params.num_m_tiles * params.num_n_tiles;
+    const int per_expert = params.num_m_tiles * params.pairs_n;
     tile.expert_idx = tile_idx / per_expert;
     const int within = tile_idx % per_expert;
-    tile.m_begin = within / params.num_n_tiles * kBlockM;
-    tile.n_begin = within % params.num_n_tiles * kBlockN;
+    tile.m_begin = within / params.pairs_n * kBlockM;
+    int n_tile = within % params.pairs_n * kPair + cta_rank;
+    tile.store = n_tile < params.num_n_tiles;
+    if (!tile.store) n_tile -= cta_rank;
+    tile.n_begin = n_tile * kBlockN;
     tile.first_k_tile = params.m_tile_offsets[tile.expert_idx];
     tile.num_k_blocks = params.m_tile_offsets[tile.expert_idx + 1] - tile.first_k_tile;
     return tile;
 }
 
-// The producer's thread 0, stage by stage over every k-block of this CTA's tiles.
+// The clusters' static tile stride: cluster c takes cluster tiles c, c + num_clusters, ...
+template <int kPair>
+__device__ __forceinline__ int first_cluster_tile() {
+    return static_cast<int>(blockIdx.x) / kPair;
+}
+template <int kPair>
+__device__ __forceinline__ int num_clusters() {
+    return static_cast<int>(gridDim.x) / kPair;
+}
+
+// The producer's thread 0, stage by stage over every k-block of this CTA's tiles. kPair == 2: A's rows [64 r, 64 r +
+// 64) come from CTA r of the pair, multicast into both (its A map's boxes are 64 rows), so the stage's full barrier
+// completes when both halves and this CTA's B and scales have landed.
+template <int kPair>
 __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensorMap* b_map, const Params& params,
-                                        SharedStorage& smem) {
+                                        SharedStorage& smem, int cta_rank) {
+    constexpr int kAHalfRows = kBlockM / kPair;
     int stage_idx = 0;
     uint32_t phase = 0;
-    const auto grid = static_cast<int>(gridDim.x);
-    Tile next = decode_tile(params, static_cast<int>(blockIdx.x));
-    for (int tile_idx = static_cast<int>(blockIdx.x); tile_idx < params.num_tiles; tile_idx += grid) {
+    const int stride = num_clusters<kPair>();
+    Tile next = decode_tile<kPair>(params, first_cluster_tile<kPair>(), cta_rank);
+    for (int tile_idx = first_cluster_tile<kPair>(); tile_idx < params.num_tiles; tile_idx += stride) {
         const Tile tile = next;
-        next = decode_tile(params, tile_idx + grid);  // its loads in flight during this tile
+        next = decode_tile<kPair>(params, tile_idx + stride, cta_rank);  // its loads in flight during this tile
         for (int k_block_idx = 0; k_block_idx < tile.num_k_blocks; ++k_block_idx) {
             const int k_tile = tile.first_k_tile + k_block_idx;
             uint64_t* full = &smem.full[stage_idx];
             mbarrier_wait(&smem.empty[stage_idx], phase ^ 1);
             mbarrier_arrive_expect_tx(full, kStageTxBytes);
-            tma_load_2d(smem.a[stage_idx], a_map, full, k_tile * kBlockK, tile.m_begin);
+            if constexpr (kPair == 1) {
+                tma_load_2d(smem.a[stage_idx], a_map, full, k_tile * kBlockK, tile.m_begin);
+            } else {
+                tma_load_2d_multicast(smem.a[stage_idx] + cta_rank * kAHalfRows * kBlockK, a_map, full,
+                                      k_tile * kBlockK, tile.m_begin + cta_rank * kAHalfRows, kClusterMask);
+            }
             tma_load_2d(smem.b[stage_idx], b_map, full, k_tile * kBlockK, tile.n_begin);
             bulk_load(smem.a_scales[stage_idx], params.a_scales + k_tile * params.ld_a_scales + tile.m_begin,
                       kScaleBytes, full);
@@ -154,6 +181,7 @@ __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensor
         }
     }
 }
+static_assert(kClusterSize == 2, "the pair variant's multicast mask and half boxes are for 2 CTAs");
 
 // One K group of a consumer: its 64 A rows at tile_a times the 128 B rows at tile_b (both K-major, 128-byte swizzle)
 // into `part` from zero, kBlockK / kMmaK steps of m64 x n128 x k32, issued asynchronously.
@@ -205,9 +233,9 @@ __device__ __forceinline__ void store_tile(const CUtensorMap* out_map, const Til
     }
 }
 
-template <typename OutT, bool kAccumulate>
+template <typename OutT, bool kAccumulate, int kPair>
 __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Params& params, SharedStorage& smem,
-                                        int consumer_idx, int thread_idx) {
+                                        int cta_rank, int consumer_idx, int thread_idx) {
     const int lane_idx = thread_idx % kWarpSize;
     const int warp_idx = thread_idx % kWarpgroupThreads / kWarpSize;
     const uint32_t warp_staging = shared_address(smem.staging[consumer_idx * kWarpsPerWarpgroup + warp_idx]);
@@ -217,11 +245,11 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Params
     uint32_t phase = 0;
     float acc[kAccRegs];
     float part[kAccRegs];
-    const auto grid = static_cast<int>(gridDim.x);
-    Tile next = decode_tile(params, static_cast<int>(blockIdx.x));
-    for (int tile_idx = static_cast<int>(blockIdx.x); tile_idx < params.num_tiles; tile_idx += grid) {
+    const int stride = num_clusters<kPair>();
+    Tile next = decode_tile<kPair>(params, first_cluster_tile<kPair>(), cta_rank);
+    for (int tile_idx = first_cluster_tile<kPair>(); tile_idx < params.num_tiles; tile_idx += stride) {
         const Tile tile = next;
-        next = decode_tile(params, tile_idx + grid);  // its loads in flight during this tile
+        next = decode_tile<kPair>(params, tile_idx + stride, cta_rank);  // its loads in flight during this tile
 #pragma unroll
         for (int reg_idx = 0; reg_idx < kAccRegs; ++reg_idx) acc[reg_idx] = 0.0f;
         for (int k_block_idx = 0; k_block_idx < tile.num_k_blocks; ++k_block_idx) {
@@ -240,18 +268,18 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Params
             wgmma_wait_group<0>();
             fence_accumulators(part);
             __syncwarp();  // the warp's scale reads before its release of the stage
-            if (lane_idx == 0) mbarrier_arrive(&smem.empty[stage_idx]);
+            if (lane_idx == 0) release_stage<kPair>(&smem.empty[stage_idx]);  // in every CTA of the pair
             advance_stage<kNumStages>(stage_idx, phase);
             promote(acc, part, row_scales, col_scales);
         }
-        if (!kAccumulate || tile.num_k_blocks > 0) {
+        if (tile.store && (!kAccumulate || tile.num_k_blocks > 0)) {
             store_tile<OutT, kAccumulate>(out_map, tile, acc, warp_staging, consumer_idx, warp_idx, lane_idx);
         }
     }
     if (lane_idx == 0) bulk_wait_group<0, false>();  // every store complete before the CTA exits
 }
 
-template <typename OutT, bool kAccumulate>
+template <typename OutT, bool kAccumulate, int kPair>
 __global__ void __launch_bounds__(kNumThreads, 1)
     k_grouped_fp8_gemm_sm90_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                                    const __grid_constant__ CUtensorMap out_map, const Params params) {
@@ -263,27 +291,33 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const int thread_idx = static_cast<int>(threadIdx.x);
     if (thread_idx == 0) {
         for (int stage_idx = 0; stage_idx < kNumStages; ++stage_idx) {
-            mbarrier_init(&smem.full[stage_idx], 1);  // the producer's arrive.expect_tx
-            mbarrier_init(&smem.empty[stage_idx], kEmptyArrivals);
+            mbarrier_init(&smem.full[stage_idx], 1);                        // the producer's arrive.expect_tx
+            mbarrier_init(&smem.empty[stage_idx], kPair * kEmptyArrivals);  // the pair's consumer warps
         }
         fence_barrier_init();
         prefetch_tensor_map(&a_map);
         prefetch_tensor_map(&b_map);
         prefetch_tensor_map(&out_map);
     }
-    __syncthreads();
+    if constexpr (kPair == 1) {
+        __syncthreads();
+    } else {
+        cluster_sync();  // barriers initialised in both CTAs before any multicast or remote arrive
+    }
     // Launched programmatically (MEGAMOE_SM90_PDL): nothing an earlier kernel wrote (the operands, the routing's
     // tiles) is read before this.
     griddepcontrol_wait();
     griddepcontrol_launch_dependents();
+    const int cta_rank = kPair == 1 ? 0 : static_cast<int>(cluster_cta_rank());
     const int warpgroup_idx = __shfl_sync(0xffffffffu, thread_idx / kWarpgroupThreads, 0);
     if (warpgroup_idx == 0) {
         setmaxnreg_dec<kProducerRegs>();
-        if (thread_idx == 0) produce(&a_map, &b_map, params, smem);
+        if (thread_idx == 0) produce<kPair>(&a_map, &b_map, params, smem, cta_rank);
     } else {
         setmaxnreg_inc<kConsumerRegs>();
-        consume<OutT, kAccumulate>(&out_map, params, smem, warpgroup_idx - 1, thread_idx);
+        consume<OutT, kAccumulate, kPair>(&out_map, params, smem, cta_rank, warpgroup_idx - 1, thread_idx);
     }
+    if constexpr (kPair > 1) cluster_sync();  // no CTA leaves while its partner may multicast into it or arrive there
 #endif
 }
 
@@ -300,9 +334,10 @@ bool operand_ok(const KGroupedFp8Operand& operand, int64_t cols, int64_t extent)
            cuda::is_aligned(operand.scales, 16) && operand.ld_scales % 4 == 0 && operand.ld_scales >= cols;
 }
 
-// An operand [cols, ld] of bytes as a 2-D tensor map, boxes of kBlockK bytes x 128 rows, 128-byte swizzle.
-bool encode_operand_map(const KGroupedFp8Operand& operand, int64_t cols, int64_t extent, CUtensorMap* map) {
-    return encode_2d_sw128_map(kTensorMapBytes, 1, operand.q_t, cols, extent, operand.ld, kBlockM, kBlockK,
+// An operand [cols, ld] of bytes as a 2-D tensor map, boxes of kBlockK bytes x box_rows rows, 128-byte swizzle.
+bool encode_operand_map(const KGroupedFp8Operand& operand, int64_t cols, int64_t extent, uint32_t box_rows,
+                        CUtensorMap* map) {
+    return encode_2d_sw128_map(kTensorMapBytes, 1, operand.q_t, cols, extent, operand.ld, box_rows, kBlockK,
                                CU_TENSOR_MAP_L2_PROMOTION_L2_256B, map);
 }
 
@@ -320,12 +355,40 @@ bool encode_out_map(megamoe_dtype_t out_dtype, void* out, int64_t num_experts, i
     return encode_3d_sw128_map(type, out, dims, strides, box, CU_TENSOR_MAP_L2_PROMOTION_NONE, map);
 }
 
-template <typename OutT, bool kAccumulate>
+template <typename OutT, bool kAccumulate, int kPair>
 megamoe_status_t launch_typed(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUtensorMap& out_map,
                               const Params& params, int num_sms, cudaStream_t stream) {
-    const int64_t max_ctas = std::min<int64_t>(std::max(num_sms, 1), params.num_tiles);
-    return launch_cluster_kernel<1>(k_grouped_fp8_gemm_sm90_kernel<OutT, kAccumulate>, "k_grouped_fp8_gemm_sm90",
-                                    kNumThreads, kSmemBytes, max_ctas, stream, a_map, b_map, out_map, params);
+    const int64_t max_clusters = std::min<int64_t>(std::max(num_sms / kPair, 1), params.num_tiles);
+    return launch_cluster_kernel<kPair>(k_grouped_fp8_gemm_sm90_kernel<OutT, kAccumulate, kPair>,
+                                        "k_grouped_fp8_gemm_sm90", kNumThreads, kSmemBytes, max_clusters, stream, a_map,
+                                        b_map, out_map, params);
+}
+
+template <int kPair>
+megamoe_status_t launch_pair(const KGroupedFp8GemmArgs& args, void* out, megamoe_dtype_t out_dtype, Params params,
+                             int num_sms, cudaStream_t stream) {
+    params.pairs_n = static_cast<int>(ceil_div(static_cast<int64_t>(params.num_n_tiles), int64_t{kPair}));
+    const int64_t num_tiles = args.num_experts * params.num_m_tiles * params.pairs_n;
+    if (num_tiles > INT32_MAX) {
+        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "k_grouped_fp8_gemm_sm90: more than 2^31 output tiles");
+    }
+    params.num_tiles = static_cast<int>(num_tiles);
+    const int64_t extent = k_extent(args);
+    CUtensorMap a_map{}, b_map{}, out_map{};
+    if (!encode_operand_map(args.a, args.m, extent, kBlockM / kPair, &a_map) ||
+        !encode_operand_map(args.b, args.n, extent, kBlockN, &b_map) ||
+        !encode_out_map(out_dtype, out, args.num_experts, args.m, args.n, &out_map)) {
+        return set_error(MEGAMOE_STATUS_CUDA_ERROR, "k_grouped_fp8_gemm_sm90: a tensor map could not be encoded");
+    }
+    switch (out_dtype) {
+        case MEGAMOE_DTYPE_BF16:
+            return launch_typed<__nv_bfloat16, false, kPair>(a_map, b_map, out_map, params, num_sms, stream);
+        case MEGAMOE_DTYPE_F16:
+            return launch_typed<__half, false, kPair>(a_map, b_map, out_map, params, num_sms, stream);
+        default:
+            return args.accumulate ? launch_typed<float, true, kPair>(a_map, b_map, out_map, params, num_sms, stream)
+                                   : launch_typed<float, false, kPair>(a_map, b_map, out_map, params, num_sms, stream);
+    }
 }
 
 }  // namespace
@@ -355,16 +418,6 @@ megamoe_status_t launch_k_grouped_fp8_gemm_sm90(const KGroupedFp8GemmArgs& args,
                                 "k_grouped_fp8_gemm_sm90 zeros");
     }
     const int64_t num_m_tiles = args.m / kBlockM, num_n_tiles = args.n / kBlockN;
-    const int64_t num_tiles = args.num_experts * num_m_tiles * num_n_tiles;
-    if (num_tiles > INT32_MAX) {
-        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "k_grouped_fp8_gemm_sm90: more than 2^31 output tiles");
-    }
-    const int64_t extent = k_extent(args);
-    CUtensorMap a_map{}, b_map{}, out_map{};
-    if (!encode_operand_map(args.a, args.m, extent, &a_map) || !encode_operand_map(args.b, args.n, extent, &b_map) ||
-        !encode_out_map(out_dtype, out, args.num_experts, args.m, args.n, &out_map)) {
-        return set_error(MEGAMOE_STATUS_CUDA_ERROR, "k_grouped_fp8_gemm_sm90: a tensor map could not be encoded");
-    }
     Params params{};
     params.a_scales = args.a.scales;
     params.ld_a_scales = args.a.ld_scales;
@@ -373,16 +426,8 @@ megamoe_status_t launch_k_grouped_fp8_gemm_sm90(const KGroupedFp8GemmArgs& args,
     params.m_tile_offsets = args.m_tile_offsets;
     params.num_m_tiles = static_cast<int>(num_m_tiles);
     params.num_n_tiles = static_cast<int>(num_n_tiles);
-    params.num_tiles = static_cast<int>(num_tiles);
-    switch (out_dtype) {
-        case MEGAMOE_DTYPE_BF16:
-            return launch_typed<__nv_bfloat16, false>(a_map, b_map, out_map, params, num_sms, stream);
-        case MEGAMOE_DTYPE_F16:
-            return launch_typed<__half, false>(a_map, b_map, out_map, params, num_sms, stream);
-        default:
-            return args.accumulate ? launch_typed<float, true>(a_map, b_map, out_map, params, num_sms, stream)
-                                   : launch_typed<float, false>(a_map, b_map, out_map, params, num_sms, stream);
-    }
+    return k_grouped_fp8_pairs() ? launch_pair<kClusterSize>(args, out, out_dtype, params, num_sms, stream)
+                                 : launch_pair<1>(args, out, out_dtype, params, num_sms, stream);
 }
 
 }  // namespace megamoe::sm90

@@ -21,6 +21,9 @@
 //   MEGAMOE_SM90_FP8_FULL_N=1          the FP8 M-grouped GEMMs' rescaled mainloop with m64 x 256 wgmmas (A read once
 //                                      per k step) instead of two m64 x 128 column halves (Operands::kFp8RescaledFullN;
 //                                      the same math; not yet run on a GPU)
+//   MEGAMOE_SM90_FP8_WGRAD_PAIR=1      the K-grouped FP8 GEMM in clusters of 2 CTAs on neighbouring n-tiles, A's
+//                                      halves multicast into both (a quarter less L2 -> SM traffic per stage; not yet
+//                                      run on a GPU)
 #pragma once
 
 #include <cstdlib>
@@ -54,6 +57,9 @@ inline bool k_grouped_narrow_a_tile() {
 }
 inline bool fp8_promoted() {
     return env_is("MEGAMOE_SM90_FP8_PROMOTE", "1");
+}
+inline bool k_grouped_fp8_pairs() {
+    return env_is("MEGAMOE_SM90_FP8_WGRAD_PAIR", "1");
 }
 inline bool fp8_full_n() {
     return env_is("MEGAMOE_SM90_FP8_FULL_N", "1");

@@ -9,8 +9,9 @@
 // last tile and NaN scales in the scale rows past it and in the scale columns past M or N, so a read outside the
 // routing's tiles shows as a NaN. Ragged routings: empty experts, 1 / 128 / 129 / 300 rows, one expert taking every
 // row, 64 experts of 0-2 rows, no rows at all; bf16, f16 and f32 outputs poisoned (NaN) before every run, f32
-// accumulation onto random values (an expert without rows leaves them bit for bit); two runs bitwise equal; the
-// refusals of supported().
+// accumulation onto random values (an expert without rows leaves them bit for bit); two runs bitwise equal, and the
+// CTA-pair variant (MEGAMOE_SM90_FP8_WGRAD_PAIR=1: odd n-tile counts leave a CTA recomputing its partner's tile)
+// bitwise the single CTAs'; the refusals of supported().
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -217,6 +218,8 @@ void check_case(const KCase& c) {
         }
     }
     EXPECT_EQ(launch().bytes, got.bytes) << "a second run differs";
+    const ScopedEnv pairs("MEGAMOE_SM90_FP8_WGRAD_PAIR", "1");  // CTA pairs sharing A by multicast: the same tiles
+    EXPECT_EQ(launch().bytes, got.bytes) << "MEGAMOE_SM90_FP8_WGRAD_PAIR=1 differs";
 }
 
 TEST(KGroupedFp8GemmCuda, RaggedRoutingsAgainstTheRecipe) {
