@@ -4,16 +4,20 @@ FP8 kernels' quantized operands and scales must equal bitwise, and the GEMM they
 Quantization of a tensor along one axis (the GEMM's K) in groups of `group` elements (1 x 128 tiles of activations),
 or over square blocks of the last two axes (128 x 128 blocks of weights):
 
-    amax  = max |v| over the group, in f32 (bf16 / f16 inputs are widened exactly)
-    scale = amax / 448 (f32 division, round to nearest even); pow2=True: the smallest power of two >= that quotient
-            (then v / scale and q * scale are exact operations, and a re-quantization along the other axis is cheap)
-    q     = e4m3(clamp(v / scale, -448, 448)), round to nearest even (torch.float8_e4m3fn); v = q * scale back
+    amax   = max |v| over the group, in f32 (bf16 / f16 inputs are widened exactly)
+    scale  = amax / 448 (f32 division, round to nearest even); pow2=True: the smallest power of two >= that quotient
+             (then v * factor and q * scale are exact operations, and a re-quantization along the other axis is cheap)
+    factor = 448 / amax (f32 division; DeepSeek-V3's cast multiplies by it); pow2=True: 1 / scale (exact); at most
+             the largest finite f32
+    q      = e4m3(clamp(v * factor, -448, 448)) (one f32 multiplication), round to nearest even
+             (torch.float8_e4m3fn); v = q * scale back
 
 Defined edge cases (never a silent wrong number):
-  - a group of zeros: scale 1, q 0 (dequantizes to the zeros);
+  - a group of zeros: scale 1, factor 1, q 0 (dequantizes to the zeros);
   - a group holding a NaN or an infinity: scale NaN, every q the NaN byte 0x7F (the whole group reads back NaN).
     torch's own e4m3 cast would turn an infinity into 448, a finite number nobody asked for;
-  - a scale below 2^-149 (the smallest positive f32: amax under ~6e-43) is raised to it, pow2 or not.
+  - a scale below 2^-149 (the smallest positive f32: amax under ~6e-43) is raised to it, pow2 or not; a factor past
+    the largest finite f32 (amax under ~1.3e-36, or a power-of-two scale under 2^-127) is lowered to it.
 A partial last group (K not a multiple of `group`) is a group of its own. Along tokens (the weight gradients'
 operands, quantize_expert_rows) the groups are 128 of one expert's rows from its first row, never two experts', each
 written into 128 columns of its own (zero-padded) as the kernels lay them out.
@@ -48,10 +52,23 @@ def _scales_from_amax(amax, pow2):
 E4M3_NAN_BITS = 0x7F  # the one NaN encoding written (e4m3fn has two, 0x7F and 0xFF)
 
 
-def _cast(values, scale):
-    """e4m3 of values / scale (f32 tensors broadcast together), clamped to +-448; a NaN scale gives 0x7F
+_MAX_FACTOR = torch.finfo(torch.float32).max
+
+
+def _factors_from_amax(amax, scale, pow2):
+    """f32 factors of the groups (amax, scale and the result of one shape): see the module's rules."""
+    safe = torch.where(torch.isfinite(amax) & (amax > 0), amax, torch.ones_like(amax))
+    # f32 tensor / tensor divisions, round to nearest even (torch computes `scalar / tensor` as a reciprocal times the
+    # scalar: two roundings)
+    factor = torch.ones_like(scale) / scale if pow2 else torch.full_like(safe, E4M3_MAX) / safe
+    factor = torch.clamp(torch.where(amax == 0, torch.ones_like(factor), factor), max=_MAX_FACTOR)
+    return torch.where(torch.isnan(factor), torch.ones_like(factor), factor)  # a NaN scale: unused (0x7F bytes)
+
+
+def _cast(values, scale, factor):
+    """e4m3 of values * factor (f32 tensors broadcast together), clamped to +-448; a NaN scale gives 0x7F
     everywhere (the kernels write the same byte, whatever the sign of the NaN)."""
-    ratio = torch.clamp(values / scale, -E4M3_MAX, E4M3_MAX)
+    ratio = torch.clamp(values * factor, -E4M3_MAX, E4M3_MAX)
     q = ratio.to(E4M3)
     q.view(torch.uint8)[torch.isnan(scale).expand_as(ratio)] = E4M3_NAN_BITS
     return q
@@ -69,9 +86,12 @@ def quantize_groups(x, group=GROUP, dim=-1, pow2=False):
     num_groups = -(-K // group)
     padded = torch.nn.functional.pad(moved, (0, num_groups * group - K))  # zeros: change no amax
     grouped = padded.reshape(*moved.shape[:-1], num_groups, group)
-    scales = _scales_from_amax(grouped.abs().amax(dim=-1), pow2)  # NaN where the group holds one
+    amax = grouped.abs().amax(dim=-1)
+    scales = _scales_from_amax(amax, pow2)  # NaN where the group holds one
     scales = torch.where(torch.isnan(grouped).any(dim=-1), torch.full_like(scales, float("nan")), scales)
-    q = _cast(grouped, scales.unsqueeze(-1)).reshape(*moved.shape[:-1], num_groups * group)[..., :K]
+    factors = _factors_from_amax(amax, scales, pow2)
+    q = _cast(grouped, scales.unsqueeze(-1), factors.unsqueeze(-1))
+    q = q.reshape(*moved.shape[:-1], num_groups * group)[..., :K]
     return q.movedim(-1, dim).contiguous(), scales.movedim(-1, dim).contiguous()
 
 
@@ -88,9 +108,12 @@ def quantize_blocks(w, block=GROUP, pow2=False):
     nb, kb = -(-N // block), -(-K // block)
     padded = torch.nn.functional.pad(values, (0, kb * block - K, 0, nb * block - N))
     blocks = padded.reshape(*values.shape[:-2], nb, block, kb, block)
-    scales = _scales_from_amax(blocks.abs().amax(dim=(-3, -1)), pow2)
+    amax = blocks.abs().amax(dim=(-3, -1))
+    scales = _scales_from_amax(amax, pow2)
     scales = torch.where(torch.isnan(blocks).any(dim=-3).any(dim=-1), torch.full_like(scales, float("nan")), scales)
-    q = _cast(blocks, scales.unsqueeze(-1).unsqueeze(-3)).reshape(*values.shape[:-2], nb * block, kb * block)
+    factors = _factors_from_amax(amax, scales, pow2)
+    q = _cast(blocks, scales.unsqueeze(-1).unsqueeze(-3), factors.unsqueeze(-1).unsqueeze(-3))
+    q = q.reshape(*values.shape[:-2], nb * block, kb * block)
     return q[..., :N, :K].contiguous(), scales.contiguous()
 
 

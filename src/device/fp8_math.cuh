@@ -1,8 +1,9 @@
 // The blockwise FP8 recipe's per-group math (python/megamoe/fp8_reference.py, bit for bit), shared by the
 // quantization kernels (portable/fp8_quant.cu) and the epilogues that quantize what they write (sm90): a group's amax
 // and non-finite flag, its scale (amax / 448, or the next power of two, at least 2^-149; 1 for a group of zeros; NaN
-// for a group holding a NaN or an infinity) and the e4m3 byte of each value (value / scale clamped to +-448, round to
-// nearest even; 0x7F in a non-finite group).
+// for a group holding a NaN or an infinity), the factor its values are multiplied by (DeepSeek-V3's cast, x * (448 /
+// amax): one division per group, a multiplication per value) and the e4m3 byte of each value (value * factor clamped
+// to +-448, round to nearest even; 0x7F in a non-finite group).
 #pragma once
 
 #include <cuda_fp8.h>
@@ -60,10 +61,21 @@ __device__ __forceinline__ float group_scale(const GroupStats& stats, bool pow2)
     return pow2 ? next_pow2(scale) : scale;
 }
 
-// The e4m3 byte of value / scale (clamped to +-448, round to nearest even), 0x7F for a non-finite group.
-__device__ __forceinline__ uint8_t quantize_value(float value, float scale, bool non_finite) {
+// The factor of a group of the given scale: 448 / amax (IEEE division) with the amax / 448 scales, 1 / scale (exact)
+// with power-of-two ones, 1 for a group of zeros; at most the largest finite f32 (amax below ~1.3e-36, or a
+// power-of-two scale below 2^-127, would give an infinity, and 0 x infinity a NaN); 0, unused, in a non-finite group.
+__device__ __forceinline__ float group_factor(const GroupStats& stats, float scale, bool pow2) {
+    if (stats.non_finite) return 0.0f;
+    if (stats.amax == 0.0f) return 1.0f;
+    const float factor = pow2 ? __frcp_rn(scale) : __fdiv_rn(kE4M3Max, stats.amax);
+    return fminf(factor, __uint_as_float(0x7F7FFFFFu));
+}
+
+// The e4m3 byte of value * factor (one f32 multiplication, round to nearest even; clamped to +-448, then round to
+// nearest even to e4m3), 0x7F for a non-finite group.
+__device__ __forceinline__ uint8_t quantize_value(float value, float factor, bool non_finite) {
     if (non_finite) return kE4M3NanBits;
-    const float ratio = fminf(fmaxf(__fdiv_rn(value, scale), -kE4M3Max), kE4M3Max);
+    const float ratio = fminf(fmaxf(__fmul_rn(value, factor), -kE4M3Max), kE4M3Max);
     return static_cast<uint8_t>(__nv_cvt_float_to_fp8(ratio, __NV_SATFINITE, __NV_E4M3));
 }
 

@@ -38,12 +38,13 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_groups_kernel(const Qu
         }
         stats.reduce_over_warp();
         const float scale = group_scale(stats, args.pow2);
+        const float factor = group_factor(stats, scale, args.pow2);
         uint8_t* q_row = args.q + row_idx * args.cols;
 #pragma unroll
         for (int i = 0; i < kColsPerLane; ++i) {
             const int64_t col = first_col + i;
             if (col >= args.cols) break;
-            q_row[col] = quantize_value(values[i], scale, stats.non_finite);
+            q_row[col] = quantize_value(values[i], factor, stats.non_finite);
         }
         if (lane_idx == 0) args.scales[group_idx] = scale;
     }
@@ -103,10 +104,11 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_groups_vector_kernel(c
             stats[j].reduce_over_warp();
             if (first_group + j >= num_groups) continue;
             const float scale = group_scale(stats[j], args.pow2);
+            const float factor = group_factor(stats[j], scale, args.pow2);
             uint32_t bytes = 0;
 #pragma unroll
             for (int i = 0; i < kColsPerLane; ++i) {
-                bytes |= static_cast<uint32_t>(quantize_value(values[j][i], scale, stats[j].non_finite)) << (8 * i);
+                bytes |= static_cast<uint32_t>(quantize_value(values[j][i], factor, stats[j].non_finite)) << (8 * i);
             }
             if (col[j] < args.cols) *reinterpret_cast<uint32_t*>(args.q + row_idx[j] * args.cols + col[j]) = bytes;
             if (lane_idx == 0) args.scales[first_group + j] = scale;
@@ -185,6 +187,7 @@ __global__ void __launch_bounds__(kQuantThreads)
         block.non_finite |= warp_non_finite[w] != 0;
     }
     const float scale = group_scale(block, args.pow2);
+    const float factor = group_factor(block, scale, args.pow2);
 #pragma unroll
     for (int r = 0; r < kBlockRowsPerWarp; ++r) {
         const int64_t row = n_block * kBlockSide + warp_idx * kBlockRowsPerWarp + r;
@@ -192,7 +195,7 @@ __global__ void __launch_bounds__(kQuantThreads)
         for (int c = 0; c < kColsPerLane; ++c) {
             const int64_t col = k_block * kBlockSide + lane_idx + c * kWarpSize;
             if (row >= args.n || col >= args.k) continue;
-            const uint8_t byte = quantize_value(values[r][c], scale, block.non_finite);
+            const uint8_t byte = quantize_value(values[r][c], factor, block.non_finite);
             args.q[(expert * args.n + row) * args.k + col] = byte;
             if (args.q_t != nullptr) args.q_t[(expert * args.k + col) * args.n + row] = byte;
         }
@@ -204,7 +207,8 @@ __global__ void __launch_bounds__(kQuantThreads)
 // 16-byte aligned. One block per CTA; each thread 64 elements of the block by 16-byte loads (8 of 8 bf16 / f16, 16 of
 // 4 f32), all issued before any is used: warp w reads rows 16 w .. 16 w + 15, a load instruction whole rows (a warp:
 // 2 rows of bf16 / f16, 1 of f32). The amax (a max: order-free) and the non-finite flag by warp shuffles and shared
-// memory, the scale and the bytes by group_scale / quantize_value as in the scalar path: the same bytes. The bytes go
+// memory, the scale, factor and bytes by group_scale / group_factor / quantize_value as in the scalar path: the same
+// bytes. The bytes go
 // into a 128 x 128 shared tile (16 KB), then out in 16-byte rows of q (8 lanes: one 128-byte row) and of q_t (each
 // thread transposes 16 rows x 4 columns of the tile by byte permutes: 8 lanes write one 128-byte row of q_t). The
 // tile's 16-byte chunks are swizzled, chunk c of row r at c ^ (r / 16), so that the tile's writes, the q rows' reads
@@ -324,6 +328,7 @@ __global__ void __launch_bounds__(kQuantThreads, BlockLoads<T>::kMinBlocks)
         block.non_finite |= warp_non_finite[w] != 0;
     }
     const float scale = group_scale(block, args.pow2);
+    const float factor = group_factor(block, scale, args.pow2);
 #pragma unroll
     for (int j = 0; j < Loads::kLoads; ++j) {
         float values[Loads::kPerLoad];
@@ -331,7 +336,7 @@ __global__ void __launch_bounds__(kQuantThreads, BlockLoads<T>::kMinBlocks)
         uint32_t words[Loads::kPerLoad / 4] = {};
 #pragma unroll
         for (int i = 0; i < Loads::kPerLoad; ++i) {
-            words[i / 4] |= uint32_t{quantize_value(values[i], scale, block.non_finite)} << (8 * (i % 4));
+            words[i / 4] |= uint32_t{quantize_value(values[i], factor, block.non_finite)} << (8 * (i % 4));
         }
         uint8_t* target = tile_chunk + j * Loads::kRowsPerLoad * kBlockSide;  // row load_row + j * kRowsPerLoad
         if constexpr (Loads::kPerLoad == 8) {

@@ -1,9 +1,10 @@
 // Blockwise FP8 quantization kernels (issue #20): the rules of python/megamoe/fp8_reference.py, bit for bit.
 //   quantize_groups  rows of a matrix in groups of 128 consecutive columns (the activations' 1 x 128 tiles along the
 //                    GEMM's K): per group amax = max |v| (f32), scale = amax / 448 (IEEE division) or, pow2, the
-//                    smallest power of two at least that, raised to 2^-149 at the least; q = e4m3(clamp(v / scale,
-//                    +-448)), round to nearest even. A group of zeros: scale 1. A group holding a NaN or an infinity:
-//                    scale NaN and every q the byte 0x7F.
+//                    smallest power of two at least that, raised to 2^-149 at the least; q = e4m3(clamp(v * factor,
+//                    +-448)), round to nearest even, factor = 448 / amax (IEEE division; pow2: 1 / scale), at most
+//                    the largest finite f32 (DeepSeek-V3's cast). A group of zeros: scale 1. A group holding a NaN or
+//                    an infinity: scale NaN and every q the byte 0x7F.
 //   quantize_expert_rows  the weight gradients' operands along tokens: sorted rows (gathered from a token-major source
 //                    or read as they are) in groups of 128 of an expert's rows from its first row (the routing's M
 //                    tiles), written transposed and tile-padded for a K-grouped FP8 GEMM that loads its operands and

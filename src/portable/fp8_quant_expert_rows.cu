@@ -8,13 +8,13 @@
 // share their columns: each column's amax over the thread's rows by an integer max of the magnitudes' bits (the sign
 // bits cleared: the order of non-negative floats, a NaN or an infinity above every finite value, so the same amax and
 // non-finite flag as GroupStats::add value by value), then over the warp's lanes of those columns by shuffles and over
-// the 8 warps through shared memory. 128 threads then take a column each: its scale (group_scale), to shared memory
-// and to scales[i, c] (one 512-byte row segment). Each thread quantizes its values (quantize_value with its columns'
-// scales; the rows past the tile's end the byte 0) into a 128 x 128 byte tile in shared memory, 16-byte chunks
-// swizzled (chunk c of row r at c ^ (r / 16)): the writes, and the transposing 4-byte reads (a warp: 4 columns of
-// words in 8 row groups) free of bank conflicts. The transpose: a thread takes 16 rows x 4 columns by byte permutes and
-// stores each column's 16 bytes at once, 8 lanes one 128-byte segment of a q_t row. Shared memory ~21 KB, <= 64
-// registers for bf16 / f16 (4 CTAs an SM), <= 128 for f32 (2).
+// the 8 warps through shared memory. 128 threads then take a column each: its scale (group_scale) to scales[i, c]
+// (one 512-byte row segment), its factor (group_factor; NaN for a non-finite column) to shared memory. Each thread
+// quantizes its values (quantize_value with its columns' factors; the rows past the tile's end the byte 0) into a 128 x
+// 128 byte tile in shared memory, 16-byte chunks swizzled (chunk c of row r at c ^ (r / 16)): the writes, and the
+// transposing 4-byte reads (a warp: 4 columns of words in 8 row groups) free of bank conflicts. The transpose: a thread
+// takes 16 rows x 4 columns by byte permutes and stores each column's 16 bytes at once, 8 lanes one 128-byte segment of
+// a q_t row. Shared memory ~21 KB, <= 64 registers for bf16 / f16 (4 CTAs an SM), <= 128 for f32 (2).
 #include <cuda_fp8.h>
 
 #include <type_traits>
@@ -134,12 +134,13 @@ __device__ __forceinline__ void quantize_tile_rows(const QuantizeExpertRowsArgs&
         const int source = source_rows[tile_row];
         if (source < 0 || !row_writer[tile_row] || columns_left <= 0) continue;
         const float scale = group_scale(stats, args.pow2);
+        const float factor = group_factor(stats, scale, args.pow2);
         uint8_t* q_row = args.row_q + static_cast<int64_t>(source) * args.cols + first_col + load_col;
         if constexpr (kVector) {  // cols % 8 == 0: the chunk is whole
             uint32_t words[Loads::kPerLoad / 4] = {};
 #pragma unroll
             for (int k = 0; k < Loads::kPerLoad; ++k) {
-                words[k / 4] |= uint32_t{quantize_value(values[k], scale, stats.non_finite)} << (8 * (k % 4));
+                words[k / 4] |= uint32_t{quantize_value(values[k], factor, stats.non_finite)} << (8 * (k % 4));
             }
             if constexpr (Loads::kPerLoad == 8) {
                 *reinterpret_cast<uint2*>(q_row) = make_uint2(words[0], words[1]);
@@ -149,7 +150,7 @@ __device__ __forceinline__ void quantize_tile_rows(const QuantizeExpertRowsArgs&
         } else {
 #pragma unroll
             for (int k = 0; k < Loads::kPerLoad; ++k) {
-                if (k < columns_left) q_row[k] = quantize_value(values[k], scale, stats.non_finite);
+                if (k < columns_left) q_row[k] = quantize_value(values[k], factor, stats.non_finite);
             }
         }
         if (lane_idx % Loads::kPerRow == 0) {
@@ -165,7 +166,7 @@ __global__ void __launch_bounds__(kThreads, kRowQuantize ? TileLoads<T>::kMinRow
     __shared__ int source_rows[kTileRows];  // the tile's source rows, -1 past its end
     __shared__ bool row_writer[kTileRows];  // kRowQuantize: the tile holds the row's first routed slot
     __shared__ __align__(16) uint32_t col_max[kWarps][kTileCols];  // each warp's column magnitudes, f32 bits
-    __shared__ __align__(16) float col_scale[kTileCols];
+    __shared__ __align__(16) float col_factor[kTileCols];          // each column's factor, NaN for a non-finite column
     __shared__ __align__(16) uint8_t tile[kTileRows * kTileCols];  // the e4m3 bytes [row][column], swizzled
     const int64_t tile_idx = blockIdx.x;
     const unsigned thread_idx = threadIdx.x;  // unsigned: the tile's offsets by shifts
@@ -254,20 +255,20 @@ __global__ void __launch_bounds__(kThreads, kRowQuantize ? TileLoads<T>::kMinRow
         stats.amax = __uint_as_float(bits);
         stats.non_finite = bits >= kNonFiniteBits;
         const float scale = group_scale(stats, args.pow2);  // NaN exactly where the column holds a non-finite value
-        col_scale[thread_idx] = scale;
+        col_factor[thread_idx] = stats.non_finite ? scale : group_factor(stats, scale, args.pow2);  // NaN: non-finite
         if (first_col + thread_idx < args.cols) args.scales[tile_idx * args.ld_scales + first_col + thread_idx] = scale;
     }
     __syncthreads();
 
     // The bytes into the tile; the rows past the tile's end 0 (a NaN column's would be 0x7F).
-    float scale[Loads::kPerLoad];
+    float factor[Loads::kPerLoad];
 #pragma unroll
     for (int k = 0; k < Loads::kPerLoad; k += 4) {
-        const float4 four = *reinterpret_cast<const float4*>(&col_scale[load_col + k]);
-        scale[k] = four.x;
-        scale[k + 1] = four.y;
-        scale[k + 2] = four.z;
-        scale[k + 3] = four.w;
+        const float4 four = *reinterpret_cast<const float4*>(&col_factor[load_col + k]);
+        factor[k] = four.x;
+        factor[k + 1] = four.y;
+        factor[k + 2] = four.z;
+        factor[k + 3] = four.w;
     }
     uint8_t* const tile_chunk = tile + tile_offset(load_row, load_col);
 #pragma unroll
@@ -278,7 +279,7 @@ __global__ void __launch_bounds__(kThreads, kRowQuantize ? TileLoads<T>::kMinRow
             unpack_chunk<T>(raw[j], values);
 #pragma unroll
             for (int k = 0; k < Loads::kPerLoad; ++k) {
-                words[k / 4] |= uint32_t{quantize_value(values[k], scale[k], isnan(scale[k]))} << (8 * (k % 4));
+                words[k / 4] |= uint32_t{quantize_value(values[k], factor[k], isnan(factor[k]))} << (8 * (k % 4));
             }
         }
         uint8_t* target = tile_chunk + j * Loads::kRowsPerLoad * kTileCols;  // row load_row + j * kRowsPerLoad

@@ -103,16 +103,16 @@ __device__ __forceinline__ void load_dswiglu_sub_tile(const MainloopParams& para
     cuda::cp_async_commit();
 }
 
-// The e4m3 bytes of a 16-byte chunk of 8 16-bit values (value i: byte i), by the recipe's rules.
+// The e4m3 bytes of a 16-byte chunk of 8 16-bit values (value i: byte i), by the recipe's rules (the group's factor).
 template <typename T>
-__device__ __forceinline__ uint2 quantize_chunk(const uint32_t (&words)[4], float scale, bool non_finite) {
+__device__ __forceinline__ uint2 quantize_chunk(const uint32_t (&words)[4], float factor, bool non_finite) {
     uint32_t bytes[2] = {0, 0};
 #pragma unroll
     for (int word_idx = 0; word_idx < 4; ++word_idx) {
         float first, second;
         cuda::unpack_pair<T>(words[word_idx], first, second);
-        const uint32_t pair = cuda::quantize_value(first, scale, non_finite) |
-                              (static_cast<uint32_t>(cuda::quantize_value(second, scale, non_finite)) << 8);
+        const uint32_t pair = cuda::quantize_value(first, factor, non_finite) |
+                              (static_cast<uint32_t>(cuda::quantize_value(second, factor, non_finite)) << 8);
         bytes[word_idx / 2] |= pair << (16 * (word_idx % 2));
     }
     return make_uint2(bytes[0], bytes[1]);
@@ -141,7 +141,7 @@ __device__ __forceinline__ void quantize_dh_chunks(const MainloopParams& params,
     const int64_t intermediate = params.n;
     const int64_t groups_per_row = 2 * intermediate / kFp8ScaleGroup;
     const int copy_chunk = lane_idx % kDSwiGLUChunksPerRow;
-    float scales[kPasses][2][kGroups];
+    float scales[kPasses][2][kGroups], factors[kPasses][2][kGroups];
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
 #pragma unroll
@@ -150,6 +150,8 @@ __device__ __forceinline__ void quantize_dh_chunks(const MainloopParams& params,
             for (int group = 0; group < kGroups; ++group) {
                 stats[pass][half][group].reduce_over_quad();  // every lane: the shuffles take the whole warp
                 scales[pass][half][group] = cuda::group_scale(stats[pass][half][group], epilogue.dh_q_pow2);
+                factors[pass][half][group] =
+                    cuda::group_factor(stats[pass][half][group], scales[pass][half][group], epilogue.dh_q_pow2);
             }
         }
     }
@@ -171,7 +173,7 @@ __device__ __forceinline__ void quantize_dh_chunks(const MainloopParams& params,
                 uint32_t words[4];
                 load_chunk(dh_row, col, words);
                 *reinterpret_cast<uint2*>(q_row + col) =
-                    quantize_chunk<T>(words, scales[pass][half][group], stats[pass][half][group].non_finite);
+                    quantize_chunk<T>(words, factors[pass][half][group], stats[pass][half][group].non_finite);
             }
 #pragma unroll
             for (int group = 0; group < kGroups; ++group) {

@@ -66,6 +66,7 @@ struct QuantizedSwiGLUEpilogue : NoEpilogueHooks {
             }
             stats.reduce_over_quad();
             const float scale = cuda::group_scale(stats, params.pow2);
+            const float factor = cuda::group_factor(stats, scale, params.pow2);
             uint8_t* q_row = params.act_q + row_idx * mainloop.n;
             T* out_row = static_cast<T*>(params.out) + row_idx * params.ldo;
             T* h_row = static_cast<T*>(params.h) + row_idx * 2 * mainloop.n;
@@ -86,8 +87,8 @@ struct QuantizedSwiGLUEpilogue : NoEpilogueHooks {
                     float first, second;
                     cuda::unpack_pair<T>(words[word_idx], first, second);
                     const uint32_t pair =
-                        cuda::quantize_value(first, scale, stats.non_finite) |
-                        (static_cast<uint32_t>(cuda::quantize_value(second, scale, stats.non_finite)) << 8);
+                        cuda::quantize_value(first, factor, stats.non_finite) |
+                        (static_cast<uint32_t>(cuda::quantize_value(second, factor, stats.non_finite)) << 8);
                     bytes[word_idx / 2] |= pair << (16 * (word_idx % 2));
                 }
                 const int64_t col = tile.n_tile_idx * kFp8ScaleGroup + (group_idx * kFragsPerChunk + quad_lane) * 8;

@@ -76,10 +76,19 @@ float host_scale(float amax, bool non_finite, bool pow2) {
     return mantissa == 0 ? scale : float_of((exponent + 1) << 23);
 }
 
-// fp8_reference's byte of v in a group of the given scale.
-uint8_t host_byte(float v, float scale, bool non_finite) {
+// fp8_reference's factor of a group: 448 / amax, or 1 / scale for power-of-two scales (f32 divisions), 1 for zeros, at
+// most the largest finite f32.
+float host_factor(float amax, float scale, bool non_finite, bool pow2) {
+    if (non_finite) return 0.0f;
+    if (amax == 0.0f) return 1.0f;
+    const float factor = pow2 ? 1.0f / scale : 448.0f / amax;
+    return std::min(factor, std::numeric_limits<float>::max());
+}
+
+// fp8_reference's byte of v in a group of the given factor (one f32 multiplication, clamped, round to nearest even).
+uint8_t host_byte(float v, float factor, bool non_finite) {
     if (non_finite) return 0x7F;
-    const float ratio = std::min(std::max(v / scale, -448.0f), 448.0f);
+    const float ratio = std::min(std::max(v * factor, -448.0f), 448.0f);
     return static_cast<uint8_t>(__nv_cvt_float_to_fp8(ratio, __NV_SATFINITE, __NV_E4M3));
 }
 
@@ -99,10 +108,11 @@ HostQuant host_quantize(const std::vector<float>& values, int64_t rows, int64_t 
             HostStats stats;
             for (int64_t c = begin; c < end; ++c) stats.add(values[static_cast<size_t>(r * cols + c)]);
             const float scale = host_scale(stats.amax, stats.non_finite, pow2);
+            const float factor = host_factor(stats.amax, scale, stats.non_finite, pow2);
             out.scales[static_cast<size_t>(r * groups + g)] = scale;
             for (int64_t c = begin; c < end; ++c) {
                 out.q[static_cast<size_t>(r * cols + c)] =
-                    host_byte(values[static_cast<size_t>(r * cols + c)], scale, stats.non_finite);
+                    host_byte(values[static_cast<size_t>(r * cols + c)], factor, stats.non_finite);
             }
         }
     }
@@ -452,6 +462,7 @@ void check_weight_blocks(megamoe_dtype_t dtype, int64_t N, int64_t K) {
                         }
                     }
                     const float scale = host_scale(stats.amax, stats.non_finite, pow2);
+                    const float factor = host_factor(stats.amax, scale, stats.non_finite, pow2);
                     const uint32_t got = word_at(scales, (e * nb + bn) * kb + bk);
                     ASSERT_TRUE(same_scale(got, scale))
                         << "block (" << e << ", " << bn << ", " << bk << "): " << float_of(got) << " against " << scale;
@@ -462,7 +473,7 @@ void check_weight_blocks(megamoe_dtype_t dtype, int64_t N, int64_t K) {
                     for (int64_t n = bn * kGroup; n < n_end; ++n) {
                         for (int64_t k = bk * kGroup; k < k_end; ++k) {
                             const uint8_t want =
-                                host_byte(static_cast<float>(w.get((e * N + n) * K + k)), scale, stats.non_finite);
+                                host_byte(static_cast<float>(w.get((e * N + n) * K + k)), factor, stats.non_finite);
                             ASSERT_EQ(q.bytes[static_cast<size_t>((e * N + n) * K + k)], want) << n << ", " << k;
                             ASSERT_EQ(q_t.bytes[static_cast<size_t>((e * K + k) * N + n)], want) << k << ", " << n;
                         }

@@ -1,4 +1,5 @@
-"""The CPU reference of the blockwise FP8 recipe (megamoe.fp8_reference, issue #20): the quantization rules checked
+"""The CPU reference of the blockwise FP8 recipe (megamoe.fp8_reference, issue #20): the quantization rules (scale =
+amax / 448, each value multiplied by the factor 448 / amax, or 1 / scale for power-of-two scales) checked
 against loops written out element by element, the edge cases the module defines (zero groups, the E4M3 limit, NaN
 and infinities, partial groups, power-of-two scales), and the recipe's GEMM against float64 on the dequantized
 operands, and the whole layer under the recipe against the unquantized layer. Fresh random data each run (the gen
@@ -41,11 +42,13 @@ def test_groups_follow_the_rules(gen, pow2, K):
     if pow2:
         want_scales = torch.tensor([[2.0 ** math.ceil(math.log2(float(s))) for s in row] for row in want_scales])
     assert torch.equal(scales, want_scales)
-    # q: every element, written out (the f32 quotient, clamped, rounded to the nearest e4m3, ties to even)
+    # q: every element, written out (the f32 product with the group's factor, 448 / amax or 1 / scale for pow2,
+    # clamped, rounded to the nearest e4m3, ties to even)
     xf = x.float()
+    factors = torch.ones_like(scales) / scales if pow2 else torch.full_like(amax.float(), 448.0) / amax.float()
     for r in range(x.shape[0]):
         for k in range(K):
-            ratio = torch.tensor(float(xf[r, k]), dtype=torch.float32) / scales[r, k // 128]
+            ratio = torch.tensor(float(xf[r, k]), dtype=torch.float32) * factors[r, k // 128]
             ratio = min(max(float(ratio), -448.0), 448.0)
             nearest = FINITE_E4M3[(FINITE_E4M3 - ratio).abs().argmin()]
             assert abs(float(q[r, k].float()) - ratio) <= abs(float(nearest) - ratio)
@@ -140,7 +143,8 @@ def test_blocks_follow_the_rules(gen, pow2):
                 if pow2:
                     scale = torch.tensor(2.0 ** math.ceil(math.log2(float(scale))))
                 assert float(scales[e, nb, kb]) == float(scale)
-                want = torch.clamp(block / scale, -448, 448).to(fp8.E4M3)
+                factor = torch.tensor(1.0) / scale if pow2 else torch.tensor(448.0) / block.abs().max()  # f32
+                want = torch.clamp(block * factor, -448, 448).to(fp8.E4M3)
                 got = q[e, nb * 128:(nb + 1) * 128, kb * 128:(kb + 1) * 128]
                 assert torch.equal(got.view(torch.uint8), want.view(torch.uint8))
     back = fp8.dequantize_blocks(q, scales)
