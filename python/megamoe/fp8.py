@@ -58,8 +58,8 @@ class Fp8Experts(NamedTuple):
         w2_t        [E, I, H]                float8_e4m3fn   its transpose (the dH GEMM)
         w2_scales   [E, H / 128, I / 128]    float32
 
-    q = e4m3(v / scale) rounded to nearest even, scale = amax / 448 of the block in f32 (a block of zeros: scale 1;
-    one holding a NaN or an infinity: NaN). Memory: one byte per weight element twice (the copy and its transpose),
+    q = e4m3(v * (448 / amax)) rounded to nearest even, scale = amax / 448 of the block in f32 (a block of zeros:
+    scale 1; one holding a NaN or an infinity: NaN; megamoe.fp8_reference has every rule). Memory: one byte per weight element twice (the copy and its transpose),
     so as much as the 16-bit weights themselves, plus 4 bytes of scale per 16384 elements; the cache keeps one such
     set per pair of weights (per layer) for as long as the weights live.
     """
