@@ -372,13 +372,15 @@ def test_modules_and_adapters_pass_the_precision(recorder, gen):
 
 # ---------------------------------------------------------------- GPU: the recipe as the kernels run it
 
-def recipe_as_run(x, ids, s, w13, w2, dy, low=torch.bfloat16):
+def recipe_as_run(x, ids, s, w13, w2, dy, low=torch.bfloat16, fp8_weight_grads=False):
     """The layer under the recipe (fp8_reference's quantization and blockwise GEMMs, float64 between them) with the
     16-bit rounding points of the CUDA path: a rounded to x's dtype before its quantization (the up GEMM's epilogue
     quantizes the a it stores), the backward's h rounded (saved or recomputed, h is x's dtype), dh rounded before its
     quantization pass, and the weight gradients from the 16-bit dh, x, dy and s a, unquantized (megamoe.h:
-    FP8_BLOCKWISE computes them as DEFAULT does). low=None: no rounding (then y, dx and d topk_weights are
-    fp8_reference.moe_reference's). Returns (y, dx, dtopk_weights, dw13, dw2) in float64, on the CPU."""
+    FP8_BLOCKWISE computes them as DEFAULT does) or, fp8_weight_grads (MEGAMOE_FP8_WGRAD=1), from those operands
+    quantized along the tokens in groups of 128 of each expert's rows. low=None: no rounding (then y, dx and d
+    topk_weights are fp8_reference.moe_reference's). Returns (y, dx, dtopk_weights, dw13, dw2) in float64, on the
+    CPU."""
     f64 = torch.float64
     rnd = (lambda t: t) if low is None else (lambda t: t.to(low).to(f64))
     x, s, w13, w2, dy = (t.detach().cpu() for t in (x, s, w13, w2, dy))
@@ -389,6 +391,11 @@ def recipe_as_run(x, ids, s, w13, w2, dy, low=torch.bfloat16):
 
     def along(v):  # quantized in 1 x 128 groups along the last dimension, back in float64
         return fp8_reference.dequantize_groups(*fp8_reference.quantize_groups(v), dtype=f64)
+
+    def along_tokens(v):  # an expert's rows [n, C] in groups of 128 rows from its first, back in float64
+        if not fp8_weight_grads:
+            return v.to(f64)
+        return fp8_reference.dequantize_groups(*fp8_reference.quantize_groups(v, dim=0), dim=0, dtype=f64)
 
     w13_q, w2_q = (fp8_reference.dequantize_blocks(*fp8_reference.quantize_blocks(w), dtype=f64) for w in (w13, w2))
     x_q, dy_q = along(x), along(dy)  # [T, H]
@@ -414,8 +421,8 @@ def recipe_as_run(x, ids, s, w13, w2, dy, low=torch.bfloat16):
         d_act = weight * p
         dh = rnd(torch.cat([d_act * up * sig * (1 + gate * (1 - sig)), d_act * gate * sig], dim=1))  # [n, 2I]
         dx.index_add_(0, tokens, along(dh) @ w13_q[e])
-        dw13[e] = dh.T @ x[tokens].to(f64)
-        dw2[e] = dy[tokens].to(f64).T @ rnd(weight * a)
+        dw13[e] = along_tokens(dh).T @ along_tokens(x[tokens])
+        dw2[e] = along_tokens(dy[tokens]).T @ along_tokens(rnd(weight * a))
     return y, dx, dtopk.reshape(T, topk), dw13, dw2
 
 
@@ -488,6 +495,32 @@ def test_forward_and_backward_against_the_recipe(case, gen):
     rerun = _fp8_run(problem)
     for name, first, second in zip(OUTPUTS, ours, rerun):
         assert torch.equal(first, second), f"{name}: two runs differ"
+
+
+@requires_sm90
+@pytest.mark.parametrize("case", CASES[:4], ids=[c[0] for c in CASES[:4]])
+def test_fp8_weight_grads_against_the_recipe(case, gen, monkeypatch):
+    """MEGAMOE_FP8_WGRAD=1: the weight gradients on the K-grouped FP8 GEMM, against recipe_as_run with their operands
+    quantized along the tokens (the other outputs as without the switch), within the same bound; keep-h and recompute
+    bitwise; and farther from the 16-bit weight gradients than from the recipe (the switch took effect)."""
+    _, T, H, I, E, topk, routing, dtype = case
+    problem = make_problem(T, H, I, E, topk, routing, dtype=dtype, gen=gen)
+    sixteen = _fp8_run(problem)
+    monkeypatch.setenv("MEGAMOE_FP8_WGRAD", "1")
+    ours = _fp8_run(problem)
+    run = recipe_as_run(*problem, low=dtype, fp8_weight_grads=True)
+    for index, name in enumerate(OUTPUTS):
+        err = rel_err(ours[index], run[index])
+        what = f"{name}: fp8 weight gradients vs recipe_as_run {err:.2e}"
+        print(what)
+        assert torch.isfinite(ours[index]).all() and err < BOUND_RUN, what
+        if index < 3:
+            assert torch.equal(ours[index], sixteen[index]), f"{name}: changed by MEGAMOE_FP8_WGRAD=1"
+    for index in (3, 4):
+        assert rel_err(sixteen[index], run[index]) > 2 * rel_err(ours[index], run[index]), OUTPUTS[index]
+    recomputed = _fp8_run(problem, recompute=True)
+    for name, kept, again in zip(OUTPUTS, ours, recomputed):
+        assert torch.equal(kept, again), f"{name}: keep-h and recompute modes differ"
 
 
 @requires_sm90
