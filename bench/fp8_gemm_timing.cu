@@ -34,39 +34,21 @@ namespace sm90 = megamoe::sm90;
 
 bool run_shape(const Shape& s, int num_sms) {
     const int64_t T = s.tokens, H = s.hidden, I = s.inter, E = s.experts, rows = T * s.topk;
-    const int64_t per_expert = rows / E, tiles_per_expert = (per_expert + 127) / 128;
-    if (rows % E != 0 || E % s.topk != 0 || H % 128 != 0 || I % 128 != 0) {
-        std::fprintf(stderr, "%s: balanced routing needs T topk %% E == 0, E %% topk == 0, H, I %% 128 == 0\n", s.name);
-        return false;
-    }
-    // Slot t topk + j goes to expert (t topk + j) % E: distinct experts per token, per_expert slots each; expert e's
-    // sorted rows are its slots in increasing order, e + E i.
-    std::vector<int> offsets(static_cast<size_t>(E + 1)), tiles(static_cast<size_t>(E + 1)), slots(rows);
-    for (int64_t e = 0; e <= E; ++e) {
-        offsets[static_cast<size_t>(e)] = static_cast<int>(e * per_expert);
-        tiles[static_cast<size_t>(e)] = static_cast<int>(e * tiles_per_expert);
-    }
-    for (int64_t e = 0; e < E; ++e) {
-        for (int64_t i = 0; i < per_expert; ++i)
-            slots[static_cast<size_t>(e * per_expert + i)] = static_cast<int>(e + E * i);
-    }
+    BalancedRouting routing;
+    if (!routing.make(s)) return false;
+    const int64_t max_tiles = routing.max_tiles;
     const int64_t kg_h = H / 128, kg_i = I / 128;
-    Buffer offsets_dev, tiles_dev, slots_dev, x, w13, w2, act_in, h, act, out;
+    Buffer x, w13, w2, act_in, h, act, out;
     Buffer x8, w13_8, w2_8, act8, sx, sw13, sw2, sact, dh, ds_parts, weights;
     const bool allocated =
-        offsets_dev.alloc(offsets.size() * 4, "offsets") && tiles_dev.alloc(tiles.size() * 4, "tiles") &&
-        slots_dev.alloc(slots.size() * 4, "slots") && x.alloc(T * H * 2, "x") && w13.alloc(E * 2 * I * H * 2, "w13") &&
-        w2.alloc(E * H * I * 2, "w2") && act_in.alloc(rows * I * 2, "a") && h.alloc(rows * 2 * I * 2, "h") &&
-        act.alloc(rows * I * 2, "act") && out.alloc(rows * H * 2, "out") && x8.alloc(T * H, "x8") &&
-        w13_8.alloc(E * 2 * I * H, "w13_8") && w2_8.alloc(E * H * I, "w2_8") && act8.alloc(rows * I, "a8") &&
-        sx.alloc(T * kg_h * 4, "x scales") && sw13.alloc(E * (2 * I / 128) * kg_h * 4, "w13 scales") &&
-        sw2.alloc(E * (H / 128) * kg_i * 4, "w2 scales") && sact.alloc(rows * kg_i * 4, "a scales") &&
-        dh.alloc(rows * 2 * I * 2, "dh") && ds_parts.alloc(rows * ((I + 255) / 256) * 4, "ds parts") &&
-        weights.alloc(rows * 4, "topk weights");
+        x.alloc(T * H * 2, "x") && w13.alloc(E * 2 * I * H * 2, "w13") && w2.alloc(E * H * I * 2, "w2") &&
+        act_in.alloc(rows * I * 2, "a") && h.alloc(rows * 2 * I * 2, "h") && act.alloc(rows * I * 2, "act") &&
+        out.alloc(rows * H * 2, "out") && x8.alloc(T * H, "x8") && w13_8.alloc(E * 2 * I * H, "w13_8") &&
+        w2_8.alloc(E * H * I, "w2_8") && act8.alloc(rows * I, "a8") && sx.alloc(T * kg_h * 4, "x scales") &&
+        sw13.alloc(E * (2 * I / 128) * kg_h * 4, "w13 scales") && sw2.alloc(E * (H / 128) * kg_i * 4, "w2 scales") &&
+        sact.alloc(rows * kg_i * 4, "a scales") && dh.alloc(rows * 2 * I * 2, "dh") &&
+        ds_parts.alloc(rows * ((I + 255) / 256) * 4, "ds parts") && weights.alloc(rows * 4, "topk weights");
     if (!allocated) return false;
-    CHECK_CUDA(cudaMemcpy(offsets_dev.as<int>(), offsets.data(), offsets.size() * 4, cudaMemcpyHostToDevice));
-    CHECK_CUDA(cudaMemcpy(tiles_dev.as<int>(), tiles.data(), tiles.size() * 4, cudaMemcpyHostToDevice));
-    CHECK_CUDA(cudaMemcpy(slots_dev.as<int>(), slots.data(), slots.size() * 4, cudaMemcpyHostToDevice));
     const std::pair<const Buffer*, int64_t> bf16s[] = {
         {&x, T * H}, {&w13, E * 2 * I * H}, {&w2, E * H * I}, {&act_in, rows * I}};
     const std::pair<const Buffer*, int64_t> e4m3s[] = {
@@ -87,7 +69,7 @@ bool run_shape(const Shape& s, int num_sms) {
     up.dtype = MEGAMOE_DTYPE_BF16;
     up.a = x.as<void>();
     up.lda = H;
-    up.a_gather_slots = slots_dev.as<int>();
+    up.a_gather_slots = routing.slots.as<int>();
     up.num_a_rows = T;
     up.topk = s.topk;
     up.b = w13.as<void>();
@@ -95,10 +77,10 @@ bool run_shape(const Shape& s, int num_sms) {
     up.ldb = H;
     up.n = I;
     up.k = H;
-    up.expert_offsets = offsets_dev.as<int>();
-    up.m_tile_offsets = tiles_dev.as<int>();
+    up.expert_offsets = routing.offsets.as<int>();
+    up.m_tile_offsets = routing.tiles.as<int>();
     up.num_experts = E;
-    up.max_m_tiles = E * tiles_per_expert;
+    up.max_m_tiles = max_tiles;
     MGroupedGemmArgs up8 = up;
     up8.a = x8.as<void>();
     up8.b = w13_8.as<void>();
@@ -144,39 +126,26 @@ bool run_shape(const Shape& s, int num_sms) {
     int64_t num_ds_parts = 0;
 
     const double up_flops = 2.0 * rows * 2 * I * H, down_flops = 2.0 * rows * H * I;
-    double ms = 0.0;
-    bool all_ok = true;
-    const auto time_one = [&](const char* gemm, const char* kernel, bool supported, double flops,
-                              const std::function<megamoe_status_t()>& launch) {
-        const bool ok = supported && time_launch(launch, &ms);
-        all_ok &= !supported || ok;
-        if (ok) {
-            std::printf("%-16s %-5s %-9s %9.3f ms %8.1f TFLOP/s\n", s.name, gemm, kernel, ms, flops / ms * 1e-9);
-        } else {
-            std::printf("%-16s %-5s %-9s %s\n", s.name, gemm, kernel,
-                        supported ? "FAILED (see stderr)" : "not supported");
-        }
-        std::fflush(stdout);
-    };
-    time_one("up", "bf16", sm90::m_grouped_gemm_sm90_supported(up, true), up_flops, [&] {
+    ShapeReport report{s.name};
+    report.time("up", "bf16", sm90::m_grouped_gemm_sm90_supported(up, true), up_flops, [&] {
         return sm90::launch_m_grouped_gemm_sm90_gated(up, h.as<void>(), act.as<void>(), num_sms, nullptr);
     });
-    time_one("up", "fp8", sm90::m_grouped_fp8_gemm_sm90_supported(up8, up_scales, true), up_flops, [&] {
+    report.time("up", "fp8", sm90::m_grouped_fp8_gemm_sm90_supported(up8, up_scales, true), up_flops, [&] {
         return sm90::launch_m_grouped_fp8_gemm_sm90_gated(up8, up_scales, h.as<void>(), act.as<void>(), num_sms,
                                                           nullptr);
     });
-    time_one("down", "bf16", sm90::m_grouped_gemm_sm90_supported(down, false), down_flops, [&] {
+    report.time("down", "bf16", sm90::m_grouped_gemm_sm90_supported(down, false), down_flops, [&] {
         return sm90::launch_m_grouped_gemm_sm90_store(down, megamoe::cuda::BLayout::kNK, out.as<void>(), H, rows,
                                                       num_sms, nullptr);
     });
-    time_one("down", "fp8", sm90::m_grouped_fp8_gemm_sm90_supported(down8, down_scales, false), down_flops, [&] {
+    report.time("down", "fp8", sm90::m_grouped_fp8_gemm_sm90_supported(down8, down_scales, false), down_flops, [&] {
         return sm90::launch_m_grouped_fp8_gemm_sm90_store(down8, down_scales, out.as<void>(), H, rows, num_sms,
                                                           nullptr);
     });
-    time_one(
+    report.time(
         "dh", "bf16", sm90::m_grouped_gemm_sm90_supported(dh_args, false, megamoe::cuda::BLayout::kKN), down_flops,
         [&] { return sm90::launch_m_grouped_gemm_sm90_dswiglu(dh_args, dswiglu, num_sms, nullptr, &num_ds_parts); });
-    time_one("dh", "fp8", sm90::m_grouped_fp8_gemm_sm90_supported(dh_args8, dh_scales, false), down_flops, [&] {
+    report.time("dh", "fp8", sm90::m_grouped_fp8_gemm_sm90_supported(dh_args8, dh_scales, false), down_flops, [&] {
         return sm90::launch_m_grouped_fp8_gemm_sm90_dswiglu(dh_args8, dh_scales, dswiglu, num_sms, nullptr,
                                                             &num_ds_parts);
     });
@@ -191,7 +160,7 @@ bool run_shape(const Shape& s, int num_sms) {
         args.scales = scales;
         return megamoe::cuda::launch_quantize_groups(args, nullptr);
     };
-    time_one("chain", "bf16", true, up_flops + down_flops, [&] {
+    report.time("chain", "bf16", true, up_flops + down_flops, [&] {
         const megamoe_status_t status =
             sm90::launch_m_grouped_gemm_sm90_gated(up, h.as<void>(), act.as<void>(), num_sms, nullptr);
         return status != MEGAMOE_STATUS_SUCCESS
@@ -199,7 +168,7 @@ bool run_shape(const Shape& s, int num_sms) {
                    : sm90::launch_m_grouped_gemm_sm90_store(down, megamoe::cuda::BLayout::kNK, out.as<void>(), H, rows,
                                                             num_sms, nullptr);
     });
-    time_one("chain", "fp8", true, up_flops + down_flops, [&] {
+    report.time("chain", "fp8", true, up_flops + down_flops, [&] {
         megamoe_status_t status = quantize(x.as<void>(), T, H, x8.as<uint8_t>(), sx.as<float>());
         if (status == MEGAMOE_STATUS_SUCCESS) {
             status = sm90::launch_m_grouped_fp8_gemm_sm90_gated(up8, up_scales, h.as<void>(), act.as<void>(), num_sms,
@@ -213,7 +182,7 @@ bool run_shape(const Shape& s, int num_sms) {
                                                       down8, down_scales, out.as<void>(), H, rows, num_sms, nullptr);
     });
     const sm90::Fp8QuantizedAct act_quantized{act8.as<uint8_t>(), sact.as<float>(), false};
-    time_one("chain", "fp8-fused", true, up_flops + down_flops, [&] {
+    report.time("chain", "fp8-fused", true, up_flops + down_flops, [&] {
         megamoe_status_t status = quantize(x.as<void>(), T, H, x8.as<uint8_t>(), sx.as<float>());
         if (status == MEGAMOE_STATUS_SUCCESS) {
             status = sm90::launch_m_grouped_fp8_gemm_sm90_gated(up8, up_scales, h.as<void>(), nullptr, num_sms, nullptr,
@@ -223,7 +192,7 @@ bool run_shape(const Shape& s, int num_sms) {
                                                 : sm90::launch_m_grouped_fp8_gemm_sm90_store(
                                                       down8, down_scales, out.as<void>(), H, rows, num_sms, nullptr);
     });
-    return all_ok;
+    return report.all_ok;
 }
 
 }  // namespace

@@ -84,6 +84,45 @@ class Buffer {
     void* ptr_ = nullptr;
 };
 
+// Balanced routing on the device for a shape: slot t topk + j goes to expert (t topk + j) % E (distinct experts per
+// token, per_expert slots each); expert e's sorted rows are its slots in increasing order, e + E i. offsets [E + 1],
+// the routing's 128-row M tiles [E + 1] and the sorted slots [T topk], int32.
+struct BalancedRouting {
+    Buffer offsets, tiles, slots;
+    int64_t per_expert = 0, tiles_per_expert = 0, max_tiles = 0;
+
+    bool make(const Shape& s) {
+        const int64_t E = s.experts, rows = s.tokens * s.topk;
+        if (rows % E != 0 || E % s.topk != 0 || s.hidden % 128 != 0 || s.inter % 128 != 0) {
+            std::fprintf(stderr, "%s: balanced routing needs T topk %% E == 0, E %% topk == 0, H, I %% 128 == 0\n",
+                         s.name);
+            return false;
+        }
+        per_expert = rows / E;
+        tiles_per_expert = (per_expert + 127) / 128;
+        max_tiles = E * tiles_per_expert;
+        std::vector<int> host_offsets(static_cast<size_t>(E + 1)), host_tiles(static_cast<size_t>(E + 1)),
+            host_slots(static_cast<size_t>(rows));
+        for (int64_t e = 0; e <= E; ++e) {
+            host_offsets[static_cast<size_t>(e)] = static_cast<int>(e * per_expert);
+            host_tiles[static_cast<size_t>(e)] = static_cast<int>(e * tiles_per_expert);
+        }
+        for (int64_t e = 0; e < E; ++e) {
+            for (int64_t i = 0; i < per_expert; ++i) {
+                host_slots[static_cast<size_t>(e * per_expert + i)] = static_cast<int>(e + E * i);
+            }
+        }
+        if (!offsets.alloc(host_offsets.size() * 4, "offsets") || !tiles.alloc(host_tiles.size() * 4, "tiles") ||
+            !slots.alloc(host_slots.size() * 4, "slots")) {
+            return false;
+        }
+        CHECK_CUDA(cudaMemcpy(offsets.as<int>(), host_offsets.data(), host_offsets.size() * 4, cudaMemcpyHostToDevice));
+        CHECK_CUDA(cudaMemcpy(tiles.as<int>(), host_tiles.data(), host_tiles.size() * 4, cudaMemcpyHostToDevice));
+        CHECK_CUDA(cudaMemcpy(slots.as<int>(), host_slots.data(), host_slots.size() * 4, cudaMemcpyHostToDevice));
+        return true;
+    }
+};
+
 // Median milliseconds of `launch` over kTimed launches after kWarmup; false (printed) on a failure.
 inline bool time_launch(const std::function<megamoe_status_t()>& launch, double* median_ms) {
     for (int i = 0; i < kWarmup; ++i) {
@@ -114,6 +153,26 @@ inline bool time_launch(const std::function<megamoe_status_t()>& launch, double*
     *median_ms = 0.5 * (ms[kTimed / 2 - 1] + ms[kTimed / 2]);
     return true;
 }
+
+// One shape's timed lines, "shape gemm kernel ms TFLOP/s" (or why not), every failure remembered in all_ok.
+struct ShapeReport {
+    const char* shape;
+    bool all_ok = true;
+
+    void time(const char* gemm, const char* kernel, bool supported, double flops,
+              const std::function<megamoe_status_t()>& launch) {
+        double ms = 0.0;
+        const bool ok = supported && time_launch(launch, &ms);
+        all_ok &= !supported || ok;
+        if (ok) {
+            std::printf("%-16s %-10s %-12s %9.3f ms %8.1f TFLOP/s\n", shape, gemm, kernel, ms, flops / ms * 1e-9);
+        } else {
+            std::printf("%-16s %-10s %-12s %s\n", shape, gemm, kernel,
+                        supported ? "FAILED (see stderr)" : "not supported");
+        }
+        std::fflush(stdout);
+    }
+};
 
 // Every reference shape (or the one named `only`) through run_shape(shape, the device's SM count), after a line on the
 // device and the method.

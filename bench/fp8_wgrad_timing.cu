@@ -93,36 +93,19 @@ struct Fp8WeightGrad {
 
 bool run_shape(const Shape& s, int num_sms) {
     const int64_t T = s.tokens, H = s.hidden, I = s.inter, E = s.experts, rows = T * s.topk;
-    const int64_t per_expert = rows / E, tiles_per_expert = (per_expert + 127) / 128, max_tiles = E * tiles_per_expert;
-    if (rows % E != 0 || E % s.topk != 0 || H % 128 != 0 || I % 128 != 0) {
-        std::fprintf(stderr, "%s: balanced routing needs T topk %% E == 0, E %% topk == 0, H, I %% 128 == 0\n", s.name);
-        return false;
-    }
-    // Slot t topk + j goes to expert (t topk + j) % E (fp8_gemm_timing.cu's routing).
-    std::vector<int> offsets(static_cast<size_t>(E + 1)), tiles(static_cast<size_t>(E + 1)), slots(rows);
-    for (int64_t e = 0; e <= E; ++e) {
-        offsets[static_cast<size_t>(e)] = static_cast<int>(e * per_expert);
-        tiles[static_cast<size_t>(e)] = static_cast<int>(e * tiles_per_expert);
-    }
-    for (int64_t e = 0; e < E; ++e) {
-        for (int64_t i = 0; i < per_expert; ++i)
-            slots[static_cast<size_t>(e * per_expert + i)] = static_cast<int>(e + E * i);
-    }
+    BalancedRouting routing;
+    if (!routing.make(s)) return false;
+    const int64_t max_tiles = routing.max_tiles;
     const int64_t out_elems = E * std::max(2 * I * H, H * I);
-    Buffer offsets_dev, tiles_dev, slots_dev, schedule, x, dy, dh, sa, out16, out32;
+    Buffer schedule, x, dy, dh, sa, out16, out32;
     QuantizedCols qa, qb;
     const bool allocated =
-        offsets_dev.alloc(offsets.size() * 4, "offsets") && tiles_dev.alloc(tiles.size() * 4, "tiles") &&
-        slots_dev.alloc(slots.size() * 4, "slots") &&
         schedule.alloc(static_cast<size_t>(megamoe::cuda::k_grouped_schedule_ints(E)) * 4, "schedule") &&
         x.alloc(T * H * 2, "x") && dy.alloc(T * H * 2, "dy") && dh.alloc(rows * 2 * I * 2, "dh") &&
         sa.alloc(rows * I * 2, "s a") && out16.alloc(out_elems * 2, "bf16 out") &&
         out32.alloc(out_elems * 4, "f32 out") && qa.alloc(std::max(2 * I, H), max_tiles, "A quantized") &&
         qb.alloc(std::max(I, H), max_tiles, "B quantized");
     if (!allocated) return false;
-    CHECK_CUDA(cudaMemcpy(offsets_dev.as<int>(), offsets.data(), offsets.size() * 4, cudaMemcpyHostToDevice));
-    CHECK_CUDA(cudaMemcpy(tiles_dev.as<int>(), tiles.data(), tiles.size() * 4, cudaMemcpyHostToDevice));
-    CHECK_CUDA(cudaMemcpy(slots_dev.as<int>(), slots.data(), slots.size() * 4, cudaMemcpyHostToDevice));
     uint64_t seed = 11;
     for (const auto& [buffer, count] :
          {std::pair<const Buffer*, int64_t>{&x, T * H}, {&dy, T * H}, {&dh, rows * 2 * I}, {&sa, rows * I}}) {
@@ -138,39 +121,26 @@ bool run_shape(const Shape& s, int num_sms) {
     dw13.lda = 2 * I;
     dw13.b = x.as<void>();
     dw13.ldb = H;
-    dw13.b_gather_slots = slots_dev.as<int>();
+    dw13.b_gather_slots = routing.slots.as<int>();
     dw13.topk = s.topk;
     dw13.m = 2 * I;
     dw13.n = H;
-    dw13.expert_offsets = offsets_dev.as<int>();
+    dw13.expert_offsets = routing.offsets.as<int>();
     dw13.num_experts = E;
     dw13.schedule = schedule.as<int>();
     KGroupedGemmArgs dw2 = dw13;
     dw2.a = dy.as<void>();
     dw2.lda = H;
-    dw2.a_gather_slots = slots_dev.as<int>();
+    dw2.a_gather_slots = routing.slots.as<int>();
     dw2.b = sa.as<void>();
     dw2.ldb = I;
     dw2.b_gather_slots = nullptr;
     dw2.m = H;
     dw2.n = I;
 
-    double ms = 0.0;
-    bool all_ok = true;
-    const auto time_one = [&](const char* gemm, const char* kernel, bool supported, double flops,
-                              const std::function<megamoe_status_t()>& launch) {
-        const bool ok = supported && time_launch(launch, &ms);
-        all_ok &= !supported || ok;
-        if (ok) {
-            std::printf("%-16s %-10s %-12s %9.3f ms %8.1f TFLOP/s\n", s.name, gemm, kernel, ms, flops / ms * 1e-9);
-        } else {
-            std::printf("%-16s %-10s %-12s %s\n", s.name, gemm, kernel,
-                        supported ? "FAILED (see stderr)" : "not supported");
-        }
-        std::fflush(stdout);
-    };
+    ShapeReport report{s.name};
     for (const auto& [name, args] : {std::pair<const char*, KGroupedGemmArgs*>{"dw13", &dw13}, {"dw2", &dw2}}) {
-        const Fp8WeightGrad fp8{args, tiles_dev.as<int>(), max_tiles, &qa, &qb};
+        const Fp8WeightGrad fp8{args, routing.tiles.as<int>(), max_tiles, &qa, &qb};
         const double flops = 2.0 * rows * args->m * args->n;
         for (const bool accumulate : {false, true}) {
             char gemm[32];
@@ -179,8 +149,8 @@ bool run_shape(const Shape& s, int num_sms) {
             bf16.accumulate = accumulate;
             void* out = accumulate ? out32.as<void>() : out16.as<void>();
             const megamoe_dtype_t out_dtype = accumulate ? MEGAMOE_DTYPE_F32 : MEGAMOE_DTYPE_BF16;
-            time_one(gemm, "bf16", sm90::k_grouped_gemm_sm90_supported(bf16, out), flops,
-                     [&] { return sm90::launch_k_grouped_gemm_sm90(bf16, out, out_dtype, num_sms, nullptr); });
+            report.time(gemm, "bf16", sm90::k_grouped_gemm_sm90_supported(bf16, out), flops,
+                        [&] { return sm90::launch_k_grouped_gemm_sm90(bf16, out, out_dtype, num_sms, nullptr); });
             if (fp8.quantize() != MEGAMOE_STATUS_SUCCESS || cudaDeviceSynchronize() != cudaSuccess) {
                 std::fprintf(stderr, "%s: quantization failed: %s\n", name, megamoe_last_error());
                 return false;
@@ -190,11 +160,11 @@ bool run_shape(const Shape& s, int num_sms) {
             const auto fp8_gemm = [&] {
                 return sm90::launch_k_grouped_fp8_gemm_sm90(fp8_args, out, out_dtype, num_sms, nullptr);
             };
-            time_one(gemm, "fp8", fp8_ok, flops, fp8_gemm);
+            report.time(gemm, "fp8", fp8_ok, flops, fp8_gemm);
             setenv("MEGAMOE_SM90_FP8_WGRAD_PAIR", "1", 1);  // CTA pairs sharing A by multicast
-            time_one(gemm, "fp8-pair", fp8_ok, flops, fp8_gemm);
+            report.time(gemm, "fp8-pair", fp8_ok, flops, fp8_gemm);
             unsetenv("MEGAMOE_SM90_FP8_WGRAD_PAIR");
-            time_one(gemm, "fp8+q", fp8_ok, flops, [&] {
+            report.time(gemm, "fp8+q", fp8_ok, flops, [&] {
                 const megamoe_status_t status = fp8.quantize();
                 return status != MEGAMOE_STATUS_SUCCESS
                            ? status
@@ -202,7 +172,7 @@ bool run_shape(const Shape& s, int num_sms) {
             });
         }
     }
-    return all_ok;
+    return report.all_ok;
 }
 
 }  // namespace

@@ -144,6 +144,24 @@ __device__ __forceinline__ void unpack_pair(uint32_t word, float& first, float& 
     second = to_float(*reinterpret_cast<const T*>(&hi));
 }
 
+#if defined(__CUDACC__)
+// The elements of one 16-byte load of T (8 bf16 / f16 or 4 f32) as floats.
+template <typename T>
+__device__ __forceinline__ void unpack_chunk(const uint4& raw, float (&values)[16 / sizeof(T)]) {
+    if constexpr (sizeof(T) == 4) {
+        values[0] = __uint_as_float(raw.x);
+        values[1] = __uint_as_float(raw.y);
+        values[2] = __uint_as_float(raw.z);
+        values[3] = __uint_as_float(raw.w);
+    } else {
+        unpack_pair<T>(raw.x, values[0], values[1]);
+        unpack_pair<T>(raw.y, values[2], values[3]);
+        unpack_pair<T>(raw.z, values[4], values[5]);
+        unpack_pair<T>(raw.w, values[6], values[7]);
+    }
+}
+#endif  // __CUDACC__
+
 // Scalars whose dtype is only known at run time (topk_weights, d topk_weights: f32, bf16 or f16).
 __device__ __forceinline__ float load_scalar(const void* data, megamoe_dtype_t dtype, int64_t idx) {
     switch (dtype) {

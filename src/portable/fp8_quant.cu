@@ -5,6 +5,7 @@
 #include <algorithm>
 #include <type_traits>
 
+#include "device/byte_transpose.cuh"
 #include "device/cuda_utils.h"
 #include "device/fp8_math.cuh"
 #include "device/warp_reduce.cuh"
@@ -217,8 +218,6 @@ __global__ void __launch_bounds__(kQuantThreads)
 constexpr int kChunk = 16;                              // bytes per vector load and store
 constexpr int kTileChunks = kBlockSide / kChunk;        // 16-byte chunks of a tile row: 8
 constexpr int kSwizzleRows = kBlockSide / kTileChunks;  // rows of one swizzle pattern: 16
-constexpr int kTransposeRows = 16;                      // q_t bytes per thread per column: one 16-byte store
-constexpr int kTransposeCols = 4;                       // columns per thread: one 4-byte tile read per row
 static_assert(kQuantThreads == (kBlockSide / kTransposeRows) * (kBlockSide / kTransposeCols),
               "the transpose: one thread per 16 rows x 4 columns of the tile");
 static_assert(kBlockSide * kTileChunks % kQuantThreads == 0, "the q rows: whole 16-byte chunks per thread");
@@ -239,22 +238,6 @@ static_assert(kBlockRowsPerWarp == kSwizzleRows && kTransposeRows == kSwizzleRow
 // Byte offset of (row, col) in the swizzled tile (col a multiple of 4: 4-byte words stay whole).
 __device__ __forceinline__ unsigned tile_offset(unsigned row, unsigned col) {
     return row * kBlockSide + ((col / kChunk) ^ (row / kSwizzleRows)) * kChunk + col % kChunk;
-}
-
-// The elements of one 16-byte load as floats.
-template <typename T>
-__device__ __forceinline__ void unpack_chunk(const uint4& raw, float (&values)[BlockLoads<T>::kPerLoad]) {
-    if constexpr (std::is_same_v<T, float>) {
-        values[0] = __uint_as_float(raw.x);
-        values[1] = __uint_as_float(raw.y);
-        values[2] = __uint_as_float(raw.z);
-        values[3] = __uint_as_float(raw.w);
-    } else {
-        unpack_pair<T>(raw.x, values[0], values[1]);
-        unpack_pair<T>(raw.y, values[2], values[3]);
-        unpack_pair<T>(raw.z, values[4], values[5]);
-        unpack_pair<T>(raw.w, values[6], values[7]);
-    }
 }
 
 template <typename T>
@@ -367,17 +350,7 @@ __global__ void __launch_bounds__(kQuantThreads, BlockLoads<T>::kMinBlocks)
 #pragma unroll
     for (int i = 0; i < kTransposeRows; ++i) words[i] = *reinterpret_cast<const uint32_t*>(tile_words + i * kBlockSide);
     uint32_t columns[kTransposeCols][kTransposeRows / 4];  // column c's 16 bytes, rows in order
-#pragma unroll
-    for (int m = 0; m < kTransposeRows / 4; ++m) {  // the 4 x 4 bytes of rows 4 m .. 4 m + 3
-        const uint32_t low01 = __byte_perm(words[4 * m], words[4 * m + 1], 0x5140);   // columns 0, 1 of rows 0, 1
-        const uint32_t high01 = __byte_perm(words[4 * m], words[4 * m + 1], 0x7362);  // columns 2, 3 of rows 0, 1
-        const uint32_t low23 = __byte_perm(words[4 * m + 2], words[4 * m + 3], 0x5140);
-        const uint32_t high23 = __byte_perm(words[4 * m + 2], words[4 * m + 3], 0x7362);
-        columns[0][m] = __byte_perm(low01, low23, 0x5410);
-        columns[1][m] = __byte_perm(low01, low23, 0x7632);
-        columns[2][m] = __byte_perm(high01, high23, 0x5410);
-        columns[3][m] = __byte_perm(high01, high23, 0x7632);
-    }
+    transpose_16x4_bytes(words, columns);
     uint8_t* target =
         args.q_t + (expert * args.k + first_col + first_t_col) * args.n + n_block * kBlockSide + first_t_row;
 #pragma unroll

@@ -102,6 +102,29 @@ __device__ __forceinline__ void unit_change(const float (&previous)[kThreadRows]
     }
 }
 
+// The rescaled mainloops' scales: sa * sb of the group last issued (`current`), of the next and of the one after,
+// loaded two groups ahead (L2's latency), unconditionally (the last group's again at the end: a load in a branch would
+// put the rescaling, and a warpgroup arrive, on a divergent path: ptxas serializes the wgmmas, C7520).
+struct GroupScalePipeline {
+    float current[kThreadRows][kNumBBoxes];
+    float next[kThreadRows][kNumBBoxes];
+    float later[kThreadRows][kNumBBoxes];
+
+    __device__ __forceinline__ void start(const Fp8TileScales& tile_scales, int num_k_blocks) {
+        load_group_scales(tile_scales, 0, current);
+        load_group_scales(tile_scales, min(1, num_k_blocks - 1), next);
+        load_group_scales(tile_scales, min(2, num_k_blocks - 1), later);
+    }
+    // To group k_block_idx (> 0): `factors` take the accumulators from the previous group's units to its units.
+    __device__ __forceinline__ void advance(const Fp8TileScales& tile_scales, int k_block_idx, int num_k_blocks,
+                                            float (&factors)[kThreadRows][kNumBBoxes]) {
+        unit_change(current, next, factors);
+        copy_scales(next, current);
+        copy_scales(later, next);
+        load_group_scales(tile_scales, min(k_block_idx + 2, num_k_blocks - 1), later);
+    }
+};
+
 // acc += group_acc * (sa * sb), element by element: one K group promoted (register j of fragment f: row j / 2).
 template <class Config, int kNumRegs>
 __device__ __forceinline__ void promote_group(float (&acc)[kNumRegs], const float (&group_acc)[kNumRegs],
@@ -194,23 +217,12 @@ __device__ __forceinline__ void fp8_rescaled_mainloop(Storage& smem, int& stage_
     float acc0[kHalfRegs], acc1[kHalfRegs];
 #pragma unroll
     for (int reg_idx = 0; reg_idx < kHalfRegs; ++reg_idx) acc0[reg_idx] = acc1[reg_idx] = 0.0f;
-    float group_scales[kThreadRows][kNumBBoxes];  // sa * sb of the group last issued
-    float next_scales[kThreadRows][kNumBBoxes];   // of the next one
-    float later_scales[kThreadRows][kNumBBoxes];  // and of the one after: loads two groups ahead hide L2's latency
+    GroupScalePipeline scales;
     float unit_factors[kThreadRows][kNumBBoxes];
-    // Loaded unconditionally (the last group's again at the end): a load in a branch would put the rescaling, and a
-    // warpgroup arrive, on a divergent path (ptxas serializes the wgmmas: C7520).
-    load_group_scales(tile_scales, 0, group_scales);
-    load_group_scales(tile_scales, min(1, num_k_blocks - 1), next_scales);
-    load_group_scales(tile_scales, min(2, num_k_blocks - 1), later_scales);
+    scales.start(tile_scales, num_k_blocks);
     int issued_stage = -1;
     for (int k_block_idx = 0; k_block_idx < num_k_blocks; ++k_block_idx) {
-        if (k_block_idx > 0) {
-            unit_change(group_scales, next_scales, unit_factors);
-            copy_scales(next_scales, group_scales);
-            copy_scales(later_scales, next_scales);
-            load_group_scales(tile_scales, min(k_block_idx + 2, num_k_blocks - 1), later_scales);
-        }
+        if (k_block_idx > 0) scales.advance(tile_scales, k_block_idx, num_k_blocks, unit_factors);
         mbarrier_wait(&smem.full[stage_idx], phase);
         if constexpr (!Epi::kTmaA) fence_proxy_async_shared();
         const uint8_t* tile_a = smem.a[stage_idx] + first_row_block * kRowBlockATileBytes;
@@ -238,8 +250,8 @@ __device__ __forceinline__ void fp8_rescaled_mainloop(Storage& smem, int& stage_
     fence_accumulators(acc0);
     fence_accumulators(acc1);
     if (lane_idx == 0) release_stage<kClusterSize>(&smem.empty[issued_stage]);
-    scale_half_accumulators<Config, 0>(acc0, group_scales);  // from the last group's units
-    scale_half_accumulators<Config, 1>(acc1, group_scales);
+    scale_half_accumulators<Config, 0>(acc0, scales.current);  // from the last group's units
+    scale_half_accumulators<Config, 1>(acc1, scales.current);
 #pragma unroll
     for (int reg_idx = 0; reg_idx < kHalfRegs; ++reg_idx) {
         acc[reg_idx] = acc0[reg_idx];
@@ -271,21 +283,12 @@ __device__ __forceinline__ void fp8_rescaled_full_mainloop(Storage& smem, int& s
                                                            int first_row_block, int lane_idx, float (&acc)[kNumRegs]) {
 #pragma unroll
     for (int reg_idx = 0; reg_idx < kNumRegs; ++reg_idx) acc[reg_idx] = 0.0f;
-    float group_scales[kThreadRows][kNumBBoxes];  // sa * sb of the group last issued
-    float next_scales[kThreadRows][kNumBBoxes];
-    float later_scales[kThreadRows][kNumBBoxes];
+    GroupScalePipeline scales;
     float unit_factors[kThreadRows][kNumBBoxes];
-    load_group_scales(tile_scales, 0, group_scales);
-    load_group_scales(tile_scales, min(1, num_k_blocks - 1), next_scales);
-    load_group_scales(tile_scales, min(2, num_k_blocks - 1), later_scales);
+    scales.start(tile_scales, num_k_blocks);
     int issued_stage = -1;
     for (int k_block_idx = 0; k_block_idx < num_k_blocks; ++k_block_idx) {
-        if (k_block_idx > 0) {
-            unit_change(group_scales, next_scales, unit_factors);
-            copy_scales(next_scales, group_scales);
-            copy_scales(later_scales, next_scales);
-            load_group_scales(tile_scales, min(k_block_idx + 2, num_k_blocks - 1), later_scales);
-        }
+        if (k_block_idx > 0) scales.advance(tile_scales, k_block_idx, num_k_blocks, unit_factors);
         mbarrier_wait(&smem.full[stage_idx], phase);
         if constexpr (!Epi::kTmaA) fence_proxy_async_shared();
         const uint8_t* tile_a = smem.a[stage_idx] + first_row_block * kRowBlockATileBytes;
@@ -303,7 +306,7 @@ __device__ __forceinline__ void fp8_rescaled_full_mainloop(Storage& smem, int& s
     wgmma_wait_group<0>();
     fence_accumulators(acc);
     if (lane_idx == 0) release_stage<kClusterSize>(&smem.empty[issued_stage]);
-    scale_accumulators<Config>(acc, group_scales);  // from the last group's units
+    scale_accumulators<Config>(acc, scales.current);  // from the last group's units
 }
 
 }  // namespace megamoe::sm90::m_grouped

@@ -68,41 +68,52 @@ inline ExpertColsHost quantize_expert_cols(const HostTensor& rows, int64_t cols,
     return out;
 }
 
-// [E, n_left, n_right]: left [R, n_left] and right [R, n_right] the sorted rows (map).
-inline Target fp8_weight_grad_target(const RowMap& map, const DeviceTensor& offsets, const DeviceTensor& tiles,
-                                     const HostTensor& left, int64_t n_left, const HostTensor& right, int64_t n_right,
-                                     double out_rounding, double out_floor) {
-    const int64_t E = map.experts();
-    Target t{std::vector<double>(static_cast<size_t>(E * n_left * n_right)),
-             std::vector<double>(static_cast<size_t>(E * n_left * n_right))};
-    const ExpertColsHost l = quantize_expert_cols(left, n_left, map, offsets, tiles);
-    const ExpertColsHost r = quantize_expert_cols(right, n_right, map, offsets, tiles);
+// The K-grouped FP8 GEMM's recipe in f64 over operands in the tile-padded layout, [E, n_a, n_b] with the term sizes S:
+//   C_e[i, j] = sum over expert e's tiles t (tile_offsets) of sa[t, i] sb[t, j] sum_{k < 128} A8[i, 128 t + k] B8[j,
+//   128 t + k]
+inline Expected k_grouped_fp8_reference(const ExpertColsHost& a, int64_t n_a, const ExpertColsHost& b, int64_t n_b,
+                                        const std::vector<int>& tile_offsets) {
+    const int64_t E = static_cast<int64_t>(tile_offsets.size()) - 1;
     std::vector<double> table(256);
     for (int byte = 0; byte < 256; ++byte) table[static_cast<size_t>(byte)] = e4m3_value(static_cast<uint8_t>(byte));
-    std::vector<double> size(t.want.size(), 0.0);
+    Expected out{std::vector<double>(static_cast<size_t>(E * n_a * n_b)),
+                 std::vector<double>(static_cast<size_t>(E * n_a * n_b))};
     for (int64_t e = 0; e < E; ++e) {
-        for (int64_t tile = map.tiles[static_cast<size_t>(e)]; tile < map.tiles[static_cast<size_t>(e) + 1]; ++tile) {
-            for (int64_t i = 0; i < n_left; ++i) {
-                const uint8_t* l_row = &l.q[static_cast<size_t>(i * l.ld + tile * kGroup)];
-                const double sl = l.scales[static_cast<size_t>(tile * l.ld_scales + i)];
-                for (int64_t j = 0; j < n_right; ++j) {
-                    const uint8_t* r_row = &r.q[static_cast<size_t>(j * r.ld + tile * kGroup)];
+        for (int64_t tile = tile_offsets[static_cast<size_t>(e)]; tile < tile_offsets[static_cast<size_t>(e) + 1];
+             ++tile) {
+            for (int64_t i = 0; i < n_a; ++i) {
+                const uint8_t* a_row = &a.q[static_cast<size_t>(i * a.ld + tile * kGroup)];
+                const double sa = a.scales[static_cast<size_t>(tile * a.ld_scales + i)];
+                for (int64_t j = 0; j < n_b; ++j) {
+                    const uint8_t* b_row = &b.q[static_cast<size_t>(j * b.ld + tile * kGroup)];
                     double partial = 0.0, partial_size = 0.0;
                     for (int64_t k = 0; k < kGroup; ++k) {
-                        const double p = table[l_row[k]] * table[r_row[k]];
+                        const double p = table[a_row[k]] * table[b_row[k]];
                         partial += p;
                         partial_size += std::fabs(p);
                     }
-                    const double scale = sl * r.scales[static_cast<size_t>(tile * r.ld_scales + j)];
-                    const size_t idx = static_cast<size_t>((e * n_left + i) * n_right + j);
-                    t.want[idx] += scale * partial;
-                    size[idx] += std::fabs(scale) * partial_size;
+                    const double scale = sa * b.scales[static_cast<size_t>(tile * b.ld_scales + j)];
+                    const size_t idx = static_cast<size_t>((e * n_a + i) * n_b + j);
+                    out.value[idx] += scale * partial;
+                    out.size[idx] += std::fabs(scale) * partial_size;
                 }
             }
         }
     }
+    return out;
+}
+
+// [E, n_left, n_right]: left [R, n_left] and right [R, n_right] the sorted rows (map), quantized on the GPU.
+inline Target fp8_weight_grad_target(const RowMap& map, const DeviceTensor& offsets, const DeviceTensor& tiles,
+                                     const HostTensor& left, int64_t n_left, const HostTensor& right, int64_t n_right,
+                                     double out_rounding, double out_floor) {
+    const Expected acc =
+        k_grouped_fp8_reference(quantize_expert_cols(left, n_left, map, offsets, tiles), n_left,
+                                quantize_expert_cols(right, n_right, map, offsets, tiles), n_right, map.tiles);
+    Target t{acc.value, std::vector<double>(acc.value.size())};
     for (size_t i = 0; i < t.want.size(); ++i) {
-        t.bound[i] = kAccumulation * size[i] + out_rounding * std::fabs(t.want[i]) + (size[i] > 0.0 ? out_floor : 0.0);
+        t.bound[i] =
+            kAccumulation * acc.size[i] + out_rounding * std::fabs(t.want[i]) + (acc.size[i] > 0.0 ? out_floor : 0.0);
     }
     return t;
 }

@@ -27,6 +27,7 @@
 
 #include "cuda_test_util.h"
 #include "fp8_test_util.h"
+#include "fp8_wgrad_test_util.h"
 #include "sm90/k_grouped_fp8_gemm_sm90.h"
 
 namespace megamoe::test {
@@ -67,16 +68,10 @@ uint8_t random_byte(std::mt19937_64& rng) {
     return static_cast<uint8_t>(sign(rng) << 7 | exponent(rng) << 3 | mantissa(rng));
 }
 
-// One operand on the host in the tile-padded layout: q_t [cols, ld], scales [max_tiles, ld_scales].
-struct HostOperand {
-    std::vector<uint8_t> q;
-    std::vector<float> scales;
-    int64_t cols, ld, ld_scales;
-};
-
-HostOperand make_operand(int64_t cols, const Tiles& tiles, int64_t max_tiles, std::mt19937_64& rng) {
-    HostOperand op;
-    op.cols = cols;
+// One operand on the host in the tile-padded layout (fp8_wgrad_test_util.h): q_t [cols, ld], scales [max_tiles,
+// ld_scales].
+ExpertColsHost make_operand(int64_t cols, const Tiles& tiles, int64_t max_tiles, std::mt19937_64& rng) {
+    ExpertColsHost op;
     op.ld = kGroup * max_tiles + 16;  // past the bound: NaN bytes the kernel must not read
     op.ld_scales = cols + 4;
     op.q.assign(static_cast<size_t>(cols * op.ld), kNanByte);
@@ -95,37 +90,6 @@ HostOperand make_operand(int64_t cols, const Tiles& tiles, int64_t max_tiles, st
         }
     }
     return op;
-}
-
-// acc and S of every output element [E, M, N] in f64.
-Expected reference(const HostOperand& a, const HostOperand& b, const Tiles& tiles, int64_t experts) {
-    std::vector<double> table(256);
-    for (int byte = 0; byte < 256; ++byte) table[static_cast<size_t>(byte)] = e4m3_value(static_cast<uint8_t>(byte));
-    const int64_t m = a.cols, n = b.cols;
-    Expected out{std::vector<double>(static_cast<size_t>(experts * m * n)),
-                 std::vector<double>(static_cast<size_t>(experts * m * n))};
-    for (int64_t e = 0; e < experts; ++e) {
-        for (int64_t i = tiles.offsets[static_cast<size_t>(e)]; i < tiles.offsets[static_cast<size_t>(e) + 1]; ++i) {
-            for (int64_t mm = 0; mm < m; ++mm) {
-                const uint8_t* a_row = &a.q[static_cast<size_t>(mm * a.ld + i * kGroup)];
-                const double sa = a.scales[static_cast<size_t>(i * a.ld_scales + mm)];
-                for (int64_t nn = 0; nn < n; ++nn) {
-                    const uint8_t* b_row = &b.q[static_cast<size_t>(nn * b.ld + i * kGroup)];
-                    double partial = 0.0, size = 0.0;
-                    for (int64_t j = 0; j < kGroup; ++j) {
-                        const double p = table[a_row[j]] * table[b_row[j]];
-                        partial += p;
-                        size += std::fabs(p);
-                    }
-                    const double scale = sa * b.scales[static_cast<size_t>(i * b.ld_scales + nn)];
-                    const size_t idx = static_cast<size_t>((e * m + mm) * n + nn);
-                    out.value[idx] += scale * partial;
-                    out.size[idx] += std::fabs(scale) * size;
-                }
-            }
-        }
-    }
-    return out;
 }
 
 double out_rounding(megamoe_dtype_t dtype) {
@@ -150,7 +114,7 @@ struct DeviceCase {
     sm90::KGroupedFp8GemmArgs args{};
 };
 
-DeviceCase upload_case(const HostOperand& a, const HostOperand& b, const Tiles& tiles, const KCase& c,
+DeviceCase upload_case(const ExpertColsHost& a, const ExpertColsHost& b, const Tiles& tiles, const KCase& c,
                        int64_t max_tiles) {
     DeviceCase d;
     d.a_q = upload_bytes(a.q);
@@ -183,7 +147,7 @@ void check_case(const KCase& c) {
     std::mt19937_64 rng(fresh_seed() ^ std::hash<std::string>{}(c.name));
     const Tiles tiles = tiles_of(c.rows);
     const int64_t experts = static_cast<int64_t>(c.rows.size()), max_tiles = tiles.count() + c.extra_tiles;
-    const HostOperand a = make_operand(c.m, tiles, max_tiles, rng), b = make_operand(c.n, tiles, max_tiles, rng);
+    const ExpertColsHost a = make_operand(c.m, tiles, max_tiles, rng), b = make_operand(c.n, tiles, max_tiles, rng);
     DeviceCase d = upload_case(a, b, tiles, c, max_tiles);
     HostTensor base(c.out_dtype, {experts, c.m, c.n});  // accumulate: the values added onto
     if (c.accumulate) base.fill_random(rng, 4.0);
@@ -204,7 +168,7 @@ void check_case(const KCase& c) {
         return out.download();
     };
     const HostTensor got = launch();
-    const Expected acc = reference(a, b, tiles, experts);
+    const Expected acc = k_grouped_fp8_reference(a, c.m, b, c.n, tiles.offsets);
     Target t{acc.value, std::vector<double>(acc.value.size())};
     for (size_t i = 0; i < t.want.size(); ++i) {
         if (c.accumulate) t.want[i] += base.get(static_cast<int64_t>(i));
@@ -251,8 +215,8 @@ TEST(KGroupedFp8GemmCuda, SupportedRefusesWhatItCannotRead) {
     const KCase c{"valid", 128, 256, {200, 10}, MEGAMOE_DTYPE_F32, false, 0};
     std::mt19937_64 rng(fresh_seed());
     const Tiles tiles = tiles_of(c.rows);
-    const HostOperand a = make_operand(c.m, tiles, tiles.count(), rng),
-                      b = make_operand(c.n, tiles, tiles.count(), rng);
+    const ExpertColsHost a = make_operand(c.m, tiles, tiles.count(), rng),
+                         b = make_operand(c.n, tiles, tiles.count(), rng);
     DeviceCase d = upload_case(a, b, tiles, c, tiles.count());
     DeviceTensor out(HostTensor(MEGAMOE_DTYPE_F32, {2, c.m, c.n}).view);
     void* data = out.view().data;
