@@ -11,7 +11,7 @@
 # MEMCHECK_TESTS narrows it (a gtest filter); NEW_TESTS (default: the kernels not yet run on a GPU) run first, alone.
 # Inputs: CARRY (default .carry/) with libmegamoe.so[.xz], megamoe_tests[.xz], megamoe_fp8_gemm_timing[.xz],
 # megamoe_fp8_wgrad_timing[.xz], megamoe_fp8_layer_timing[.xz] (each step skipped when its binary is not there).
-#   OUT=/tmp/out ROUNDS=2 bash scripts/gpu_fp8.sh
+#   OUT=/tmp/out STEPS="tests" bash scripts/gpu_fp8.sh; STEPS="memcheck gemm wgrad" ROUNDS=1 ...; STEPS=layer ...
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CARRY=${CARRY:-.carry}
@@ -23,44 +23,52 @@ for f in megamoe_tests libmegamoe.so megamoe_fp8_gemm_timing megamoe_fp8_wgrad_t
 done
 export MEGAMOE_LIBRARY=$PWD/$CARRY/libmegamoe.so
 status=0
-# The kernels new since the last GPU run in a process of their own first (a crash or a hang there costs one short
-# step, not the rest), then every other FP8 suite.
-NEW_TESTS=${NEW_TESTS:-KGroupedFp8GemmCuda.*:Fp8QuantCuda.*:Fp8BackwardSm90.DHidden*}
-timeout "${NEW_TIMEOUT:-90}" "$CARRY/megamoe_tests" --gtest_filter="$NEW_TESTS" >"$OUT/gtest-fp8-new.log" 2>&1 || status=1
-grep -hE "^\[  (PASSED|FAILED) |^\[  FAILED  \]" "$OUT/gtest-fp8-new.log" || tail -n 5 "$OUT/gtest-fp8-new.log"
-timeout 150 "$CARRY/megamoe_tests" --gtest_filter="*Fp8*:-$NEW_TESTS" >"$OUT/gtest-fp8.log" 2>&1 || status=1
-MEGAMOE_SM90_FP8_PROMOTE=1 timeout 120 "$CARRY/megamoe_tests" --gtest_filter='Fp8GemmSm90.*' \
-    >"$OUT/gtest-fp8-promote.log" 2>&1 || status=1
-MEGAMOE_FP8_WGRAD=1 timeout 120 "$CARRY/megamoe_tests" --gtest_filter='Fp8LayerCuda.*' \
-    >"$OUT/gtest-fp8-wgrad.log" 2>&1 || status=1
-MEGAMOE_SM90_FP8_FULL_N=1 timeout 120 "$CARRY/megamoe_tests" --gtest_filter='Fp8GemmSm90.*:Fp8BackwardSm90.*' \
-    >"$OUT/gtest-fp8-full-n.log" 2>&1 || status=1
-grep -hE "^\[  (PASSED|FAILED) |^\[  FAILED  \]" "$OUT/gtest-fp8.log" "$OUT/gtest-fp8-promote.log" \
-    "$OUT/gtest-fp8-wgrad.log" "$OUT/gtest-fp8-full-n.log"
-if [ "${SKIP_MEMCHECK:-0}" != 1 ]; then
+# STEPS picks the parts, in this order (each bounded by its timeouts; a 600 s call fits "tests", or "memcheck gemm
+# wgrad", or "layer"): tests, memcheck, gemm, wgrad, layer.
+STEPS=" ${STEPS:-tests memcheck gemm wgrad layer} "
+wants() { [[ "$STEPS" == *" $1 "* ]]; }
+gtest_summary() { grep -hE "^\[  (PASSED|FAILED) |^\[  FAILED  \]" "$@" || tail -n 5 "$@"; }
+if wants tests; then
+    # The kernels new since the last GPU run in a process of their own first (a crash or a hang there costs one short
+    # step, not the rest), then every other FP8 suite and the switches' variants.
+    NEW_TESTS=${NEW_TESTS:-KGroupedFp8GemmCuda.*:Fp8QuantCuda.*:Fp8BackwardSm90.DHidden*}
+    timeout "${NEW_TIMEOUT:-90}" "$CARRY/megamoe_tests" --gtest_filter="$NEW_TESTS" >"$OUT/gtest-fp8-new.log" 2>&1 ||
+        status=1
+    gtest_summary "$OUT/gtest-fp8-new.log"
+    timeout 150 "$CARRY/megamoe_tests" --gtest_filter="*Fp8*:-$NEW_TESTS" >"$OUT/gtest-fp8.log" 2>&1 || status=1
+    MEGAMOE_SM90_FP8_PROMOTE=1 timeout 120 "$CARRY/megamoe_tests" --gtest_filter='Fp8GemmSm90.*' \
+        >"$OUT/gtest-fp8-promote.log" 2>&1 || status=1
+    MEGAMOE_FP8_WGRAD=1 timeout 120 "$CARRY/megamoe_tests" --gtest_filter='Fp8LayerCuda.*' \
+        >"$OUT/gtest-fp8-wgrad.log" 2>&1 || status=1
+    MEGAMOE_SM90_FP8_FULL_N=1 timeout 120 "$CARRY/megamoe_tests" --gtest_filter='Fp8GemmSm90.*:Fp8BackwardSm90.*' \
+        >"$OUT/gtest-fp8-full-n.log" 2>&1 || status=1
+    gtest_summary "$OUT/gtest-fp8.log" "$OUT/gtest-fp8-promote.log" "$OUT/gtest-fp8-wgrad.log" \
+        "$OUT/gtest-fp8-full-n.log"
+fi
+if wants memcheck && [ "${SKIP_MEMCHECK:-0}" != 1 ]; then
     timeout "${MEMCHECK_TIMEOUT:-240}" compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
         "$CARRY/megamoe_tests" --gtest_filter="${MEMCHECK_TESTS:-*Fp8*}" >"$OUT/memcheck-fp8.log" 2>&1 || status=1
     grep -E "ERROR SUMMARY" "$OUT/memcheck-fp8.log"
 fi
 mkdir -p "$OUT/timing"
-if [ -x "$CARRY/megamoe_fp8_gemm_timing" ]; then
+if wants gemm && [ -x "$CARRY/megamoe_fp8_gemm_timing" ]; then
     for round in $(seq 1 "${ROUNDS:-2}"); do
         timeout 120 "$CARRY/megamoe_fp8_gemm_timing" >"$OUT/timing/fp8-gemm-r$round.log" 2>&1 || status=1
         grep -E " ms " "$OUT/timing/fp8-gemm-r$round.log"
-        MEGAMOE_SM90_FP8_FULL_N=1 timeout 120 "$CARRY/megamoe_fp8_gemm_timing" >"$OUT/timing/fp8-gemm-full-n-r$round.log" \
-            2>&1 || status=1
+        MEGAMOE_SM90_FP8_FULL_N=1 timeout 120 "$CARRY/megamoe_fp8_gemm_timing" \
+            >"$OUT/timing/fp8-gemm-full-n-r$round.log" 2>&1 || status=1
         echo "MEGAMOE_SM90_FP8_FULL_N=1"
         grep -E " ms " "$OUT/timing/fp8-gemm-full-n-r$round.log"
     done
     timeout 120 python3 bench/dense_gemm_ceiling.py >"$OUT/timing/dense-gemm-ceiling.log" 2>&1 || status=1
 fi
-if [ -x "$CARRY/megamoe_fp8_wgrad_timing" ]; then
+if wants wgrad && [ -x "$CARRY/megamoe_fp8_wgrad_timing" ]; then
     for round in $(seq 1 "${ROUNDS:-2}"); do
         timeout 150 "$CARRY/megamoe_fp8_wgrad_timing" >"$OUT/timing/fp8-wgrad-r$round.log" 2>&1 || status=1
         grep -E " ms |FAILED" "$OUT/timing/fp8-wgrad-r$round.log"
     done
 fi
-if [ -x "$CARRY/megamoe_fp8_layer_timing" ] && [ "${LAYER_ROUNDS:-2}" != 0 ]; then
+if wants layer && [ -x "$CARRY/megamoe_fp8_layer_timing" ] && [ "${LAYER_ROUNDS:-2}" != 0 ]; then
     timeout 300 "$CARRY/megamoe_fp8_layer_timing" all "${LAYER_ROUNDS:-2}" >"$OUT/timing/fp8-layer.log" 2>&1 || status=1
     grep -E "ms|bitwise|DIFFER|Frobenius" "$OUT/timing/fp8-layer.log"
 fi
