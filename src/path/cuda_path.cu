@@ -118,9 +118,22 @@ bool sm90_weight_grads_enabled_by_env() {
     return value == nullptr || value[0] == '\0' || std::strcmp(value, "0") != 0;
 }
 
-bool fp8_act_by_pass() {
-    const char* value = std::getenv("MEGAMOE_FP8_ACT_PASS");
+namespace {
+// The experiment switches: the environment variable `name` is "1".
+bool switched_on(const char* name) {
+    const char* value = std::getenv(name);
     return value != nullptr && std::strcmp(value, "1") == 0;
+}
+}  // namespace
+
+bool fp8_act_by_pass() {
+    return switched_on("MEGAMOE_FP8_ACT_PASS");
+}
+bool fp8_dh_by_pass() {
+    return switched_on("MEGAMOE_FP8_DH_PASS");
+}
+bool fp8_weight_grads_by_env() {
+    return switched_on("MEGAMOE_FP8_WGRAD");
 }
 
 bool sm90_device_ok(int device_index) {

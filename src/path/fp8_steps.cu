@@ -2,8 +2,6 @@
 #include "path/fp8_steps.h"
 
 #include <algorithm>
-#include <cstdlib>
-#include <cstring>
 
 #include "path/cuda_path.h"
 #include "path/cuda_path_common.h"
@@ -48,16 +46,6 @@ Fp8ExpertCols Fp8ExpertCols::carve(WorkspaceCarver& carver, int64_t cols, int64_
     out.q_t = carver.take<uint8_t>(cols * out.ld);
     out.scales = carver.take<float>(std::max<int64_t>(max_tiles, 1) * out.ld_scales);
     return out;
-}
-
-bool fp8_dh_by_pass() {
-    const char* value = std::getenv("MEGAMOE_FP8_DH_PASS");
-    return value != nullptr && std::strcmp(value, "1") == 0;
-}
-
-bool fp8_weight_grads_by_env() {
-    const char* value = std::getenv("MEGAMOE_FP8_WGRAD");
-    return value != nullptr && std::strcmp(value, "1") == 0;
 }
 
 namespace {

@@ -43,14 +43,6 @@ struct Fp8ExpertCols {
     static Fp8ExpertCols carve(WorkspaceCarver& carver, int64_t cols, int64_t max_tiles);
 };
 
-// MEGAMOE_FP8_DH_PASS=1: the FP8 backward quantizes dh for dX by a pass over the dh dH wrote instead of in dH's
-// epilogue (the same bytes; the A/B switch of the two, default off).
-bool fp8_dh_by_pass();
-
-// MEGAMOE_FP8_WGRAD=1: the FP8 call's weight gradients on the K-grouped FP8 GEMM (their operands quantized along the
-// tokens by passes), else on the 16-bit K-grouped kernel (the default while the FP8 one is measured: TODO(#20)).
-bool fp8_weight_grads_by_env();
-
 // Whether launch_fp8_weight_grad takes the 16-bit weight gradient `args` into `grad` (the kernel's requirements).
 bool fp8_weight_grad_ok(const KGroupedGemmArgs& args, const RoutingBuffers& routing, const megamoe_tensor_t& grad,
                         const Fp8ExpertCols& a, const Fp8ExpertCols& b);
