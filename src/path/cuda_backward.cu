@@ -57,6 +57,8 @@ struct BackwardWorkspace {
     // dW13's: max(H, 2I) columns each); else empty.
     Fp8ExpertCols wgrad_a;
     Fp8ExpertCols wgrad_b;
+    // ... and, recomputing h, x along the tokens from the backward's one pass over x (dW13's x side): [H] columns.
+    Fp8ExpertCols wgrad_x;
 
     // act_scratch: on the sm_90a path, the dw13 output when it can hold act (dw13_as_act_scratch), else NULL (carved).
     // dh_apart: dh gets its own buffer (the sm_90a dSwiGLU epilogue's interleaved dh cannot go over h).
@@ -91,6 +93,7 @@ struct BackwardWorkspace {
             const int64_t cols = std::max(shape.hidden, 2 * shape.intermediate);
             wgrad_a = Fp8ExpertCols::carve(carver, cols, plan.max_m_tiles);
             wgrad_b = Fp8ExpertCols::carve(carver, cols, plan.max_m_tiles);
+            if (call.saved_h == nullptr) wgrad_x = Fp8ExpertCols::carve(carver, shape.hidden, plan.max_m_tiles);
         }
     }
 };
@@ -184,15 +187,24 @@ megamoe_status_t launch_weight_grad_sm90(const KGroupedGemmArgs& args, const meg
     return sm90::launch_k_grouped_gemm_sm90(args, grad.data, grad.dtype, num_sms, stream);
 }
 
-// The wanted dW13 GEMMs (dw13, and dw3 in the separate layout) in FP8, from the default one (`args`).
+// dW13's x side: B, or A where w13 is stored transposed (its operands swapped).
+bool x_is_dw13_a(const BackwardCall& call) {
+    return call.layout.w13_transposed;
+}
+
+// The wanted dW13 GEMMs (dw13, and dw3 in the separate layout) in FP8, from the default one (`args`); x_quantized: x
+// along the tokens is already in workspace.wgrad_x (the recomputing backward's one pass over x).
 megamoe_status_t launch_fp8_dw13(const BackwardCall& call, const KGroupedGemmArgs& args,
-                                 const BackwardWorkspace& workspace, int num_sms) {
+                                 const BackwardWorkspace& workspace, bool x_quantized, int num_sms) {
+    const bool x_is_a = x_is_dw13_a(call);
+    const Fp8ExpertCols& a = x_quantized && x_is_a ? workspace.wgrad_x : workspace.wgrad_a;
+    const Fp8ExpertCols& b = x_quantized && !x_is_a ? workspace.wgrad_x : workspace.wgrad_b;
     for (int half = 0; half < sm90_num_dw13_outputs(call); ++half) {
         const megamoe_tensor_t& grad = sm90_dw13_output(call, half == 1);
         if (grad.data == nullptr) continue;
         MEGAMOE_CUDA_RETURN_IF_ERROR(launch_fp8_weight_grad(call, sm90_dw13_args(call, args, half == 1),
-                                                            workspace.routing, grad, workspace.wgrad_a,
-                                                            workspace.wgrad_b, num_sms));
+                                                            workspace.routing, grad, a, b, num_sms,
+                                                            x_quantized && x_is_a, x_quantized && !x_is_a));
     }
     return MEGAMOE_STATUS_SUCCESS;
 }
@@ -347,6 +359,9 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
     // stored transposed).
     const bool dy_fp8_one_pass = backward_plan.fp8_weight_grads && call.dw2.data != nullptr;
     const bool dy_is_dw2_a = !call.layout.w2_transposed;
+    // ... and, recomputing h, one pass over x writes its copies for the up GEMM and for dW13.
+    const bool x_fp8_one_pass = backward_plan.fp8_weight_grads && call.saved_h == nullptr &&
+                                (call.dw13.data != nullptr || call.dw3.data != nullptr);
 
     MEGAMOE_CUDA_RETURN_IF_ERROR(
         launch_routing(call.experts, call.experts_dtype, backward_plan.routing_plan, routing, stream));
@@ -356,7 +371,13 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
     const bool keep_h = call.saved_h != nullptr;
     const void* h = workspace.h;
     if (!keep_h && call.fp8 != nullptr) {
-        MEGAMOE_CUDA_RETURN_IF_ERROR(quantize_rows(call, call.x, shape.num_tokens, workspace.x_fp8));
+        if (x_fp8_one_pass) {  // along H for the up GEMM and along the tokens for dW13 in one pass
+            MEGAMOE_CUDA_RETURN_IF_ERROR(
+                quantize_side_for_fp8_weight_grad(call, sm90_dw13_args(call, gemms.dw13, false), routing,
+                                                  x_is_dw13_a(call), workspace.x_fp8, workspace.wgrad_x));
+        } else {
+            MEGAMOE_CUDA_RETURN_IF_ERROR(quantize_rows(call, call.x, shape.num_tokens, workspace.x_fp8));
+        }
         MEGAMOE_CUDA_RETURN_IF_ERROR(
             launch_fp8_up(call, gemms.up, workspace.x_fp8, workspace.h, nullptr, nullptr, num_sms));
     } else if (!keep_h && use_sm90) {
@@ -399,8 +420,8 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
             }
             if (dy_fp8_one_pass) {  // along H for dH and along the tokens for dW2 (its dy side) in one pass
                 MEGAMOE_CUDA_RETURN_IF_ERROR(
-                    quantize_dy_for_fp8_weight_grad(call, gemms.sm90_dw2, routing, dy_is_dw2_a, workspace.dy_fp8,
-                                                    dy_is_dw2_a ? workspace.wgrad_a : workspace.wgrad_b));
+                    quantize_side_for_fp8_weight_grad(call, gemms.sm90_dw2, routing, dy_is_dw2_a, workspace.dy_fp8,
+                                                      dy_is_dw2_a ? workspace.wgrad_a : workspace.wgrad_b));
             } else {
                 MEGAMOE_CUDA_RETURN_IF_ERROR(quantize_rows(call, call.dy, shape.num_tokens, workspace.dy_fp8));
             }
@@ -497,7 +518,7 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
     }
 
     if ((call.dw13.data != nullptr || call.dw3.data != nullptr) && backward_plan.fp8_weight_grads) {
-        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_fp8_dw13(call, gemms.dw13, workspace, num_sms));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_fp8_dw13(call, gemms.dw13, workspace, x_fp8_one_pass, num_sms));
     } else if (call.dw13.data != nullptr || call.dw3.data != nullptr) {  // dW13[e] = sum dh x^T
         MEGAMOE_CUDA_RETURN_IF_ERROR(weight_grads_sm90 ? launch_sm90_dw13(call, gemms.dw13, num_sms, stream)
                                                        : launch_dw13(call, gemms.dw13, stream));

@@ -108,13 +108,12 @@ bool fp8_weight_grad_ok(const KGroupedGemmArgs& args, const RoutingBuffers& rout
                                                    grad.dtype);
 }
 
-megamoe_status_t quantize_dy_for_fp8_weight_grad(const Call& call, const KGroupedGemmArgs& args,
-                                                 const RoutingBuffers& routing, bool dy_is_a, const Fp8Rows& dy_rows,
-                                                 const Fp8ExpertCols& dy_cols) {
-    return dy_is_a ? quantize_expert_cols(call, routing, args, args.a, args.lda, args.a_gather_slots, args.m, dy_cols,
-                                          &dy_rows)
-                   : quantize_expert_cols(call, routing, args, args.b, args.ldb, args.b_gather_slots, args.n, dy_cols,
-                                          &dy_rows);
+megamoe_status_t quantize_side_for_fp8_weight_grad(const Call& call, const KGroupedGemmArgs& args,
+                                                   const RoutingBuffers& routing, bool side_is_a, const Fp8Rows& rows,
+                                                   const Fp8ExpertCols& cols) {
+    return side_is_a
+               ? quantize_expert_cols(call, routing, args, args.a, args.lda, args.a_gather_slots, args.m, cols, &rows)
+               : quantize_expert_cols(call, routing, args, args.b, args.ldb, args.b_gather_slots, args.n, cols, &rows);
 }
 
 megamoe_status_t launch_fp8_weight_grad(const Call& call, const KGroupedGemmArgs& args, const RoutingBuffers& routing,

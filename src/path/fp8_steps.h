@@ -52,11 +52,12 @@ bool fp8_weight_grad_ok(const KGroupedGemmArgs& args, const RoutingBuffers& rout
 megamoe_status_t launch_fp8_weight_grad(const Call& call, const KGroupedGemmArgs& args, const RoutingBuffers& routing,
                                         const megamoe_tensor_t& grad, const Fp8ExpertCols& a, const Fp8ExpertCols& b,
                                         int num_sms, bool a_quantized = false, bool b_quantized = false);
-// dW2's dy operand (`args`' A where dy_is_a, else its B) quantized in one pass over dy: along the tokens into dy_cols
-// (for dW2, then launched with that side already quantized) and along H into dy_rows (dH's A), each routed row once.
-megamoe_status_t quantize_dy_for_fp8_weight_grad(const Call& call, const KGroupedGemmArgs& args,
-                                                 const RoutingBuffers& routing, bool dy_is_a, const Fp8Rows& dy_rows,
-                                                 const Fp8ExpertCols& dy_cols);
+// One side of a weight gradient (`args`' A where side_is_a, else its B: dy for dW2, x for dW13) quantized in one pass
+// over its source: along the tokens into `cols` (the weight gradient then launched with that side already quantized)
+// and along its columns into `rows` (dH's A, or the recomputing up GEMM's), each routed source row once.
+megamoe_status_t quantize_side_for_fp8_weight_grad(const Call& call, const KGroupedGemmArgs& args,
+                                                   const RoutingBuffers& routing, bool side_is_a, const Fp8Rows& rows,
+                                                   const Fp8ExpertCols& cols);
 
 // `rows` rows of `in` (the call's element type, row stride cols) into `out`.
 megamoe_status_t quantize_rows(const Call& call, const void* in, int64_t rows, const Fp8Rows& out);
