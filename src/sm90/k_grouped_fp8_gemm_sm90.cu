@@ -268,7 +268,13 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Params
             wgmma_wait_group<0>();
             fence_accumulators(part);
             __syncwarp();  // the warp's scale reads before its release of the stage
-            if (lane_idx == 0) release_stage<kPair>(&smem.empty[stage_idx]);  // in every CTA of the pair
+            if (lane_idx == 0) {
+                if constexpr (kPair == 1) {
+                    mbarrier_arrive(&smem.empty[stage_idx]);
+                } else {
+                    release_stage<kPair>(&smem.empty[stage_idx]);  // in every CTA of the pair
+                }
+            }
             advance_stage<kNumStages>(stage_idx, phase);
             promote(acc, part, row_scales, col_scales);
         }
