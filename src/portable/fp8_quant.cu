@@ -148,6 +148,25 @@ __device__ __forceinline__ BlockCoords block_coords(const QuantizeBlocksArgs& ar
     return edge < bottom ? BlockCoords{expert, n_whole, edge} : BlockCoords{expert, edge - bottom, k_whole};
 }
 
+// A weight block's stats from each thread's (its warp's over shuffles, then the warps' in warp order through shared
+// memory): every thread of the block calls it, and gets the block's.
+__device__ __forceinline__ GroupStats block_stats(GroupStats stats, float (&warp_amax)[kBlockWarps],
+                                                  int (&warp_non_finite)[kBlockWarps], int warp_idx, int lane_idx) {
+    stats.reduce_over_warp();
+    if (lane_idx == 0) {
+        warp_amax[warp_idx] = stats.amax;
+        warp_non_finite[warp_idx] = stats.non_finite ? 1 : 0;
+    }
+    __syncthreads();
+    GroupStats block;
+#pragma unroll
+    for (int w = 0; w < kBlockWarps; ++w) {
+        block.amax = fmaxf(block.amax, warp_amax[w]);
+        block.non_finite |= warp_non_finite[w] != 0;
+    }
+    return block;
+}
+
 // The scalar path, for the blocks quantize_blocks_vector_kernel does not take (partial blocks at the edges; every
 // block where N or K is not a multiple of 16 or a pointer is not 16-byte aligned): warp w reads rows 16 w .. 16 w + 15
 // of the block, lane l columns l, l + 32, ...; the block's amax and non-finite flag by warp shuffles and shared
@@ -175,18 +194,7 @@ __global__ void __launch_bounds__(kQuantThreads)
             stats.add(values[r][c]);
         }
     }
-    stats.reduce_over_warp();
-    if (lane_idx == 0) {
-        warp_amax[warp_idx] = stats.amax;
-        warp_non_finite[warp_idx] = stats.non_finite ? 1 : 0;
-    }
-    __syncthreads();
-    GroupStats block;  // the warps' in warp order
-#pragma unroll
-    for (int w = 0; w < kBlockWarps; ++w) {
-        block.amax = fmaxf(block.amax, warp_amax[w]);
-        block.non_finite |= warp_non_finite[w] != 0;
-    }
+    const GroupStats block = block_stats(stats, warp_amax, warp_non_finite, warp_idx, lane_idx);
     const float scale = group_scale(block, args.pow2);
     const float factor = group_factor(block, scale, args.pow2);
 #pragma unroll
@@ -298,18 +306,7 @@ __global__ void __launch_bounds__(kQuantThreads, BlockLoads<T>::kMinBlocks)
         stats.add(low);
         stats.add(high);
     }
-    stats.reduce_over_warp();
-    if (lane_idx == 0) {
-        warp_amax[warp_idx] = stats.amax;
-        warp_non_finite[warp_idx] = stats.non_finite ? 1 : 0;
-    }
-    __syncthreads();
-    GroupStats block;  // the warps' in warp order
-#pragma unroll
-    for (int w = 0; w < kBlockWarps; ++w) {
-        block.amax = fmaxf(block.amax, warp_amax[w]);
-        block.non_finite |= warp_non_finite[w] != 0;
-    }
+    const GroupStats block = block_stats(stats, warp_amax, warp_non_finite, warp_idx, lane_idx);
     const float scale = group_scale(block, args.pow2);
     const float factor = group_factor(block, scale, args.pow2);
 #pragma unroll
