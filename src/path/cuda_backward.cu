@@ -193,18 +193,21 @@ bool x_is_dw13_a(const BackwardCall& call) {
 }
 
 // The wanted dW13 GEMMs (dw13, and dw3 in the separate layout) in FP8, from the default one (`args`); x_quantized: x
-// along the tokens is already in workspace.wgrad_x (the recomputing backward's one pass over x).
+// along the tokens is already in workspace.wgrad_x (the recomputing backward's one pass over x). x is quantized once
+// for both halves of the separate layout (dh's halves are its other side, quantized per half).
 megamoe_status_t launch_fp8_dw13(const BackwardCall& call, const KGroupedGemmArgs& args,
                                  const BackwardWorkspace& workspace, bool x_quantized, int num_sms) {
     const bool x_is_a = x_is_dw13_a(call);
     const Fp8ExpertCols& a = x_quantized && x_is_a ? workspace.wgrad_x : workspace.wgrad_a;
     const Fp8ExpertCols& b = x_quantized && !x_is_a ? workspace.wgrad_x : workspace.wgrad_b;
+    bool x_ready = x_quantized;
     for (int half = 0; half < sm90_num_dw13_outputs(call); ++half) {
         const megamoe_tensor_t& grad = sm90_dw13_output(call, half == 1);
         if (grad.data == nullptr) continue;
         MEGAMOE_CUDA_RETURN_IF_ERROR(launch_fp8_weight_grad(call, sm90_dw13_args(call, args, half == 1),
-                                                            workspace.routing, grad, a, b, num_sms,
-                                                            x_quantized && x_is_a, x_quantized && !x_is_a));
+                                                            workspace.routing, grad, a, b, num_sms, x_ready && x_is_a,
+                                                            x_ready && !x_is_a));
+        x_ready = true;
     }
     return MEGAMOE_STATUS_SUCCESS;
 }

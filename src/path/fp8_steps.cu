@@ -69,18 +69,17 @@ sm90::KGroupedFp8GemmArgs fp8_weight_grad_args(const KGroupedGemmArgs& args, con
     return fp8;
 }
 
-// One operand of a 16-bit weight gradient (rows of `cols` values at `data`, row stride ld, gathered by slot or not)
-// quantized along the expert rows into `out`, and, where `rows` is given, its source rows along the columns into it
-// in the same pass (each routed row once).
+// One side of a 16-bit weight gradient (`args`' A where side_is_a, else its B: rows of M or N values, gathered by slot
+// or not) quantized along the expert rows into `out`, and, where `rows` is given, its source rows along the columns
+// into it in the same pass (each routed row once).
 megamoe_status_t quantize_expert_cols(const Call& call, const RoutingBuffers& routing, const KGroupedGemmArgs& args,
-                                      const void* data, int64_t ld, const int* gather_slots, int64_t cols,
-                                      const Fp8ExpertCols& out, const Fp8Rows* rows = nullptr) {
+                                      bool side_is_a, const Fp8ExpertCols& out, const Fp8Rows* rows = nullptr) {
     QuantizeExpertRowsArgs quantize{};
-    quantize.in = data;
+    quantize.in = side_is_a ? args.a : args.b;
     quantize.in_dtype = call.dtype;
-    quantize.cols = cols;
-    quantize.in_row_stride = ld;
-    quantize.sorted_slot = gather_slots;
+    quantize.cols = side_is_a ? args.m : args.n;
+    quantize.in_row_stride = side_is_a ? args.lda : args.ldb;
+    quantize.sorted_slot = side_is_a ? args.a_gather_slots : args.b_gather_slots;
     quantize.topk = std::max<int64_t>(args.topk, 1);
     quantize.expert_offsets = args.expert_offsets;
     quantize.m_tile_offsets = routing.m_tile_offsets;
@@ -111,22 +110,14 @@ bool fp8_weight_grad_ok(const KGroupedGemmArgs& args, const RoutingBuffers& rout
 megamoe_status_t quantize_side_for_fp8_weight_grad(const Call& call, const KGroupedGemmArgs& args,
                                                    const RoutingBuffers& routing, bool side_is_a, const Fp8Rows& rows,
                                                    const Fp8ExpertCols& cols) {
-    return side_is_a
-               ? quantize_expert_cols(call, routing, args, args.a, args.lda, args.a_gather_slots, args.m, cols, &rows)
-               : quantize_expert_cols(call, routing, args, args.b, args.ldb, args.b_gather_slots, args.n, cols, &rows);
+    return quantize_expert_cols(call, routing, args, side_is_a, cols, &rows);
 }
 
 megamoe_status_t launch_fp8_weight_grad(const Call& call, const KGroupedGemmArgs& args, const RoutingBuffers& routing,
                                         const megamoe_tensor_t& grad, const Fp8ExpertCols& a, const Fp8ExpertCols& b,
                                         int num_sms, bool a_quantized, bool b_quantized) {
-    if (!a_quantized) {
-        MEGAMOE_CUDA_RETURN_IF_ERROR(
-            quantize_expert_cols(call, routing, args, args.a, args.lda, args.a_gather_slots, args.m, a));
-    }
-    if (!b_quantized) {
-        MEGAMOE_CUDA_RETURN_IF_ERROR(
-            quantize_expert_cols(call, routing, args, args.b, args.ldb, args.b_gather_slots, args.n, b));
-    }
+    if (!a_quantized) MEGAMOE_CUDA_RETURN_IF_ERROR(quantize_expert_cols(call, routing, args, true, a));
+    if (!b_quantized) MEGAMOE_CUDA_RETURN_IF_ERROR(quantize_expert_cols(call, routing, args, false, b));
     return sm90::launch_k_grouped_fp8_gemm_sm90(fp8_weight_grad_args(args, routing.m_tile_offsets, a, b), grad.data,
                                                 grad.dtype, num_sms, call.stream);
 }
