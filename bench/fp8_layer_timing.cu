@@ -2,8 +2,8 @@
 // balanced routing (slot (t, j) to expert (t * topk + j) mod E): the forward (keep-h: saved_h written) and the forward
 // + backward (dx, d topk_weights, dw13, dw2 in bf16), with the FP8 weights made once beforehand by
 // megamoe_quantize_experts (timed on its own: once per optimizer step in training). FP8 variants: the defaults (a
-// quantized in the up GEMM's epilogue, dh in dH's), a by a pass (MEGAMOE_FP8_ACT_PASS=1), dh by a pass
-// (MEGAMOE_FP8_DH_PASS=1), and the weight gradients on the K-grouped FP8 GEMM (MEGAMOE_FP8_WGRAD=1; expert 0's dw13
+// quantized in the up GEMM's epilogue, dh by a pass), a by a pass (MEGAMOE_FP8_ACT_PASS=1), dh in dH's epilogue
+// (MEGAMOE_FP8_DH_EPILOGUE=1), and the weight gradients on the K-grouped FP8 GEMM (MEGAMOE_FP8_WGRAD=1; expert 0's dw13
 // against bf16's printed beside y and dx). CUDA events on the default stream, 3 warm-up calls, the median of 10; the
 // variants alternate within each of ROUNDS rounds (argument 2, default 2). Weights N(0, 1 / K)-like, x and dy uniform
 // in [-1, 1]. Usage:
@@ -200,17 +200,17 @@ void time_shape(const Shape& s, int rounds) {
         const char* name;
         megamoe_precision_t precision;
         const char* act_pass;
-        const char* wgrad;    // MEGAMOE_FP8_WGRAD
-        const char* dh_pass;  // MEGAMOE_FP8_DH_PASS
+        const char* wgrad;        // MEGAMOE_FP8_WGRAD
+        const char* dh_epilogue;  // MEGAMOE_FP8_DH_EPILOGUE
     } variants[] = {{"bf16", MEGAMOE_PRECISION_DEFAULT, "0", "0", "0"},
                     {"fp8", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "0", "0"},
                     {"fp8-act-pass", MEGAMOE_PRECISION_FP8_BLOCKWISE, "1", "0", "0"},
-                    {"fp8-dh-pass", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "0", "1"},
+                    {"fp8-dh-epi", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "0", "1"},
                     {"fp8-wgrad", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "1", "0"}};
     const auto select = [&](const Variant& v) {
         setenv("MEGAMOE_FP8_ACT_PASS", v.act_pass, 1);
         setenv("MEGAMOE_FP8_WGRAD", v.wgrad, 1);
-        setenv("MEGAMOE_FP8_DH_PASS", v.dh_pass, 1);
+        setenv("MEGAMOE_FP8_DH_EPILOGUE", v.dh_epilogue, 1);
         fwd.precision = bwd.precision = v.precision;
         fwd.fp8 = bwd.fp8 = v.precision == MEGAMOE_PRECISION_DEFAULT ? megamoe_fp8_experts_t{} : fp8;
     };
@@ -231,7 +231,7 @@ void time_shape(const Shape& s, int rounds) {
                     relative_difference(dx_of.back(), dx_of.front()),
                     relative_difference(dw13_of.back(), dw13_of.front()));
     }
-    std::printf("%-16s fp8 against fp8-act-pass: y %s, dx %s; against fp8-dh-pass: dx %s\n", s.name,
+    std::printf("%-16s fp8 against fp8-act-pass: y %s, dx %s; against fp8-dh-epi: dx %s\n", s.name,
                 y_of[1] == y_of[2] ? "bitwise equal" : "DIFFER", dx_of[1] == dx_of[2] ? "bitwise equal" : "DIFFER",
                 dx_of[1] == dx_of[3] ? "bitwise equal" : "DIFFER");
     for (int round = 1; round <= rounds; ++round) {

@@ -6,7 +6,7 @@ kernels' sum, idle time before the first kernel (host prologue), idle time betwe
 same pass's times back to back (N passes between two events) and as a CUDA-graph replay.
 
     MEGAMOE_LIBRARY=build/libmegamoe.so PYTHONPATH=python:bench python3 scripts/profile_timeline.py \
-        [--shapes qwen3-30b-a3b] [--modes keep-h,recompute] [--runs 10] [--trace-dir DIR]
+        [--shapes qwen3-30b-a3b] [--modes keep-h,recompute] [--runs 10] [--precision fp8] [--trace-dir DIR]
 """
 import argparse
 import math
@@ -23,22 +23,23 @@ from timing import CudaTimer, back_to_back, cuda_time, graph_replay
 from profile_forward import short_name
 
 
-def make_pass(case, recompute):
+def make_pass(case, recompute, precision):
     """One forward+backward as the bench runs it (fresh gradients each time)."""
 
     def run():
         case.clear_grads()
-        megamoe.moe(case.x, case.ids, case.s, case.w13, case.w2, recompute=recompute).backward(case.dy)
+        megamoe.moe(case.x, case.ids, case.s, case.w13, case.w2, recompute=recompute,
+                    precision=precision).backward(case.dy)
 
     return run
 
 
-def graph_step(case, recompute):
+def graph_step(case, recompute, precision):
     """forward+backward with torch.autograd.grad (no .grad accumulation, so a captured step replays as it is)."""
     leaves = list(case.leaves())
 
     def step():
-        y = megamoe.moe(case.x, case.ids, case.s, case.w13, case.w2, recompute=recompute)
+        y = megamoe.moe(case.x, case.ids, case.s, case.w13, case.w2, recompute=recompute, precision=precision)
         return torch.autograd.grad(y, leaves, case.dy)
 
     return step
@@ -94,21 +95,27 @@ def main():
     p.add_argument("--routing", default="balanced")
     p.add_argument("--modes", default="keep-h,recompute")
     p.add_argument("--runs", type=int, default=10)
+    p.add_argument("--precision", default="bf16", help="bf16 or fp8 (the FP8 weights cached by the first pass)")
     p.add_argument("--trace-dir", default="")
     args = p.parse_args()
     for name in args.shapes.split(","):
         case = workloads.make_case(name, workloads.SHAPES[name], args.routing, "cuda")
         for mode in args.modes.split(","):
-            run = make_pass(case, mode == "recompute")
+            run = make_pass(case, mode == "recompute", args.precision)
             event_ms = cuda_time(run, 3, args.runs, math.inf)["ms"]
             b2b = back_to_back(run, CudaTimer(), args.runs)["b2b_ms"]
-            replay = graph_replay(graph_step(case, mode == "recompute"), CudaTimer(), 3, args.runs, math.inf)["graph_ms"]
+            try:
+                replay = graph_replay(graph_step(case, mode == "recompute", args.precision), CudaTimer(), 3, args.runs,
+                                      math.inf)["graph_ms"]
+            except RuntimeError as err:  # reported, not fatal: the timeline below is the point
+                print(f"graph replay failed: {err}")
+                replay = math.nan
             trace = os.path.join(args.trace_dir, f"timeline-{name}-{mode}.json") if args.trace_dir else ""
             passes = traced_passes(run, args.runs, trace)
             summaries = [summarize(*pass_) for pass_ in passes]
             median_idx = sorted(range(len(summaries)), key=lambda i: summaries[i][1]["span_us"])[len(summaries) // 2]
             rows, totals = summaries[median_idx]
-            print(f"\n{name} [{args.routing}] {mode}: event {event_ms:.3f} ms per call, back-to-back {b2b:.3f} ms, "
+            print(f"\n{name} [{args.routing}] {args.precision} {mode}: event {event_ms:.3f} ms per call, back-to-back {b2b:.3f} ms, "
                   f"graph replay {replay:.3f} ms; traced pass {totals['span_us'] / 1e3:.3f} ms = kernels "
                   f"{totals['busy_us'] / 1e3:.3f} + idle before the first {totals['idle_first_us'] / 1e3:.3f} + "
                   f"idle between {totals['idle_between_us'] / 1e3:.3f} (median of {len(summaries)} traced passes: "

@@ -41,6 +41,43 @@ struct GroupStats {
     }
 };
 
+// A group's stats from 16-bit values (T: bf16 or half) taken two per 32-bit word: the maxima of their magnitude bits,
+// two lanes at a time (one VIMNMX3.U16x2 per two words). Magnitude bits order finite values as their magnitudes do,
+// and an infinity (all exponent bits) or a NaN (above) has larger bits than any finite value, so the group holds a
+// non-finite value exactly when its maximum reaches the infinity's bits; the amax is that maximum's value otherwise:
+// GroupStats::add of the same values, bit for bit, at ~1 instruction per two values instead of ~4 per value.
+template <typename T>
+struct PackedGroupStats {
+    static constexpr uint32_t kMagnitudeMask = 0x7FFF7FFFu;
+    uint32_t max_bits = 0;  // two 16-bit maxima of magnitude bits
+    __device__ __forceinline__ void add(uint32_t word) { max_bits = __vmaxu2(max_bits, word & kMagnitudeMask); }
+    // Over the 4 lanes of each quad, every lane of the warp taking part.
+    __device__ __forceinline__ void reduce_over_quad() {
+#pragma unroll
+        for (int mask = 1; mask <= 2; mask *= 2)
+            max_bits = __vmaxu2(max_bits, __shfl_xor_sync(kFullMask, max_bits, mask));
+    }
+    __device__ __forceinline__ GroupStats stats() const;
+};
+
+template <>
+__device__ __forceinline__ GroupStats PackedGroupStats<__nv_bfloat16>::stats() const {
+    const uint32_t bits = max(max_bits & 0xFFFFu, max_bits >> 16);
+    GroupStats stats;
+    stats.non_finite = bits >= 0x7F80u;
+    stats.amax = stats.non_finite ? 0.0f : __uint_as_float(bits << 16);
+    return stats;
+}
+
+template <>
+__device__ __forceinline__ GroupStats PackedGroupStats<__half>::stats() const {
+    const uint32_t bits = max(max_bits & 0xFFFFu, max_bits >> 16);
+    GroupStats stats;
+    stats.non_finite = bits >= 0x7C00u;
+    stats.amax = stats.non_finite ? 0.0f : __half2float(__ushort_as_half(static_cast<unsigned short>(bits)));
+    return stats;
+}
+
 // The smallest power of two >= scale (scale positive and finite, at least the smallest denormal).
 __device__ __forceinline__ float next_pow2(float scale) {
     const uint32_t bits = __float_as_uint(scale);
@@ -77,6 +114,30 @@ __device__ __forceinline__ uint8_t quantize_value(float value, float factor, boo
     if (non_finite) return kE4M3NanBits;
     const float ratio = fminf(fmaxf(__fmul_rn(value, factor), -kE4M3Max), kE4M3Max);
     return static_cast<uint8_t>(__nv_cvt_float_to_fp8(ratio, __NV_SATFINITE, __NV_E4M3));
+}
+
+// The e4m3 bytes of two values of a finite group times its factor (byte 0: first) by one paired conversion
+// (F2FP.SATFINITE.E4M3.F32.PACK_AB): quantize_value's bytes, bit for bit (its clamp to +-448 is what the saturating
+// conversion does to a product beyond 448 anyway; a finite group's products are finite).
+__device__ __forceinline__ uint32_t quantize_pair(float first, float second, float factor) {
+    return __nv_cvt_float2_to_fp8x2(make_float2(__fmul_rn(first, factor), __fmul_rn(second, factor)), __NV_SATFINITE,
+                                    __NV_E4M3);
+}
+
+// The 8 e4m3 bytes of a 16-byte chunk of 8 16-bit values (value i: byte i) by the group's factor; all kE4M3NanBits in a
+// non-finite group.
+template <typename T>
+__device__ __forceinline__ uint2 quantize_chunk(const uint32_t (&words)[4], float factor, bool non_finite) {
+    uint32_t pairs[4];
+#pragma unroll
+    for (int word_idx = 0; word_idx < 4; ++word_idx) {
+        float first, second;
+        unpack_pair<T>(words[word_idx], first, second);
+        pairs[word_idx] = quantize_pair(first, second, factor);
+    }
+    constexpr uint32_t kNanWord = 0x01010101u * kE4M3NanBits;
+    const uint32_t low = __byte_perm(pairs[0], pairs[1], 0x5410), high = __byte_perm(pairs[2], pairs[3], 0x5410);
+    return non_finite ? make_uint2(kNanWord, kNanWord) : make_uint2(low, high);
 }
 
 }  // namespace megamoe::cuda

@@ -356,8 +356,8 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
     const BackwardGemms& gemms = backward_plan.gemms;
     const bool use_sm90 = backward_plan.use_sm90;
     const bool weight_grads_sm90 = backward_plan.weight_grads_sm90;
-    // FP8: dh quantized for dX by dH's epilogue (else by a pass before dX: MEGAMOE_FP8_DH_PASS=1).
-    const bool fp8_dh_in_epilogue = call.fp8 != nullptr && call.dx.data != nullptr && !fp8_dh_by_pass();
+    // FP8: dh quantized for dX by a pass before dX (by dH's epilogue: MEGAMOE_FP8_DH_EPILOGUE=1).
+    const bool fp8_dh_in_epilogue = call.fp8 != nullptr && call.dx.data != nullptr && fp8_dh_in_epilogue_by_env();
     // FP8 weight gradients with dW2 wanted: one pass over dy writes both its copies (dW2's dy: A, or B when w2 is
     // stored transposed).
     const bool dy_fp8_one_pass = backward_plan.fp8_weight_grads && call.dw2.data != nullptr;

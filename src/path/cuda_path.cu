@@ -129,8 +129,8 @@ bool switched_on(const char* name) {
 bool fp8_act_by_pass() {
     return switched_on("MEGAMOE_FP8_ACT_PASS");
 }
-bool fp8_dh_by_pass() {
-    return switched_on("MEGAMOE_FP8_DH_PASS");
+bool fp8_dh_in_epilogue_by_env() {
+    return switched_on("MEGAMOE_FP8_DH_EPILOGUE");
 }
 bool fp8_weight_grads_by_env() {
     return switched_on("MEGAMOE_FP8_WGRAD");

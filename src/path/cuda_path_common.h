@@ -37,9 +37,10 @@ bool sm90_weight_grads_enabled_by_env();  // MEGAMOE_SM90_WEIGHT_GRADS unset or 
 // MEGAMOE_FP8_ACT_PASS=1: the FP8 forward stores a in the element type and quantizes it by a pass instead of in the up
 // GEMM's epilogue (bitwise the same operand; the A/B switch of the two, default off).
 bool fp8_act_by_pass();
-// MEGAMOE_FP8_DH_PASS=1: the FP8 backward quantizes dh for dX by a pass over the dh dH wrote instead of in dH's
-// epilogue (the same bytes; the A/B switch of the two, default off).
-bool fp8_dh_by_pass();
+// MEGAMOE_FP8_DH_EPILOGUE=1: the FP8 backward quantizes dh for dX in dH's dSwiGLU epilogue instead of by a pass over
+// the dh dH wrote (the same bytes; the A/B switch of the two, default off: the epilogue measured 0.5-0.7 ms slower at
+// qwen3-30b-a3b on the H200, bench/results/2026-12-02-session10-notes.md).
+bool fp8_dh_in_epilogue_by_env();
 // MEGAMOE_FP8_WGRAD=1: the FP8 call's weight gradients on the K-grouped FP8 GEMM (their operands quantized along the
 // tokens), else on the 16-bit K-grouped kernel (the default while the FP8 one is measured: TODO(#20)).
 bool fp8_weight_grads_by_env();

@@ -59,6 +59,7 @@ constexpr uint32_t kStageTxBytes = 2 * (kOperandTileBytes + kScaleBytes);  // A,
 constexpr int kEmptyArrivals = kNumConsumers * kWarpsPerWarpgroup;         // one per consumer warp
 constexpr int kStoreBoxes = kTmaStoreBuffers;
 constexpr int kMaxStages = 8;
+constexpr uint32_t kStaggerBarrier = 1;  // named barrier of the consumers' one-time stagger (0: __syncthreads)
 constexpr int kMinStages = 2;
 
 static_assert(kBlockK == kSwizzleBytes, "a stage's K columns are one 128-byte swizzled row per operand row");
@@ -217,7 +218,8 @@ __device__ __forceinline__ void store_tile(const CUtensorMap* out_map, const Til
                                            uint32_t staging, int consumer_idx, int warp_idx, int lane_idx) {
     const int row = tile.m_begin + consumer_idx * kConsumerRows + warp_idx * kTmaStoreRows;
     if constexpr (std::is_same_v<OutT, float>) {
-        store_warp_rows_tma_f32<kBlockN / kTmaStoreF32Cols>(acc, staging, lane_idx, [&](uint32_t box, int chunk) {
+        constexpr int kChunks = kBlockN / kTmaStoreF32Cols;
+        store_warp_rows_tma_f32<kChunks, 0, kStoreBoxes>(acc, staging, lane_idx, [&](uint32_t box, int chunk) {
             const int col = tile.n_begin + chunk * kTmaStoreF32Cols;
             if constexpr (kAccumulate) {
                 tma_reduce_add_3d(out_map, box, col, row, tile.expert_idx);
@@ -227,13 +229,18 @@ __device__ __forceinline__ void store_tile(const CUtensorMap* out_map, const Til
         });
     } else {
         static_assert(!kAccumulate, "accumulation is into f32 outputs");
-        store_warp_rows_tma<OutT, kBlockN / kTmaStoreCols>(acc, staging, lane_idx, [&](uint32_t box, int chunk) {
+        constexpr int kChunks = kBlockN / kTmaStoreCols;
+        store_warp_rows_tma<OutT, kChunks, 0, kStoreBoxes>(acc, staging, lane_idx, [&](uint32_t box, int chunk) {
             tma_store_3d(out_map, box, tile.n_begin + chunk * kTmaStoreCols, row, tile.expert_idx);
         });
     }
 }
 
-template <typename OutT, bool kAccumulate, int kPair>
+// kStagger (MEGAMOE_SM90_FP8_WGRAD_STAGGER=1): consumer 1 starts once consumer 0 has completed its first K group (a
+// named barrier, once), so the two run a stage apart: one's promotion and epilogue under the other's wgmmas instead of
+// both epilogues at the same time with the tensor pipe idle (their stages are shared, so the lag holds: neither waits
+// for the other while the producer has a free stage).
+template <typename OutT, bool kAccumulate, int kPair, bool kStagger>
 __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Params& params, SharedStorage& smem,
                                         int cta_rank, int consumer_idx, int thread_idx) {
     const int lane_idx = thread_idx % kWarpSize;
@@ -245,6 +252,10 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Params
     uint32_t phase = 0;
     float acc[kAccRegs];
     float part[kAccRegs];
+    bool stagger_pending = kStagger && consumer_idx == 0;  // consumer 0 still to release consumer 1
+    if constexpr (kStagger) {
+        if (consumer_idx == 1) named_barrier_sync(kStaggerBarrier, kNumConsumers * kWarpgroupThreads);
+    }
     const int stride = num_clusters<kPair>();
     Tile next = decode_tile<kPair>(params, first_cluster_tile<kPair>(), cta_rank);
     for (int tile_idx = first_cluster_tile<kPair>(); tile_idx < params.num_tiles; tile_idx += stride) {
@@ -277,15 +288,24 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Params
             }
             advance_stage<kNumStages>(stage_idx, phase);
             promote(acc, part, row_scales, col_scales);
+            if (stagger_pending) {  // no wgmma in flight here
+                named_barrier_arrive(kStaggerBarrier, kNumConsumers * kWarpgroupThreads);
+                stagger_pending = false;
+            }
+        }
+        if (stagger_pending) {  // a first tile without K groups
+            named_barrier_arrive(kStaggerBarrier, kNumConsumers * kWarpgroupThreads);
+            stagger_pending = false;
         }
         if (tile.store && (!kAccumulate || tile.num_k_blocks > 0)) {
             store_tile<OutT, kAccumulate>(out_map, tile, acc, warp_staging, consumer_idx, warp_idx, lane_idx);
         }
     }
+    if (stagger_pending) named_barrier_arrive(kStaggerBarrier, kNumConsumers * kWarpgroupThreads);  // no tile at all
     if (lane_idx == 0) bulk_wait_group<0, false>();  // every store complete before the CTA exits
 }
 
-template <typename OutT, bool kAccumulate, int kPair>
+template <typename OutT, bool kAccumulate, int kPair, bool kStagger>
 __global__ void __launch_bounds__(kNumThreads, 1)
     k_grouped_fp8_gemm_sm90_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                                    const __grid_constant__ CUtensorMap out_map, const Params params) {
@@ -321,7 +341,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         if (thread_idx == 0) produce<kPair>(&a_map, &b_map, params, smem, cta_rank);
     } else {
         setmaxnreg_inc<kConsumerRegs>();
-        consume<OutT, kAccumulate, kPair>(&out_map, params, smem, cta_rank, warpgroup_idx - 1, thread_idx);
+        consume<OutT, kAccumulate, kPair, kStagger>(&out_map, params, smem, cta_rank, warpgroup_idx - 1, thread_idx);
     }
     if constexpr (kPair > 1) cluster_sync();  // no CTA leaves while its partner may multicast into it or arrive there
 #endif
@@ -365,9 +385,12 @@ template <typename OutT, bool kAccumulate, int kPair>
 megamoe_status_t launch_typed(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUtensorMap& out_map,
                               const Params& params, int num_sms, cudaStream_t stream) {
     const int64_t max_clusters = std::min<int64_t>(std::max(num_sms / kPair, 1), params.num_tiles);
-    return launch_cluster_kernel<kPair>(k_grouped_fp8_gemm_sm90_kernel<OutT, kAccumulate, kPair>,
-                                        "k_grouped_fp8_gemm_sm90", kNumThreads, kSmemBytes, max_clusters, stream, a_map,
-                                        b_map, out_map, params);
+    // MEGAMOE_SM90_FP8_WGRAD_STAGGER=1's variant for single CTAs only.
+    const auto kernel = kPair == 1 && k_grouped_fp8_stagger()
+                            ? k_grouped_fp8_gemm_sm90_kernel<OutT, kAccumulate, kPair, kPair == 1>
+                            : k_grouped_fp8_gemm_sm90_kernel<OutT, kAccumulate, kPair, false>;
+    return launch_cluster_kernel<kPair>(kernel, "k_grouped_fp8_gemm_sm90", kNumThreads, kSmemBytes, max_clusters,
+                                        stream, a_map, b_map, out_map, params);
 }
 
 template <int kPair>

@@ -20,10 +20,13 @@
 //                                      tile with one set in the current group's units: 0.6-0.75x its speed (H200)
 //   MEGAMOE_SM90_FP8_FULL_N=1          the FP8 M-grouped GEMMs' rescaled mainloop with m64 x 256 wgmmas (A read once
 //                                      per k step) instead of two m64 x 128 column halves (Operands::kFp8RescaledFullN;
-//                                      the same math; not yet run on a GPU)
+//                                      the same math; its gtests pass on the H200): 0.9-1.07x the default's time per
+//                                      GEMM, one round (2026-12-02, session 10): no clear winner
 //   MEGAMOE_SM90_FP8_WGRAD_PAIR=1      the K-grouped FP8 GEMM in clusters of 2 CTAs on neighbouring n-tiles, A's
-//                                      halves multicast into both (a quarter less L2 -> SM traffic per stage; not yet
-//                                      run on a GPU)
+//                                      halves multicast into both (a quarter less L2 -> SM traffic per stage): level at
+//                                      qwen3-30b-a3b, 3-12 % slower at qwen3-235b-a22b and deepseek-v3 (session 10)
+//   MEGAMOE_SM90_FP8_WGRAD_STAGGER=1   the K-grouped FP8 GEMM's second consumer warpgroup starts a K group after the
+//                                      first (one named barrier), so their promotions and epilogues alternate
 #pragma once
 
 #include <cstdlib>
@@ -63,6 +66,9 @@ inline bool k_grouped_fp8_pairs() {
 }
 inline bool fp8_full_n() {
     return env_is("MEGAMOE_SM90_FP8_FULL_N", "1");
+}
+inline bool k_grouped_fp8_stagger() {
+    return env_is("MEGAMOE_SM90_FP8_WGRAD_STAGGER", "1");
 }
 
 }  // namespace megamoe::sm90

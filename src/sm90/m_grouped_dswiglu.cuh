@@ -103,44 +103,19 @@ __device__ __forceinline__ void load_dswiglu_sub_tile(const MainloopParams& para
     cuda::cp_async_commit();
 }
 
-// The e4m3 bytes of a 16-byte chunk of 8 16-bit values (value i: byte i), by the recipe's rules (the group's factor).
-template <typename T>
-__device__ __forceinline__ uint2 quantize_chunk(const uint32_t (&words)[4], float factor, bool non_finite) {
-    uint32_t bytes[2] = {0, 0};
-#pragma unroll
-    for (int word_idx = 0; word_idx < 4; ++word_idx) {
-        float first, second;
-        cuda::unpack_pair<T>(words[word_idx], first, second);
-        const uint32_t pair = cuda::quantize_value(first, factor, non_finite) |
-                              (static_cast<uint32_t>(cuda::quantize_value(second, factor, non_finite)) << 8);
-        bytes[word_idx / 2] |= pair << (16 * (word_idx % 2));
-    }
-    return make_uint2(bytes[0], bytes[1]);
-}
-
-// A 16-byte chunk of 8 16-bit values into a group's stats.
-template <typename T>
-__device__ __forceinline__ void add_chunk(cuda::GroupStats& stats, const uint32_t (&words)[4]) {
-#pragma unroll
-    for (int word_idx = 0; word_idx < 4; ++word_idx) {
-        float first, second;
-        cuda::unpack_pair<T>(words[word_idx], first, second);
-        stats.add(first);
-        stats.add(second);
-    }
-}
-
 // store_tile_dswiglu's quantization of dh (kQuantizeDh): the quad-reduced stats of the lane's rows (copy pass p: row
 // dswiglu_copy_row(p)), then its own dh chunks read back, their bytes and the rows' scales stored.
 template <typename T, class Config, int kPasses, int kGroups, class Params>
 __device__ __forceinline__ void quantize_dh_chunks(const MainloopParams& params, const Params& epilogue,
-                                                   const Tile& tile, cuda::GroupStats (&stats)[kPasses][2][kGroups],
+                                                   const Tile& tile,
+                                                   cuda::PackedGroupStats<T> (&packed)[kPasses][2][kGroups],
                                                    int warp_first_row, int64_t first_col, int lane_idx) {
     constexpr int kNumSubTiles = Config::kBlockN / kDSwiGLUSubCols;
     constexpr int kSubTilesPerGroup = kFp8ScaleGroup / kDSwiGLUSubCols;
     const int64_t intermediate = params.n;
     const int64_t groups_per_row = 2 * intermediate / kFp8ScaleGroup;
     const int copy_chunk = lane_idx % kDSwiGLUChunksPerRow;
+    cuda::GroupStats stats[kPasses][2][kGroups];
     float scales[kPasses][2][kGroups], factors[kPasses][2][kGroups];
 #pragma unroll
     for (int pass = 0; pass < kPasses; ++pass) {
@@ -148,7 +123,8 @@ __device__ __forceinline__ void quantize_dh_chunks(const MainloopParams& params,
         for (int half = 0; half < 2; ++half) {
 #pragma unroll
             for (int group = 0; group < kGroups; ++group) {
-                stats[pass][half][group].reduce_over_quad();  // every lane: the shuffles take the whole warp
+                packed[pass][half][group].reduce_over_quad();  // every lane: the shuffles take the whole warp
+                stats[pass][half][group] = packed[pass][half][group].stats();
                 scales[pass][half][group] = cuda::group_scale(stats[pass][half][group], epilogue.dh_q_pow2);
                 factors[pass][half][group] =
                     cuda::group_factor(stats[pass][half][group], scales[pass][half][group], epilogue.dh_q_pow2);
@@ -173,7 +149,7 @@ __device__ __forceinline__ void quantize_dh_chunks(const MainloopParams& params,
                 uint32_t words[4];
                 load_chunk(dh_row, col, words);
                 *reinterpret_cast<uint2*>(q_row + col) =
-                    quantize_chunk<T>(words, factors[pass][half][group], stats[pass][half][group].non_finite);
+                    cuda::quantize_chunk<T>(words, factors[pass][half][group], stats[pass][half][group].non_finite);
             }
 #pragma unroll
             for (int group = 0; group < kGroups; ++group) {
@@ -252,7 +228,7 @@ __device__ __forceinline__ void store_tile_dswiglu(const MainloopParams& params,
     static_assert(!kQuantizeDh || (!kInterleaved && Config::kBlockN % kFp8ScaleGroup == 0),
                   "dh quantized: the concatenated order, whole 128-column groups per tile");
     constexpr int kDhGroups = kQuantizeDh ? Config::kBlockN / kFp8ScaleGroup : 1;
-    cuda::GroupStats dh_stats[kDSwiGLUPasses][2][kDhGroups];  // the lane's rows: dg, du; the tile's groups
+    cuda::PackedGroupStats<T> dh_stats[kDSwiGLUPasses][2][kDhGroups];  // the lane's rows: dg, du; the tile's groups
     float ds[2] = {0.0f, 0.0f};
     if constexpr (!kFirstLoaded) load_sub_tile(0);
 #pragma unroll
@@ -318,7 +294,11 @@ __device__ __forceinline__ void store_tile_dswiglu(const MainloopParams& params,
 #pragma unroll
             for (int half = 0; half < 2; ++half) {  // dg, du
                 const auto add_stats = [&](int pass, const uint32_t(&words)[4]) {
-                    if constexpr (kQuantizeDh) add_chunk<T>(dh_stats[pass][half][group], words);
+                    if constexpr (kQuantizeDh) {
+#pragma unroll
+                        for (int word_idx = 0; word_idx < 4; ++word_idx)
+                            dh_stats[pass][half][group].add(words[word_idx]);
+                    }
                 };
                 store_slot(slot(2 * buffer + half), dh + half * intermediate, 2 * intermediate, sub_tile, add_stats);
             }

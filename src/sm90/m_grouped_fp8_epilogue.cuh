@@ -50,21 +50,21 @@ struct QuantizedSwiGLUEpilogue : NoEpilogueHooks {
             const int local_row = row_block * kWgmmaM + warp_idx * 16 + lane_idx / 4 + half * 8;
             const bool row_valid = local_row < tile.num_rows;
             const int64_t row_idx = tile.row_begin + local_row;
-            float values[2 * kOutFrags];
-            cuda::GroupStats stats;
+            uint32_t act_words[kOutFrags];  // a's bf16 pairs: the values a is stored as (and the quantizer reads back)
+            cuda::PackedGroupStats<T> packed;
 #pragma unroll
             for (int frag_idx = 0; frag_idx < kOutFrags; ++frag_idx) {
                 const int reg_idx = kFirstReg + frag_idx * 4 + half * 2;
+                float pair[2];
 #pragma unroll
                 for (int item = 0; item < 2; ++item) {
-                    const float gate = acc[reg_idx + item], up = acc[reg_idx + item + kOutFrags * 4];
-                    // The value a is stored as (and the quantizer would read back).
-                    values[2 * frag_idx + item] =
-                        cuda::to_float(cuda::from_float<T>(Activation::forward(params, gate, up)));
-                    stats.add(values[2 * frag_idx + item]);
+                    pair[item] = Activation::forward(params, acc[reg_idx + item], acc[reg_idx + item + kOutFrags * 4]);
                 }
+                act_words[frag_idx] = cuda::pack_pair<T>(pair[0], pair[1]);
+                packed.add(act_words[frag_idx]);
             }
-            stats.reduce_over_quad();
+            packed.reduce_over_quad();
+            const cuda::GroupStats stats = packed.stats();
             const float scale = cuda::group_scale(stats, params.pow2);
             const float factor = cuda::group_factor(stats, scale, params.pow2);
             uint8_t* q_row = params.act_q + row_idx * mainloop.n;
@@ -77,23 +77,13 @@ struct QuantizedSwiGLUEpilogue : NoEpilogueHooks {
                 uint32_t words[kFragsPerChunk];
 #pragma unroll
                 for (int word_idx = 0; word_idx < kFragsPerChunk; ++word_idx) {
-                    const int value_idx = 2 * (group_idx * kFragsPerChunk + word_idx);
-                    words[word_idx] = cuda::pack_pair<T>(values[value_idx], values[value_idx + 1]);
+                    words[word_idx] = act_words[group_idx * kFragsPerChunk + word_idx];
                 }
                 quad_transpose(words, quad_lane);
-                uint32_t bytes[2] = {0, 0};
-#pragma unroll
-                for (int word_idx = 0; word_idx < kFragsPerChunk; ++word_idx) {
-                    float first, second;
-                    cuda::unpack_pair<T>(words[word_idx], first, second);
-                    const uint32_t pair =
-                        cuda::quantize_value(first, factor, stats.non_finite) |
-                        (static_cast<uint32_t>(cuda::quantize_value(second, factor, stats.non_finite)) << 8);
-                    bytes[word_idx / 2] |= pair << (16 * (word_idx % 2));
-                }
+                const uint2 bytes = cuda::quantize_chunk<T>(words, factor, stats.non_finite);
                 const int64_t col = tile.n_tile_idx * kFp8ScaleGroup + (group_idx * kFragsPerChunk + quad_lane) * 8;
                 if (row_valid) {
-                    *reinterpret_cast<uint2*>(q_row + col) = make_uint2(bytes[0], bytes[1]);
+                    *reinterpret_cast<uint2*>(q_row + col) = bytes;
                     if (params.out != nullptr) store_chunk(out_row, col, words);
                 }
                 if (params.h !=

@@ -21,13 +21,12 @@
 //   Outputs exactly 0 where nothing is routed (dropped slots, padding rows, experts without rows).
 // Every case: outputs and workspaces poisoned (NaN) before each run, two runs bitwise equal, keep-h (saved_h) and
 // recompute bitwise equal, the calls without the FP8 copies they do not read bitwise equal, a quantized by a pass
-// (MEGAMOE_FP8_ACT_PASS=1) and dh quantized by a pass (MEGAMOE_FP8_DH_PASS=1) bitwise the epilogues', the path
-// sm90-fp8. Cases:
-// T = 1 with topk 1, one expert taking every slot, empty experts, dropped slots, every slot dropped, several M tiles,
-// E = 16, H and I in {128, 256, 384}, f16, weights in the element type; grouped rows with padding, without scores, only
-// padding. Also: accumulate_weight_grads into f32, a CUDA graph of quantize + forward + backward replaying the eager
-// bits, and the refusals (NOT_SUPPORTED naming FP8). Every test skips without a compute capability 9.0 device, but
-// RefusedWithoutSm90Device, which runs on the other GPUs only.
+// (MEGAMOE_FP8_ACT_PASS=1) and dh quantized by dH's epilogue (MEGAMOE_FP8_DH_EPILOGUE=1) bitwise the defaults', the
+// path sm90-fp8. Cases: T = 1 with topk 1, one expert taking every slot, empty experts, dropped slots, every slot
+// dropped, several M tiles, E = 16, H and I in {128, 256, 384}, f16, weights in the element type; grouped rows with
+// padding, without scores, only padding. Also: accumulate_weight_grads into f32, a CUDA graph of quantize + forward +
+// backward replaying the eager bits, and the refusals (NOT_SUPPORTED naming FP8). Every test skips without a compute
+// capability 9.0 device, but RefusedWithoutSm90Device, which runs on the other GPUs only.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -367,8 +366,8 @@ void check_layer(const LayerCase& c) {
     expect_same_bits(got, run_backward(layer, kept.saved_h), "recompute mode (no saved_h) against keep-h");
     layer.keep_h = true;
     {
-        const ScopedEnv dh_pass("MEGAMOE_FP8_DH_PASS", "1");  // dh quantized by a pass, not dH's epilogue: same bytes
-        expect_same_bits(got, run_backward(layer, kept.saved_h), "MEGAMOE_FP8_DH_PASS=1 against the epilogue's");
+        const ScopedEnv dh_epilogue("MEGAMOE_FP8_DH_EPILOGUE", "1");  // dh quantized by dH's epilogue: same bytes
+        expect_same_bits(got, run_backward(layer, kept.saved_h), "MEGAMOE_FP8_DH_EPILOGUE=1 against the pass's");
     }
     layer.want_dx = false;
     layer.fp8_view.w13_t = layer.fp8_view.w13 = megamoe_tensor_t{};
