@@ -54,19 +54,43 @@ __device__ __forceinline__ Fp8TileScales fp8_tile_scales(const MainloopParams& p
     return tile_scales;
 }
 
-// The products sa * sb of K group `group_idx` for the thread's rows and the tile's boxes (rows past the tile: 0). The
-// tile has rows (its first row's scales exist).
-__device__ __forceinline__ void load_group_scales(const Fp8TileScales& tile_scales, int group_idx,
-                                                  float (&group_scales)[kThreadRows][kNumBBoxes]) {
+// One K group's scales as loaded for the thread: its two rows' (unmasked) and the tile's boxes'.
+struct GroupScaleLoads {
+    float a[kThreadRows];
+    float b[kNumBBoxes];
+};
+
+// Issues the loads of K group `group_idx`'s scales (the tile has rows: its first row's scales exist).
+__device__ __forceinline__ void issue_group_scale_loads(const Fp8TileScales& tile_scales, int group_idx,
+                                                        GroupScaleLoads& loads) {
+#pragma unroll
+    for (int half = 0; half < kThreadRows; ++half) loads.a[half] = __ldg(tile_scales.a_rows[half] + group_idx);
+#pragma unroll
+    for (int box_idx = 0; box_idx < kNumBBoxes; ++box_idx) {
+        loads.b[box_idx] = __ldg(tile_scales.b_boxes[box_idx] + group_idx * tile_scales.b_group_stride);
+    }
+}
+
+// The products sa * sb of loaded scales for the thread's rows and the tile's boxes (rows past the tile: 0). The first
+// use of the loads: where this runs is where the thread waits for them.
+__device__ __forceinline__ void group_scale_products(const Fp8TileScales& tile_scales, const GroupScaleLoads& loads,
+                                                     float (&group_scales)[kThreadRows][kNumBBoxes]) {
 #pragma unroll
     for (int half = 0; half < kThreadRows; ++half) {
-        const float row_scale = __ldg(tile_scales.a_rows[half] + group_idx) * tile_scales.a_row_masks[half];
+        const float row_scale = loads.a[half] * tile_scales.a_row_masks[half];
 #pragma unroll
-        for (int box_idx = 0; box_idx < kNumBBoxes; ++box_idx) {
-            group_scales[half][box_idx] =
-                row_scale * __ldg(tile_scales.b_boxes[box_idx] + group_idx * tile_scales.b_group_stride);
-        }
+        for (int box_idx = 0; box_idx < kNumBBoxes; ++box_idx)
+            group_scales[half][box_idx] = row_scale * loads.b[box_idx];
     }
+}
+
+// The products sa * sb of K group `group_idx` for the thread's rows and the tile's boxes, loaded now (the thread waits
+// for the loads here).
+__device__ __forceinline__ void load_group_scales(const Fp8TileScales& tile_scales, int group_idx,
+                                                  float (&group_scales)[kThreadRows][kNumBBoxes]) {
+    GroupScaleLoads loads;
+    issue_group_scale_loads(tile_scales, group_idx, loads);
+    group_scale_products(tile_scales, loads, group_scales);
 }
 
 __device__ __forceinline__ void copy_scales(const float (&from)[kThreadRows][kNumBBoxes],
@@ -102,26 +126,27 @@ __device__ __forceinline__ void unit_change(const float (&previous)[kThreadRows]
     }
 }
 
-// The rescaled mainloops' scales: sa * sb of the group last issued (`current`), of the next and of the one after,
-// loaded two groups ahead (L2's latency), unconditionally (the last group's again at the end: a load in a branch would
-// put the rescaling, and a warpgroup arrive, on a divergent path: ptxas serializes the wgmmas, C7520).
+// The rescaled mainloops' scales: sa * sb of the group last issued (`current`) and of the next, and the loads of the
+// one after, issued two groups ahead (L2's latency) and multiplied a group later, so the thread waits for them a whole
+// K group's wgmmas after issuing them, not at once; unconditionally (the last group's again at the end: a load in a
+// branch would put the rescaling, and a warpgroup arrive, on a divergent path: ptxas serializes the wgmmas, C7520).
 struct GroupScalePipeline {
     float current[kThreadRows][kNumBBoxes];
     float next[kThreadRows][kNumBBoxes];
-    float later[kThreadRows][kNumBBoxes];
+    GroupScaleLoads later;
 
     __device__ __forceinline__ void start(const Fp8TileScales& tile_scales, int num_k_blocks) {
         load_group_scales(tile_scales, 0, current);
         load_group_scales(tile_scales, min(1, num_k_blocks - 1), next);
-        load_group_scales(tile_scales, min(2, num_k_blocks - 1), later);
+        issue_group_scale_loads(tile_scales, min(2, num_k_blocks - 1), later);
     }
     // To group k_block_idx (> 0): `factors` take the accumulators from the previous group's units to its units.
     __device__ __forceinline__ void advance(const Fp8TileScales& tile_scales, int k_block_idx, int num_k_blocks,
                                             float (&factors)[kThreadRows][kNumBBoxes]) {
         unit_change(current, next, factors);
         copy_scales(next, current);
-        copy_scales(later, next);
-        load_group_scales(tile_scales, min(k_block_idx + 2, num_k_blocks - 1), later);
+        group_scale_products(tile_scales, later, next);
+        issue_group_scale_loads(tile_scales, min(k_block_idx + 2, num_k_blocks - 1), later);
     }
 };
 
