@@ -41,6 +41,10 @@ bool fp8_act_by_pass();
 // the dh dH wrote (the same bytes; the A/B switch of the two, default off: the epilogue measured 0.5-0.7 ms slower at
 // qwen3-30b-a3b on the H200, bench/results/2026-12-02-session10-notes.md).
 bool fp8_dh_in_epilogue_by_env();
+// MEGAMOE_FP8_SORTED_X=1: the FP8 forward's pass over x writes its quantized rows in sorted-row order (each routed
+// slot's token row, topk times x's bytes) and the up GEMM reads them by TMA instead of gathering x's rows by cp.async
+// (the same bytes and results; an experiment, default off).
+bool fp8_sorted_x_by_env();
 // MEGAMOE_FP8_WGRAD=1: the FP8 call's weight gradients on the K-grouped FP8 GEMM (their operands quantized along the
 // tokens), else on the 16-bit K-grouped kernel (the default while the FP8 one is measured: TODO(#20)).
 bool fp8_weight_grads_by_env();

@@ -173,14 +173,30 @@ megamoe_status_t quantize_rows(const Call& call, const void* in, int64_t rows, c
     return launch_quantize_groups(args, call.stream);
 }
 
+megamoe_status_t quantize_rows_sorted(const Call& call, const void* x, const RoutingBuffers& routing,
+                                      const Fp8Rows& out) {
+    QuantizeGroupsArgs args{};
+    args.in = x;
+    args.in_dtype = call.dtype;
+    args.rows = call.shape.num_slots();
+    args.cols = out.cols;
+    args.in_row_stride = out.cols;
+    args.q = out.q;
+    args.scales = out.scales;
+    args.pow2 = false;
+    args.slot_to_row = routing.slot_to_row;
+    args.topk = call.shape.topk;
+    return launch_quantize_groups(args, call.stream);
+}
+
 megamoe_status_t launch_fp8_up(const Call& call, const MGroupedGemmArgs& args, const Fp8Rows& x, void* h, void* act,
-                               const Fp8Rows* act_q, int num_sms) {
+                               const Fp8Rows* act_q, int num_sms, bool a_tma) {
     const MGroupedGemmArgs up = with_fp8_operands(args, x, call.fp8->w13.data, 2 * args.n);
     const sm90::Fp8BlockScales scales{x.scales, groups(x.cols), static_cast<const float*>(call.fp8->w13_scales.data)};
     if (act_q == nullptr) {
         return sm90::launch_m_grouped_fp8_gemm_sm90_gated(up, scales, h, act, num_sms, call.stream);
     }
-    const sm90::Fp8QuantizedAct quantized{act_q->q, act_q->scales, false};
+    const sm90::Fp8QuantizedAct quantized{act_q->q, act_q->scales, false, a_tma};
     return sm90::launch_m_grouped_fp8_gemm_sm90_gated(up, scales, h, act, num_sms, call.stream, &quantized);
 }
 

@@ -61,11 +61,16 @@ megamoe_status_t quantize_side_for_fp8_weight_grad(const Call& call, const KGrou
 
 // `rows` rows of `in` (the call's element type, row stride cols) into `out`.
 megamoe_status_t quantize_rows(const Call& call, const void* in, int64_t rows, const Fp8Rows& out);
+// x's rows quantized into sorted-row order (MEGAMOE_FP8_SORTED_X=1): routing slot s's token row s / topk into out's
+// row routing.slot_to_row[s] ([S, H]; dropped slots write nothing).
+megamoe_status_t quantize_rows_sorted(const Call& call, const void* x, const RoutingBuffers& routing,
+                                      const Fp8Rows& out);
 
-// The up GEMM (args: up_gemm_args') with x quantized: h = [g, u] into h, a into act (element type) and, when act_q is
-// given, a quantized in the epilogue into it (the down GEMM's operand); h and act may be NULL.
+// The up GEMM (args: up_gemm_args', or with a_gather_slots NULL and num_a_rows S when x is in sorted-row order) with x
+// quantized: h = [g, u] into h, a into act (element type) and, when act_q is given, a quantized in the epilogue into it
+// (the down GEMM's operand); h and act may be NULL. a_tma: sorted x read by TMA (the quantizing epilogue only).
 megamoe_status_t launch_fp8_up(const Call& call, const MGroupedGemmArgs& args, const Fp8Rows& x, void* h, void* act,
-                               const Fp8Rows* act_q, int num_sms);
+                               const Fp8Rows* act_q, int num_sms, bool a_tma = false);
 // The down GEMM (args: the forward's 16-bit down arguments) with a quantized: o [S, H] into out.
 megamoe_status_t launch_fp8_down(const Call& call, const MGroupedGemmArgs& args, const Fp8Rows& act, void* out,
                                  int num_sms);

@@ -57,6 +57,10 @@ struct QuantizeGroupsArgs {
     uint8_t* q;     // [rows, cols] e4m3 bytes, contiguous
     float* scales;  // [rows, ceil(cols / 128)], contiguous
     bool pow2;      // power-of-two scales
+    // Scattering (NULL: row r of q is row r of in): row r is routing slot r, read from in's row r / topk and written
+    // to q's (and the scales') row slot_to_row[r], nothing for -1 (a dropped slot): x into sorted-row order.
+    const int* slot_to_row;
+    int64_t topk;
 };
 megamoe_status_t launch_quantize_groups(const QuantizeGroupsArgs& args, cudaStream_t stream);
 

@@ -7,6 +7,8 @@
 // the pairs of 4 fragments are quad-transposed (as the 16-bit epilogue's stores) so that each lane stores 8 contiguous
 // bytes (and 16 of a); the scale from lane 0.
 // h = [g, u] by sorted row, as the 16-bit epilogue writes it (the same quad-transposed chunks), where asked.
+// kSortedA: A is x already quantized in sorted-row order (MEGAMOE_FP8_SORTED_X=1: the quantization pass scatters x's
+// rows by slot), loaded by TMA; else x's rows gathered by slot (cp.async).
 #pragma once
 
 #include <cstdint>
@@ -17,7 +19,8 @@
 
 namespace megamoe::sm90::m_grouped {
 
-struct QuantizedSwiGLUEpilogue : NoEpilogueHooks {
+template <bool kSortedA>
+struct QuantizedSwiGLUEpilogueOf : NoEpilogueHooks {
     using Activation = SwiGLUActivation;
     struct Params : Activation::Params {
         void* out;          // a [rows, I] in the element type, or NULL
@@ -27,11 +30,14 @@ struct QuantizedSwiGLUEpilogue : NoEpilogueHooks {
         float* act_scales;  // [rows, I / 128]: the scale of row r's group g at act_scales[r * (I / 128) + g]
         bool pow2;          // power-of-two scales
     };
-    static constexpr bool kTmaA = false;
+    static constexpr bool kTmaA = kSortedA;
     static constexpr bool kGateUpPairs = true;
     static constexpr bool kGateUpHalves = true;
     static constexpr bool kStaging = false;
-    static constexpr const char* name(BLayout) { return "m_grouped_gemm_sm90[swiglu, a quantized]"; }
+    static constexpr const char* name(BLayout) {
+        return kSortedA ? "m_grouped_gemm_sm90[swiglu, a quantized, sorted x]"
+                        : "m_grouped_gemm_sm90[swiglu, a quantized]";
+    }
 
     template <typename T, class Config, int kLocalBlock, int kNumRegs>
     __device__ __forceinline__ static void store(const CUtensorMap*, const MainloopParams& mainloop,
@@ -108,5 +114,7 @@ struct QuantizedSwiGLUEpilogue : NoEpilogueHooks {
         }
     }
 };
+
+using QuantizedSwiGLUEpilogue = QuantizedSwiGLUEpilogueOf<false>;
 
 }  // namespace megamoe::sm90::m_grouped

@@ -63,10 +63,11 @@ megamoe_status_t launch_store(const cuda::MGroupedGemmArgs& args, const Fp8Block
     return launch_fp8<Epi, Config>(args, scales, params, num_sms, stream, a_map, out_map);
 }
 
-// The SwiGLU epilogue that quantizes a as well (the rescaled tile).
+// The SwiGLU epilogue that quantizes a as well (the rescaled tile); A sorted (by TMA) or gathered (by cp.async).
+template <bool kSortedA>
 megamoe_status_t launch_gated_quantized(const cuda::MGroupedGemmArgs& args, const Fp8BlockScales& scales, void* h,
                                         void* act, const Fp8QuantizedAct& act_q, int num_sms, cudaStream_t stream) {
-    using Epi = QuantizedSwiGLUEpilogue;
+    using Epi = QuantizedSwiGLUEpilogueOf<kSortedA>;
     typename Epi::Params params{};
     params.out = act;
     params.ldo = args.n;
@@ -74,7 +75,11 @@ megamoe_status_t launch_gated_quantized(const cuda::MGroupedGemmArgs& args, cons
     params.act_q = act_q.q;
     params.act_scales = act_q.scales;
     params.pow2 = act_q.pow2;
-    return launch_fp8<Epi, Fp8RescaledCooperative>(args, scales, params, num_sms, stream, CUtensorMap{}, CUtensorMap{});
+    CUtensorMap a_map{};
+    if (kSortedA && !encode_sorted_a_map<Fp8RescaledCooperative>(args, args.a, args.num_a_rows, args.lda, &a_map)) {
+        return set_error(MEGAMOE_STATUS_CUDA_ERROR, "m_grouped_fp8_gemm_sm90: cuTensorMapEncodeTiled failed for A");
+    }
+    return launch_fp8<Epi, Fp8RescaledCooperative>(args, scales, params, num_sms, stream, a_map, CUtensorMap{});
 }
 
 template <class Config>
@@ -150,7 +155,9 @@ megamoe_status_t launch_m_grouped_fp8_gemm_sm90_gated(const cuda::MGroupedGemmAr
                              "m_grouped_fp8_gemm_sm90: quantizing a needs the default mainloop, not "
                              "MEGAMOE_SM90_FP8_PROMOTE=1 (a tile's output columns must be one scale group)");
         }
-        return launch_gated_quantized(args, scales, h, act, *act_q, num_sms, stream);
+        return args.a_gather_slots == nullptr && act_q->a_tma
+                   ? launch_gated_quantized<true>(args, scales, h, act, *act_q, num_sms, stream)
+                   : launch_gated_quantized<false>(args, scales, h, act, *act_q, num_sms, stream);
     }
     return fp8_promoted() ? launch_gated<Fp8Cooperative>(args, scales, h, act, num_sms, stream)
                           : launch_gated<Fp8RescaledCooperative>(args, scales, h, act, num_sms, stream);

@@ -55,11 +55,13 @@ struct Fp8QuantizedAct {
     uint8_t* q;     // [rows, I] e4m3 bytes, by sorted row (8-byte aligned)
     float* scales;  // [rows, I / 128]
     bool pow2;      // power-of-two scales
+    bool a_tma;     // A's sorted rows (args.a_gather_slots NULL) read by TMA, not cp.async (MEGAMOE_FP8_SORTED_X=1)
 };
 
 // The up projection with SwiGLU (args.n = I, B_e = w13[e] [2I, H] in e4m3): h = [g, u] ([rows, 2I] by sorted row)
 // and a = silu(g) * u ([rows, I]) in args.dtype; either may be NULL. `act_q`: a quantized as well (NULL: not); it needs
-// the default mainloop (not MEGAMOE_SM90_FP8_PROMOTE=1: a tile's 128 output columns are one scale group).
+// the default mainloop (not MEGAMOE_SM90_FP8_PROMOTE=1: a tile's 128 output columns are one scale group). A: x gathered
+// by slot, or (args.a_gather_slots NULL) rows already in sorted order, read by cp.async or (act_q->a_tma) by TMA.
 megamoe_status_t launch_m_grouped_fp8_gemm_sm90_gated(const cuda::MGroupedGemmArgs& args, const Fp8BlockScales& scales,
                                                       void* h, void* act, int num_sms, cudaStream_t stream,
                                                       const Fp8QuantizedAct* act_q = nullptr);

@@ -21,7 +21,8 @@
 //   Outputs exactly 0 where nothing is routed (dropped slots, padding rows, experts without rows).
 // Every case: outputs and workspaces poisoned (NaN) before each run, two runs bitwise equal, keep-h (saved_h) and
 // recompute bitwise equal, the calls without the FP8 copies they do not read bitwise equal, a quantized by a pass
-// (MEGAMOE_FP8_ACT_PASS=1) and dh quantized by dH's epilogue (MEGAMOE_FP8_DH_EPILOGUE=1) bitwise the defaults', the
+// (MEGAMOE_FP8_ACT_PASS=1), x quantized in sorted-row order and read by TMA (MEGAMOE_FP8_SORTED_X=1) and dh quantized
+// by dH's epilogue (MEGAMOE_FP8_DH_EPILOGUE=1) bitwise the defaults', the
 // path sm90-fp8. Cases: T = 1 with topk 1, one expert taking every slot, empty experts, dropped slots, every slot
 // dropped, several M tiles, E = 16, H and I in {128, 256, 384}, f16, weights in the element type; grouped rows with
 // padding, without scores, only padding. Also: accumulate_weight_grads into f32, a CUDA graph of quantize + forward +
@@ -334,6 +335,12 @@ void check_layer(const LayerCase& c) {
         const ForwardOut by_pass = run_forward(layer);
         EXPECT_EQ(kept.y.bytes, by_pass.y.bytes) << "y: MEGAMOE_FP8_ACT_PASS=1 differs";
         EXPECT_EQ(kept.saved_h.bytes, by_pass.saved_h.bytes) << "saved_h: MEGAMOE_FP8_ACT_PASS=1 differs";
+    }
+    {
+        const ScopedEnv sorted_x("MEGAMOE_FP8_SORTED_X", "1");  // x quantized in sorted order, read by TMA: same bytes
+        const ForwardOut sorted = run_forward(layer);
+        EXPECT_EQ(kept.y.bytes, sorted.y.bytes) << "y: MEGAMOE_FP8_SORTED_X=1 differs";
+        EXPECT_EQ(kept.saved_h.bytes, sorted.saved_h.bytes) << "saved_h: MEGAMOE_FP8_SORTED_X=1 differs";
     }
 
     const HostTensor h = first_rows(kept.saved_h, rows, 2 * I);  // the routed rows
