@@ -4,9 +4,10 @@
 // megamoe_quantize_experts (timed on its own: once per optimizer step in training). FP8 variants: the defaults (a
 // quantized in the up GEMM's epilogue, dh by a pass), a by a pass (MEGAMOE_FP8_ACT_PASS=1), dh in dH's epilogue
 // (MEGAMOE_FP8_DH_EPILOGUE=1), the weight gradients on the K-grouped FP8 GEMM (MEGAMOE_FP8_WGRAD=1; expert 0's dw13
-// against bf16's printed beside y and dx) and x quantized in sorted-row order, read by TMA (MEGAMOE_FP8_SORTED_X=1).
-// CUDA events on the default stream, 3 warm-up calls, the median of 10; the variants alternate within each of ROUNDS
-// rounds (argument 2, default 2). Weights N(0, 1 / K)-like, x and dy uniform in [-1, 1]. Usage:
+// against bf16's printed beside y and dx) and x or dy quantized in sorted-row order, read by TMA
+// (MEGAMOE_FP8_SORTED_X=1, MEGAMOE_FP8_SORTED_DY=1). CUDA events on the default stream, 3 warm-up calls, the median of
+// 10; the variants alternate within each of ROUNDS rounds (argument 2, default 2). Weights N(0, 1 / K)-like, x and dy
+// uniform in [-1, 1]. Usage:
 //   megamoe_fp8_layer_timing [shape name|all] [rounds]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -177,13 +178,14 @@ void time_shape(const Shape& s, int rounds) {
     bwd.dw2 = tensor(dw2.data, MEGAMOE_DTYPE_BF16, {E, H, I});
 
     // The workspace of the largest variant (the size depends on the precision, MEGAMOE_FP8_ACT_PASS,
-    // MEGAMOE_FP8_WGRAD and MEGAMOE_FP8_SORTED_X).
+    // MEGAMOE_FP8_WGRAD, MEGAMOE_FP8_SORTED_X and MEGAMOE_FP8_SORTED_DY).
     size_t workspace_bytes = 0;
     for (const megamoe_precision_t precision : {MEGAMOE_PRECISION_DEFAULT, MEGAMOE_PRECISION_FP8_BLOCKWISE}) {
         for (const char* pass : {"0", "1"}) {
             setenv("MEGAMOE_FP8_ACT_PASS", pass, 1);
             setenv("MEGAMOE_FP8_WGRAD", pass, 1);
             setenv("MEGAMOE_FP8_SORTED_X", pass, 1);
+            setenv("MEGAMOE_FP8_SORTED_DY", pass, 1);
             fwd.precision = bwd.precision = precision;
             fwd.fp8 = bwd.fp8 = precision == MEGAMOE_PRECISION_DEFAULT ? megamoe_fp8_experts_t{} : fp8;
             size_t bytes = 0;
@@ -203,18 +205,20 @@ void time_shape(const Shape& s, int rounds) {
         const char* act_pass;
         const char* wgrad;        // MEGAMOE_FP8_WGRAD
         const char* dh_epilogue;  // MEGAMOE_FP8_DH_EPILOGUE
-        const char* sorted_x;     // MEGAMOE_FP8_SORTED_X
+        const char* sorted;       // "x": MEGAMOE_FP8_SORTED_X=1, "dy": MEGAMOE_FP8_SORTED_DY=1, "0": neither
     } variants[] = {{"bf16", MEGAMOE_PRECISION_DEFAULT, "0", "0", "0", "0"},
                     {"fp8", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "0", "0", "0"},
                     {"fp8-act-pass", MEGAMOE_PRECISION_FP8_BLOCKWISE, "1", "0", "0", "0"},
                     {"fp8-dh-epi", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "0", "1", "0"},
                     {"fp8-wgrad", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "1", "0", "0"},
-                    {"fp8-sorted-x", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "0", "0", "1"}};
+                    {"fp8-sorted-x", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "0", "0", "x"},
+                    {"fp8-sorted-dy", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "0", "0", "dy"}};
     const auto select = [&](const Variant& v) {
         setenv("MEGAMOE_FP8_ACT_PASS", v.act_pass, 1);
         setenv("MEGAMOE_FP8_WGRAD", v.wgrad, 1);
         setenv("MEGAMOE_FP8_DH_EPILOGUE", v.dh_epilogue, 1);
-        setenv("MEGAMOE_FP8_SORTED_X", v.sorted_x, 1);
+        setenv("MEGAMOE_FP8_SORTED_X", std::strcmp(v.sorted, "x") == 0 ? "1" : "0", 1);
+        setenv("MEGAMOE_FP8_SORTED_DY", std::strcmp(v.sorted, "dy") == 0 ? "1" : "0", 1);
         fwd.precision = bwd.precision = v.precision;
         fwd.fp8 = bwd.fp8 = v.precision == MEGAMOE_PRECISION_DEFAULT ? megamoe_fp8_experts_t{} : fp8;
     };
@@ -235,10 +239,12 @@ void time_shape(const Shape& s, int rounds) {
                     relative_difference(dx_of.back(), dx_of.front()),
                     relative_difference(dw13_of.back(), dw13_of.front()));
     }
-    std::printf("%-16s fp8 against fp8-act-pass: y %s, dx %s; against fp8-dh-epi: dx %s; against fp8-sorted-x: y %s\n",
-                s.name, y_of[1] == y_of[2] ? "bitwise equal" : "DIFFER",
-                dx_of[1] == dx_of[2] ? "bitwise equal" : "DIFFER", dx_of[1] == dx_of[3] ? "bitwise equal" : "DIFFER",
-                y_of[1] == y_of[5] ? "bitwise equal" : "DIFFER");
+    std::printf(
+        "%-16s fp8 against fp8-act-pass: y %s, dx %s; against fp8-dh-epi: dx %s; against fp8-sorted-x: y %s; against "
+        "fp8-sorted-dy: dx %s\n",
+        s.name, y_of[1] == y_of[2] ? "bitwise equal" : "DIFFER", dx_of[1] == dx_of[2] ? "bitwise equal" : "DIFFER",
+        dx_of[1] == dx_of[3] ? "bitwise equal" : "DIFFER", y_of[1] == y_of[5] ? "bitwise equal" : "DIFFER",
+        dx_of[1] == dx_of[6] ? "bitwise equal" : "DIFFER");
     for (int round = 1; round <= rounds; ++round) {
         for (const Variant& v : variants) {
             select(v);

@@ -31,6 +31,15 @@ struct SortedDy {
     uint16_t* copy = nullptr;
 };
 
+// MEGAMOE_FP8_SORTED_DY=1 applies to the call: dy quantized into sorted-row order for dH's TMA (the sorted-dy FP8 dH:
+// SwiGLU, dh in the [dg, du] order and quantized by a pass; the 16-bit weight gradients, whose FP8 variant's one pass
+// over dy writes dH's copy by token).
+bool fp8_sorted_dy(const BackwardCall& call) {
+    return call.fp8 != nullptr && fp8_sorted_dy_by_env() && !fp8_weight_grads_by_env() &&
+           !fp8_dh_in_epilogue_by_env() && !call.activation.is_clamped() &&
+           call.layout.gate_up != MEGAMOE_GATE_UP_INTERLEAVED;
+}
+
 struct BackwardWorkspace {
     RoutingBuffers routing;
     uint16_t* h;      // [S, 2I] element type: [g, u], then [dg, du]; keep-h mode: saved_h itself (not carved)
@@ -86,7 +95,7 @@ struct BackwardWorkspace {
     // The FP8 operands of an FP8_BLOCKWISE call, after the rest.
     void carve_fp8(WorkspaceCarver& carver, const BackwardCall& call, const RoutingPlan& plan) {
         const Shape& shape = call.shape;
-        dy_fp8 = Fp8Rows::carve(carver, shape.num_tokens, shape.hidden);
+        dy_fp8 = Fp8Rows::carve(carver, fp8_sorted_dy(call) ? shape.num_slots() : shape.num_tokens, shape.hidden);
         dh_fp8 = Fp8Rows::carve(carver, shape.num_slots(), 2 * shape.intermediate);
         if (call.saved_h == nullptr) x_fp8 = Fp8Rows::carve(carver, shape.num_tokens, shape.hidden);
         if (fp8_weight_grads_by_env()) {
@@ -425,6 +434,10 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
                 MEGAMOE_CUDA_RETURN_IF_ERROR(
                     quantize_side_for_fp8_weight_grad(call, gemms.sm90_dw2, routing, dy_is_dw2_a, workspace.dy_fp8,
                                                       dy_is_dw2_a ? workspace.wgrad_a : workspace.wgrad_b));
+            } else if (fp8_sorted_dy(call) && gemms.d_hidden.a_gather_slots != nullptr) {  // dH's A by TMA
+                MEGAMOE_CUDA_RETURN_IF_ERROR(quantize_rows_sorted(call, call.dy, routing, workspace.dy_fp8));
+                epilogue.a_sorted = workspace.dy_fp8.q;
+                epilogue.a_sorted_rows = num_slots;
             } else {
                 MEGAMOE_CUDA_RETURN_IF_ERROR(quantize_rows(call, call.dy, shape.num_tokens, workspace.dy_fp8));
             }

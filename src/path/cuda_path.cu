@@ -132,6 +132,9 @@ bool fp8_act_by_pass() {
 bool fp8_dh_in_epilogue_by_env() {
     return switched_on("MEGAMOE_FP8_DH_EPILOGUE");
 }
+bool fp8_sorted_dy_by_env() {
+    return switched_on("MEGAMOE_FP8_SORTED_DY");
+}
 bool fp8_sorted_x_by_env() {
     return switched_on("MEGAMOE_FP8_SORTED_X");
 }

@@ -45,6 +45,9 @@ bool fp8_dh_in_epilogue_by_env();
 // slot's token row, topk times x's bytes) and the up GEMM reads them by TMA instead of gathering x's rows by cp.async
 // (the same bytes and results; an experiment, default off).
 bool fp8_sorted_x_by_env();
+// MEGAMOE_FP8_SORTED_DY=1: the FP8 backward's pass over dy writes its quantized rows in sorted-row order and dH reads
+// them by TMA (SwiGLU, dh in the [dg, du] order and quantized by a pass, 16-bit weight gradients; an experiment).
+bool fp8_sorted_dy_by_env();
 // MEGAMOE_FP8_WGRAD=1: the FP8 call's weight gradients on the K-grouped FP8 GEMM (their operands quantized along the
 // tokens), else on the 16-bit K-grouped kernel (the default while the FP8 one is measured: TODO(#20)).
 bool fp8_weight_grads_by_env();

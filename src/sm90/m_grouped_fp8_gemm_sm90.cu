@@ -180,11 +180,26 @@ megamoe_status_t launch_m_grouped_fp8_gemm_sm90_dswiglu(const cuda::MGroupedGemm
     *num_ds_parts = ceil_div(args.n, int64_t{Fp8RescaledCooperative::kBlockN});
     const auto launch = [&](auto epilogue_policy) {
         using Epi = decltype(epilogue_policy);
+        CUtensorMap a_map{};  // Epi::kTmaA: dy's quantized rows in sorted-row order, by boxes of kBlockM rows
+        if (Epi::kTmaA && !encode_sorted_a_map<Fp8RescaledCooperative>(args, epilogue.a_sorted, epilogue.a_sorted_rows,
+                                                                       args.k, &a_map)) {
+            return set_error(MEGAMOE_STATUS_CUDA_ERROR, "m_grouped_fp8_gemm_sm90: cuTensorMapEncodeTiled failed for A");
+        }
         return launch_fp8<Epi, Fp8RescaledCooperative>(args, scales,
                                                        make_dswiglu_params<typename Epi::Activation>(epilogue), num_sms,
-                                                       stream, CUtensorMap{}, CUtensorMap{});
+                                                       stream, a_map, CUtensorMap{});
     };
     const bool quantize_dh = epilogue.dh_q != nullptr;
+    if (epilogue.a_sorted != nullptr) {  // dy quantized in sorted-row order (MEGAMOE_FP8_SORTED_DY=1): A by TMA
+        if (quantize_dh || epilogue.dh_interleaved || epilogue.activation.is_clamped() ||
+            !cuda::is_aligned(epilogue.a_sorted, 16) || epilogue.a_sorted_rows <= 0 ||
+            epilogue.a_sorted_rows > INT32_MAX) {
+            return set_error(MEGAMOE_STATUS_INTERNAL_ERROR,
+                             "m_grouped_fp8_gemm_sm90: a sorted dy needs SwiGLU, dh in the [dg, du] order and not "
+                             "quantized, 16-byte aligned rows");
+        }
+        return launch(DSwiGLUEpilogueOf<SwiGLUActivation, false, true, false>{});
+    }
     if (quantize_dh && (epilogue.dh_interleaved || epilogue.dh_scales == nullptr ||
                         !cuda::is_aligned(epilogue.dh_q, 8) || !cuda::is_aligned(epilogue.dh_scales, 4))) {
         return set_error(MEGAMOE_STATUS_INTERNAL_ERROR,

@@ -68,10 +68,12 @@ megamoe_status_t launch_m_grouped_fp8_gemm_sm90_gated(const cuda::MGroupedGemmAr
 
 // dH with dSwiGLU fused, FP8 operands (A = dy e4m3 [T, H] gathered by slot with its 1 x 128 scales along H, B =
 // w2's transposed FP8 copy [E, I, H] (kNK) with w2's block scales, b_transposed; args.n = I, args.k = H): the
-// epilogue of launch_m_grouped_gemm_sm90_dswiglu (dh, s * a, the ds partial sums from h; epilogue.b_layout and
-// a_sorted are not used: B is kNK, dy gathered; epilogue.dh_q: dh also quantized along 2I for the FP8 dX, in the
-// [dg, du] order). SwiGLU or the clamped activation, dh in either order. Needs the
-// default mainloop (not MEGAMOE_SM90_FP8_PROMOTE=1). *num_ds_parts: the partial sums per row (256-column n-tiles).
+// epilogue of launch_m_grouped_gemm_sm90_dswiglu (dh, s * a, the ds partial sums from h; epilogue.b_layout is not
+// used: B is kNK). epilogue.a_sorted: NULL (dy gathered), or dy's e4m3 rows already in sorted-row order
+// ([a_sorted_rows, H], read by TMA; scales.a then by sorted row too: MEGAMOE_FP8_SORTED_DY=1; SwiGLU, dh in the
+// [dg, du] order and not quantized only). epilogue.dh_q: dh also quantized along 2I for the FP8 dX, in the [dg, du]
+// order. SwiGLU or the clamped activation, dh in either order. Needs the default mainloop (not
+// MEGAMOE_SM90_FP8_PROMOTE=1). *num_ds_parts: the partial sums per row (256-column n-tiles).
 megamoe_status_t launch_m_grouped_fp8_gemm_sm90_dswiglu(const cuda::MGroupedGemmArgs& args,
                                                         const Fp8BlockScales& scales,
                                                         const DSwiGLUEpilogueArgs& epilogue, int num_sms,

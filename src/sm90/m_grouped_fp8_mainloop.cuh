@@ -37,7 +37,9 @@ __device__ __forceinline__ Fp8TileScales fp8_tile_scales(const MainloopParams& p
         const int local_row = row_block * kWgmmaM + warp_idx * 16 + lane_idx / 4 + half * 8;
         const bool valid = local_row < tile.num_rows;
         const int64_t row_idx = tile.row_begin + (valid ? local_row : 0);
-        const int64_t a_row = params.a_gather_slots != nullptr ? params.a_gather_slots[row_idx] / params.topk : row_idx;
+        // A read by TMA holds the sorted rows themselves (and so do its scales), whatever the gather slots still give.
+        const int64_t a_row =
+            !Epi::kTmaA && params.a_gather_slots != nullptr ? params.a_gather_slots[row_idx] / params.topk : row_idx;
         tile_scales.a_rows[half] = scales.a + a_row * scales.a_ld;
         tile_scales.a_row_masks[half] = valid ? 1.0f : 0.0f;
     }

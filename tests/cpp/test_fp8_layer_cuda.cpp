@@ -21,8 +21,8 @@
 //   Outputs exactly 0 where nothing is routed (dropped slots, padding rows, experts without rows).
 // Every case: outputs and workspaces poisoned (NaN) before each run, two runs bitwise equal, keep-h (saved_h) and
 // recompute bitwise equal, the calls without the FP8 copies they do not read bitwise equal, a quantized by a pass
-// (MEGAMOE_FP8_ACT_PASS=1), x quantized in sorted-row order and read by TMA (MEGAMOE_FP8_SORTED_X=1) and dh quantized
-// by dH's epilogue (MEGAMOE_FP8_DH_EPILOGUE=1) bitwise the defaults', the
+// (MEGAMOE_FP8_ACT_PASS=1), x and dy quantized in sorted-row order and read by TMA (MEGAMOE_FP8_SORTED_X=1,
+// MEGAMOE_FP8_SORTED_DY=1) and dh quantized by dH's epilogue (MEGAMOE_FP8_DH_EPILOGUE=1) bitwise the defaults', the
 // path sm90-fp8. Cases: T = 1 with topk 1, one expert taking every slot, empty experts, dropped slots, every slot
 // dropped, several M tiles, E = 16, H and I in {128, 256, 384}, f16, weights in the element type; grouped rows with
 // padding, without scores, only padding. Also: accumulate_weight_grads into f32, a CUDA graph of quantize + forward +
@@ -375,6 +375,11 @@ void check_layer(const LayerCase& c) {
     {
         const ScopedEnv dh_epilogue("MEGAMOE_FP8_DH_EPILOGUE", "1");  // dh quantized by dH's epilogue: same bytes
         expect_same_bits(got, run_backward(layer, kept.saved_h), "MEGAMOE_FP8_DH_EPILOGUE=1 against the pass's");
+    }
+    {
+        const ScopedEnv sorted_dy("MEGAMOE_FP8_SORTED_DY",
+                                  "1");  // dy quantized in sorted order, read by TMA: same bytes
+        expect_same_bits(got, run_backward(layer, kept.saved_h), "MEGAMOE_FP8_SORTED_DY=1 against the default");
     }
     layer.want_dx = false;
     layer.fp8_view.w13_t = layer.fp8_view.w13 = megamoe_tensor_t{};
