@@ -160,7 +160,9 @@ megamoe_status_t quantize_experts(const megamoe_tensor_t& w13, const megamoe_ten
     return MEGAMOE_STATUS_SUCCESS;
 }
 
-megamoe_status_t quantize_rows(const Call& call, const void* in, int64_t rows, const Fp8Rows& out) {
+namespace {
+// `rows` rows of `in` (the call's element type, row stride out.cols) into `out`, the recipe's amax / 448 scales.
+QuantizeGroupsArgs rows_args(const Call& call, const void* in, int64_t rows, const Fp8Rows& out) {
     QuantizeGroupsArgs args{};
     args.in = in;
     args.in_dtype = call.dtype;
@@ -170,20 +172,17 @@ megamoe_status_t quantize_rows(const Call& call, const void* in, int64_t rows, c
     args.q = out.q;
     args.scales = out.scales;
     args.pow2 = false;
-    return launch_quantize_groups(args, call.stream);
+    return args;
+}
+}  // namespace
+
+megamoe_status_t quantize_rows(const Call& call, const void* in, int64_t rows, const Fp8Rows& out) {
+    return launch_quantize_groups(rows_args(call, in, rows, out), call.stream);
 }
 
 megamoe_status_t quantize_rows_sorted(const Call& call, const void* x, const RoutingBuffers& routing,
                                       const Fp8Rows& out) {
-    QuantizeGroupsArgs args{};
-    args.in = x;
-    args.in_dtype = call.dtype;
-    args.rows = call.shape.num_slots();
-    args.cols = out.cols;
-    args.in_row_stride = out.cols;
-    args.q = out.q;
-    args.scales = out.scales;
-    args.pow2 = false;
+    QuantizeGroupsArgs args = rows_args(call, x, call.shape.num_slots(), out);  // one row per routing slot
     args.slot_to_row = routing.slot_to_row;
     args.topk = call.shape.topk;
     return launch_quantize_groups(args, call.stream);
