@@ -43,7 +43,7 @@ if wants tests; then
     MEGAMOE_SM90_FP8_FULL_N=1 timeout 120 "$CARRY/megamoe_tests" --gtest_filter='Fp8GemmSm90.*:Fp8BackwardSm90.*' \
         >"$OUT/gtest-fp8-full-n.log" 2>&1 || status=1
     # The K-grouped FP8 GEMM's epilogue variants (sm90/knobs.h), with the layer's weight gradients on it.
-    for wgrad_env in "MEGAMOE_SM90_FP8_WGRAD_STAGGER=1"; do
+    for wgrad_env in "MEGAMOE_SM90_FP8_WGRAD_OVERLAP=1"; do
         echo "$wgrad_env" >>"$OUT/gtest-fp8-wgrad-variants.log"
         env $wgrad_env MEGAMOE_FP8_WGRAD=1 timeout 120 "$CARRY/megamoe_tests" \
             --gtest_filter='KGroupedFp8GemmCuda.*:Fp8LayerCuda.*' >>"$OUT/gtest-fp8-wgrad-variants.log" 2>&1 || status=1
@@ -72,7 +72,7 @@ if wants wgrad && [ -x "$CARRY/megamoe_fp8_wgrad_timing" ]; then
     for round in $(seq 1 "${ROUNDS:-2}"); do
         timeout 150 "$CARRY/megamoe_fp8_wgrad_timing" >"$OUT/timing/fp8-wgrad-r$round.log" 2>&1 || status=1
         grep -E " ms |FAILED" "$OUT/timing/fp8-wgrad-r$round.log"
-        for wgrad_env in "MEGAMOE_SM90_FP8_WGRAD_STAGGER=1"; do
+        for wgrad_env in "MEGAMOE_SM90_FP8_WGRAD_OVERLAP=1"; do
             log="$OUT/timing/fp8-wgrad-r$round-${wgrad_env//[ =]/_}.log"
             env $wgrad_env timeout 150 "$CARRY/megamoe_fp8_wgrad_timing" >"$log" 2>&1 || status=1
             echo "$wgrad_env"

@@ -59,7 +59,6 @@ constexpr uint32_t kStageTxBytes = 2 * (kOperandTileBytes + kScaleBytes);  // A,
 constexpr int kEmptyArrivals = kNumConsumers * kWarpsPerWarpgroup;         // one per consumer warp
 constexpr int kStoreBoxes = kTmaStoreBuffers;
 constexpr int kMaxStages = 8;
-constexpr uint32_t kStaggerBarrier = 1;  // named barrier of the consumers' one-time stagger (0: __syncthreads)
 constexpr int kMinStages = 2;
 
 static_assert(kBlockK == kSwizzleBytes, "a stage's K columns are one 128-byte swizzled row per operand row");
@@ -236,11 +235,11 @@ __device__ __forceinline__ void store_tile(const CUtensorMap* out_map, const Til
     }
 }
 
-// kStagger (MEGAMOE_SM90_FP8_WGRAD_STAGGER=1): consumer 1 starts once consumer 0 has completed its first K group (a
-// named barrier, once), so the two run a stage apart: one's promotion and epilogue under the other's wgmmas instead of
-// both epilogues at the same time with the tensor pipe idle (their stages are shared, so the lag holds: neither waits
-// for the other while the producer has a free stage).
-template <typename OutT, bool kAccumulate, int kPair, bool kStagger>
+// kOverlap (MEGAMOE_SM90_FP8_WGRAD_OVERLAP=1): each consumer issues the next tile's first K group into `part` before
+// storing this tile's `acc`, so the epilogue runs under those wgmmas instead of with the tensor pipe idle (both
+// consumers store at the same time); `part` and `acc` are separate registers, so nothing waits for the other. Else
+// every group is issued and completed in turn.
+template <typename OutT, bool kAccumulate, int kPair, bool kOverlap>
 __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Params& params, SharedStorage& smem,
                                         int cta_rank, int consumer_idx, int thread_idx) {
     const int lane_idx = thread_idx % kWarpSize;
@@ -252,60 +251,66 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Params
     uint32_t phase = 0;
     float acc[kAccRegs];
     float part[kAccRegs];
-    bool stagger_pending = kStagger && consumer_idx == 0;  // consumer 0 still to release consumer 1
-    if constexpr (kStagger) {
-        if (consumer_idx == 1) named_barrier_sync(kStaggerBarrier, kNumConsumers * kWarpgroupThreads);
-    }
+    // The K group of the next full stage into `part`, asynchronously.
+    const auto issue_group = [&] {
+        mbarrier_wait(&smem.full[stage_idx], phase);
+        fence_accumulators(part);
+        wgmma_fence();
+        group_mma(smem.a[stage_idx] + consumer_idx * kConsumerRows * kBlockK, smem.b[stage_idx], part);
+        wgmma_commit_group();
+    };
+    // The issued group: its scales read from the stage (while its wgmmas run), its wgmmas waited for, the stage
+    // released, and acc += part * (sa * sb).
+    const auto complete_group = [&] {
+        const float row_scales[2] = {smem.a_scales[stage_idx][first_row], smem.a_scales[stage_idx][first_row + 8]};
+        float2 col_scales[kNumFrags];
+#pragma unroll
+        for (int frag = 0; frag < kNumFrags; ++frag) {
+            col_scales[frag] = *reinterpret_cast<const float2*>(&smem.b_scales[stage_idx][frag * 8 + first_col]);
+        }
+        wgmma_wait_group<0>();
+        fence_accumulators(part);
+        __syncwarp();  // the warp's scale reads before its release of the stage
+        if (lane_idx == 0) {
+            if constexpr (kPair == 1) {
+                mbarrier_arrive(&smem.empty[stage_idx]);
+            } else {
+                release_stage<kPair>(&smem.empty[stage_idx]);  // in every CTA of the pair
+            }
+        }
+        advance_stage<kNumStages>(stage_idx, phase);
+        promote(acc, part, row_scales, col_scales);
+    };
     const int stride = num_clusters<kPair>();
     Tile next = decode_tile<kPair>(params, first_cluster_tile<kPair>(), cta_rank);
+    if constexpr (kOverlap) {
+        if (next.num_k_blocks > 0) issue_group();  // the first tile's first group
+    }
     for (int tile_idx = first_cluster_tile<kPair>(); tile_idx < params.num_tiles; tile_idx += stride) {
         const Tile tile = next;
         next = decode_tile<kPair>(params, tile_idx + stride, cta_rank);  // its loads in flight during this tile
 #pragma unroll
         for (int reg_idx = 0; reg_idx < kAccRegs; ++reg_idx) acc[reg_idx] = 0.0f;
         for (int k_block_idx = 0; k_block_idx < tile.num_k_blocks; ++k_block_idx) {
-            mbarrier_wait(&smem.full[stage_idx], phase);
-            fence_accumulators(part);
-            wgmma_fence();
-            group_mma(smem.a[stage_idx] + consumer_idx * kConsumerRows * kBlockK, smem.b[stage_idx], part);
-            wgmma_commit_group();
-            // The group's scales while its wgmmas run.
-            const float row_scales[2] = {smem.a_scales[stage_idx][first_row], smem.a_scales[stage_idx][first_row + 8]};
-            float2 col_scales[kNumFrags];
-#pragma unroll
-            for (int frag = 0; frag < kNumFrags; ++frag) {
-                col_scales[frag] = *reinterpret_cast<const float2*>(&smem.b_scales[stage_idx][frag * 8 + first_col]);
-            }
-            wgmma_wait_group<0>();
-            fence_accumulators(part);
-            __syncwarp();  // the warp's scale reads before its release of the stage
-            if (lane_idx == 0) {
-                if constexpr (kPair == 1) {
-                    mbarrier_arrive(&smem.empty[stage_idx]);
-                } else {
-                    release_stage<kPair>(&smem.empty[stage_idx]);  // in every CTA of the pair
-                }
-            }
-            advance_stage<kNumStages>(stage_idx, phase);
-            promote(acc, part, row_scales, col_scales);
-            if (stagger_pending) {  // no wgmma in flight here
-                named_barrier_arrive(kStaggerBarrier, kNumConsumers * kWarpgroupThreads);
-                stagger_pending = false;
+            if constexpr (kOverlap) {
+                complete_group();  // issued by the previous iteration, or before this tile's epilogue
+                if (k_block_idx + 1 < tile.num_k_blocks) issue_group();
+            } else {
+                issue_group();
+                complete_group();
             }
         }
-        if (stagger_pending) {  // a first tile without K groups
-            named_barrier_arrive(kStaggerBarrier, kNumConsumers * kWarpgroupThreads);
-            stagger_pending = false;
+        if constexpr (kOverlap) {
+            if (next.num_k_blocks > 0) issue_group();  // past the last tile: none
         }
         if (tile.store && (!kAccumulate || tile.num_k_blocks > 0)) {
             store_tile<OutT, kAccumulate>(out_map, tile, acc, warp_staging, consumer_idx, warp_idx, lane_idx);
         }
     }
-    if (stagger_pending) named_barrier_arrive(kStaggerBarrier, kNumConsumers * kWarpgroupThreads);  // no tile at all
     if (lane_idx == 0) bulk_wait_group<0, false>();  // every store complete before the CTA exits
 }
 
-template <typename OutT, bool kAccumulate, int kPair, bool kStagger>
+template <typename OutT, bool kAccumulate, int kPair, bool kOverlap>
 __global__ void __launch_bounds__(kNumThreads, 1)
     k_grouped_fp8_gemm_sm90_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                                    const __grid_constant__ CUtensorMap out_map, const Params params) {
@@ -341,7 +346,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         if (thread_idx == 0) produce<kPair>(&a_map, &b_map, params, smem, cta_rank);
     } else {
         setmaxnreg_inc<kConsumerRegs>();
-        consume<OutT, kAccumulate, kPair, kStagger>(&out_map, params, smem, cta_rank, warpgroup_idx - 1, thread_idx);
+        consume<OutT, kAccumulate, kPair, kOverlap>(&out_map, params, smem, cta_rank, warpgroup_idx - 1, thread_idx);
     }
     if constexpr (kPair > 1) cluster_sync();  // no CTA leaves while its partner may multicast into it or arrive there
 #endif
@@ -385,8 +390,8 @@ template <typename OutT, bool kAccumulate, int kPair>
 megamoe_status_t launch_typed(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUtensorMap& out_map,
                               const Params& params, int num_sms, cudaStream_t stream) {
     const int64_t max_clusters = std::min<int64_t>(std::max(num_sms / kPair, 1), params.num_tiles);
-    // MEGAMOE_SM90_FP8_WGRAD_STAGGER=1's variant for single CTAs only.
-    const auto kernel = kPair == 1 && k_grouped_fp8_stagger()
+    // MEGAMOE_SM90_FP8_WGRAD_OVERLAP=1's variant for single CTAs only.
+    const auto kernel = kPair == 1 && k_grouped_fp8_overlap()
                             ? k_grouped_fp8_gemm_sm90_kernel<OutT, kAccumulate, kPair, kPair == 1>
                             : k_grouped_fp8_gemm_sm90_kernel<OutT, kAccumulate, kPair, false>;
     return launch_cluster_kernel<kPair>(kernel, "k_grouped_fp8_gemm_sm90", kNumThreads, kSmemBytes, max_clusters,

@@ -25,8 +25,8 @@
 //   MEGAMOE_SM90_FP8_WGRAD_PAIR=1      the K-grouped FP8 GEMM in clusters of 2 CTAs on neighbouring n-tiles, A's
 //                                      halves multicast into both (a quarter less L2 -> SM traffic per stage): level at
 //                                      qwen3-30b-a3b, 3-12 % slower at qwen3-235b-a22b and deepseek-v3 (session 10)
-//   MEGAMOE_SM90_FP8_WGRAD_STAGGER=1   the K-grouped FP8 GEMM's second consumer warpgroup starts a K group after the
-//                                      first (one named barrier), so their promotions and epilogues alternate
+//   MEGAMOE_SM90_FP8_WGRAD_OVERLAP=1   the K-grouped FP8 GEMM's consumers issue the next tile's first K group before
+//                                      storing a tile, its epilogue under those wgmmas (not yet run on a GPU)
 #pragma once
 
 #include <cstdlib>
@@ -67,8 +67,8 @@ inline bool k_grouped_fp8_pairs() {
 inline bool fp8_full_n() {
     return env_is("MEGAMOE_SM90_FP8_FULL_N", "1");
 }
-inline bool k_grouped_fp8_stagger() {
-    return env_is("MEGAMOE_SM90_FP8_WGRAD_STAGGER", "1");
+inline bool k_grouped_fp8_overlap() {
+    return env_is("MEGAMOE_SM90_FP8_WGRAD_OVERLAP", "1");
 }
 
 }  // namespace megamoe::sm90
