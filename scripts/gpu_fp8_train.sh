@@ -4,7 +4,9 @@
 # and megamoe-fp8 from the same seed and data, STEPS steps (default 200), compared by examples/compare_losses.py
 # (the mean relative loss difference over the last 100 steps: the issue's bar is 0.25 %). Logs in OUT. RUNS picks the
 # runs (default "megamoe megamoe-fp8"; add megamoe-fp8-wgrad for the weight gradients in FP8); GTEST_FILTER=none skips
-# the gtests.
+# the gtests. More runs: megamoe-fp8-fwd / megamoe-fp8-bwd (MEGAMOE_FP8_ONLY=forward / backward: one direction in FP8,
+# the other in bf16), grouped_mm (HF's experts: the bf16 noise floor of the comparison); SEED picks the seed (default
+# 0, in the logs' names when set).
 # Inputs: CARRY (default .carry/) with libmegamoe.so[.xz] and megamoe_tests[.xz].
 #   OUT=/tmp/out STEPS=200 bash scripts/gpu_fp8_train.sh
 set -uo pipefail
@@ -29,17 +31,23 @@ if [ "${GTEST_FILTER:-Fp8Layer*}" != none ]; then
     fi
 fi
 # RUNS: the runs, in order (megamoe-fp8-wgrad: megamoe-fp8 with MEGAMOE_FP8_WGRAD=1, the weight gradients in FP8).
+tag=${SEED:+-seed$SEED}
 for run in ${RUNS:-megamoe megamoe-fp8}; do
-    impl=${run%-wgrad}
-    wgrad=0
-    [ "$run" != "$impl" ] && wgrad=1
-    MEGAMOE_FP8_WGRAD=$wgrad timeout "${TRAIN_TIMEOUT:-170}" python3 examples/train_qwen3_moe.py --experts-impl "$impl" \
-        --steps "${STEPS:-200}" --log-json "$OUT/train-$run.json" >"$OUT/train-$run.log" 2>&1 || status=1
-    tail -n 3 "$OUT/train-$run.log"
+    impl=$run wgrad=0 only=
+    case "$run" in
+        *-wgrad) impl=${run%-wgrad} wgrad=1 ;;
+        *-fwd) impl=${run%-fwd} only=forward ;;
+        *-bwd) impl=${run%-bwd} only=backward ;;
+    esac
+    MEGAMOE_FP8_WGRAD=$wgrad MEGAMOE_FP8_ONLY=$only timeout "${TRAIN_TIMEOUT:-170}" python3 examples/train_qwen3_moe.py \
+        --experts-impl "$impl" --steps "${STEPS:-200}" --seed "${SEED:-0}" --log-json "$OUT/train-$run$tag.json" \
+        >"$OUT/train-$run$tag.log" 2>&1 || status=1
+    tail -n 3 "$OUT/train-$run$tag.log"
 done
 for run in ${RUNS:-megamoe megamoe-fp8}; do
-    [ "$run" = megamoe ] || [ ! -f "$OUT/train-$run.json" ] && continue
-    python3 examples/compare_losses.py "$OUT/train-megamoe.json" "$OUT/train-$run.json" \
-        --out "$OUT/train-$run-losses.png" --title "Qwen3-30B-A3B shapes, 8 layers: bf16 against $run" 2>&1 | tail -n 3
+    [ "$run" = megamoe ] || [ ! -f "$OUT/train-$run$tag.json" ] && continue
+    python3 examples/compare_losses.py "$OUT/train-megamoe$tag.json" "$OUT/train-$run$tag.json" \
+        --out "$OUT/train-$run$tag-losses.png" --title "Qwen3-30B-A3B shapes, 8 layers: bf16 against $run$tag" 2>&1 |
+        tail -n 3
 done
 exit $status

@@ -320,6 +320,15 @@ void check_layer(const LayerCase& c) {
     EXPECT_EQ(path, MEGAMOE_PATH_SM90_FP8) << "forward path " << megamoe_path_string(path);
     ASSERT_EQ(layer.backward(&path), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
     EXPECT_EQ(path, MEGAMOE_PATH_SM90_FP8) << "backward path " << megamoe_path_string(path);
+    {  // the accuracy diagnostic: one direction in FP8, the other on the 16-bit path (and its path says so)
+        const ScopedEnv only("MEGAMOE_FP8_ONLY", "forward");
+        ASSERT_EQ(layer.forward(&path), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
+        EXPECT_EQ(path, MEGAMOE_PATH_SM90_FP8)
+            << "MEGAMOE_FP8_ONLY=forward: forward path " << megamoe_path_string(path);
+        ASSERT_EQ(layer.backward(&path), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
+        EXPECT_NE(path, MEGAMOE_PATH_SM90_FP8)
+            << "MEGAMOE_FP8_ONLY=forward: backward path " << megamoe_path_string(path);
+    }
 
     // Forward: keep-h twice, recompute, and without the transposed copies (the forward does not read them).
     const ForwardOut kept = run_forward(layer);
