@@ -5,7 +5,7 @@
 #include <algorithm>
 #include <type_traits>
 
-#include "device/byte_transpose.cuh"
+#include "device/byte_tile.cuh"
 #include "device/cuda_utils.h"
 #include "device/fp8_math.cuh"
 #include "device/warp_reduce.cuh"
@@ -238,35 +238,14 @@ __global__ void __launch_bounds__(kQuantThreads)
 // tile's 16-byte chunks are swizzled, chunk c of row r at c ^ (r / 16), so that the tile's writes, the q rows' reads
 // and the transposing 4-byte reads (a warp: 4 columns of words in 8 row groups, r / 16 = 0..7) are free of bank
 // conflicts. Shared memory 16 KB, registers <= 64 for bf16 / f16: 4 CTAs an SM, up to 128 KB of loads in flight.
-constexpr int kChunk = 16;                              // bytes per vector load and store
-constexpr int kTileChunks = kBlockSide / kChunk;        // 16-byte chunks of a tile row: 8
-constexpr int kSwizzleRows = kBlockSide / kTileChunks;  // rows of one swizzle pattern: 16
-static_assert(kQuantThreads == (kBlockSide / kTransposeRows) * (kBlockSide / kTransposeCols),
-              "the transpose: one thread per 16 rows x 4 columns of the tile");
-static_assert(kBlockSide * kTileChunks % kQuantThreads == 0, "the q rows: whole 16-byte chunks per thread");
+static_assert(kQuantThreads == kByteTileThreads && kBlockSide == kByteTileSide,
+              "a weight block is one byte tile (device/byte_tile.cuh), a thread of its 256 each");
+static_assert(kBlockSide * kByteTileChunks % kQuantThreads == 0, "the q rows: whole 16-byte chunks per thread");
 
 template <typename T>
-struct BlockLoads {
-    static constexpr int kPerLoad = kChunk / static_cast<int>(sizeof(T));  // elements: 8 bf16 / f16, 4 f32
-    static constexpr int kPerRow = kBlockSide / kPerLoad;                  // loads per block row: 16, 32
-    static constexpr int kRowsPerLoad = kWarpSize / kPerRow;               // rows per warp load: 2, 1
-    static constexpr int kLoads = kBlockRowsPerWarp / kRowsPerLoad;        // per thread: 8, 16
-    static constexpr int kMinBlocks = sizeof(T) == 2 ? 4 : 2;              // CTAs per SM: <= 64 / 128 registers
-    static_assert(kWarpSize % kPerRow == 0 && kPerLoad % 4 == 0, "a warp load: whole rows, whole 4-byte words of q");
-};
-
-static_assert(kBlockRowsPerWarp == kSwizzleRows && kTransposeRows == kSwizzleRows,
-              "a warp's rows and a transposing thread's rows share one swizzle: row r + i at offset(r) + i rows");
-
-// Byte offset of (row, col) in the swizzled tile (col a multiple of 4: 4-byte words stay whole).
-__device__ __forceinline__ unsigned tile_offset(unsigned row, unsigned col) {
-    return row * kBlockSide + ((col / kChunk) ^ (row / kSwizzleRows)) * kChunk + col % kChunk;
-}
-
-template <typename T>
-__global__ void __launch_bounds__(kQuantThreads, BlockLoads<T>::kMinBlocks)
+__global__ void __launch_bounds__(kQuantThreads, ByteTileLoads<T>::kMinBlocks)
     quantize_blocks_vector_kernel(const QuantizeBlocksArgs args) {
-    using Loads = BlockLoads<T>;
+    using Loads = ByteTileLoads<T>;
     __shared__ float warp_amax[kBlockWarps];
     __shared__ int warp_non_finite[kBlockWarps];
     __shared__ __align__(16) uint8_t tile[kBlockSide * kBlockSide];
@@ -281,7 +260,7 @@ __global__ void __launch_bounds__(kQuantThreads, BlockLoads<T>::kMinBlocks)
     const int64_t first_row = expert * args.n + n_block * kBlockSide;  // of [E * N, K]
     const int64_t first_col = k_block * kBlockSide;
 
-    const unsigned load_row = warp_idx * kBlockRowsPerWarp + lane_idx / Loads::kPerRow;  // + j * kRowsPerLoad
+    const unsigned load_row = warp_idx * kByteTileRowsPerWarp + lane_idx / Loads::kPerRow;  // + j * kRowsPerLoad
     const unsigned load_col = lane_idx % Loads::kPerRow * Loads::kPerLoad;
     const T* source = static_cast<const T*>(args.in) + (first_row + load_row) * args.k + first_col + load_col;
     uint4 raw[Loads::kLoads];
@@ -289,7 +268,7 @@ __global__ void __launch_bounds__(kQuantThreads, BlockLoads<T>::kMinBlocks)
     for (int j = 0; j < Loads::kLoads; ++j) {
         raw[j] = *reinterpret_cast<const uint4*>(source + j * Loads::kRowsPerLoad * args.k);
     }
-    uint8_t* const tile_chunk = tile + tile_offset(load_row, load_col);
+    uint8_t* const tile_chunk = tile + byte_tile_offset(load_row, load_col);
     GroupStats stats;
     if constexpr (std::is_same_v<T, float>) {
 #pragma unroll
@@ -347,35 +326,28 @@ __global__ void __launch_bounds__(kQuantThreads, BlockLoads<T>::kMinBlocks)
     }
     __syncthreads();
 #pragma unroll
-    for (int pass = 0; pass < kBlockSide * kTileChunks / kQuantThreads; ++pass) {
+    for (int pass = 0; pass < kBlockSide * kByteTileChunks / kQuantThreads; ++pass) {
         const unsigned i = pass * kQuantThreads + thread_idx;
-        const unsigned line = i / kTileChunks, chunk = i % kTileChunks;  // q: tile row `line`, 8 lanes a row
-        *reinterpret_cast<uint4*>(args.q + (first_row + line) * args.k + first_col + chunk * kChunk) =
-            *reinterpret_cast<const uint4*>(tile + tile_offset(line, chunk * kChunk));
+        const unsigned line = i / kByteTileChunks, chunk = i % kByteTileChunks;  // q: tile row `line`, 8 lanes a row
+        *reinterpret_cast<uint4*>(args.q + (first_row + line) * args.k + first_col + chunk * kByteTileChunk) =
+            *reinterpret_cast<const uint4*>(tile + byte_tile_offset(line, chunk * kByteTileChunk));
     }
     if (args.q_t == nullptr) return;
-    // q_t: thread (rows 16 r .. 16 r + 15, columns 4 c .. 4 c + 3) with r = thread % 8 (8 lanes: one q_t row).
-    const unsigned first_t_row = thread_idx % (kBlockSide / kTransposeRows) * kTransposeRows;
-    const unsigned first_t_col = thread_idx / (kBlockSide / kTransposeRows) * kTransposeCols;
-    const uint8_t* const tile_words = tile + tile_offset(first_t_row, first_t_col);
-    uint32_t words[kTransposeRows];  // row first_t_row + i: columns first_t_col .. + 3, one byte each
-#pragma unroll
-    for (int i = 0; i < kTransposeRows; ++i) words[i] = *reinterpret_cast<const uint32_t*>(tile_words + i * kBlockSide);
-    uint32_t columns[kTransposeCols][kTransposeRows / 4];  // column c's 16 bytes, rows in order
-    transpose_16x4_bytes(words, columns);
-    uint8_t* target =
-        args.q_t + (expert * args.k + first_col + first_t_col) * args.n + n_block * kBlockSide + first_t_row;
+    // q_t: the thread's transposed block (8 lanes: one q_t row).
+    const TransposedBlock block_t = read_transposed_block(tile, thread_idx);
+    uint8_t* target = args.q_t + (expert * args.k + first_col + block_t.first_col) * args.n + n_block * kBlockSide +
+                      block_t.first_row;
 #pragma unroll
     for (int c = 0; c < kTransposeCols; ++c) {
         *reinterpret_cast<uint4*>(target + c * args.n) =
-            make_uint4(columns[c][0], columns[c][1], columns[c][2], columns[c][3]);
+            make_uint4(block_t.columns[c][0], block_t.columns[c][1], block_t.columns[c][2], block_t.columns[c][3]);
     }
 }
 
 // Whether quantize_blocks takes its vector path for the whole blocks.
 bool quantize_blocks_vectorizable(const QuantizeBlocksArgs& args) {
-    return args.n % kChunk == 0 && args.k % kChunk == 0 && is_aligned(args.in, kChunk) && is_aligned(args.q, kChunk) &&
-           is_aligned(args.q_t, kChunk);  // NULL q_t: aligned
+    return args.n % kByteTileChunk == 0 && args.k % kByteTileChunk == 0 && is_aligned(args.in, kByteTileChunk) &&
+           is_aligned(args.q, kByteTileChunk) && is_aligned(args.q_t, kByteTileChunk);  // NULL q_t: aligned
 }
 
 }  // namespace

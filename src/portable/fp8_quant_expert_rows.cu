@@ -19,7 +19,7 @@
 
 #include <type_traits>
 
-#include "device/byte_transpose.cuh"
+#include "device/byte_tile.cuh"
 #include "device/cuda_utils.h"
 #include "device/fp8_math.cuh"
 #include "portable/fp8_quant.h"
@@ -27,37 +27,20 @@
 namespace megamoe::cuda {
 namespace {
 
-constexpr int kThreads = 256;
+constexpr int kThreads = kByteTileThreads;
 constexpr int kWarps = kThreads / kWarpSize;
-constexpr int kTileRows = kFp8GroupSize;               // an M tile: 128 sorted rows of one expert
-constexpr int kTileCols = 128;                         // columns per CTA
-constexpr int kChunk = 16;                             // bytes per vector load and store
-constexpr int kRowsPerWarp = kTileRows / kWarps;       // tile rows each warp loads: 16
-constexpr int kTileChunks = kTileCols / kChunk;        // 16-byte chunks of a byte-tile row: 8
-constexpr int kSwizzleRows = kTileRows / kTileChunks;  // rows of one swizzle pattern: 16
-constexpr uint32_t kNonFiniteBits = 0x7F800000u;       // f32 magnitudes at least this: an infinity or a NaN
-static_assert(kThreads == (kTileRows / kTransposeRows) * (kTileCols / kTransposeCols),
-              "the transpose: one thread per 16 rows x 4 columns of the tile");
-static_assert(kRowsPerWarp == kSwizzleRows && kTransposeRows == kSwizzleRows,
-              "a warp's rows and a transposing thread's rows share one swizzle: row r + i at offset(r) + i rows");
+constexpr int kTileRows = kFp8GroupSize;          // an M tile: 128 sorted rows of one expert
+constexpr int kTileCols = kByteTileSide;          // columns per CTA
+constexpr uint32_t kNonFiniteBits = 0x7F800000u;  // f32 magnitudes at least this: an infinity or a NaN
+static_assert(kTileRows == kByteTileSide, "a CTA's M tile x 128 columns is one byte tile (device/byte_tile.cuh)");
 static_assert(kTileCols <= kThreads, "a thread per column for the scales");
 
+// The byte tile's loads, with this kernel's CTAs per SM when it also writes row_q and a word's magnitude mask.
 template <typename T>
-struct TileLoads {
-    static constexpr int kPerLoad = kChunk / static_cast<int>(sizeof(T));  // elements: 8 bf16 / f16, 4 f32
-    static constexpr int kPerRow = kTileCols / kPerLoad;                   // loads per tile row: 16, 32
-    static constexpr int kRowsPerLoad = kWarpSize / kPerRow;               // rows per warp load: 2, 1
-    static constexpr int kLoads = kRowsPerWarp / kRowsPerLoad;             // per thread: 8, 16
-    static constexpr int kMinBlocks = sizeof(T) == 2 ? 4 : 2;              // CTAs per SM: <= 64 / 128 registers
-    static constexpr int kMinRowBlocks = sizeof(T) == 2 ? 3 : 2;           // with row_q: <= 85 / 128 (no spills)
+struct TileLoads : ByteTileLoads<T> {
+    static constexpr int kMinRowBlocks = sizeof(T) == 2 ? 3 : 2;  // with row_q: <= 85 / 128 registers (no spills)
     static constexpr uint32_t kMagnitude = sizeof(T) == 2 ? 0x7FFF7FFFu : 0x7FFFFFFFu;  // a word's sign bits cleared
-    static_assert(kWarpSize % kPerRow == 0 && kPerLoad % 4 == 0, "a warp load: whole rows, whole 4-byte words");
 };
-
-// Byte offset of (row, col) in the swizzled byte tile (col a multiple of 4: 4-byte words stay whole).
-__device__ __forceinline__ unsigned tile_offset(unsigned row, unsigned col) {
-    return row * kTileCols + ((col / kChunk) ^ (row / kSwizzleRows)) * kChunk + col % kChunk;
-}
 
 // The largest magnitudes, element by element, of two words of T's (16-bit halves or one 32-bit value), as bits.
 template <typename T>
@@ -189,7 +172,7 @@ __global__ void __launch_bounds__(kThreads, kRowQuantize ? TileLoads<T>::kMinRow
 
     // The loads: thread (rows load_row + j * kRowsPerLoad, columns load_col .. load_col + kPerLoad - 1 of the tile).
     const int64_t first_col = static_cast<int64_t>(blockIdx.y) * kTileCols;
-    const unsigned load_row = warp_idx * kRowsPerWarp + lane_idx / Loads::kPerRow;
+    const unsigned load_row = warp_idx * kByteTileRowsPerWarp + lane_idx / Loads::kPerRow;
     const unsigned load_col = lane_idx % Loads::kPerRow * Loads::kPerLoad;
     const int64_t columns_left = args.cols - (first_col + load_col);
     const T* source = static_cast<const T*>(args.in) + first_col + load_col;
@@ -254,7 +237,7 @@ __global__ void __launch_bounds__(kThreads, kRowQuantize ? TileLoads<T>::kMinRow
         factor[k + 2] = four.z;
         factor[k + 3] = four.w;
     }
-    uint8_t* const tile_chunk = tile + tile_offset(load_row, load_col);
+    uint8_t* const tile_chunk = tile + byte_tile_offset(load_row, load_col);
 #pragma unroll
     for (int j = 0; j < Loads::kLoads; ++j) {
         uint32_t words[Loads::kPerLoad / 4] = {};
@@ -275,29 +258,23 @@ __global__ void __launch_bounds__(kThreads, kRowQuantize ? TileLoads<T>::kMinRow
     }
     __syncthreads();
 
-    // q_t: thread (rows 16 r .. 16 r + 15, columns 4 c .. 4 c + 3) with r = thread % 8 (8 lanes: 128 bytes of a row).
-    const unsigned first_t_row = thread_idx % (kTileRows / kTransposeRows) * kTransposeRows;
-    const unsigned first_t_col = thread_idx / (kTileRows / kTransposeRows) * kTransposeCols;
-    const uint8_t* const tile_words = tile + tile_offset(first_t_row, first_t_col);
-    uint32_t words[kTransposeRows];  // row first_t_row + i: columns first_t_col .. + 3, one byte each
-#pragma unroll
-    for (int i = 0; i < kTransposeRows; ++i) words[i] = *reinterpret_cast<const uint32_t*>(tile_words + i * kTileCols);
-    uint32_t columns[kTransposeCols][kTransposeRows / 4];  // column c's 16 bytes, rows in order
-    transpose_16x4_bytes(words, columns);
-    const int64_t first_q_col = first_col + first_t_col;
-    uint8_t* const target = args.q_t + first_q_col * args.ld_q + tile_idx * kTileRows + first_t_row;
+    // q_t: the thread's transposed block (8 lanes: 128 bytes of a q_t row).
+    const TransposedBlock block = read_transposed_block(tile, thread_idx);
+    const int64_t first_q_col = first_col + block.first_col;
+    uint8_t* const target = args.q_t + first_q_col * args.ld_q + tile_idx * kTileRows + block.first_row;
 #pragma unroll
     for (int c = 0; c < kTransposeCols; ++c) {
         if (first_q_col + c >= args.cols) break;
         *reinterpret_cast<uint4*>(target + c * args.ld_q) =
-            make_uint4(columns[c][0], columns[c][1], columns[c][2], columns[c][3]);
+            make_uint4(block.columns[c][0], block.columns[c][1], block.columns[c][2], block.columns[c][3]);
     }
 }
 
 // Whether the source rows take 16-byte loads: whole chunks of 8 columns, every row 16-byte aligned.
 bool quantize_expert_rows_vectorizable(const QuantizeExpertRowsArgs& args) {
     const int64_t elem_bytes = args.in_dtype == MEGAMOE_DTYPE_F32 ? 4 : 2;
-    return args.cols % 8 == 0 && args.in_row_stride * elem_bytes % kChunk == 0 && is_aligned(args.in, kChunk);
+    return args.cols % 8 == 0 && args.in_row_stride * elem_bytes % kByteTileChunk == 0 &&
+           is_aligned(args.in, kByteTileChunk);
 }
 
 template <typename T, bool kRowQuantize>
@@ -332,12 +309,12 @@ megamoe_status_t launch_quantize_expert_rows(const QuantizeExpertRowsArgs& args,
                          "[128 i, 128 i + 128) of q_t",
                          static_cast<long long>(args.ld_q), static_cast<long long>(kTileRows * args.max_tiles));
     }
-    if (args.ld_q % kChunk != 0 || !is_aligned(args.q_t, kChunk)) {
+    if (args.ld_q % kByteTileChunk != 0 || !is_aligned(args.q_t, kByteTileChunk)) {
         return set_error(MEGAMOE_STATUS_INTERNAL_ERROR,
                          "quantize_expert_rows: ld_q (%lld) must be a multiple of 16 and q_t 16-byte aligned",
                          static_cast<long long>(args.ld_q));
     }
-    if (args.ld_scales < args.cols || args.ld_scales % 4 != 0 || !is_aligned(args.scales, kChunk)) {
+    if (args.ld_scales < args.cols || args.ld_scales % 4 != 0 || !is_aligned(args.scales, kByteTileChunk)) {
         return set_error(MEGAMOE_STATUS_INTERNAL_ERROR,
                          "quantize_expert_rows: ld_scales (%lld) must be >= cols (%lld) and a multiple of 4, scales "
                          "16-byte aligned",
