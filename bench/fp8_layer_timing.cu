@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "fp8_timing_shapes.h"
 #include "megamoe/megamoe.h"
 
 namespace {
@@ -43,14 +44,10 @@ namespace {
         }                                                                                             \
     } while (0)
 
-struct Shape {
-    const char* name;
-    int64_t tokens, hidden, inter, experts, topk;
-};
-constexpr Shape kShapes[] = {{"qwen3-30b-a3b", 8192, 2048, 768, 128, 8},
-                             {"qwen3-235b-a22b", 8192, 4096, 1536, 128, 8},
-                             {"deepseek-v3", 8192, 7168, 2048, 256, 8}};
-constexpr int kWarmup = 3, kTimed = 10;
+using megamoe_bench::kShapes;
+using megamoe_bench::kTimed;
+using megamoe_bench::kWarmup;
+using megamoe_bench::Shape;
 
 __global__ void fill_bf16(__nv_bfloat16* out, int64_t n, uint64_t seed, float scale) {
     for (int64_t i = blockIdx.x * int64_t{blockDim.x} + threadIdx.x; i < n; i += int64_t{gridDim.x} * blockDim.x) {

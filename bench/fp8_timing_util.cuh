@@ -1,6 +1,6 @@
-// What the FP8 timing programs share (bench/fp8_gemm_timing.cu, bench/fp8_wgrad_timing.cu): the reference shapes,
-// random fills on the device, device buffers freed at scope exit, and the median of kTimed launches timed by CUDA
-// events after kWarmup.
+// What the FP8 timing programs share (bench/fp8_gemm_timing.cu, bench/fp8_wgrad_timing.cu): the reference shapes
+// (fp8_timing_shapes.h), random fills on the device, device buffers freed at scope exit, and the median of kTimed
+// launches timed by CUDA events after kWarmup.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -13,6 +13,7 @@
 #include <vector>
 
 #include "common.h"
+#include "fp8_timing_shapes.h"
 
 namespace megamoe_bench {
 
@@ -24,16 +25,6 @@ namespace megamoe_bench {
             return false;                                                                                 \
         }                                                                                                 \
     } while (0)
-
-struct Shape {
-    const char* name;
-    int64_t tokens, hidden, inter, experts, topk;
-};
-constexpr Shape kShapes[] = {{"qwen3-30b-a3b", 8192, 2048, 768, 128, 8},
-                             {"qwen3-235b-a22b", 8192, 4096, 1536, 128, 8},
-                             {"deepseek-v3", 8192, 7168, 2048, 256, 8}};
-
-constexpr int kWarmup = 3, kTimed = 10;
 
 __device__ inline uint32_t mix(uint64_t x) {
     x ^= x >> 33;
