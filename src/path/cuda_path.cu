@@ -119,12 +119,20 @@ bool sm90_weight_grads_enabled_by_env() {
 }
 
 namespace {
+// The environment variable `name` equals `value`.
+bool env_is(const char* name, const char* value) {
+    const char* set = std::getenv(name);
+    return set != nullptr && std::strcmp(set, value) == 0;
+}
 // The experiment switches: the environment variable `name` is "1".
 bool switched_on(const char* name) {
-    const char* value = std::getenv(name);
-    return value != nullptr && std::strcmp(value, "1") == 0;
+    return env_is(name, "1");
 }
 }  // namespace
+
+bool fp8_only_by_env(const char* direction) {
+    return env_is("MEGAMOE_FP8_ONLY", direction);
+}
 
 bool fp8_act_by_pass() {
     return switched_on("MEGAMOE_FP8_ACT_PASS");
