@@ -5,7 +5,8 @@
 // quantized in the up GEMM's epilogue, dh by a pass), a by a pass (MEGAMOE_FP8_ACT_PASS=1), dh in dH's epilogue
 // (MEGAMOE_FP8_DH_EPILOGUE=1), the weight gradients on the K-grouped FP8 GEMM (MEGAMOE_FP8_WGRAD=1; expert 0's dw13
 // against bf16's printed beside y and dx) and x or dy quantized in sorted-row order, read by TMA
-// (MEGAMOE_FP8_SORTED_X=1, MEGAMOE_FP8_SORTED_DY=1). CUDA events on the default stream, 3 warm-up calls, the median of
+// (MEGAMOE_FP8_SORTED_X=1, MEGAMOE_FP8_SORTED_DY=1), the M-grouped FP8 GEMMs with m64 x 256 wgmmas
+// (MEGAMOE_SM90_FP8_FULL_N=1), and both sorted operands with them. CUDA events on the default stream, 3 warm-up calls, the median of
 // 10; the variants alternate within each of ROUNDS rounds (argument 2, default 2). Weights N(0, 1 / K)-like, x and dy
 // uniform in [-1, 1]. Usage:
 //   megamoe_fp8_layer_timing [shape name|all] [rounds]
@@ -202,20 +203,24 @@ void time_shape(const Shape& s, int rounds) {
         const char* act_pass;
         const char* wgrad;        // MEGAMOE_FP8_WGRAD
         const char* dh_epilogue;  // MEGAMOE_FP8_DH_EPILOGUE
-        const char* sorted;       // "x": MEGAMOE_FP8_SORTED_X=1, "dy": MEGAMOE_FP8_SORTED_DY=1, "0": neither
-    } variants[] = {{"bf16", MEGAMOE_PRECISION_DEFAULT, "0", "0", "0", "0"},
-                    {"fp8", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "0", "0", "0"},
-                    {"fp8-act-pass", MEGAMOE_PRECISION_FP8_BLOCKWISE, "1", "0", "0", "0"},
-                    {"fp8-dh-epi", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "0", "1", "0"},
-                    {"fp8-wgrad", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "1", "0", "0"},
-                    {"fp8-sorted-x", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "0", "0", "x"},
-                    {"fp8-sorted-dy", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "0", "0", "dy"}};
+        const char* sorted;       // "x": MEGAMOE_FP8_SORTED_X=1, "dy": MEGAMOE_FP8_SORTED_DY=1, "x+dy": both
+        const char* full_n;       // MEGAMOE_SM90_FP8_FULL_N
+    } variants[] = {{"bf16", MEGAMOE_PRECISION_DEFAULT, "0", "0", "0", "0", "0"},
+                    {"fp8", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "0", "0", "0", "0"},
+                    {"fp8-act-pass", MEGAMOE_PRECISION_FP8_BLOCKWISE, "1", "0", "0", "0", "0"},
+                    {"fp8-dh-epi", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "0", "1", "0", "0"},
+                    {"fp8-wgrad", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "1", "0", "0", "0"},
+                    {"fp8-sorted-x", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "0", "0", "x", "0"},
+                    {"fp8-sorted-dy", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "0", "0", "dy", "0"},
+                    {"fp8-full-n", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "0", "0", "0", "1"},
+                    {"fp8-sorted-fn", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "0", "0", "x+dy", "1"}};
     const auto select = [&](const Variant& v) {
         setenv("MEGAMOE_FP8_ACT_PASS", v.act_pass, 1);
         setenv("MEGAMOE_FP8_WGRAD", v.wgrad, 1);
         setenv("MEGAMOE_FP8_DH_EPILOGUE", v.dh_epilogue, 1);
-        setenv("MEGAMOE_FP8_SORTED_X", std::strcmp(v.sorted, "x") == 0 ? "1" : "0", 1);
-        setenv("MEGAMOE_FP8_SORTED_DY", std::strcmp(v.sorted, "dy") == 0 ? "1" : "0", 1);
+        setenv("MEGAMOE_FP8_SORTED_X", std::strchr(v.sorted, 'x') != nullptr ? "1" : "0", 1);
+        setenv("MEGAMOE_FP8_SORTED_DY", std::strstr(v.sorted, "dy") != nullptr ? "1" : "0", 1);
+        setenv("MEGAMOE_SM90_FP8_FULL_N", v.full_n, 1);
         fwd.precision = bwd.precision = v.precision;
         fwd.fp8 = bwd.fp8 = v.precision == MEGAMOE_PRECISION_DEFAULT ? megamoe_fp8_experts_t{} : fp8;
     };
