@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # One device call for the FP8 work (issue #20): the FP8 gtests (*Fp8* suites: quantization, the M-grouped forward and
 # backward GEMMs, the K-grouped weight-gradient GEMM, the layer) under the default mainloop, Fp8GemmSm90 under
-# MEGAMOE_SM90_FP8_PROMOTE=1, the M-grouped FP8 GEMMs under MEGAMOE_SM90_FP8_FULL_N=1 (gtests and timing, alternated
+# MEGAMOE_SM90_FP8_PROMOTE=1, the M-grouped FP8 GEMMs under MEGAMOE_SM90_FP8_HALVES=1 (gtests and timing, alternated
 # with the default) and the layer with MEGAMOE_FP8_WGRAD=1 (its weight gradients on the FP8 GEMM),
 # compute-sanitizer memcheck over them, then ROUNDS rounds of megamoe_fp8_gemm_timing (bf16 against FP8 per GEMM, dH,
 # the forward chain) and megamoe_fp8_wgrad_timing (the weight gradients), the dense ceiling
@@ -40,8 +40,8 @@ if wants tests; then
         >"$OUT/gtest-fp8-promote.log" 2>&1 || status=1
     MEGAMOE_FP8_WGRAD=1 timeout 120 "$CARRY/megamoe_tests" --gtest_filter='Fp8LayerCuda.*' \
         >"$OUT/gtest-fp8-wgrad.log" 2>&1 || status=1
-    MEGAMOE_SM90_FP8_FULL_N=1 timeout 120 "$CARRY/megamoe_tests" --gtest_filter='Fp8GemmSm90.*:Fp8BackwardSm90.*' \
-        >"$OUT/gtest-fp8-full-n.log" 2>&1 || status=1
+    MEGAMOE_SM90_FP8_HALVES=1 timeout 120 "$CARRY/megamoe_tests" --gtest_filter='Fp8GemmSm90.*:Fp8BackwardSm90.*' \
+        >"$OUT/gtest-fp8-halves.log" 2>&1 || status=1
     # The K-grouped FP8 GEMM's epilogue variants (sm90/knobs.h), with the layer's weight gradients on it.
     for wgrad_env in "MEGAMOE_SM90_FP8_WGRAD_OVERLAP=1"; do
         echo "$wgrad_env" >>"$OUT/gtest-fp8-wgrad-variants.log"
@@ -49,7 +49,7 @@ if wants tests; then
             --gtest_filter='KGroupedFp8GemmCuda.*:Fp8LayerCuda.*' >>"$OUT/gtest-fp8-wgrad-variants.log" 2>&1 || status=1
     done
     gtest_summary "$OUT/gtest-fp8.log" "$OUT/gtest-fp8-promote.log" "$OUT/gtest-fp8-wgrad.log" \
-        "$OUT/gtest-fp8-full-n.log" "$OUT/gtest-fp8-wgrad-variants.log"
+        "$OUT/gtest-fp8-halves.log" "$OUT/gtest-fp8-wgrad-variants.log"
 fi
 if wants memcheck && [ "${SKIP_MEMCHECK:-0}" != 1 ]; then
     timeout "${MEMCHECK_TIMEOUT:-240}" compute-sanitizer --tool memcheck --error-exitcode 9 --print-limit 20 \
@@ -61,10 +61,10 @@ if wants gemm && [ -x "$CARRY/megamoe_fp8_gemm_timing" ]; then
     for round in $(seq 1 "${ROUNDS:-2}"); do
         timeout 120 "$CARRY/megamoe_fp8_gemm_timing" >"$OUT/timing/fp8-gemm-r$round.log" 2>&1 || status=1
         grep -E " ms " "$OUT/timing/fp8-gemm-r$round.log"
-        MEGAMOE_SM90_FP8_FULL_N=1 timeout 120 "$CARRY/megamoe_fp8_gemm_timing" \
-            >"$OUT/timing/fp8-gemm-full-n-r$round.log" 2>&1 || status=1
-        echo "MEGAMOE_SM90_FP8_FULL_N=1"
-        grep -E " ms " "$OUT/timing/fp8-gemm-full-n-r$round.log"
+        MEGAMOE_SM90_FP8_HALVES=1 timeout 120 "$CARRY/megamoe_fp8_gemm_timing" \
+            >"$OUT/timing/fp8-gemm-halves-r$round.log" 2>&1 || status=1
+        echo "MEGAMOE_SM90_FP8_HALVES=1"
+        grep -E " ms " "$OUT/timing/fp8-gemm-halves-r$round.log"
     done
     timeout 120 python3 bench/dense_gemm_ceiling.py >"$OUT/timing/dense-gemm-ceiling.log" 2>&1 || status=1
 fi

@@ -51,12 +51,15 @@ struct PackedGroupStats {
     static constexpr uint32_t kMagnitudeMask = 0x7FFF7FFFu;
     uint32_t max_bits = 0;  // two 16-bit maxima of magnitude bits
     __device__ __forceinline__ void add(uint32_t word) { max_bits = __vmaxu2(max_bits, word & kMagnitudeMask); }
-    // Over the 4 lanes of each quad, every lane of the warp taking part.
-    __device__ __forceinline__ void reduce_over_quad() {
+    // Over each aligned run of kLanes lanes (a power of two, at most a warp), every lane of the warp taking part.
+    template <int kLanes>
+    __device__ __forceinline__ void reduce_over_lanes() {
+        static_assert(kLanes > 0 && kLanes <= kWarpSize && (kLanes & (kLanes - 1)) == 0, "a power of two lanes");
 #pragma unroll
-        for (int mask = 1; mask <= 2; mask *= 2)
+        for (int mask = 1; mask < kLanes; mask *= 2)
             max_bits = __vmaxu2(max_bits, __shfl_xor_sync(kFullMask, max_bits, mask));
     }
+    __device__ __forceinline__ void reduce_over_quad() { reduce_over_lanes<4>(); }
     __device__ __forceinline__ GroupStats stats() const;
 };
 

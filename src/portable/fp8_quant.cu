@@ -63,8 +63,8 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_groups_kernel(const Qu
     }
 }
 
-// The vector path of quantize_groups, where cols and the row stride are multiples of 4 and in and q are aligned to 4
-// elements: a lane's 4 columns by one load and one 32-bit store (a warp moves 128 contiguous bytes of q), two groups
+// The vector path of quantize_groups (f32 input, or cols or the row stride not a multiple of 8), where cols and the
+// row stride are multiples of 4 and in and q are aligned to 4 elements: a lane's 4 columns by one load and one 32-bit store (a warp moves 128 contiguous bytes of q), two groups
 // per warp at a time so that twice the loads are in flight. The same values, reductions and math as the scalar path:
 // the same bytes.
 constexpr int kGroupsPerWarp = 2;
@@ -130,6 +130,66 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_groups_vector_kernel(c
             }
         }
     }
+}
+
+// The row path of quantize_groups, for 16-bit input whose cols and row stride are multiples of 8 and whose rows are
+// 16-byte aligned: a warp per row, half a warp per 128-column group, a lane's 8 columns by one 16-byte load and one
+// 8-byte store of q (a warp moves 256 contiguous bytes of q per chunk), kRowChunksInFlight chunks loaded before the
+// first is reduced. Per-row indexing (one division per row, not per group and lane) and packed 16-bit maxima:
+// bitwise the other paths' stats, scales and bytes (PackedGroupStats, quantize_chunk). The passes over x, dy and dh.
+constexpr int kRowColsPerLane = 8;
+constexpr int kRowLanesPerGroup = kFp8GroupSize / kRowColsPerLane;
+constexpr int64_t kRowChunkCols = kWarpSize * kRowColsPerLane;  // two groups
+constexpr int kRowChunksInFlight = 4;
+static_assert(kRowLanesPerGroup == 16, "half a warp per group");
+
+template <typename T>
+__global__ void __launch_bounds__(kQuantThreads) quantize_groups_row_kernel(const QuantizeGroupsArgs args) {
+    const int lane_idx = static_cast<int>(threadIdx.x) % kWarpSize;
+    const int64_t groups_per_row = ceil_div(args.cols, static_cast<int64_t>(kFp8GroupSize));
+    const int64_t warps_per_grid = static_cast<int64_t>(gridDim.x) * (kQuantThreads / kWarpSize);
+    for (int64_t row_idx =
+             static_cast<int64_t>(blockIdx.x) * (kQuantThreads / kWarpSize) + static_cast<int>(threadIdx.x) / kWarpSize;
+         row_idx < args.rows; row_idx += warps_per_grid) {
+        const RowPair rows = rows_of(args, row_idx);  // warp-uniform
+        if (rows.out < 0) continue;
+        const T* in_row = static_cast<const T*>(args.in) + rows.in * args.in_row_stride;
+        uint8_t* q_row = args.q + rows.out * args.cols;
+        float* scale_row = args.scales + rows.out * groups_per_row;
+        for (int64_t first_col = 0; first_col < args.cols; first_col += kRowChunkCols * kRowChunksInFlight) {
+            uint32_t words[kRowChunksInFlight][4];
+#pragma unroll
+            for (int chunk = 0; chunk < kRowChunksInFlight; ++chunk) {
+                const int64_t col = first_col + chunk * kRowChunkCols + lane_idx * kRowColsPerLane;
+                const uint4 loaded = col < args.cols ? *reinterpret_cast<const uint4*>(in_row + col) : uint4{};
+                words[chunk][0] = loaded.x;
+                words[chunk][1] = loaded.y;
+                words[chunk][2] = loaded.z;
+                words[chunk][3] = loaded.w;
+            }
+#pragma unroll
+            for (int chunk = 0; chunk < kRowChunksInFlight; ++chunk) {
+                const int64_t col = first_col + chunk * kRowChunkCols + lane_idx * kRowColsPerLane;
+                PackedGroupStats<T> packed;
+#pragma unroll
+                for (int word_idx = 0; word_idx < 4; ++word_idx) packed.add(words[chunk][word_idx]);
+                packed.template reduce_over_lanes<kRowLanesPerGroup>();  // every lane: the shuffles are warp-wide
+                if (col >= args.cols) continue;
+                const GroupStats stats = packed.stats();
+                const float scale = group_scale(stats, args.pow2);
+                const float factor = group_factor(stats, scale, args.pow2);
+                *reinterpret_cast<uint2*>(q_row + col) = quantize_chunk<T>(words[chunk], factor, stats.non_finite);
+                if (lane_idx % kRowLanesPerGroup == 0) scale_row[col / kFp8GroupSize] = scale;
+            }
+        }
+    }
+}
+
+// Whether quantize_groups takes its row path.
+bool quantize_groups_by_rows(const QuantizeGroupsArgs& args) {
+    return (args.in_dtype == MEGAMOE_DTYPE_BF16 || args.in_dtype == MEGAMOE_DTYPE_F16) &&
+           args.cols % kRowColsPerLane == 0 && args.in_row_stride % kRowColsPerLane == 0 &&
+           is_aligned(args.in, kRowColsPerLane * 2) && is_aligned(args.q, kRowColsPerLane);
 }
 
 // Whether quantize_groups takes its vector path.
@@ -361,6 +421,16 @@ megamoe_status_t launch_quantize_groups(const QuantizeGroupsArgs& args, cudaStre
     }
     const int64_t num_groups = args.rows * ceil_div(args.cols, static_cast<int64_t>(kFp8GroupSize));
     const int64_t groups_per_block = kQuantThreads / kWarpSize;
+    if (quantize_groups_by_rows(args)) {
+        const int64_t rows_per_block = kQuantThreads / kWarpSize;
+        const dim3 grid(static_cast<unsigned>(std::min(ceil_div(args.rows, rows_per_block), kMaxQuantBlocks)));
+        if (args.in_dtype == MEGAMOE_DTYPE_BF16) {
+            quantize_groups_row_kernel<__nv_bfloat16><<<grid, kQuantThreads, 0, stream>>>(args);
+        } else {
+            quantize_groups_row_kernel<__half><<<grid, kQuantThreads, 0, stream>>>(args);
+        }
+        return check_launch("quantize_groups_row_kernel");
+    }
     if (quantize_groups_vectorizable(args)) {
         const dim3 grid(
             static_cast<unsigned>(std::min(ceil_div(num_groups, groups_per_block * kGroupsPerWarp), kMaxQuantBlocks)));

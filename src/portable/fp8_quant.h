@@ -16,9 +16,12 @@
 //                    group sums nothing from it). Scales tile-major: scales[i * ld_scales + c] scales column c of
 //                    tile i (its amax over the tile's `rows` values of column c). Tiles i >= m_tile_offsets[E] (up to
 //                    max_tiles) are left untouched, in q_t and in scales.
-// quantize_groups: one warp per group, 4 columns per lane (a partial last group reads and writes only its columns);
-// where cols and the row stride are multiples of 4 (and in, q aligned to 4 elements) a lane's 4 columns by one vector
-// load and one 32-bit store, two groups per warp in flight (not yet timed on a GPU: TODO(#20)).
+// quantize_groups: bf16 / f16 rows whose cols and stride are multiples of 8 (16-byte aligned): one warp per row, half
+// a warp per group, 8 columns per lane by one 16-byte load and one 8-byte store, 4 chunks of 256 columns in flight
+// (the passes over x, dy and dh; the earlier warp-per-group kernel ran them at ~1 TB/s: a 64-bit division per group
+// and lane). Otherwise one warp per group, 4 columns per lane (a partial last group reads and writes only its
+// columns); where cols and the row stride are multiples of 4 (and in, q aligned to 4 elements) a lane's 4 columns by
+// one vector load and one 32-bit store, two groups per warp in flight.
 // quantize_expert_rows (its own file, fp8_quant_expert_rows.cu): one block of 256 threads per (M tile, 128 columns),
 // the tile's values by 16-byte loads where cols is a multiple of 8 and the source rows are 16-byte aligned (element by
 // element otherwise), the column amaxes by integer maxima of the magnitudes' bits, the bytes staged in a swizzled 16 KB

@@ -18,10 +18,11 @@
 //   MEGAMOE_SM90_FP8_PROMOTE=1         the FP8 M-grouped GEMMs on the 128 x 128 tile promoting each K group from a
 //                                      second set of accumulators (Operands::kFp8Blockwise) instead of the 128 x 256
 //                                      tile with one set in the current group's units: 0.6-0.75x its speed (H200)
-//   MEGAMOE_SM90_FP8_FULL_N=1          the FP8 M-grouped GEMMs' rescaled mainloop with m64 x 256 wgmmas (A read once
-//                                      per k step) instead of two m64 x 128 column halves (Operands::kFp8RescaledFullN;
-//                                      the same math; its gtests pass on the H200): 0.9-1.07x the default's time per
-//                                      GEMM, one round (2026-12-02, session 10): no clear winner
+//   MEGAMOE_SM90_FP8_HALVES=1          the FP8 M-grouped GEMMs' rescaled mainloop as two m64 x 128 column halves
+//                                      (Operands::kFp8Rescaled; A read from shared memory once per half) instead of
+//                                      m64 x 256 wgmmas (kFp8RescaledFullN, the default since session 11): the same
+//                                      math; the halves measured 1.0-1.34x the full width's time per GEMM (up at
+//                                      qwen3-235b-a22b: 1.93-2.17 ms against 1.62), never faster (H200, 2026-12-02)
 //   MEGAMOE_SM90_FP8_WGRAD_PAIR=1      the K-grouped FP8 GEMM in clusters of 2 CTAs on neighbouring n-tiles, A's
 //                                      halves multicast into both (a quarter less L2 -> SM traffic per stage): level at
 //                                      qwen3-30b-a3b, 3-12 % slower at qwen3-235b-a22b and deepseek-v3 (session 10)
@@ -64,8 +65,8 @@ inline bool fp8_promoted() {
 inline bool k_grouped_fp8_pairs() {
     return env_is("MEGAMOE_SM90_FP8_WGRAD_PAIR", "1");
 }
-inline bool fp8_full_n() {
-    return env_is("MEGAMOE_SM90_FP8_FULL_N", "1");
+inline bool fp8_column_halves() {
+    return env_is("MEGAMOE_SM90_FP8_HALVES", "1");
 }
 inline bool k_grouped_fp8_overlap() {
     return env_is("MEGAMOE_SM90_FP8_WGRAD_OVERLAP", "1");

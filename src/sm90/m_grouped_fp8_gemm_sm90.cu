@@ -37,7 +37,7 @@ megamoe_status_t launch_fp8(const cuda::MGroupedGemmArgs& args, const Fp8BlockSc
                             const CUtensorMap& a_map, const CUtensorMap& out_map) {
     const int64_t b_rows = Epi::kGateUpPairs ? 2 * args.n : args.n;
     if constexpr (std::is_same_v<Config, Fp8RescaledCooperative>) {
-        if (fp8_full_n()) {  // the same tile and math with full-width wgmmas (MEGAMOE_SM90_FP8_FULL_N=1)
+        if (!fp8_column_halves()) {  // the same tile and math with full-width wgmmas (MEGAMOE_SM90_FP8_HALVES=1: not)
             return launch_on<Epi, BLayout::kNK, BSource::kOne, Fp8RescaledFullNCooperative>(
                 args, epilogue, num_sms, stream, a_map, out_map, make_scale_params(args, scales, b_rows));
         }

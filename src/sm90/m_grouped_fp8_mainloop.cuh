@@ -297,7 +297,7 @@ __device__ __forceinline__ void scale_accumulators(float (&acc)[kNumRegs],
         acc[reg_idx] *= factors[reg_idx % 4 / 2][reg_idx / 4 / kFragsPerBox];
 }
 
-// The rescaled FP8 mainloop with full-width wgmmas (Operands::kFp8RescaledFullN, MEGAMOE_SM90_FP8_FULL_N=1): the
+// The rescaled FP8 mainloop with full-width wgmmas (Operands::kFp8RescaledFullN, the default): the
 // math of fp8_rescaled_mainloop (the same units, factors and order of roundings; bitwise its results if the wgmma sums
 // an element's products the same whatever its N: not yet checked on a GPU), but once
 // group g - 1 has completed both column halves are rescaled and group g is issued as m64 x kBlockN wgmmas, so a k step

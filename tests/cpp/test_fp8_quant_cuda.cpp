@@ -69,9 +69,11 @@ void expect_kernel_matches_host(const HostTensor& input, int64_t rows, int64_t c
 TEST(Fp8QuantCuda, RandomGroupsEveryDtype) {
     SKIP_WITHOUT_CUDA();
     std::mt19937_64 rng(fresh_seed());
-    // 300 quantized columns of a 312-element stride (a partial group; the kernel's vector path: 4-element aligned
-    // rows), and 301 of 301 (its scalar path).
-    for (const auto [cols, stride] : {std::pair<int64_t, int64_t>{300, 312}, std::pair<int64_t, int64_t>{301, 301}}) {
+    // 1064 quantized columns of a 1080-element stride (16-bit: the row path, a warp per row, more columns than its
+    // chunks in flight and a partial last group; f32: the vector path), 300 of 312 (a partial group; the vector path:
+    // 4-element aligned rows), and 301 of 301 (the scalar path).
+    for (const auto [cols, stride] : {std::pair<int64_t, int64_t>{1064, 1080}, std::pair<int64_t, int64_t>{300, 312},
+                                      std::pair<int64_t, int64_t>{301, 301}}) {
         for (const megamoe_dtype_t dtype : {MEGAMOE_DTYPE_BF16, MEGAMOE_DTYPE_F16, MEGAMOE_DTYPE_F32}) {
             for (const bool pow2 : {false, true}) {
                 HostTensor input(dtype, {37, stride});
@@ -82,10 +84,9 @@ TEST(Fp8QuantCuda, RandomGroupsEveryDtype) {
     }
 }
 
-TEST(Fp8QuantCuda, DefinedEdgeCases) {
-    SKIP_WITHOUT_CUDA();
+void expect_edge_cases_match_host(megamoe_dtype_t dtype) {
     std::mt19937_64 rng(fresh_seed());
-    HostTensor input(MEGAMOE_DTYPE_F32, {6, 256});
+    HostTensor input(dtype, {6, 256});
     input.fill_random(rng, 1.0);
     for (int64_t c = 0; c < 128; ++c) input.set(0 * 256 + c, 0.0);       // a zero group: scale 1
     input.set(1 * 256 + 200, std::numeric_limits<double>::quiet_NaN());  // NaN: its group only
@@ -103,9 +104,20 @@ TEST(Fp8QuantCuda, DefinedEdgeCases) {
     }
 }
 
+// f32 (the vector path) and bf16 (the row path: its packed 16-bit maxima); bf16 rounds the values set below, and the
+// host port reads the rounded ones back.
+TEST(Fp8QuantCuda, DefinedEdgeCases) {
+    SKIP_WITHOUT_CUDA();
+    for (const megamoe_dtype_t dtype : {MEGAMOE_DTYPE_F32, MEGAMOE_DTYPE_BF16}) {
+        SCOPED_TRACE(testing::Message() << "dtype " << dtype);
+        expect_edge_cases_match_host(dtype);
+    }
+}
+
 // quantize_groups scattering routing slots into sorted rows (slot_to_row: MEGAMOE_FP8_SORTED_X's pass over x): sorted
 // row slot_to_row[s] holds token row s / topk quantized, dropped slots write nothing, rows no slot maps to keep their
-// poison; both kernel paths (cols 300 of stride 312: vector; 301 of 301: scalar), bf16 and f32.
+// poison; every kernel path (cols 1064 of stride 1080: rows (bf16) or vector (f32); 300 of 312: vector; 301 of 301:
+// scalar), bf16 and f32.
 TEST(Fp8QuantCuda, ScatteredSlotsIntoSortedRows) {
     SKIP_WITHOUT_CUDA();
     std::mt19937_64 rng(fresh_seed());
@@ -121,7 +133,8 @@ TEST(Fp8QuantCuda, ScatteredSlotsIntoSortedRows) {
         if (i % 5 != 4) slot_to_row.set(order[static_cast<size_t>(i)], static_cast<double>(num_rows++));
     }
     const DeviceTensor slot_to_row_dev = DeviceTensor::upload(slot_to_row);
-    for (const auto [cols, stride] : {std::pair<int64_t, int64_t>{300, 312}, std::pair<int64_t, int64_t>{301, 301}}) {
+    for (const auto [cols, stride] : {std::pair<int64_t, int64_t>{1064, 1080}, std::pair<int64_t, int64_t>{300, 312},
+                                      std::pair<int64_t, int64_t>{301, 301}}) {
         for (const megamoe_dtype_t dtype : {MEGAMOE_DTYPE_BF16, MEGAMOE_DTYPE_F32}) {
             SCOPED_TRACE(testing::Message() << "cols " << cols << ", dtype " << dtype);
             const int64_t groups = (cols + kGroup - 1) / kGroup;
