@@ -6,9 +6,9 @@
 // (MEGAMOE_FP8_DH_EPILOGUE=1), the weight gradients on the K-grouped FP8 GEMM (MEGAMOE_FP8_WGRAD=1; expert 0's dw13
 // against bf16's printed beside y and dx) and x or dy quantized in sorted-row order, read by TMA
 // (MEGAMOE_FP8_SORTED_X=1, MEGAMOE_FP8_SORTED_DY=1; both), and the M-grouped FP8 GEMMs' mainloop as two m64 x 128
-// column halves (MEGAMOE_SM90_FP8_HALVES=1) instead of m64 x 256 wgmmas. CUDA events on the default stream, 3 warm-up calls, the median of
-// 10; the variants alternate within each of ROUNDS rounds (argument 2, default 2). Weights N(0, 1 / K)-like, x and dy
-// uniform in [-1, 1]. Usage:
+// column halves (MEGAMOE_SM90_FP8_HALVES=1) instead of m64 x 256 wgmmas. CUDA events on the default stream, 3 warm-up
+// calls, the median of 10; the variants alternate within each of ROUNDS rounds (argument 2, default 2). Weights N(0, 1
+// / K)-like, x and dy uniform in [-1, 1]. Usage:
 //   megamoe_fp8_layer_timing [shape name|all] [rounds]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>

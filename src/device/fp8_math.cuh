@@ -59,7 +59,9 @@ struct PackedGroupStats {
         for (int mask = 1; mask < kLanes; mask *= 2)
             max_bits = __vmaxu2(max_bits, __shfl_xor_sync(kFullMask, max_bits, mask));
     }
-    __device__ __forceinline__ void reduce_over_quad() { reduce_over_lanes<4>(); }
+    __device__ __forceinline__ void reduce_over_quad() {
+        reduce_over_lanes<4>();
+    }
     __device__ __forceinline__ GroupStats stats() const;
 };
 

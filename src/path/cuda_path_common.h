@@ -43,10 +43,11 @@ bool fp8_act_by_pass();
 bool fp8_dh_in_epilogue_by_env();
 // MEGAMOE_FP8_SORTED_X=1: the FP8 forward's pass over x writes its quantized rows in sorted-row order (each routed
 // slot's token row, topk times x's bytes) and the up GEMM reads them by TMA instead of gathering x's rows by cp.async
-// (the same bytes and results; an experiment, default off).
+// (the same bytes and results; an experiment, default off: level with the gather or slower on the H200, session 11).
 bool fp8_sorted_x_by_env();
 // MEGAMOE_FP8_SORTED_DY=1: the FP8 backward's pass over dy writes its quantized rows in sorted-row order and dH reads
-// them by TMA (SwiGLU, dh in the [dg, du] order and quantized by a pass, 16-bit weight gradients; an experiment).
+// them by TMA (SwiGLU, dh in the [dg, du] order and quantized by a pass, 16-bit weight gradients; an experiment:
+// level with the gather or slower on the H200, session 11).
 bool fp8_sorted_dy_by_env();
 // MEGAMOE_FP8_WGRAD=1: the FP8 call's weight gradients on the K-grouped FP8 GEMM (their operands quantized along the
 // tokens), else on the 16-bit K-grouped kernel (the default while the FP8 one is measured: TODO(#20)).

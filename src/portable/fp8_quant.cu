@@ -64,9 +64,9 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_groups_kernel(const Qu
 }
 
 // The vector path of quantize_groups (f32 input, or cols or the row stride not a multiple of 8), where cols and the
-// row stride are multiples of 4 and in and q are aligned to 4 elements: a lane's 4 columns by one load and one 32-bit store (a warp moves 128 contiguous bytes of q), two groups
-// per warp at a time so that twice the loads are in flight. The same values, reductions and math as the scalar path:
-// the same bytes.
+// row stride are multiples of 4 and in and q are aligned to 4 elements: a lane's 4 columns by one load and one 32-bit
+// store (a warp moves 128 contiguous bytes of q), two groups per warp at a time so that twice the loads are in flight.
+// The same values, reductions and math as the scalar path: the same bytes.
 constexpr int kGroupsPerWarp = 2;
 
 template <typename T>
