@@ -6,7 +6,8 @@
 // (MEGAMOE_FP8_DH_EPILOGUE=1), the weight gradients on the K-grouped FP8 GEMM (MEGAMOE_FP8_WGRAD=1; expert 0's dw13
 // against bf16's printed beside y and dx) and x or dy quantized in sorted-row order, read by TMA
 // (MEGAMOE_FP8_SORTED_X=1, MEGAMOE_FP8_SORTED_DY=1; both), and the M-grouped FP8 GEMMs' mainloop as two m64 x 128
-// column halves (MEGAMOE_SM90_FP8_HALVES=1) instead of m64 x 256 wgmmas. CUDA events on the default stream, 3 warm-up
+// column halves (MEGAMOE_SM90_FP8_HALVES=1) instead of m64 x 256 wgmmas, and dy's and dh's e4m3 copies in the dw13
+// output (MEGAMOE_FP8_OPERANDS_IN_DW13=1; its workspace size printed). CUDA events on the default stream, 3 warm-up
 // calls, the median of 10; the variants alternate within each of ROUNDS rounds (argument 2, default 2). Weights N(0, 1
 // / K)-like, x and dy uniform in [-1, 1]. Usage:
 //   megamoe_fp8_layer_timing [shape name|all] [rounds]
@@ -201,10 +202,11 @@ void time_shape(const Shape& s, int rounds) {
         const char* name;
         megamoe_precision_t precision;
         const char* act_pass;
-        const char* wgrad;        // MEGAMOE_FP8_WGRAD
-        const char* dh_epilogue;  // MEGAMOE_FP8_DH_EPILOGUE
-        const char* sorted;       // "x": MEGAMOE_FP8_SORTED_X=1, "dy": MEGAMOE_FP8_SORTED_DY=1, "x+dy": both
-        const char* halves;       // MEGAMOE_SM90_FP8_HALVES
+        const char* wgrad;          // MEGAMOE_FP8_WGRAD
+        const char* dh_epilogue;    // MEGAMOE_FP8_DH_EPILOGUE
+        const char* sorted;         // "x": MEGAMOE_FP8_SORTED_X=1, "dy": MEGAMOE_FP8_SORTED_DY=1, "x+dy": both
+        const char* halves;         // MEGAMOE_SM90_FP8_HALVES
+        const char* in_dw13 = "0";  // MEGAMOE_FP8_OPERANDS_IN_DW13
     } variants[] = {{"bf16", MEGAMOE_PRECISION_DEFAULT, "0", "0", "0", "0", "0"},
                     {"fp8", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "0", "0", "0", "0"},
                     {"fp8-act-pass", MEGAMOE_PRECISION_FP8_BLOCKWISE, "1", "0", "0", "0", "0"},
@@ -213,7 +215,8 @@ void time_shape(const Shape& s, int rounds) {
                     {"fp8-sorted-x", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "0", "0", "x", "0"},
                     {"fp8-sorted-dy", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "0", "0", "dy", "0"},
                     {"fp8-sorted-both", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "0", "0", "x+dy", "0"},
-                    {"fp8-halves", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "0", "0", "0", "1"}};
+                    {"fp8-halves", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "0", "0", "0", "1"},
+                    {"fp8-in-dw13", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "0", "0", "0", "0", "1"}};
     const auto select = [&](const Variant& v) {
         setenv("MEGAMOE_FP8_ACT_PASS", v.act_pass, 1);
         setenv("MEGAMOE_FP8_WGRAD", v.wgrad, 1);
@@ -221,6 +224,7 @@ void time_shape(const Shape& s, int rounds) {
         setenv("MEGAMOE_FP8_SORTED_X", std::strchr(v.sorted, 'x') != nullptr ? "1" : "0", 1);
         setenv("MEGAMOE_FP8_SORTED_DY", std::strstr(v.sorted, "dy") != nullptr ? "1" : "0", 1);
         setenv("MEGAMOE_SM90_FP8_HALVES", v.halves, 1);
+        setenv("MEGAMOE_FP8_OPERANDS_IN_DW13", v.in_dw13, 1);
         fwd.precision = bwd.precision = v.precision;
         fwd.fp8 = bwd.fp8 = v.precision == MEGAMOE_PRECISION_DEFAULT ? megamoe_fp8_experts_t{} : fp8;
     };
@@ -236,10 +240,15 @@ void time_shape(const Shape& s, int rounds) {
         y_of.push_back(download_bf16(y.data, T * H));
         dx_of.push_back(download_bf16(dx.data, T * H));
         dw13_of.push_back(download_bf16(dw13.data, 2 * I * H));  // expert 0's: host memory
-        std::printf("%-16s %-13s y vs bf16 %.4f, dx vs bf16 %.4f, dw13[0] vs bf16 %.4f (relative Frobenius)\n", s.name,
-                    v.name, relative_difference(y_of.back(), y_of.front()),
-                    relative_difference(dx_of.back(), dx_of.front()),
-                    relative_difference(dw13_of.back(), dw13_of.front()));
+        size_t backward_bytes = 0;
+        CHECK_MEGAMOE(megamoe_backward_workspace_size(&bwd, &backward_bytes));
+        std::printf(
+            "%-16s %-13s y vs bf16 %.4f, dx vs bf16 %.4f, dw13[0] vs bf16 %.4f (relative Frobenius); backward "
+            "workspace "
+            "%.1f MiB\n",
+            s.name, v.name, relative_difference(y_of.back(), y_of.front()),
+            relative_difference(dx_of.back(), dx_of.front()), relative_difference(dw13_of.back(), dw13_of.front()),
+            static_cast<double>(backward_bytes) / (1 << 20));
     }
     std::printf(
         "%-16s fp8 against fp8-act-pass: y %s, dx %s; against fp8-dh-epi: dx %s; against fp8-sorted-x: y %s; against "

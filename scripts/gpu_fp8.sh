@@ -31,7 +31,7 @@ gtest_summary() { grep -hE "^\[  (PASSED|FAILED) |^\[  FAILED  \]" "$@" || tail 
 if wants tests; then
     # The kernels new since the last GPU run in a process of their own first (a crash or a hang there costs one short
     # step, not the rest), then every other FP8 suite and the switches' variants.
-    NEW_TESTS=${NEW_TESTS:-Fp8QuantCuda.*:Fp8GemmSm90.*:Fp8BackwardSm90.*}
+    NEW_TESTS=${NEW_TESTS:-Fp8LayerCuda.*}
     timeout "${NEW_TIMEOUT:-90}" "$CARRY/megamoe_tests" --gtest_filter="$NEW_TESTS" >"$OUT/gtest-fp8-new.log" 2>&1 ||
         status=1
     gtest_summary "$OUT/gtest-fp8-new.log"

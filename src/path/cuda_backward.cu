@@ -92,11 +92,16 @@ struct BackwardWorkspace {
         return workspace;
     }
 
-    // The FP8 operands of an FP8_BLOCKWISE call, after the rest.
-    void carve_fp8(WorkspaceCarver& carver, const BackwardCall& call, const RoutingPlan& plan) {
+    // dy and dh quantized for dH and dX (the workspace's carver, or the dw13 output's: fp8_operands_in_dw13).
+    void carve_fp8_operands(WorkspaceCarver& carver, const BackwardCall& call) {
         const Shape& shape = call.shape;
         dy_fp8 = Fp8Rows::carve(carver, fp8_sorted_dy(call) ? shape.num_slots() : shape.num_tokens, shape.hidden);
         dh_fp8 = Fp8Rows::carve(carver, shape.num_slots(), 2 * shape.intermediate);
+    }
+
+    // The other FP8 buffers of an FP8_BLOCKWISE call, after the rest.
+    void carve_fp8(WorkspaceCarver& carver, const BackwardCall& call, const RoutingPlan& plan) {
+        const Shape& shape = call.shape;
         if (call.saved_h == nullptr) x_fp8 = Fp8Rows::carve(carver, shape.num_tokens, shape.hidden);
         if (fp8_weight_grads_by_env()) {
             const int64_t cols = std::max(shape.hidden, 2 * shape.intermediate);
@@ -258,6 +263,22 @@ void* dw13_as_act_scratch(const BackwardCall& call) {
     return dw13_bytes(call) >= act_bytes(call.shape) && aligned ? call.dw13.data : nullptr;
 }
 
+// Where the FP8 backward's quantized dy and dh go (MEGAMOE_FP8_OPERANDS_IN_DW13=1): the dw13 output past act ([S,
+// max(I, H)]: s a, then q) when act is there and both fit: their readers, dH and dX, run before dW13 writes dw13, and
+// neither overlaps act (dH writes s a while reading dy's copy; dX writes q while reading dh's). NULL otherwise (the
+// workspace). Not with the FP8 weight gradients, whose along-token passes read dy and dh again.
+void* fp8_operands_in_dw13(const BackwardCall& call, void* act_scratch) {
+    if (call.fp8 == nullptr || act_scratch == nullptr || !fp8_operands_in_dw13_by_env() || fp8_weight_grads_by_env()) {
+        return nullptr;
+    }
+    const size_t offset = align_up(act_bytes(call.shape), kWorkspaceAlignment);
+    WorkspaceCarver sizer(nullptr);
+    BackwardWorkspace operands;
+    operands.carve_fp8_operands(sizer, call);
+    if (offset + sizer.bytes_used() > dw13_bytes(call)) return nullptr;
+    return static_cast<uint8_t*>(act_scratch) + offset;
+}
+
 // The sorted dy of an sm_90a backward (MEGAMOE_SM90_SORTED_DY; not with the clamped activation, whose dH kernel
 // gathers): grouped rows' dy as it is; else a copy in the dw13 output past s * a ([S, I], the part of act that dH
 // writes and dW2 reads; dX's q goes over both once dW2, the copy's last reader, is done; dW13 comes after dX's
@@ -320,7 +341,12 @@ struct BackwardPlan {
             const SortedDy dy_sorted = call.fp8 != nullptr ? SortedDy{} : plan_sorted_dy(call, act_scratch);
             plan.workspace = BackwardWorkspace::carve(carver, plan.routing_plan, shape, true, call.saved_h, act_scratch,
                                                       dh_apart, dy_sorted);
-            if (call.fp8 != nullptr) plan.workspace.carve_fp8(carver, call, plan.routing_plan);
+            if (call.fp8 != nullptr) {
+                void* operands_in_dw13 = fp8_operands_in_dw13(call, act_scratch);
+                WorkspaceCarver dw13_carver(operands_in_dw13);
+                plan.workspace.carve_fp8_operands(operands_in_dw13 != nullptr ? dw13_carver : carver, call);
+                plan.workspace.carve_fp8(carver, call, plan.routing_plan);
+            }
             plan.gemms = BackwardGemms::make(call, plan.routing_plan, plan.workspace);
             plan.workspace_bytes = carver.bytes_used();
             plan.fp8_weight_grads = fp8_weight_grads_ok(call, plan.gemms, plan.workspace);

@@ -149,6 +149,9 @@ bool fp8_sorted_x_by_env() {
 bool fp8_weight_grads_by_env() {
     return switched_on("MEGAMOE_FP8_WGRAD");
 }
+bool fp8_operands_in_dw13_by_env() {
+    return switched_on("MEGAMOE_FP8_OPERANDS_IN_DW13");
+}
 
 bool sm90_device_ok(int device_index) {
     const char* disabled = std::getenv("MEGAMOE_DISABLE_SM90");

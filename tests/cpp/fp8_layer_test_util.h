@@ -336,6 +336,8 @@ struct DeviceLayer {
         expect_cuda(cudaMemcpy(t.view().data, host.view.data, host.bytes.size() - 1, cudaMemcpyHostToDevice), "upload");
     }
 
+    size_t last_workspace_bytes = 0;  // what the last call's size query asked for
+
   private:
     template <typename Params>
     megamoe_status_t call(Params& p, megamoe_status_t (*query)(const Params*, size_t*),
@@ -356,6 +358,7 @@ struct DeviceLayer {
         }
         p.workspace = workspace.view().data;
         p.workspace_bytes = bytes;
+        last_workspace_bytes = bytes;
         return run(&p);
     }
 };

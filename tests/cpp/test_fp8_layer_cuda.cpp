@@ -22,7 +22,8 @@
 // Every case: outputs and workspaces poisoned (NaN) before each run, two runs bitwise equal, keep-h (saved_h) and
 // recompute bitwise equal, the calls without the FP8 copies they do not read bitwise equal, a quantized by a pass
 // (MEGAMOE_FP8_ACT_PASS=1), x and dy quantized in sorted-row order and read by TMA (MEGAMOE_FP8_SORTED_X=1,
-// MEGAMOE_FP8_SORTED_DY=1) and dh quantized by dH's epilogue (MEGAMOE_FP8_DH_EPILOGUE=1) bitwise the defaults', the
+// MEGAMOE_FP8_SORTED_DY=1), dh quantized by dH's epilogue (MEGAMOE_FP8_DH_EPILOGUE=1) and dy's and dh's e4m3 copies
+// in the dw13 output (MEGAMOE_FP8_OPERANDS_IN_DW13=1: a smaller workspace where they fit) bitwise the defaults', the
 // path sm90-fp8. Cases: T = 1 with topk 1, one expert taking every slot, empty experts, dropped slots, every slot
 // dropped, several M tiles, E = 16, H and I in {128, 256, 384}, f16, weights in the element type; grouped rows with
 // padding, without scores, only padding. Also: accumulate_weight_grads into f32, a CUDA graph of quantize + forward +
@@ -31,6 +32,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -303,6 +305,17 @@ HostTensor f32_sum(const HostTensor& previous, const HostTensor& fresh) {
 
 // ---- One case ----
 
+// cuda_backward.cu's rule for MEGAMOE_FP8_OPERANDS_IN_DW13=1, stated again: act ([S, max(I, H)] 16-bit), then dy's
+// e4m3 rows and f32 scales, then dh's, each 256-byte aligned, within the dw13 output (16-bit weight gradients).
+bool fp8_operands_fit_in_dw13(const LayerCase& c) {
+    const auto aligned = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
+    const auto groups = [](int64_t cols) { return (cols + 127) / 128; };
+    const int64_t S = c.tokens * c.topk, T = c.tokens, H = c.hidden, I = c.inter;
+    const int64_t needed = aligned(S * std::max(I, H) * 2) + aligned(T * H) + aligned(T * groups(H) * 4) +
+                           aligned(S * 2 * I) + aligned(S * groups(2 * I) * 4);
+    return needed <= c.experts * 2 * I * H * (c.f32_grads ? 4 : 2);
+}
+
 void check_layer(const LayerCase& c) {
     SCOPED_TRACE(::testing::PrintToString(c));
     std::cout << ::testing::PrintToString(c) << "\n";
@@ -389,6 +402,18 @@ void check_layer(const LayerCase& c) {
         const ScopedEnv sorted_dy("MEGAMOE_FP8_SORTED_DY",
                                   "1");  // dy quantized in sorted order, read by TMA: same bytes
         expect_same_bits(got, run_backward(layer, kept.saved_h), "MEGAMOE_FP8_SORTED_DY=1 against the default");
+    }
+    if (!fp8_weight_grads_requested()) {  // dy's and dh's e4m3 copies in the dw13 output: the same bits, less workspace
+        expect_same_bits(got, run_backward(layer, kept.saved_h), "the default again");
+        const size_t default_bytes = layer.last_workspace_bytes;
+        const ScopedEnv in_dw13("MEGAMOE_FP8_OPERANDS_IN_DW13", "1");
+        expect_same_bits(got, run_backward(layer, kept.saved_h), "MEGAMOE_FP8_OPERANDS_IN_DW13=1 against the default");
+        if (fp8_operands_fit_in_dw13(c)) {
+            EXPECT_LT(layer.last_workspace_bytes, default_bytes)
+                << "MEGAMOE_FP8_OPERANDS_IN_DW13=1: dy, dh not in dw13";
+        } else {
+            EXPECT_EQ(layer.last_workspace_bytes, default_bytes) << "MEGAMOE_FP8_OPERANDS_IN_DW13=1 without the room";
+        }
     }
     layer.want_dx = false;
     layer.fp8_view.w13_t = layer.fp8_view.w13 = megamoe_tensor_t{};
