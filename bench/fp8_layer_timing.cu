@@ -243,9 +243,8 @@ void time_shape(const Shape& s, int rounds) {
         size_t backward_bytes = 0;
         CHECK_MEGAMOE(megamoe_backward_workspace_size(&bwd, &backward_bytes));
         std::printf(
-            "%-16s %-13s y vs bf16 %.4f, dx vs bf16 %.4f, dw13[0] vs bf16 %.4f (relative Frobenius); backward "
-            "workspace "
-            "%.1f MiB\n",
+            "%-16s %-13s y vs bf16 %.4f, dx vs bf16 %.4f, dw13[0] vs bf16 %.4f (relative Frobenius); "
+            "backward workspace %.1f MiB\n",
             s.name, v.name, relative_difference(y_of.back(), y_of.front()),
             relative_difference(dx_of.back(), dx_of.front()), relative_difference(dw13_of.back(), dw13_of.front()),
             static_cast<double>(backward_bytes) / (1 << 20));

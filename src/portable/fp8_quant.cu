@@ -420,10 +420,9 @@ megamoe_status_t launch_quantize_groups(const QuantizeGroupsArgs& args, cudaStre
                          "quantize_groups: in, q, scales, a row stride >= cols, and topk >= 1 when scattering");
     }
     const int64_t num_groups = args.rows * ceil_div(args.cols, static_cast<int64_t>(kFp8GroupSize));
-    const int64_t groups_per_block = kQuantThreads / kWarpSize;
+    const int64_t warps_per_block = kQuantThreads / kWarpSize;  // a row (the row path) or a group each
     if (quantize_groups_by_rows(args)) {
-        const int64_t rows_per_block = kQuantThreads / kWarpSize;
-        const dim3 grid(static_cast<unsigned>(std::min(ceil_div(args.rows, rows_per_block), kMaxQuantBlocks)));
+        const dim3 grid(static_cast<unsigned>(std::min(ceil_div(args.rows, warps_per_block), kMaxQuantBlocks)));
         if (args.in_dtype == MEGAMOE_DTYPE_BF16) {
             quantize_groups_row_kernel<__nv_bfloat16><<<grid, kQuantThreads, 0, stream>>>(args);
         } else {
@@ -433,7 +432,7 @@ megamoe_status_t launch_quantize_groups(const QuantizeGroupsArgs& args, cudaStre
     }
     if (quantize_groups_vectorizable(args)) {
         const dim3 grid(
-            static_cast<unsigned>(std::min(ceil_div(num_groups, groups_per_block * kGroupsPerWarp), kMaxQuantBlocks)));
+            static_cast<unsigned>(std::min(ceil_div(num_groups, warps_per_block * kGroupsPerWarp), kMaxQuantBlocks)));
         switch (args.in_dtype) {
             case MEGAMOE_DTYPE_BF16:
                 quantize_groups_vector_kernel<__nv_bfloat16><<<grid, kQuantThreads, 0, stream>>>(args);
@@ -447,7 +446,7 @@ megamoe_status_t launch_quantize_groups(const QuantizeGroupsArgs& args, cudaStre
         }
         return check_launch("quantize_groups_vector_kernel");
     }
-    const dim3 grid(static_cast<unsigned>(std::min(ceil_div(num_groups, groups_per_block), kMaxQuantBlocks)));
+    const dim3 grid(static_cast<unsigned>(std::min(ceil_div(num_groups, warps_per_block), kMaxQuantBlocks)));
     quantize_groups_kernel<<<grid, kQuantThreads, 0, stream>>>(args);
     return check_launch("quantize_groups_kernel");
 }
