@@ -263,9 +263,9 @@ void* dw13_as_act_scratch(const BackwardCall& call) {
     return dw13_bytes(call) >= act_bytes(call.shape) && aligned ? call.dw13.data : nullptr;
 }
 
-// Where the FP8 backward's quantized dy and dh go (MEGAMOE_FP8_OPERANDS_IN_DW13=1): the dw13 output past act ([S,
-// max(I, H)]: s a, then q) when act is there and both fit: their readers, dH and dX, run before dW13 writes dw13, and
-// neither overlaps act (dH writes s a while reading dy's copy; dX writes q while reading dh's). NULL otherwise (the
+// Where the FP8 backward's quantized dy and dh go (unless MEGAMOE_FP8_OPERANDS_IN_DW13=0): the dw13 output past act
+// ([S, max(I, H)]: s a, then q) when act is there and both fit: their readers, dH and dX, run before dW13 writes dw13,
+// and neither overlaps act (dH writes s a while reading dy's copy; dX writes q while reading dh's). NULL otherwise (the
 // workspace). Not with the FP8 weight gradients (MEGAMOE_FP8_WGRAD): their passes and buffers were not checked
 // against this placement.
 void* fp8_operands_in_dw13(const BackwardCall& call, void* act_scratch) {

@@ -150,7 +150,7 @@ bool fp8_weight_grads_by_env() {
     return switched_on("MEGAMOE_FP8_WGRAD");
 }
 bool fp8_operands_in_dw13_by_env() {
-    return switched_on("MEGAMOE_FP8_OPERANDS_IN_DW13");
+    return !env_is("MEGAMOE_FP8_OPERANDS_IN_DW13", "0");
 }
 
 bool sm90_device_ok(int device_index) {

@@ -52,10 +52,11 @@ bool fp8_sorted_dy_by_env();
 // MEGAMOE_FP8_WGRAD=1: the FP8 call's weight gradients on the K-grouped FP8 GEMM (their operands quantized along the
 // tokens), else on the 16-bit K-grouped kernel (the default while the FP8 one is measured: TODO(#20)).
 bool fp8_weight_grads_by_env();
-// MEGAMOE_FP8_OPERANDS_IN_DW13=1: the FP8 backward's quantized dy and dh live in the dw13 output past the act buffer
-// (s a, then q) when act is there and they fit, instead of in the workspace: dW13, the last GEMM, writes dw13 after
-// their readers (dH, dX) ran. The FP8 call's activation memory down to the 16-bit call's (session 11's benchmark:
-// ~1.5x it at every reference shape). An experiment, default off: not yet run on a GPU (TODO(#20)).
+// The FP8 backward's quantized dy and dh live in the dw13 output past the act buffer (s a, then q) when act is there
+// and they fit, instead of in the workspace: dW13, the last GEMM, writes dw13 after their readers (dH, dX) ran. The FP8
+// call's backward workspace is then the 16-bit call's (the H200, session 12: 117.6 -> 2.1 MiB at qwen3-30b-a3b, 326.4
+// -> 4.7 MiB at deepseek-v3; the same bits, level in time). MEGAMOE_FP8_OPERANDS_IN_DW13=0 keeps them in the
+// workspace (the tests compare the two).
 bool fp8_operands_in_dw13_by_env();
 
 // The device is compute capability 9.0 and MEGAMOE_DISABLE_SM90 (set and not "0") does not keep calls off the sm_90a

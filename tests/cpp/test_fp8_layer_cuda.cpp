@@ -23,12 +23,12 @@
 // recompute bitwise equal, the calls without the FP8 copies they do not read bitwise equal, a quantized by a pass
 // (MEGAMOE_FP8_ACT_PASS=1), x and dy quantized in sorted-row order and read by TMA (MEGAMOE_FP8_SORTED_X=1,
 // MEGAMOE_FP8_SORTED_DY=1), dh quantized by dH's epilogue (MEGAMOE_FP8_DH_EPILOGUE=1) and dy's and dh's e4m3 copies
-// in the dw13 output (MEGAMOE_FP8_OPERANDS_IN_DW13=1: a smaller workspace where they fit) bitwise the defaults', the
-// path sm90-fp8. Cases: T = 1 with topk 1, one expert taking every slot, empty experts, dropped slots, every slot
-// dropped, several M tiles, E = 16, H and I in {128, 256, 384}, f16, weights in the element type; grouped rows with
-// padding, without scores, only padding. Also: accumulate_weight_grads into f32, a CUDA graph of quantize + forward +
-// backward replaying the eager bits, and the refusals (NOT_SUPPORTED naming FP8). Every test skips without a compute
-// capability 9.0 device, but RefusedWithoutSm90Device, which runs on the other GPUs only.
+// in the dw13 output (the default; MEGAMOE_FP8_OPERANDS_IN_DW13=0: in the workspace, larger where they fit) bitwise the
+// same, the path sm90-fp8. Cases: T = 1 with topk 1, one expert taking every slot, empty experts, dropped slots, every
+// slot dropped, several M tiles, E = 16, H and I in {128, 256, 384}, f16, weights in the element type; grouped rows
+// with padding, without scores, only padding. Also: accumulate_weight_grads into f32, a CUDA graph of quantize +
+// forward + backward replaying the eager bits, and the refusals (NOT_SUPPORTED naming FP8). Every test skips without a
+// compute capability 9.0 device, but RefusedWithoutSm90Device, which runs on the other GPUs only.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -305,8 +305,9 @@ HostTensor f32_sum(const HostTensor& previous, const HostTensor& fresh) {
 
 // ---- One case ----
 
-// cuda_backward.cu's rule for MEGAMOE_FP8_OPERANDS_IN_DW13=1, stated again: act ([S, max(I, H)] 16-bit), then dy's
-// e4m3 rows and f32 scales, then dh's, each 256-byte aligned, within the dw13 output (16-bit weight gradients).
+// cuda_backward.cu's rule for dy's and dh's e4m3 copies in the dw13 output, stated again: act ([S, max(I, H)] 16-bit),
+// then dy's e4m3 rows and f32 scales, then dh's, each 256-byte aligned, within the dw13 output (16-bit weight
+// gradients).
 bool fp8_operands_fit_in_dw13(const LayerCase& c) {
     const auto aligned = [](int64_t bytes) { return (bytes + 255) / 256 * 256; };
     const auto groups = [](int64_t cols) { return (cols + 127) / 128; };
@@ -406,13 +407,13 @@ void check_layer(const LayerCase& c) {
     if (!fp8_weight_grads_requested()) {  // dy's and dh's e4m3 copies in the dw13 output: the same bits, less workspace
         expect_same_bits(got, run_backward(layer, kept.saved_h), "the default again");
         const size_t default_bytes = layer.last_workspace_bytes;
-        const ScopedEnv in_dw13("MEGAMOE_FP8_OPERANDS_IN_DW13", "1");
-        expect_same_bits(got, run_backward(layer, kept.saved_h), "MEGAMOE_FP8_OPERANDS_IN_DW13=1 against the default");
+        const ScopedEnv in_workspace("MEGAMOE_FP8_OPERANDS_IN_DW13", "0");
+        expect_same_bits(got, run_backward(layer, kept.saved_h),
+                         "MEGAMOE_FP8_OPERANDS_IN_DW13=0 (in the workspace) against the default (in dw13)");
         if (fp8_operands_fit_in_dw13(c)) {
-            EXPECT_LT(layer.last_workspace_bytes, default_bytes)
-                << "MEGAMOE_FP8_OPERANDS_IN_DW13=1: dy, dh not in dw13";
+            EXPECT_GT(layer.last_workspace_bytes, default_bytes) << "dy, dh not in dw13 by default";
         } else {
-            EXPECT_EQ(layer.last_workspace_bytes, default_bytes) << "MEGAMOE_FP8_OPERANDS_IN_DW13=1 without the room";
+            EXPECT_EQ(layer.last_workspace_bytes, default_bytes) << "dy, dh in the workspace either way: no room";
         }
     }
     layer.want_dx = false;
