@@ -9,11 +9,14 @@
 
 #include <cstdint>
 
+#include "device/int_divisor.h"
 #include "sm90/epilogue.cuh"
 #include "sm90/hopper.h"
 #include "sm90/ptx.h"
 
 namespace megamoe::sm90::k_grouped {
+
+using cuda::IntDivisor;
 
 constexpr int kBlockK = 64;  // reduction rows per stage
 constexpr int kChunkBytes = kChunkElems * kElemBytes;
@@ -156,8 +159,7 @@ struct Operand {
 struct KernelParams {
     Operand a;
     Operand b;
-    uint32_t topk_magic;  // a gather slot divided by topk by multiply and shift (slot_token)
-    int topk_shift;
+    IntDivisor topk;  // a gather slot divided by topk (slot_token)
     int64_t m;
     int64_t n;
     const int* expert_offsets;
@@ -167,6 +169,8 @@ struct KernelParams {
     bool share;         // the operand the pair has in common comes by TMA: each CTA multicasts half of its boxes
     int pairs_m;        // cluster tiles per expert: pairs_m x pairs_n
     int pairs_n;
+    IntDivisor tiles_per_expert;  // pairs_m * pairs_n as a divisor (decode_tile)
+    IntDivisor pairs_n_divisor;
     int num_tiles;      // cluster tiles, E * pairs_m * pairs_n (checked < 2^31 on the host)
     int* tile_counter;  // [2]: tiles claimed past the first num_clusters (zeroed), claim or not (NULL: static)
     const int4* experts_by_rank;  // [E] {expert, row_begin, row_end, 0}, heaviest first (NULL: e-th is e)
@@ -188,13 +192,14 @@ struct Tile {
 // CTA `cta_rank`'s output tile of cluster tile `tile_idx`. Both CTAs get the same expert, hence the same k-blocks.
 template <class Shape>
 __device__ __forceinline__ Tile decode_tile(const KernelParams& params, int tile_idx, int cta_rank) {
-    const int tiles_per_expert = params.pairs_m * params.pairs_n;
     Tile tile;
-    const int expert_rank = tile_idx / tiles_per_expert;
-    const int within = tile_idx % tiles_per_expert;
+    const int expert_rank = params.tiles_per_expert.divide(tile_idx);
+    const int within = tile_idx - expert_rank * params.pairs_m * params.pairs_n;
     const int num_paired = params.pair_along_m ? params.num_m_tiles : params.num_n_tiles;
-    const int pair_idx = params.pair_along_m ? within / params.pairs_n : within % params.pairs_n;
-    const int other_idx = params.pair_along_m ? within % params.pairs_n : within / params.pairs_n;
+    const int within_quotient = params.pairs_n_divisor.divide(within),
+              within_rest = within - within_quotient * params.pairs_n;
+    const int pair_idx = params.pair_along_m ? within_quotient : within_rest;
+    const int other_idx = params.pair_along_m ? within_rest : within_quotient;
     int paired_idx = pair_idx * kClusterSize + cta_rank;
     tile.store = paired_idx < num_paired;
     if (!tile.store) paired_idx = pair_idx * kClusterSize;

@@ -19,14 +19,15 @@
 // cost one load per producer thread per stage, issued a stage ahead (across tile boundaries too): lane j < 16 of a
 // warp loads the index of one of the warp's 16 rows of the stage, divides it by topk (multiply and shift) when the
 // stage comes, and the copying lanes take it by shuffle: a gathered 16-byte copy is a shuffle, one wide multiply-add
-// and the cp.async. Both roles decode their next tile a whole tile ahead, so no tile start waits for its expert
-// offsets.
+// and the cp.async. The producer decodes its next tile a whole tile ahead, the consumers while their tile's last batch
+// of wgmmas runs (divisions by launch constants as multiply-high and shift, device/int_divisor.h), so no tile start
+// waits for its expert offsets.
 // Clusters: 2 CTAs run two output tiles of the same expert that share the TMA operand: neighbouring n-tiles (same
-// A) when A is ungathered (dW13), else neighbouring m-tiles (same B, dW2); where both are, the wider one. Each CTA loads half of the shared
-// operand's boxes and multicasts them to both, halving its L2 -> SM traffic; with an odd tile count the second CTA
-// recomputes the first one's tile without storing it, so both always walk the same expert and stay in step.
-// Tile schedule: cluster tile t = (expert, pair), expert-major, so clusters running at the same time read the same
-// expert's rows (from L2). A tile's work is its expert's rows. Balanced routing: cluster c takes t = c, c +
+// A) when A is ungathered (dW13), else neighbouring m-tiles (same B, dW2); where both are, the wider one. Each CTA
+// loads half of the shared operand's boxes and multicasts them to both, halving its L2 -> SM traffic; with an odd tile
+// count the second CTA recomputes the first one's tile without storing it, so both always walk the same expert and stay
+// in step. Tile schedule: cluster tile t = (expert, pair), expert-major, so clusters running at the same time read the
+// same expert's rows (from L2). A tile's work is its expert's rows. Balanced routing: cluster c takes t = c, c +
 // num_clusters, ... (the static stride, computed by every thread itself, without the tile ring). Skewed routing
 // (order_experts_kernel, run before each launch, finds the busiest expert above kSkewedRowsRatio x the mean): the
 // experts go heaviest first (experts_by_rank) and cluster c starts with t = c, then claims t = num_clusters +
@@ -45,16 +46,17 @@
 //     copies (a 128-wide operand: 16 threads per row, 8 rows per pass, 8 passes; 256-wide: 32 threads per row, 4 rows
 //     per pass, 16 passes) and arm cp.async.mbarrier.arrive.noinc on the stage's full barrier (kFullArrivals).
 //   warpgroups 1, 2, consumers (setmaxnreg up to kConsumerRegs): rows [kBlockM / 2 (w - 1), kBlockM / 2 w) of the M
-//     tile as m64 row blocks, m64 x kBlockN x k16 wgmmas, one batch in flight; a stage is released (one arrive per
-//     warp on its empty barrier in both CTAs of the cluster: the next fill may be multicast into both) once the next
-//     batch has been issued. Consumers fence the async proxy after the full wait (cp.async writes are generic-proxy).
-//     Epilogue, per row block, element type: each warp packs its 16 rows 64 columns at a time into one of two 2 KiB
-//     staging boxes (stmatrix, 128-byte swizzle) and lane 0 stores the box by TMA (3-D map over [E, M, N], clipped at
-//     M and N), so the warp is back at its MMAs once its last store is issued and the global writes overlap the next
-//     tile; f32 (or without the tensor map): quad transpose and 16-byte stores, or 8-byte f32 pairs, from registers.
-//     kAccumulate (f32 only): each thread loads its f32 pairs of a row at once (one round trip per row; a row crossing
-//     N pair by pair), adds its accumulators and stores them back, each element by its one thread; a tile whose expert
-//     has no rows is not stored at all (the buffer stays as it is).
+//     tile as m64 row blocks, m64 x kBlockN x k16 wgmmas, one batch in flight (element-type outputs: a tile's first
+//     k16 step overwrites the accumulators by wgmma's scale-d, f32 ones zero them first); a stage is released (one
+//     arrive per warp on its empty barrier in both CTAs of the cluster: the next fill may be multicast into both) once
+//     the next batch has been issued. Consumers fence the async proxy after the full wait (cp.async writes are
+//     generic-proxy). Epilogue, per row block, element type: each warp packs its 16 rows 64 columns at a time into one
+//     of two 2 KiB staging boxes (stmatrix, 128-byte swizzle) and lane 0 stores the box by TMA (3-D map over [E, M, N],
+//     clipped at M and N), so the warp is back at its MMAs once its last store is issued and the global writes overlap
+//     the next tile; f32 (or without the tensor map): quad transpose and 16-byte stores, or 8-byte f32 pairs, from
+//     registers. kAccumulate (f32 only): each thread loads its f32 pairs of a row at once (one round trip per row; a
+//     row crossing N pair by pair), adds its accumulators and stores them back, each element by its one thread; a tile
+//     whose expert has no rows is not stored at all (the buffer stays as it is).
 // Shared memory (SharedStorage, dynamic, 1024-byte aligned): 4 stages (A + B tile, 48 KiB), 2 store boxes per consumer
 // warp (each chunk's store waits for the previous chunk's to have read its box), the stages' full and empty
 // mbarriers, then the tile ring. What was measured of these choices: docs/log/.
@@ -79,12 +81,14 @@ using cuda::ceil_div;
 
 using namespace k_grouped;  // NOLINT(google-build-using-namespace): the kernel's own configuration and schedule
 
-// Row block kRowBlock's accumulators += its A rows (64 x 16) x B (kBlockN x 16)^T, asynchronously.
-template <class Shape, typename T, int kRowBlock, int kNumRegs>
-__device__ __forceinline__ void row_block_wgmma(uint64_t desc_a, uint64_t desc_b, float (&acc)[kNumRegs]) {
+// Row block kRowBlock's accumulators = scale_out x themselves + its A rows (64 x 16) x B (kBlockN x 16)^T,
+// asynchronously (scale_out Zero: overwritten; a predicate of the instruction, no branch).
+template <class Shape, typename T, int kRowBlock, int kNumRegs, size_t... kRegIdx>
+__device__ __forceinline__ void row_block_wgmma(uint64_t desc_a, uint64_t desc_b, float (&acc)[kNumRegs],
+                                                gmma::ScaleOut scale_out, std::index_sequence<kRegIdx...>) {
     static_assert((kRowBlock + 1) * Shape::kBlockRegs <= kNumRegs, "the row block's accumulators are the consumer's");
-    wgmma_unpacked<WgmmaOp<T, Shape::kBlockN, gmma::Major::MN, gmma::Major::MN>, kRowBlock * Shape::kBlockRegs>(
-        desc_a, desc_b, acc, std::make_index_sequence<Shape::kBlockRegs>{});
+    using Op = WgmmaOp<T, Shape::kBlockN, gmma::Major::MN, gmma::Major::MN>;
+    Op::fma(desc_a, desc_b, acc[kRowBlock * Shape::kBlockRegs + kRegIdx]..., scale_out);
 }
 
 // Byte offset of 16-byte chunk `chunk_idx` (along MN) of reduction row `row` in an MN-major stage tile.
@@ -120,10 +124,9 @@ __device__ __forceinline__ void cp_async_16_global(uint32_t shared_addr, uint64_
                  : "memory");
 }
 
-// A gather slot (below 2^31) divided by topk: umulhi(2 slot, magic) >> shift, with shift = ceil(log2 topk) and magic =
-// floor(2^(31 + shift) / topk) + 1 (below 2^32; the round-up method, exact for every numerator below 2^31).
-__device__ __forceinline__ int slot_token(int slot, uint32_t magic, int shift) {
-    return static_cast<int>(__umulhi(static_cast<uint32_t>(slot) * 2u, magic) >> shift);
+// A gather slot (below 2^31) divided by topk.
+__device__ __forceinline__ int slot_token(int slot, const IntDivisor& topk) {
+    return topk.divide(slot);
 }
 
 // One operand's share of a stage by cp.async into the tile at shared address `tile`: row stage_row = first_row +
@@ -161,12 +164,12 @@ __device__ __forceinline__ void copy_operand(uint32_t tile, const Operand& opera
 
 // One operand's cp.async share of a stage: gathered or not, whole or not (uniform branches outside the passes).
 template <typename Shape>
-__device__ __forceinline__ void copy_stage_operand(uint32_t tile, const Operand& operand, int slot, uint32_t magic,
-                                                   int shift, int block_first_row, int row_end, int thread_idx, int col,
-                                                   bool col_valid) {
+__device__ __forceinline__ void copy_stage_operand(uint32_t tile, const Operand& operand, int slot,
+                                                   const IntDivisor& topk, int block_first_row, int row_end,
+                                                   int thread_idx, int col, bool col_valid) {
     const bool whole = block_first_row + kBlockK <= row_end;
     if (operand.gather_slots != nullptr) {
-        const int token = slot_token(slot, magic, shift);
+        const int token = slot_token(slot, topk);
         if (whole) {
             copy_operand<Shape, true, true>(tile, operand, token, block_first_row, row_end, thread_idx, col, col_valid);
         } else {
@@ -261,14 +264,12 @@ __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensor
                 }
             }
             if (!a_tma) {
-                copy_stage_operand<ATile>(shared_address(tile_a), params.a, a_slot, params.topk_magic,
-                                          params.topk_shift, block_first_row, tile.row_end, thread_idx, a_col,
-                                          a_col < params.m);
+                copy_stage_operand<ATile>(shared_address(tile_a), params.a, a_slot, params.topk, block_first_row,
+                                          tile.row_end, thread_idx, a_col, a_col < params.m);
             }
             if (!b_tma) {
-                copy_stage_operand<BTile>(shared_address(tile_b), params.b, b_slot, params.topk_magic,
-                                          params.topk_shift, block_first_row, tile.row_end, thread_idx, b_col,
-                                          b_col < params.n);
+                copy_stage_operand<BTile>(shared_address(tile_b), params.b, b_slot, params.topk, block_first_row,
+                                          tile.row_end, thread_idx, b_col, b_col < params.n);
             }
             cp_async_mbarrier_arrive_noinc(&full[stage_idx]);
             advance_stage<kNumStages>(stage_idx, phase);
@@ -394,13 +395,24 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Kernel
     TileSequence tiles(&smem.ring, params.tile_counter, false);
     int tile_idx = tiles.next(lane_idx);
     Tile tile = decode_tile_if_any<Shape>(params, tile_idx, cta_rank);
-    while (tile_idx < params.num_tiles) {
-        const int next_idx = tiles.next(lane_idx);
-        const Tile next = decode_tile_if_any<Shape>(params, next_idx, cta_rank);  // loads during the MMAs
+    // Element-type outputs: a tile's first k16 step overwrites the accumulators (wgmma's scale-d), an expert without
+    // rows stores zeros from constants. f32 outputs zero them before each tile: overwriting keeps every value live
+    // from its store to the next tile's first wgmma, and their epilogue then spills. (A non-wgmma write to them that
+    // is conditional inside the tile loop would make ptxas serialize the wgmmas: C7515.)
+    constexpr bool kOverwrite = !std::is_same_v<OutT, float>;
+    if constexpr (kOverwrite) {
 #pragma unroll
         for (int reg_idx = 0; reg_idx < Shape::kNumAccRegs; ++reg_idx) acc[reg_idx] = 0.0f;
+    }
+    while (tile_idx < params.num_tiles) {
         int in_flight_stage = -1;
+        if constexpr (!kOverwrite) {
+#pragma unroll
+            for (int reg_idx = 0; reg_idx < Shape::kNumAccRegs; ++reg_idx) acc[reg_idx] = 0.0f;
+        }
         for (int k_block_idx = 0; k_block_idx < tile.num_k_blocks; ++k_block_idx) {
+            const gmma::ScaleOut first_scale =
+                kOverwrite && k_block_idx == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One;
             mbarrier_wait(&full[stage_idx], phase);
             fence_proxy_async_shared();  // cp.async wrote the tiles (generic proxy), wgmma reads them (async proxy)
             const uint8_t* tile_a = smem.a[stage_idx] + consumer_idx * Shape::kRowBlocks * kMnBlockBytes;
@@ -413,25 +425,36 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Kernel
                     make_smem_desc_mn_major_sw128<kMnBlockBytes>(tile_a + kRowBlock * kMnBlockBytes);
 #pragma unroll
                 for (int k_step = 0; k_step < kBlockK / kWgmmaK; ++k_step) {
-                    row_block_wgmma<Shape, T, kRowBlock>(desc_a + k_step * kDescMnK16Step,
-                                                         desc_b + k_step * kDescMnK16Step, acc);
+                    row_block_wgmma<Shape, T, kRowBlock>(
+                        desc_a + k_step * kDescMnK16Step, desc_b + k_step * kDescMnK16Step, acc,
+                        k_step == 0 ? first_scale : gmma::ScaleOut::One, std::make_index_sequence<Shape::kBlockRegs>{});
                 }
             });
             wgmma_commit_group();
             retire_previous_batch<kClusterSize, kNumStages>(acc, empty, in_flight_stage, stage_idx, phase, lane_idx);
         }
+        // The next tile, read and decoded while this tile's last batch runs: its integer work and its load of the
+        // expert's rows are off the path from this tile's epilogue to the next tile's first wgmmas.
+        const int next_idx = tiles.next(lane_idx);
+        const Tile next = decode_tile_if_any<Shape>(params, next_idx, cta_rank);
         retire_last_batch<kClusterSize>(acc, empty, in_flight_stage, lane_idx);
-        if (tile.store && (!kAccumulate || tile.num_k_blocks > 0)) {
+        const auto store_values = [&](const float(&values)[Shape::kNumAccRegs]) {
             for_each_index<Shape::kRowBlocks>([&](auto row_block) {
                 constexpr int kRowBlock = decltype(row_block)::value;
                 if (!std::is_same_v<OutT, float> && params.tma_store) {
-                    store_tile_tma<Shape, T, Storage::kStoreBoxesPerWarp, kRowBlock>(out_map, tile, acc, warp_staging,
-                                                                                     consumer_idx, warp_idx, lane_idx);
+                    store_tile_tma<Shape, T, Storage::kStoreBoxesPerWarp, kRowBlock>(
+                        out_map, tile, values, warp_staging, consumer_idx, warp_idx, lane_idx);
                 } else {
-                    store_tile<Shape, T, OutT, kAccumulate, kRowBlock>(params, tile, acc, consumer_idx, warp_idx,
+                    store_tile<Shape, T, OutT, kAccumulate, kRowBlock>(params, tile, values, consumer_idx, warp_idx,
                                                                        lane_idx);
                 }
             });
+        };
+        if (tile.store && (!kOverwrite || tile.num_k_blocks > 0) && (!kAccumulate || tile.num_k_blocks > 0)) {
+            store_values(acc);
+        } else if (tile.store && kOverwrite) {  // an expert without rows: zeros (acc holds an earlier tile's sums)
+            constexpr float kZeros[Shape::kNumAccRegs] = {};
+            store_values(kZeros);
         }
         tile_idx = next_idx;
         tile = next;
@@ -560,6 +583,8 @@ megamoe_status_t launch_shape(const cuda::KGroupedGemmArgs& args, KernelParams p
     params.num_n_tiles = static_cast<int>(num_n_tiles);
     params.pairs_m = static_cast<int>(pairs_m);
     params.pairs_n = static_cast<int>(pairs_n);
+    params.tiles_per_expert = IntDivisor::of(pairs_m * pairs_n);
+    params.pairs_n_divisor = IntDivisor::of(pairs_n);
     params.num_tiles = static_cast<int>(num_tiles);
     return cuda::with_element_type(args.dtype, [&](auto tag) {
         using T = typename decltype(tag)::Type;
@@ -592,10 +617,7 @@ megamoe_status_t launch_k_grouped_gemm_sm90(const cuda::KGroupedGemmArgs& args, 
     params.a = make_operand(args.dtype, args.a, args.lda, args.a_gather_slots, args.m, &a_map);
     params.b = make_operand(args.dtype, args.b, args.ldb, args.b_gather_slots, args.n, &b_map);
     const int64_t topk = std::max<int64_t>(args.topk, 1);  // ignored unless an operand is gathered
-    int topk_shift = 0;
-    while ((int64_t{1} << topk_shift) < topk) ++topk_shift;
-    params.topk_magic = static_cast<uint32_t>((uint64_t{1} << (31 + topk_shift)) / static_cast<uint64_t>(topk) + 1);
-    params.topk_shift = topk_shift;
+    params.topk = IntDivisor::of(topk);
     params.m = args.m;
     params.n = args.n;
     params.expert_offsets = args.expert_offsets;
