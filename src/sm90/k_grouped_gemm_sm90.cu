@@ -46,17 +46,16 @@
 //     copies (a 128-wide operand: 16 threads per row, 8 rows per pass, 8 passes; 256-wide: 32 threads per row, 4 rows
 //     per pass, 16 passes) and arm cp.async.mbarrier.arrive.noinc on the stage's full barrier (kFullArrivals).
 //   warpgroups 1, 2, consumers (setmaxnreg up to kConsumerRegs): rows [kBlockM / 2 (w - 1), kBlockM / 2 w) of the M
-//     tile as m64 row blocks, m64 x kBlockN x k16 wgmmas, one batch in flight (element-type outputs: a tile's first
-//     k16 step overwrites the accumulators by wgmma's scale-d, f32 ones zero them first); a stage is released (one
-//     arrive per warp on its empty barrier in both CTAs of the cluster: the next fill may be multicast into both) once
-//     the next batch has been issued. Consumers fence the async proxy after the full wait (cp.async writes are
-//     generic-proxy). Epilogue, per row block, element type: each warp packs its 16 rows 64 columns at a time into one
-//     of two 2 KiB staging boxes (stmatrix, 128-byte swizzle) and lane 0 stores the box by TMA (3-D map over [E, M, N],
-//     clipped at M and N), so the warp is back at its MMAs once its last store is issued and the global writes overlap
-//     the next tile; f32 (or without the tensor map): quad transpose and 16-byte stores, or 8-byte f32 pairs, from
-//     registers. kAccumulate (f32 only): each thread loads its f32 pairs of a row at once (one round trip per row; a
-//     row crossing N pair by pair), adds its accumulators and stores them back, each element by its one thread; a tile
-//     whose expert has no rows is not stored at all (the buffer stays as it is).
+//     tile as m64 row blocks, m64 x kBlockN x k16 wgmmas, one batch in flight; a stage is released (one arrive per
+//     warp on its empty barrier in both CTAs of the cluster: the next fill may be multicast into both) once the next
+//     batch has been issued. Consumers fence the async proxy after the full wait (cp.async writes are generic-proxy).
+//     Epilogue, per row block, element type: each warp packs its 16 rows 64 columns at a time into one of two 2 KiB
+//     staging boxes (stmatrix, 128-byte swizzle) and lane 0 stores the box by TMA (3-D map over [E, M, N], clipped at
+//     M and N), so the warp is back at its MMAs once its last store is issued and the global writes overlap the next
+//     tile; f32 (or without the tensor map): quad transpose and 16-byte stores, or 8-byte f32 pairs, from registers.
+//     kAccumulate (f32 only): each thread loads its f32 pairs of a row at once (one round trip per row; a row crossing
+//     N pair by pair), adds its accumulators and stores them back, each element by its one thread; a tile whose expert
+//     has no rows is not stored at all (the buffer stays as it is).
 // Shared memory (SharedStorage, dynamic, 1024-byte aligned): 4 stages (A + B tile, 48 KiB), 2 store boxes per consumer
 // warp (each chunk's store waits for the previous chunk's to have read its box), the stages' full and empty
 // mbarriers, then the tile ring. What was measured of these choices: docs/log/.
@@ -81,14 +80,12 @@ using cuda::ceil_div;
 
 using namespace k_grouped;  // NOLINT(google-build-using-namespace): the kernel's own configuration and schedule
 
-// Row block kRowBlock's accumulators = scale_out x themselves + its A rows (64 x 16) x B (kBlockN x 16)^T,
-// asynchronously (scale_out Zero: overwritten; a predicate of the instruction, no branch).
-template <class Shape, typename T, int kRowBlock, int kNumRegs, size_t... kRegIdx>
-__device__ __forceinline__ void row_block_wgmma(uint64_t desc_a, uint64_t desc_b, float (&acc)[kNumRegs],
-                                                gmma::ScaleOut scale_out, std::index_sequence<kRegIdx...>) {
+// Row block kRowBlock's accumulators += its A rows (64 x 16) x B (kBlockN x 16)^T, asynchronously.
+template <class Shape, typename T, int kRowBlock, int kNumRegs>
+__device__ __forceinline__ void row_block_wgmma(uint64_t desc_a, uint64_t desc_b, float (&acc)[kNumRegs]) {
     static_assert((kRowBlock + 1) * Shape::kBlockRegs <= kNumRegs, "the row block's accumulators are the consumer's");
-    using Op = WgmmaOp<T, Shape::kBlockN, gmma::Major::MN, gmma::Major::MN>;
-    Op::fma(desc_a, desc_b, acc[kRowBlock * Shape::kBlockRegs + kRegIdx]..., scale_out);
+    wgmma_unpacked<WgmmaOp<T, Shape::kBlockN, gmma::Major::MN, gmma::Major::MN>, kRowBlock * Shape::kBlockRegs>(
+        desc_a, desc_b, acc, std::make_index_sequence<Shape::kBlockRegs>{});
 }
 
 // Byte offset of 16-byte chunk `chunk_idx` (along MN) of reduction row `row` in an MN-major stage tile.
@@ -395,24 +392,11 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Kernel
     TileSequence tiles(&smem.ring, params.tile_counter, false);
     int tile_idx = tiles.next(lane_idx);
     Tile tile = decode_tile_if_any<Shape>(params, tile_idx, cta_rank);
-    // Element-type outputs: a tile's first k16 step overwrites the accumulators (wgmma's scale-d), an expert without
-    // rows stores zeros from constants. f32 outputs zero them before each tile: overwriting keeps every value live
-    // from its store to the next tile's first wgmma, and their epilogue then spills. (A non-wgmma write to them that
-    // is conditional inside the tile loop would make ptxas serialize the wgmmas: C7515.)
-    constexpr bool kOverwrite = !std::is_same_v<OutT, float>;
-    if constexpr (kOverwrite) {
-#pragma unroll
-        for (int reg_idx = 0; reg_idx < Shape::kNumAccRegs; ++reg_idx) acc[reg_idx] = 0.0f;
-    }
     while (tile_idx < params.num_tiles) {
         int in_flight_stage = -1;
-        if constexpr (!kOverwrite) {
 #pragma unroll
-            for (int reg_idx = 0; reg_idx < Shape::kNumAccRegs; ++reg_idx) acc[reg_idx] = 0.0f;
-        }
+        for (int reg_idx = 0; reg_idx < Shape::kNumAccRegs; ++reg_idx) acc[reg_idx] = 0.0f;
         for (int k_block_idx = 0; k_block_idx < tile.num_k_blocks; ++k_block_idx) {
-            const gmma::ScaleOut first_scale =
-                kOverwrite && k_block_idx == 0 ? gmma::ScaleOut::Zero : gmma::ScaleOut::One;
             mbarrier_wait(&full[stage_idx], phase);
             fence_proxy_async_shared();  // cp.async wrote the tiles (generic proxy), wgmma reads them (async proxy)
             const uint8_t* tile_a = smem.a[stage_idx] + consumer_idx * Shape::kRowBlocks * kMnBlockBytes;
@@ -425,9 +409,8 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Kernel
                     make_smem_desc_mn_major_sw128<kMnBlockBytes>(tile_a + kRowBlock * kMnBlockBytes);
 #pragma unroll
                 for (int k_step = 0; k_step < kBlockK / kWgmmaK; ++k_step) {
-                    row_block_wgmma<Shape, T, kRowBlock>(
-                        desc_a + k_step * kDescMnK16Step, desc_b + k_step * kDescMnK16Step, acc,
-                        k_step == 0 ? first_scale : gmma::ScaleOut::One, std::make_index_sequence<Shape::kBlockRegs>{});
+                    row_block_wgmma<Shape, T, kRowBlock>(desc_a + k_step * kDescMnK16Step,
+                                                         desc_b + k_step * kDescMnK16Step, acc);
                 }
             });
             wgmma_commit_group();
@@ -438,23 +421,17 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Kernel
         const int next_idx = tiles.next(lane_idx);
         const Tile next = decode_tile_if_any<Shape>(params, next_idx, cta_rank);
         retire_last_batch<kClusterSize>(acc, empty, in_flight_stage, lane_idx);
-        const auto store_values = [&](const float(&values)[Shape::kNumAccRegs]) {
+        if (tile.store && (!kAccumulate || tile.num_k_blocks > 0)) {
             for_each_index<Shape::kRowBlocks>([&](auto row_block) {
                 constexpr int kRowBlock = decltype(row_block)::value;
                 if (!std::is_same_v<OutT, float> && params.tma_store) {
-                    store_tile_tma<Shape, T, Storage::kStoreBoxesPerWarp, kRowBlock>(
-                        out_map, tile, values, warp_staging, consumer_idx, warp_idx, lane_idx);
+                    store_tile_tma<Shape, T, Storage::kStoreBoxesPerWarp, kRowBlock>(out_map, tile, acc, warp_staging,
+                                                                                     consumer_idx, warp_idx, lane_idx);
                 } else {
-                    store_tile<Shape, T, OutT, kAccumulate, kRowBlock>(params, tile, values, consumer_idx, warp_idx,
+                    store_tile<Shape, T, OutT, kAccumulate, kRowBlock>(params, tile, acc, consumer_idx, warp_idx,
                                                                        lane_idx);
                 }
             });
-        };
-        if (tile.store && (!kOverwrite || tile.num_k_blocks > 0) && (!kAccumulate || tile.num_k_blocks > 0)) {
-            store_values(acc);
-        } else if (tile.store && kOverwrite) {  // an expert without rows: zeros (acc holds an earlier tile's sums)
-            constexpr float kZeros[Shape::kNumAccRegs] = {};
-            store_values(kZeros);
         }
         tile_idx = next_idx;
         tile = next;
