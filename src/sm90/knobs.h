@@ -15,6 +15,9 @@
 //                                      beside s a) and feeds dH and dW2 from it by TMA instead of gathering its rows
 //   MEGAMOE_SM90_K_TILE=128x256        the K-grouped kernel on its 128 x 256 tile even where B is gathered (dW13):
 //                                      the tile it used before the 256 x 128 one
+//   MEGAMOE_SM90_M_LATE_DECODE=1       the M-grouped 16-bit consumers decode their next tile (two binary searches of
+//                                      the M-tile offsets, the expert's rows) while their tile's last batch runs, not
+//                                      before its mainloop, as the K-grouped ones do since session 12 (not yet timed)
 //   MEGAMOE_SM90_FP8_PROMOTE=1         the FP8 M-grouped GEMMs on the 128 x 128 tile promoting each K group from a
 //                                      second set of accumulators (Operands::kFp8Blockwise) instead of the 128 x 256
 //                                      tile with one set in the current group's units: 0.6-0.75x its speed (H200)
@@ -59,6 +62,9 @@ inline bool dh_pingpong() {
 }
 inline bool k_grouped_narrow_a_tile() {
     return env_is("MEGAMOE_SM90_K_TILE", "128x256");
+}
+inline bool m_grouped_late_decode() {
+    return env_is("MEGAMOE_SM90_M_LATE_DECODE", "1");
 }
 inline bool fp8_promoted() {
     return env_is("MEGAMOE_SM90_FP8_PROMOTE", "1");

@@ -190,6 +190,7 @@ struct MainloopParams {
     const int* m_tile_offsets;      // [E + 1]
     int64_t num_experts;
     int64_t num_n_tiles;
+    bool late_decode;  // consumers decode a tile under their previous tile's last batch (MEGAMOE_SM90_M_LATE_DECODE)
 };
 
 // The FP8 operands' scales (Operands::kFp8Blockwise; m_grouped_fp8_gemm_sm90.h's Fp8BlockScales), after the other

@@ -295,8 +295,13 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Mainlo
     const int64_t first_seq = Config::kPingPong ? consumer_idx : 0;
     if (first_seq > 0) advance_stages<kNumStages>(stage_idx, phase, first_seq * num_k_blocks);
     float acc[Config::kNumAccRegs];
+    // MEGAMOE_SM90_M_LATE_DECODE: each tile after the first decoded while the previous one's last batch ran (16-bit).
+    const bool late_decode = !Config::kFp8 && params.late_decode;
+    Tile next_tile{};
     for (int64_t seq_idx = first_seq; tiles.at(seq_idx) < num_tiles; seq_idx += kTileStep) {
-        const Tile tile = decode_tile(params, tiles.at(seq_idx), num_m_tiles, cta_rank);
+        const Tile tile = late_decode && seq_idx != first_seq
+                              ? next_tile
+                              : decode_tile(params, tiles.at(seq_idx), num_m_tiles, cta_rank);
         // A consumer whose first row block has no rows only keeps the pipeline going. Ping-pong's second row block runs
         // whenever the first does: a branch between the wgmmas of one batch makes ptxas serialize them (C7520, wgmma
         // behind a warpgroup arrive on a divergent path); its rows past the tile's end read zero-filled or the next
@@ -354,6 +359,9 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Mainlo
         // (the tensor pipe runs them in order), not once it has completed, so the pipe does not drain at the switch.
         if (Config::kPingPong && tiles.at(seq_idx + 1) < num_tiles) {  // the next tile is the other consumer's
             named_barrier_arrive(kMainloopDoneBarrier + consumer_idx, kOrderThreads);
+        }
+        if (late_decode && tiles.at(seq_idx + kTileStep) < num_tiles) {
+            next_tile = decode_tile(params, tiles.at(seq_idx + kTileStep), num_m_tiles, cta_rank);
         }
         if constexpr (!Config::kFp8) retire_last_batch<kClusterSize>(acc, smem.empty, in_flight_stage, lane_idx);
         Epi::template store<T, Config, 0>(out_map, params, epilogue, tile, acc, epilogue_state, warp_staging,

@@ -132,6 +132,13 @@ TEST(Sm90Backward, WeightGradTileShapesAgreeBitwise) {
     expect_switch_agrees_bitwise("MEGAMOE_SM90_K_TILE", "128x256");
 }
 
+// The M-grouped 16-bit consumers decoding each tile under the previous tile's last batch (MEGAMOE_SM90_M_LATE_DECODE=1)
+// against decoding it before its mainloop: the same tiles in the same order, so y and every gradient bitwise equal.
+TEST(Sm90Backward, MGroupedLateDecodeAgreesBitwise) {
+    SKIP_WITHOUT_SM90();
+    expect_switch_agrees_bitwise("MEGAMOE_SM90_M_LATE_DECODE", "1");
+}
+
 // The M-grouped kernel's ping-pong 128 x 128 tile (the default options' up and store GEMMs: the forward's up and down,
 // the backward's recomputed up and dX) against the cooperative 128 x 256 one: each output row reduces over the same K
 // blocks in the same order.
