@@ -169,7 +169,7 @@ struct KernelParams {
     bool share;         // the operand the pair has in common comes by TMA: each CTA multicasts half of its boxes
     int pairs_m;        // cluster tiles per expert: pairs_m x pairs_n
     int pairs_n;
-    IntDivisor tiles_per_expert;  // pairs_m * pairs_n as a divisor (decode_tile)
+    IntDivisor tiles_per_expert_divisor;  // pairs_m * pairs_n, and pairs_n, as divisors (decode_tile)
     IntDivisor pairs_n_divisor;
     int num_tiles;      // cluster tiles, E * pairs_m * pairs_n (checked < 2^31 on the host)
     int* tile_counter;  // [2]: tiles claimed past the first num_clusters (zeroed), claim or not (NULL: static)
@@ -193,11 +193,11 @@ struct Tile {
 template <class Shape>
 __device__ __forceinline__ Tile decode_tile(const KernelParams& params, int tile_idx, int cta_rank) {
     Tile tile;
-    const int expert_rank = params.tiles_per_expert.divide(tile_idx);
+    const int expert_rank = params.tiles_per_expert_divisor.divide(tile_idx);
     const int within = tile_idx - expert_rank * params.pairs_m * params.pairs_n;
     const int num_paired = params.pair_along_m ? params.num_m_tiles : params.num_n_tiles;
-    const int within_quotient = params.pairs_n_divisor.divide(within),
-              within_rest = within - within_quotient * params.pairs_n;
+    const int within_quotient = params.pairs_n_divisor.divide(within);
+    const int within_rest = within - within_quotient * params.pairs_n;
     const int pair_idx = params.pair_along_m ? within_quotient : within_rest;
     const int other_idx = params.pair_along_m ? within_rest : within_quotient;
     int paired_idx = pair_idx * kClusterSize + cta_rank;

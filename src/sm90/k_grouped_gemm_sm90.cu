@@ -560,7 +560,7 @@ megamoe_status_t launch_shape(const cuda::KGroupedGemmArgs& args, KernelParams p
     params.num_n_tiles = static_cast<int>(num_n_tiles);
     params.pairs_m = static_cast<int>(pairs_m);
     params.pairs_n = static_cast<int>(pairs_n);
-    params.tiles_per_expert = IntDivisor::of(pairs_m * pairs_n);
+    params.tiles_per_expert_divisor = IntDivisor::of(pairs_m * pairs_n);
     params.pairs_n_divisor = IntDivisor::of(pairs_n);
     params.num_tiles = static_cast<int>(num_tiles);
     return cuda::with_element_type(args.dtype, [&](auto tag) {
