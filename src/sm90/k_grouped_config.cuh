@@ -159,7 +159,7 @@ struct Operand {
 struct KernelParams {
     Operand a;
     Operand b;
-    IntDivisor topk;  // a gather slot divided by topk (slot_token)
+    IntDivisor topk;  // a gather slot divided by topk: its token row (copy_stage_operand)
     int64_t m;
     int64_t n;
     const int* expert_offsets;

@@ -121,11 +121,6 @@ __device__ __forceinline__ void cp_async_16_global(uint32_t shared_addr, uint64_
                  : "memory");
 }
 
-// A gather slot (below 2^31) divided by topk.
-__device__ __forceinline__ int slot_token(int slot, const IntDivisor& topk) {
-    return topk.divide(slot);
-}
-
 // One operand's share of a stage by cp.async into the tile at shared address `tile`: row stage_row = first_row +
 // kRowsPerPass p of the tile is sorted row block_first_row + stage_row, its source row (kGathered) the token this
 // thread's warp loaded for it, taken by shuffle, or else that sorted row, clamped to the expert's last row (rows past
@@ -166,7 +161,7 @@ __device__ __forceinline__ void copy_stage_operand(uint32_t tile, const Operand&
                                                    int thread_idx, int col, bool col_valid) {
     const bool whole = block_first_row + kBlockK <= row_end;
     if (operand.gather_slots != nullptr) {
-        const int token = slot_token(slot, topk);
+        const int token = topk.divide(slot);  // the slot's token row
         if (whole) {
             copy_operand<Shape, true, true>(tile, operand, token, block_first_row, row_end, thread_idx, col, col_valid);
         } else {
