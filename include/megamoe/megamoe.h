@@ -371,6 +371,19 @@ MEGAMOE_API const char* megamoe_path_reason(void);
 /* A fixed name for a path: "reference", "cuda", "sm90", "sm90+cuda-weight-grads", "sm90-fp8". Never NULL. */
 MEGAMOE_API const char* megamoe_path_string(megamoe_path_t path);
 
+/* Test overrides: force a choice the library otherwise makes by itself, so that tests reach every path. Process-wide
+ * (every thread and device) until set again; 0, the default, restores the library's own choices. Not for production
+ * use: a call's workspace size query and the call must see the same overrides. */
+typedef enum {
+    MEGAMOE_TEST_PORTABLE_WEIGHT_GRADS = 1,     /* the sm_90a backward's weight gradients on the portable kernel */
+    MEGAMOE_TEST_FP8_FORWARD_ONLY = 2,          /* an FP8_BLOCKWISE call's backward in the element type */
+    MEGAMOE_TEST_FP8_BACKWARD_ONLY = 4,         /* an FP8_BLOCKWISE call's forward in the element type */
+    MEGAMOE_TEST_FP8_OPERANDS_IN_WORKSPACE = 8  /* the FP8 backward's dy and dh copies in the workspace, not in dw13 */
+} megamoe_test_override_t;
+/* Sets the overrides (a bitwise OR of megamoe_test_override_t values). */
+MEGAMOE_API void megamoe_testing_set_overrides(uint32_t overrides);
+MEGAMOE_API uint32_t megamoe_testing_overrides(void);
+
 #ifdef __cplusplus
 }  // extern "C"
 #endif

@@ -10,6 +10,7 @@
 #include "path/cuda_path.h"
 #include "layout.h"
 #include "reference/reference.h"
+#include "test_overrides.h"
 #include "api/validate.h"
 
 namespace megamoe {
@@ -160,6 +161,14 @@ const char* megamoe_path_string(megamoe_path_t path) {
             return "sm90-fp8";
     }
     return "unknown";
+}
+
+void megamoe_testing_set_overrides(uint32_t overrides) {
+    megamoe::test_overrides().store(overrides, std::memory_order_relaxed);
+}
+
+uint32_t megamoe_testing_overrides(void) {
+    return megamoe::test_overrides().load(std::memory_order_relaxed);
 }
 
 megamoe_status_t megamoe_forward_workspace_size(const megamoe_forward_params_t* params, size_t* bytes) {

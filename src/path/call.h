@@ -16,6 +16,7 @@
 
 #include "common.h"
 #include "layout.h"
+#include "test_overrides.h"
 
 namespace megamoe::cuda {
 
@@ -90,14 +91,11 @@ inline Call make_call(const Shape& shape, const megamoe_tensor_t& experts, bool 
     return call;
 }
 
-// MEGAMOE_FP8_ONLY=forward / backward (a diagnostic of the FP8 recipe's accuracy, default unset; cuda_path.cu, with the
-// path's other switches): an FP8 call runs only that direction in FP8 and the other in the element type (its path
-// says so), so a training run can tell which side's rounding moves the loss.
-bool fp8_only_by_env(const char* direction);
-
+// The test overrides MEGAMOE_TEST_FP8_FORWARD_ONLY / BACKWARD_ONLY: an FP8 call runs only that direction in FP8 and
+// the other in the element type (its path says so).
 inline ForwardCall forward_call(const Call& call, void* y, void* saved_h) {
     ForwardCall forward{call};
-    if (fp8_only_by_env("backward")) forward.fp8 = nullptr;
+    if (test_override(MEGAMOE_TEST_FP8_BACKWARD_ONLY)) forward.fp8 = nullptr;
     forward.y = y;
     forward.saved_h = saved_h;
     return forward;
@@ -117,7 +115,7 @@ inline ForwardCall forward_call(const megamoe_grouped_forward_params_t& p, const
 inline BackwardCall backward_call(const Call& call, const void* dy, void* saved_h, const megamoe_tensor_t& dx,
                                   const megamoe_tensor_t& dweights, const ExpertGrads& grads) {
     BackwardCall backward{call};
-    if (fp8_only_by_env("forward")) backward.fp8 = nullptr;
+    if (test_override(MEGAMOE_TEST_FP8_FORWARD_ONLY)) backward.fp8 = nullptr;
     const megamoe_tensor_t &dw13 = *grads.dw13, &dw2 = *grads.dw2;
     const bool accumulate_weight_grads = grads.accumulate;
     backward.dw3 = *grads.dw3;

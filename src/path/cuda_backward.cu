@@ -18,27 +18,10 @@
 #include "path/fp8_steps.h"
 #include "dtype.h"
 #include "sm90/k_grouped_gemm_sm90.h"
-#include "sm90/knobs.h"
 #include "sm90/m_grouped_gemm_sm90.h"
 
 namespace megamoe::cuda {
 namespace {
-
-// With MEGAMOE_SM90_SORTED_DY, the dy the sm_90a backward's dH and dW2 read by TMA in sorted-row order [S, H]: `rows`
-// (grouped rows: dy itself; else `copy`, made before dH); all NULL: both gather dy's rows.
-struct SortedDy {
-    const uint16_t* rows = nullptr;
-    uint16_t* copy = nullptr;
-};
-
-// MEGAMOE_FP8_SORTED_DY=1 applies to the call: dy quantized into sorted-row order for dH's TMA (the sorted-dy FP8 dH:
-// SwiGLU, dh in the [dg, du] order and quantized by a pass; the 16-bit weight gradients, whose FP8 variant's one pass
-// over dy writes dH's copy by token).
-bool fp8_sorted_dy(const BackwardCall& call) {
-    return call.fp8 != nullptr && fp8_sorted_dy_by_env() && !fp8_weight_grads_by_env() &&
-           !fp8_dh_in_epilogue_by_env() && !call.activation.is_clamped() &&
-           call.layout.gate_up != MEGAMOE_GATE_UP_INTERLEAVED;
-}
 
 struct BackwardWorkspace {
     RoutingBuffers routing;
@@ -56,23 +39,16 @@ struct BackwardWorkspace {
     // dX); NULL on the portable path.
     uint16_t* q_elem;
     int* k_schedule;  // sm_90a path: the K-grouped kernel's tile schedule scratch (k_grouped_schedule_ints), else NULL
-    SortedDy dy_sorted;  // sm_90a path only (plan_sorted_dy)
     // FP8_BLOCKWISE: dy [rows of dy, H] along H (dH's A), dh [S, 2I] along 2I (dX's A), x [rows of x, H] along H when h
     // is recomputed (the up GEMM's A); else empty.
     Fp8Rows dy_fp8;
     Fp8Rows dh_fp8;
     Fp8Rows x_fp8;
-    // FP8_BLOCKWISE with MEGAMOE_FP8_WGRAD=1: the weight gradients' A and B quantized along the tokens (dW2's, then
-    // dW13's: max(H, 2I) columns each); else empty.
-    Fp8ExpertCols wgrad_a;
-    Fp8ExpertCols wgrad_b;
-    // ... and, recomputing h, x along the tokens from the backward's one pass over x (dW13's x side): [H] columns.
-    Fp8ExpertCols wgrad_x;
 
     // act_scratch: on the sm_90a path, the dw13 output when it can hold act (dw13_as_act_scratch), else NULL (carved).
     // dh_apart: dh gets its own buffer (the sm_90a dSwiGLU epilogue's interleaved dh cannot go over h).
     static BackwardWorkspace carve(WorkspaceCarver& carver, const RoutingPlan& plan, const Shape& shape, bool sm90,
-                                   void* saved_h, void* act_scratch, bool dh_apart = false, SortedDy dy_sorted = {}) {
+                                   void* saved_h, void* act_scratch, bool dh_apart = false) {
         BackwardWorkspace workspace;
         const int64_t num_slots = shape.num_slots();
         workspace.routing = RoutingBuffers::carve(carver, plan);
@@ -88,27 +64,19 @@ struct BackwardWorkspace {
         workspace.p_then_q_f32 = sm90 ? nullptr : carver.take<float>(num_slots * max_cols);
         workspace.q_elem = sm90 ? workspace.act : nullptr;
         workspace.k_schedule = sm90 ? carver.take<int>(k_grouped_schedule_ints(shape.num_experts)) : nullptr;
-        workspace.dy_sorted = dy_sorted;
         return workspace;
     }
 
     // dy and dh quantized for dH and dX (the workspace's carver, or the dw13 output's: fp8_operands_in_dw13).
     void carve_fp8_operands(WorkspaceCarver& carver, const BackwardCall& call) {
         const Shape& shape = call.shape;
-        dy_fp8 = Fp8Rows::carve(carver, fp8_sorted_dy(call) ? shape.num_slots() : shape.num_tokens, shape.hidden);
+        dy_fp8 = Fp8Rows::carve(carver, shape.num_tokens, shape.hidden);
         dh_fp8 = Fp8Rows::carve(carver, shape.num_slots(), 2 * shape.intermediate);
     }
 
     // The other FP8 buffers of an FP8_BLOCKWISE call, after the rest.
-    void carve_fp8(WorkspaceCarver& carver, const BackwardCall& call, const RoutingPlan& plan) {
-        const Shape& shape = call.shape;
-        if (call.saved_h == nullptr) x_fp8 = Fp8Rows::carve(carver, shape.num_tokens, shape.hidden);
-        if (fp8_weight_grads_by_env()) {
-            const int64_t cols = std::max(shape.hidden, 2 * shape.intermediate);
-            wgrad_a = Fp8ExpertCols::carve(carver, cols, plan.max_m_tiles);
-            wgrad_b = Fp8ExpertCols::carve(carver, cols, plan.max_m_tiles);
-            if (call.saved_h == nullptr) wgrad_x = Fp8ExpertCols::carve(carver, shape.hidden, plan.max_m_tiles);
-        }
+    void carve_fp8(WorkspaceCarver& carver, const BackwardCall& call) {
+        if (call.saved_h == nullptr) x_fp8 = Fp8Rows::carve(carver, call.shape.num_tokens, call.shape.hidden);
     }
 };
 
@@ -162,10 +130,9 @@ struct BackwardGemms {
         gemms.dw13.m = 2 * shape.intermediate;
         gemms.dw13.n = shape.hidden;
         gemms.dw2 = weight_grad;
-        const bool dy_sorted = workspace.dy_sorted.rows != nullptr;
-        gemms.dw2.a = dy_sorted ? static_cast<const void*>(workspace.dy_sorted.rows) : call.dy;
+        gemms.dw2.a = call.dy;
         gemms.dw2.lda = shape.hidden;
-        gemms.dw2.a_gather_slots = dy_sorted ? nullptr : workspace.routing.sorted_slot;
+        gemms.dw2.a_gather_slots = workspace.routing.sorted_slot;
         gemms.dw2.b = workspace.act;
         gemms.dw2.ldb = shape.intermediate;
         gemms.dw2.m = shape.hidden;
@@ -190,7 +157,8 @@ struct BackwardGemms {
 
     // The weight gradients on the sm_90a K-grouped kernel: opted into, and the M-grouped GEMMs on sm_90a too.
     bool weight_grads_sm90_ok(const BackwardCall& call) const {
-        return sm90_weight_grads_enabled_by_env() && sm90_ok(call.device_index) && sm90_dw13_ok(call, dw13) &&
+        return !test_override(MEGAMOE_TEST_PORTABLE_WEIGHT_GRADS) && sm90_ok(call.device_index) &&
+               sm90_dw13_ok(call, dw13) &&
                (dw2_out == nullptr || sm90::k_grouped_gemm_sm90_supported(sm90_dw2, dw2_out));
     }
 };
@@ -199,49 +167,6 @@ struct BackwardGemms {
 megamoe_status_t launch_weight_grad_sm90(const KGroupedGemmArgs& args, const megamoe_tensor_t& grad, int num_sms,
                                          cudaStream_t stream) {
     return sm90::launch_k_grouped_gemm_sm90(args, grad.data, grad.dtype, num_sms, stream);
-}
-
-// dW13's x side: B, or A where w13 is stored transposed (its operands swapped).
-bool x_is_dw13_a(const BackwardCall& call) {
-    return call.layout.w13_transposed;
-}
-
-// The wanted dW13 GEMMs (dw13, and dw3 in the separate layout) in FP8, from the default one (`args`); x_quantized: x
-// along the tokens is already in workspace.wgrad_x (the recomputing backward's one pass over x). x is quantized once
-// for both halves of the separate layout (dh's halves are its other side, quantized per half).
-megamoe_status_t launch_fp8_dw13(const BackwardCall& call, const KGroupedGemmArgs& args,
-                                 const BackwardWorkspace& workspace, bool x_quantized, int num_sms) {
-    const bool x_is_a = x_is_dw13_a(call);
-    const Fp8ExpertCols& a = x_quantized && x_is_a ? workspace.wgrad_x : workspace.wgrad_a;
-    const Fp8ExpertCols& b = x_quantized && !x_is_a ? workspace.wgrad_x : workspace.wgrad_b;
-    bool x_ready = x_quantized;
-    for (int half = 0; half < sm90_num_dw13_outputs(call); ++half) {
-        const megamoe_tensor_t& grad = sm90_dw13_output(call, half == 1);
-        if (grad.data == nullptr) continue;
-        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_fp8_weight_grad(call, sm90_dw13_args(call, args, half == 1),
-                                                            workspace.routing, grad, a, b, num_sms, x_ready && x_is_a,
-                                                            x_ready && !x_is_a));
-        x_ready = true;
-    }
-    return MEGAMOE_STATUS_SUCCESS;
-}
-
-// Whether every wanted weight gradient of an FP8 call runs on the K-grouped FP8 GEMM (its operands carved: the switch
-// is on); else they all run in 16 bits.
-bool fp8_weight_grads_ok(const BackwardCall& call, const BackwardGemms& gemms, const BackwardWorkspace& workspace) {
-    if (call.fp8 == nullptr || workspace.wgrad_a.q_t == nullptr) return false;
-    if (call.dw2.data != nullptr &&
-        !fp8_weight_grad_ok(gemms.sm90_dw2, workspace.routing, call.dw2, workspace.wgrad_a, workspace.wgrad_b)) {
-        return false;
-    }
-    for (int half = 0; half < sm90_num_dw13_outputs(call); ++half) {
-        const megamoe_tensor_t& grad = sm90_dw13_output(call, half == 1);
-        if (grad.data != nullptr && !fp8_weight_grad_ok(sm90_dw13_args(call, gemms.dw13, half == 1), workspace.routing,
-                                                        grad, workspace.wgrad_a, workspace.wgrad_b)) {
-            return false;
-        }
-    }
-    return true;
 }
 
 // The sm_90a backward's act buffer (s * a [S, I], then q [S, H], element type) inside the dw13 output, when the call
@@ -263,13 +188,12 @@ void* dw13_as_act_scratch(const BackwardCall& call) {
     return dw13_bytes(call) >= act_bytes(call.shape) && aligned ? call.dw13.data : nullptr;
 }
 
-// Where the FP8 backward's quantized dy and dh go (unless MEGAMOE_FP8_OPERANDS_IN_DW13=0): the dw13 output past act
-// ([S, max(I, H)]: s a, then q) when act is there and both fit: their readers, dH and dX, run before dW13 writes dw13,
-// and neither overlaps act (dH writes s a while reading dy's copy; dX writes q while reading dh's). NULL otherwise (the
-// workspace). Not with the FP8 weight gradients (MEGAMOE_FP8_WGRAD): their passes and buffers were not checked
-// against this placement.
+// Where the FP8 backward's quantized dy and dh go: the dw13 output past act ([S, max(I, H)]: s a, then q) when act is
+// there and both fit: their readers, dH and dX, run before dW13 writes dw13, and neither overlaps act (dH writes s a
+// while reading dy's copy; dX writes q while reading dh's). NULL otherwise (the workspace; also under the test override
+// MEGAMOE_TEST_FP8_OPERANDS_IN_WORKSPACE).
 void* fp8_operands_in_dw13(const BackwardCall& call, void* act_scratch) {
-    if (call.fp8 == nullptr || act_scratch == nullptr || !fp8_operands_in_dw13_by_env() || fp8_weight_grads_by_env()) {
+    if (call.fp8 == nullptr || act_scratch == nullptr || test_override(MEGAMOE_TEST_FP8_OPERANDS_IN_WORKSPACE)) {
         return nullptr;
     }
     const size_t offset = align_up(act_bytes(call.shape), kWorkspaceAlignment);
@@ -280,43 +204,19 @@ void* fp8_operands_in_dw13(const BackwardCall& call, void* act_scratch) {
     return static_cast<uint8_t*>(act_scratch) + offset;
 }
 
-// The sorted dy of an sm_90a backward (MEGAMOE_SM90_SORTED_DY; not with the clamped activation, whose dH kernel
-// gathers): grouped rows' dy as it is; else a copy in the dw13 output past s * a ([S, I], the part of act that dH
-// writes and dW2 reads; dX's q goes over both once dW2, the copy's last reader, is done; dW13 comes after dX's
-// gather-sum), where act is there and the two fit. None otherwise: dH and dW2 gather dy's rows.
-SortedDy plan_sorted_dy(const BackwardCall& call, void* act_scratch) {
-    SortedDy sorted;
-    if (!sm90::sorted_dy() || call.activation.is_clamped()) return sorted;
-    if (call.rows_sorted) {
-        sorted.rows = static_cast<const uint16_t*>(call.dy);
-        return sorted;
-    }
-    const size_t scaled_act_bytes =
-        static_cast<size_t>(call.shape.num_slots()) * static_cast<size_t>(call.shape.intermediate) * sizeof(uint16_t);
-    const size_t offset = align_up(scaled_act_bytes, kWorkspaceAlignment);
-    const size_t needed =
-        static_cast<size_t>(call.shape.num_slots()) * static_cast<size_t>(call.shape.hidden) * sizeof(uint16_t);
-    if (act_scratch != nullptr && offset + needed <= dw13_bytes(call)) {
-        sorted.copy = reinterpret_cast<uint16_t*>(static_cast<uint8_t*>(act_scratch) + offset);
-        sorted.rows = sorted.copy;
-    }
-    return sorted;
-}
-
 // The backward's workspace, GEMM arguments and kernel choices for one call. The path is chosen on the layout of the
 // portable path (the larger one; every buffer starts 256-byte aligned in both layouts, and the choice depends only on
 // alignment), then the workspace is laid out for it. The workspace size query runs the same function, and the call
-// checks the workspace it gets against it again (an environment switch flipped in between gives WORKSPACE_TOO_SMALL,
-// never an overrun).
+// checks the workspace it gets against it again (a test override changed in between gives WORKSPACE_TOO_SMALL, never
+// an overrun).
 struct BackwardPlan {
     RoutingPlan routing_plan;
     BackwardWorkspace workspace;
     BackwardGemms gemms;
     bool use_sm90;
     bool weight_grads_sm90;
-    bool fp8_weight_grads = false;  // FP8_BLOCKWISE: the weight gradients on the K-grouped FP8 GEMM (MEGAMOE_FP8_WGRAD)
-    bool act_in_dw13;               // sm_90a: act is the dw13 output (dw13_as_act_scratch), not carved
-    bool sm90_blocked_by_options;   // the sm_90a kernels would run the call but for its expert options
+    bool act_in_dw13;              // sm_90a: act is the dw13 output (dw13_as_act_scratch), not carved
+    bool sm90_blocked_by_options;  // the sm_90a kernels would run the call but for its expert options
     size_t workspace_bytes;
 
     static BackwardPlan make(const BackwardCall& call) {
@@ -339,18 +239,16 @@ struct BackwardPlan {
             void* act_scratch = dw13_as_act_scratch(call);
             plan.act_in_dw13 = act_scratch != nullptr;
             const bool dh_apart = call.layout.gate_up == MEGAMOE_GATE_UP_INTERLEAVED;
-            const SortedDy dy_sorted = call.fp8 != nullptr ? SortedDy{} : plan_sorted_dy(call, act_scratch);
             plan.workspace = BackwardWorkspace::carve(carver, plan.routing_plan, shape, true, call.saved_h, act_scratch,
-                                                      dh_apart, dy_sorted);
+                                                      dh_apart);
             if (call.fp8 != nullptr) {
                 void* operands_in_dw13 = fp8_operands_in_dw13(call, act_scratch);
                 WorkspaceCarver dw13_carver(operands_in_dw13);
                 plan.workspace.carve_fp8_operands(operands_in_dw13 != nullptr ? dw13_carver : carver, call);
-                plan.workspace.carve_fp8(carver, call, plan.routing_plan);
+                plan.workspace.carve_fp8(carver, call);
             }
             plan.gemms = BackwardGemms::make(call, plan.routing_plan, plan.workspace);
             plan.workspace_bytes = carver.bytes_used();
-            plan.fp8_weight_grads = fp8_weight_grads_ok(call, plan.gemms, plan.workspace);
         }
         return plan;
     }
@@ -392,15 +290,6 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
     const BackwardGemms& gemms = backward_plan.gemms;
     const bool use_sm90 = backward_plan.use_sm90;
     const bool weight_grads_sm90 = backward_plan.weight_grads_sm90;
-    // FP8: dh quantized for dX by a pass before dX (by dH's epilogue: MEGAMOE_FP8_DH_EPILOGUE=1).
-    const bool fp8_dh_in_epilogue = call.fp8 != nullptr && call.dx.data != nullptr && fp8_dh_in_epilogue_by_env();
-    // FP8 weight gradients with dW2 wanted: one pass over dy writes both its copies (dW2's dy: A, or B when w2 is
-    // stored transposed).
-    const bool dy_fp8_one_pass = backward_plan.fp8_weight_grads && call.dw2.data != nullptr;
-    const bool dy_is_dw2_a = !call.layout.w2_transposed;
-    // ... and, recomputing h, one pass over x writes its copies for the up GEMM and for dW13.
-    const bool x_fp8_one_pass = backward_plan.fp8_weight_grads && call.saved_h == nullptr &&
-                                (call.dw13.data != nullptr || call.dw3.data != nullptr);
 
     MEGAMOE_CUDA_RETURN_IF_ERROR(
         launch_routing(call.experts, call.experts_dtype, backward_plan.routing_plan, routing, stream));
@@ -410,13 +299,7 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
     const bool keep_h = call.saved_h != nullptr;
     const void* h = workspace.h;
     if (!keep_h && call.fp8 != nullptr) {
-        if (x_fp8_one_pass) {  // along H for the up GEMM and along the tokens for dW13 in one pass
-            MEGAMOE_CUDA_RETURN_IF_ERROR(
-                quantize_side_for_fp8_weight_grad(call, sm90_dw13_args(call, gemms.dw13, false), routing,
-                                                  x_is_dw13_a(call), workspace.x_fp8, workspace.wgrad_x));
-        } else {
-            MEGAMOE_CUDA_RETURN_IF_ERROR(quantize_rows(call, call.x, shape.num_tokens, workspace.x_fp8));
-        }
+        MEGAMOE_CUDA_RETURN_IF_ERROR(quantize_rows(call, call.x, shape.num_tokens, workspace.x_fp8));
         MEGAMOE_CUDA_RETURN_IF_ERROR(
             launch_fp8_up(call, gemms.up, workspace.x_fp8, workspace.h, nullptr, nullptr, num_sms));
     } else if (!keep_h && use_sm90) {
@@ -438,36 +321,8 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
         epilogue.activation = call.activation;
         epilogue.dh_interleaved = call.layout.gate_up == MEGAMOE_GATE_UP_INTERLEAVED;
         epilogue.b_layout = sm90_d_hidden_layout(call);
-        if (workspace.dy_sorted.rows != nullptr) {  // dy in sorted-row order, for dH's and dW2's TMA
-            if (workspace.dy_sorted.copy != nullptr) {
-                SortRowsArgs sort{};
-                sort.rows = call.dy;
-                sort.num_tokens = shape.num_tokens;
-                sort.num_cols = hidden;
-                sort.slot_to_row = routing.slot_to_row;
-                sort.topk = shape.topk;
-                sort.out = workspace.dy_sorted.copy;
-                MEGAMOE_CUDA_RETURN_IF_ERROR(launch_sort_rows(sort, stream));
-            }
-            epilogue.a_sorted = workspace.dy_sorted.rows;
-            epilogue.a_sorted_rows = num_slots;
-        }
         if (call.fp8 != nullptr) {  // dy quantized along H, w2's transposed FP8 copy
-            if (fp8_dh_in_epilogue) {
-                epilogue.dh_q = workspace.dh_fp8.q;
-                epilogue.dh_scales = workspace.dh_fp8.scales;
-            }
-            if (dy_fp8_one_pass) {  // along H for dH and along the tokens for dW2 (its dy side) in one pass
-                MEGAMOE_CUDA_RETURN_IF_ERROR(
-                    quantize_side_for_fp8_weight_grad(call, gemms.sm90_dw2, routing, dy_is_dw2_a, workspace.dy_fp8,
-                                                      dy_is_dw2_a ? workspace.wgrad_a : workspace.wgrad_b));
-            } else if (fp8_sorted_dy(call) && gemms.d_hidden.a_gather_slots != nullptr) {  // dH's A by TMA
-                MEGAMOE_CUDA_RETURN_IF_ERROR(quantize_rows_sorted(call, call.dy, routing, workspace.dy_fp8));
-                epilogue.a_sorted = workspace.dy_fp8.q;
-                epilogue.a_sorted_rows = num_slots;
-            } else {
-                MEGAMOE_CUDA_RETURN_IF_ERROR(quantize_rows(call, call.dy, shape.num_tokens, workspace.dy_fp8));
-            }
+            MEGAMOE_CUDA_RETURN_IF_ERROR(quantize_rows(call, call.dy, shape.num_tokens, workspace.dy_fp8));
             MEGAMOE_CUDA_RETURN_IF_ERROR(
                 launch_fp8_d_hidden(call, gemms.d_hidden, workspace.dy_fp8, epilogue, num_sms, &num_ds_parts));
         } else {
@@ -522,11 +377,7 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
     }
 
     // dW2 first: on the sm_90a path q is written over s * a, which only dW2 reads.
-    if (call.dw2.data != nullptr && backward_plan.fp8_weight_grads) {  // dW2[e] = sum dy (s a)^T
-        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_fp8_weight_grad(call, gemms.sm90_dw2, routing, call.dw2, workspace.wgrad_a,
-                                                            workspace.wgrad_b, num_sms, dy_fp8_one_pass && dy_is_dw2_a,
-                                                            dy_fp8_one_pass && !dy_is_dw2_a));
-    } else if (call.dw2.data != nullptr) {
+    if (call.dw2.data != nullptr) {  // dW2[e] = sum dy (s a)^T
         MEGAMOE_CUDA_RETURN_IF_ERROR(weight_grads_sm90
                                          ? launch_weight_grad_sm90(gemms.sm90_dw2, call.dw2, num_sms, stream)
                                          : launch_dw2(call, gemms.dw2, stream));
@@ -534,10 +385,8 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
 
     if (call.dx.data != nullptr) {
         // q = dh x w13[e]; then dx_t = sum_j q[row of (t, j)].
-        if (call.fp8 != nullptr) {  // dh quantized along 2I (by dH's epilogue, or here), w13's transposed FP8 copy
-            if (!fp8_dh_in_epilogue) {
-                MEGAMOE_CUDA_RETURN_IF_ERROR(quantize_rows(call, workspace.dh, num_slots, workspace.dh_fp8));
-            }
+        if (call.fp8 != nullptr) {  // dh quantized along 2I, w13's transposed FP8 copy
+            MEGAMOE_CUDA_RETURN_IF_ERROR(quantize_rows(call, workspace.dh, num_slots, workspace.dh_fp8));
             MEGAMOE_CUDA_RETURN_IF_ERROR(
                 launch_fp8_d_input(call, gemms.d_input, workspace.dh_fp8, workspace.q_elem, num_sms));
         } else if (use_sm90) {
@@ -560,9 +409,7 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
         MEGAMOE_CUDA_RETURN_IF_ERROR(launch_gather_sum(gather, stream));
     }
 
-    if ((call.dw13.data != nullptr || call.dw3.data != nullptr) && backward_plan.fp8_weight_grads) {
-        MEGAMOE_CUDA_RETURN_IF_ERROR(launch_fp8_dw13(call, gemms.dw13, workspace, x_fp8_one_pass, num_sms));
-    } else if (call.dw13.data != nullptr || call.dw3.data != nullptr) {  // dW13[e] = sum dh x^T
+    if (call.dw13.data != nullptr || call.dw3.data != nullptr) {  // dW13[e] = sum dh x^T
         MEGAMOE_CUDA_RETURN_IF_ERROR(weight_grads_sm90 ? launch_sm90_dw13(call, gemms.dw13, num_sms, stream)
                                                        : launch_dw13(call, gemms.dw13, stream));
     }
@@ -573,7 +420,7 @@ megamoe_status_t backward_on_device(const BackwardCall& call) {
 megamoe_path_t backward_path(const BackwardCall& call, std::string* reason) {
     const BackwardPlan plan = BackwardPlan::make(call);
     reason->clear();
-    if (call.fp8 != nullptr) return MEGAMOE_PATH_SM90_FP8;  // weight gradients in 16 bits or (MEGAMOE_FP8_WGRAD) FP8
+    if (call.fp8 != nullptr) return MEGAMOE_PATH_SM90_FP8;  // the weight gradients in 16 bits
     if (plan.sm90_blocked_by_options) *reason = blocked_reason(call);
     if (!plan.use_sm90) return MEGAMOE_PATH_CUDA_PORTABLE;
     return plan.weight_grads_sm90 ? MEGAMOE_PATH_SM90 : MEGAMOE_PATH_SM90_PORTABLE_WEIGHT_GRADS;

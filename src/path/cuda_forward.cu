@@ -23,7 +23,7 @@ namespace {
 
 struct ForwardWorkspace {
     RoutingBuffers routing;
-    uint16_t* act;    // [S, I] element type (FP8: NULL unless fp8_act_by_pass)
+    uint16_t* act;    // [S, I] element type (FP8: NULL, a goes out quantized)
     uint16_t* out;    // [S, H] element type
     Fp8Rows x_fp8;    // FP8: x [rows of x, H] quantized along H
     Fp8Rows act_fp8;  // FP8: a [S, I] quantized along I by the up GEMM's epilogue
@@ -33,12 +33,10 @@ struct ForwardWorkspace {
         ForwardWorkspace workspace;
         const int64_t num_slots = shape.num_slots();
         workspace.routing = RoutingBuffers::carve(carver, plan);
-        const bool act_stored = call.fp8 == nullptr || fp8_act_by_pass();
-        workspace.act = act_stored ? carver.take<uint16_t>(num_slots * shape.intermediate) : nullptr;
+        workspace.act = call.fp8 == nullptr ? carver.take<uint16_t>(num_slots * shape.intermediate) : nullptr;
         workspace.out = carver.take<uint16_t>(num_slots * shape.hidden);
-        if (call.fp8 != nullptr) {  // x's quantized rows: x's, or sorted (MEGAMOE_FP8_SORTED_X=1)
-            workspace.x_fp8 =
-                Fp8Rows::carve(carver, fp8_sorted_x_by_env() ? num_slots : shape.num_tokens, shape.hidden);
+        if (call.fp8 != nullptr) {
+            workspace.x_fp8 = Fp8Rows::carve(carver, shape.num_tokens, shape.hidden);
             workspace.act_fp8 = Fp8Rows::carve(carver, num_slots, shape.intermediate);
         }
         return workspace;
@@ -95,24 +93,9 @@ megamoe_status_t forward_on_device(const ForwardCall& call) {
     const ForwardGemms gemms = ForwardGemms::make(call, plan, workspace);
     if (call.fp8 != nullptr) {  // x quantized by a pass, a by the up GEMM's epilogue
         const int num_sms = device_info(call.device_index).num_sms;
-        // MEGAMOE_FP8_SORTED_X=1: the pass writes x's rows in sorted-row order and the up GEMM reads them by TMA.
-        const bool sorted_x = fp8_sorted_x_by_env() && gemms.up.a_gather_slots != nullptr;
-        MGroupedGemmArgs up = gemms.up;
-        if (sorted_x) {
-            MEGAMOE_CUDA_RETURN_IF_ERROR(quantize_rows_sorted(call, call.x, routing, workspace.x_fp8));
-            up.a_gather_slots = nullptr;
-            up.num_a_rows = shape.num_slots();
-        } else {
-            MEGAMOE_CUDA_RETURN_IF_ERROR(quantize_rows(call, call.x, shape.num_tokens, workspace.x_fp8));
-        }
-        if (fp8_act_by_pass()) {
-            MEGAMOE_CUDA_RETURN_IF_ERROR(
-                launch_fp8_up(call, up, workspace.x_fp8, call.saved_h, workspace.act, nullptr, num_sms));
-            MEGAMOE_CUDA_RETURN_IF_ERROR(quantize_rows(call, workspace.act, shape.num_slots(), workspace.act_fp8));
-        } else {
-            MEGAMOE_CUDA_RETURN_IF_ERROR(
-                launch_fp8_up(call, up, workspace.x_fp8, call.saved_h, nullptr, &workspace.act_fp8, num_sms, sorted_x));
-        }
+        MEGAMOE_CUDA_RETURN_IF_ERROR(quantize_rows(call, call.x, shape.num_tokens, workspace.x_fp8));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(
+            launch_fp8_up(call, gemms.up, workspace.x_fp8, call.saved_h, nullptr, &workspace.act_fp8, num_sms));
         MEGAMOE_CUDA_RETURN_IF_ERROR(launch_fp8_down(call, gemms.down, workspace.act_fp8, workspace.out, num_sms));
     } else if (gemms.sm90_ok(call.device_index)) {
         const int num_sms = device_info(call.device_index).num_sms;

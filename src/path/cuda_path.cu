@@ -29,7 +29,8 @@
 //           f32, so the one extra rounding per row is of the size of dx's own output rounding. The portable
 //           kernels write p and q in f32, so the portable path needs the larger workspace (BackwardPlan sizes it
 //           for the path the call takes). The K-grouped weight gradients run on sm90/k_grouped_gemm_sm90.h with
-//           the rest of the sm_90a backward, unless MEGAMOE_SM90_WEIGHT_GRADS=0 keeps them on the portable kernel.
+//           the rest of the sm_90a backward (the test override MEGAMOE_TEST_PORTABLE_WEIGHT_GRADS keeps them on the
+//           portable kernel).
 // Non-default expert options (layouts, clamped SwiGLU, biases) run on the portable kernels through layout_steps.h (the
 // same steps, B read in the weights' layout, dh in w13's row order, bias gradients as per-expert column sums), and on
 // the sm_90a kernels (path/sm90_args.h) every layout: the gated epilogue takes the activation, b13 and the interleaved
@@ -109,48 +110,6 @@ DeviceInfo device_info(int device_index) {
     }
     cache.emplace(device_index, info);
     return info;
-}
-
-// The sm_90a K-grouped weight-gradient kernel is the default wherever the sm_90a backward runs (it is the faster one:
-// docs/log/); MEGAMOE_SM90_WEIGHT_GRADS=0 keeps the portable kernel for them (tests compare both).
-bool sm90_weight_grads_enabled_by_env() {
-    const char* value = std::getenv("MEGAMOE_SM90_WEIGHT_GRADS");
-    return value == nullptr || value[0] == '\0' || std::strcmp(value, "0") != 0;
-}
-
-namespace {
-// The environment variable `name` equals `value`.
-bool env_is(const char* name, const char* value) {
-    const char* set = std::getenv(name);
-    return set != nullptr && std::strcmp(set, value) == 0;
-}
-// The experiment switches: the environment variable `name` is "1".
-bool switched_on(const char* name) {
-    return env_is(name, "1");
-}
-}  // namespace
-
-bool fp8_only_by_env(const char* direction) {
-    return env_is("MEGAMOE_FP8_ONLY", direction);
-}
-
-bool fp8_act_by_pass() {
-    return switched_on("MEGAMOE_FP8_ACT_PASS");
-}
-bool fp8_dh_in_epilogue_by_env() {
-    return switched_on("MEGAMOE_FP8_DH_EPILOGUE");
-}
-bool fp8_sorted_dy_by_env() {
-    return switched_on("MEGAMOE_FP8_SORTED_DY");
-}
-bool fp8_sorted_x_by_env() {
-    return switched_on("MEGAMOE_FP8_SORTED_X");
-}
-bool fp8_weight_grads_by_env() {
-    return switched_on("MEGAMOE_FP8_WGRAD");
-}
-bool fp8_operands_in_dw13_by_env() {
-    return !env_is("MEGAMOE_FP8_OPERANDS_IN_DW13", "0");
 }
 
 bool sm90_device_ok(int device_index) {

@@ -6,7 +6,6 @@
 #include "path/cuda_path.h"
 #include "path/cuda_path_common.h"
 #include "portable/fp8_quant.h"
-#include "sm90/k_grouped_fp8_gemm_sm90.h"
 #include "sm90/m_grouped_fp8_gemm_sm90.h"
 
 namespace megamoe::cuda {
@@ -35,91 +34,6 @@ Fp8Rows Fp8Rows::carve(WorkspaceCarver& carver, int64_t rows, int64_t cols) {
     out.scales = carver.take<float>(rows * groups(cols));
     out.cols = cols;
     return out;
-}
-
-Fp8ExpertCols Fp8ExpertCols::carve(WorkspaceCarver& carver, int64_t cols, int64_t max_tiles) {
-    Fp8ExpertCols out;
-    out.cols = cols;
-    out.max_tiles = max_tiles;
-    out.ld = kFp8GroupSize * max_tiles;
-    out.ld_scales = ceil_div(cols, int64_t{4}) * 4;  // 16-byte rows of scales
-    out.q_t = carver.take<uint8_t>(cols * out.ld);
-    out.scales = carver.take<float>(std::max<int64_t>(max_tiles, 1) * out.ld_scales);
-    return out;
-}
-
-namespace {
-
-// The K-grouped FP8 GEMM's view of quantized columns: the first `cols` of `operand`.
-sm90::KGroupedFp8Operand fp8_operand(const Fp8ExpertCols& operand) {
-    return {operand.q_t, operand.ld, operand.scales, operand.ld_scales};
-}
-
-sm90::KGroupedFp8GemmArgs fp8_weight_grad_args(const KGroupedGemmArgs& args, const int* m_tile_offsets,
-                                               const Fp8ExpertCols& a, const Fp8ExpertCols& b) {
-    sm90::KGroupedFp8GemmArgs fp8{};
-    fp8.a = fp8_operand(a);
-    fp8.b = fp8_operand(b);
-    fp8.m = args.m;
-    fp8.n = args.n;
-    fp8.m_tile_offsets = m_tile_offsets;
-    fp8.num_experts = args.num_experts;
-    fp8.max_tiles = a.max_tiles;
-    fp8.accumulate = args.accumulate;
-    return fp8;
-}
-
-// One side of a 16-bit weight gradient (`args`' A where side_is_a, else its B: rows of M or N values, gathered by slot
-// or not) quantized along the expert rows into `out`, and, where `rows` is given, its source rows along the columns
-// into it in the same pass (each routed row once).
-megamoe_status_t quantize_expert_cols(const Call& call, const RoutingBuffers& routing, const KGroupedGemmArgs& args,
-                                      bool side_is_a, const Fp8ExpertCols& out, const Fp8Rows* rows = nullptr) {
-    QuantizeExpertRowsArgs quantize{};
-    quantize.in = side_is_a ? args.a : args.b;
-    quantize.in_dtype = call.dtype;
-    quantize.cols = side_is_a ? args.m : args.n;
-    quantize.in_row_stride = side_is_a ? args.lda : args.ldb;
-    quantize.sorted_slot = side_is_a ? args.a_gather_slots : args.b_gather_slots;
-    quantize.topk = std::max<int64_t>(args.topk, 1);
-    quantize.expert_offsets = args.expert_offsets;
-    quantize.m_tile_offsets = routing.m_tile_offsets;
-    quantize.num_experts = args.num_experts;
-    quantize.max_tiles = out.max_tiles;
-    quantize.q_t = out.q_t;
-    quantize.ld_q = out.ld;
-    quantize.scales = out.scales;
-    quantize.ld_scales = out.ld_scales;
-    quantize.pow2 = false;
-    if (rows != nullptr) {
-        quantize.row_q = rows->q;
-        quantize.row_scales = rows->scales;
-        quantize.slot_to_row = routing.slot_to_row;
-    }
-    return launch_quantize_expert_rows(quantize, call.stream);
-}
-
-}  // namespace
-
-bool fp8_weight_grad_ok(const KGroupedGemmArgs& args, const RoutingBuffers& routing, const megamoe_tensor_t& grad,
-                        const Fp8ExpertCols& a, const Fp8ExpertCols& b) {
-    if (a.q_t == nullptr || b.q_t == nullptr || args.m > a.cols || args.n > b.cols) return false;
-    return sm90::k_grouped_fp8_gemm_sm90_supported(fp8_weight_grad_args(args, routing.m_tile_offsets, a, b), grad.data,
-                                                   grad.dtype);
-}
-
-megamoe_status_t quantize_side_for_fp8_weight_grad(const Call& call, const KGroupedGemmArgs& args,
-                                                   const RoutingBuffers& routing, bool side_is_a, const Fp8Rows& rows,
-                                                   const Fp8ExpertCols& cols) {
-    return quantize_expert_cols(call, routing, args, side_is_a, cols, &rows);
-}
-
-megamoe_status_t launch_fp8_weight_grad(const Call& call, const KGroupedGemmArgs& args, const RoutingBuffers& routing,
-                                        const megamoe_tensor_t& grad, const Fp8ExpertCols& a, const Fp8ExpertCols& b,
-                                        int num_sms, bool a_quantized, bool b_quantized) {
-    if (!a_quantized) MEGAMOE_CUDA_RETURN_IF_ERROR(quantize_expert_cols(call, routing, args, true, a));
-    if (!b_quantized) MEGAMOE_CUDA_RETURN_IF_ERROR(quantize_expert_cols(call, routing, args, false, b));
-    return sm90::launch_k_grouped_fp8_gemm_sm90(fp8_weight_grad_args(args, routing.m_tile_offsets, a, b), grad.data,
-                                                grad.dtype, num_sms, call.stream);
 }
 
 megamoe_status_t check_fp8_device(int device_index) {
@@ -180,22 +94,14 @@ megamoe_status_t quantize_rows(const Call& call, const void* in, int64_t rows, c
     return launch_quantize_groups(rows_args(call, in, rows, out), call.stream);
 }
 
-megamoe_status_t quantize_rows_sorted(const Call& call, const void* x, const RoutingBuffers& routing,
-                                      const Fp8Rows& out) {
-    QuantizeGroupsArgs args = rows_args(call, x, call.shape.num_slots(), out);  // one row per routing slot
-    args.slot_to_row = routing.slot_to_row;
-    args.topk = call.shape.topk;
-    return launch_quantize_groups(args, call.stream);
-}
-
 megamoe_status_t launch_fp8_up(const Call& call, const MGroupedGemmArgs& args, const Fp8Rows& x, void* h, void* act,
-                               const Fp8Rows* act_q, int num_sms, bool a_tma) {
+                               const Fp8Rows* act_q, int num_sms) {
     const MGroupedGemmArgs up = with_fp8_operands(args, x, call.fp8->w13.data, 2 * args.n);
     const sm90::Fp8BlockScales scales{x.scales, groups(x.cols), static_cast<const float*>(call.fp8->w13_scales.data)};
     if (act_q == nullptr) {
         return sm90::launch_m_grouped_fp8_gemm_sm90_gated(up, scales, h, act, num_sms, call.stream);
     }
-    const sm90::Fp8QuantizedAct quantized{act_q->q, act_q->scales, false, a_tma};
+    const sm90::Fp8QuantizedAct quantized{act_q->q, act_q->scales, false};
     return sm90::launch_m_grouped_fp8_gemm_sm90_gated(up, scales, h, act, num_sms, call.stream, &quantized);
 }
 

@@ -27,7 +27,6 @@ constexpr int kRowThreads = 256;
 constexpr int kSlotThreads = 256;
 constexpr int64_t kMaxGridY = 65535;
 constexpr int kFillThreads = 256;
-constexpr int kSortRowsThreads = 128;
 constexpr int64_t kMaxFillBlocks = 1024;
 
 static_assert(kRowThreads % kWarpSize == 0, "row reduction uses whole warps");
@@ -182,23 +181,6 @@ __global__ void __launch_bounds__(kSlotThreads) finalize_dtopk_kernel(const Fina
     store_scalar(args.dtopk_weights, args.dtopk_dtype, slot_idx, value);
 }
 
-// Token-major: one block per token reads its row once, 16-byte chunks across the threads, and writes each chunk to
-// the sorted rows of the token's slots (topk stores per load: the row is read from memory once, not topk times).
-__global__ void __launch_bounds__(kSortRowsThreads) sort_rows_kernel(const SortRowsArgs args) {
-    const int64_t token_idx = blockIdx.x;
-    const int64_t num_chunks = args.num_cols / 8;
-    const uint4* __restrict__ src = static_cast<const uint4*>(args.rows) + token_idx * num_chunks;
-    uint4* __restrict__ out = static_cast<uint4*>(args.out);
-    const int* __restrict__ row_of_slot = args.slot_to_row + token_idx * args.topk;
-    for (int64_t chunk_idx = threadIdx.x; chunk_idx < num_chunks; chunk_idx += kSortRowsThreads) {
-        const uint4 value = __ldg(src + chunk_idx);
-        for (int64_t slot_idx = 0; slot_idx < args.topk; ++slot_idx) {
-            const int row_idx = __ldg(row_of_slot + slot_idx);
-            if (row_idx >= 0) out[row_idx * num_chunks + chunk_idx] = value;
-        }
-    }
-}
-
 template <typename T>
 __global__ void __launch_bounds__(kFillThreads) fill_nan_if_kernel(const int* flag, T* data, int64_t count, T nan) {
     if (*flag == 0) return;
@@ -222,16 +204,6 @@ megamoe_status_t launch_fill_nan_if(const int* flag, void* data, megamoe_dtype_t
         fill_nan_if_kernel<uint16_t><<<grid, kFillThreads, 0, stream>>>(flag, static_cast<uint16_t*>(data), count, nan);
     }
     return check_launch("fill_nan_if_kernel");
-}
-
-megamoe_status_t launch_sort_rows(const SortRowsArgs& args, cudaStream_t stream) {
-    if (args.num_tokens == 0 || args.num_cols == 0) return MEGAMOE_STATUS_SUCCESS;
-    if (args.num_cols % 8 != 0 || !is_aligned(args.rows, 16) || !is_aligned(args.out, 16) ||
-        args.num_tokens > INT32_MAX) {
-        return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "sort_rows: 16-byte rows and fewer than 2^31 tokens");
-    }
-    sort_rows_kernel<<<static_cast<unsigned>(args.num_tokens), kSortRowsThreads, 0, stream>>>(args);
-    return check_launch("sort_rows_kernel");
 }
 
 megamoe_status_t launch_gather_sum(const GatherSumArgs& args, cudaStream_t stream) {

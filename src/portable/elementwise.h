@@ -8,7 +8,6 @@
 //                 buffer), and s * a written to `act` (the dW2 operand: dW2[e] = sum dy (s a)^T).
 //   finalize_dtopk  d topk_weights[slot] = ds of the slot's row (the sum of its partial sums, in order), 0 for
 //                 dropped slots, NaN for invalid tokens.
-//   sort_rows     a copy of rows in sorted-row order (the gather of a grouped GEMM's A, made once), token-major.
 //   fill_nan_if   every element NaN when a device flag is set (grouped rows' weight gradients under invalid
 //                 counts), else nothing.
 // Grouped rows: sorted_slot NULL (row r is slot r) and weights NULL (every weight 1) are allowed wherever they are
@@ -66,20 +65,6 @@ struct FinalizeDTopkArgs {
     megamoe_dtype_t dtopk_dtype;
 };
 megamoe_status_t launch_finalize_dtopk(const FinalizeDTopkArgs& args, cudaStream_t stream);
-
-// out [rows, num_cols] in sorted-row order: the sorted row slot_to_row[t * topk + j] (where >= 0) of out is row t of
-// rows, for every token t and j < topk (rows no slot names are left as they are). Read token-major: each row of
-// `rows` once. 16-bit elements; rows, out 16-byte aligned and num_cols % 8 == 0 (16-byte copies). The sm_90a
-// backward's dy for TMA-fed dH and dW2 (MEGAMOE_SM90_SORTED_DY).
-struct SortRowsArgs {
-    const void* rows;  // [T, num_cols]
-    int64_t num_tokens;
-    int64_t num_cols;
-    const int* slot_to_row;  // [T * topk], -1 = no row
-    int64_t topk;
-    void* out;  // [sorted rows, num_cols]
-};
-megamoe_status_t launch_sort_rows(const SortRowsArgs& args, cudaStream_t stream);
 
 // data [count] (f32, bf16 or f16; NULL: nothing) all NaN when *flag != 0 (a device int), else untouched.
 megamoe_status_t launch_fill_nan_if(const int* flag, void* data, megamoe_dtype_t dtype, int64_t count,

@@ -18,16 +18,6 @@ constexpr int kColsPerLane = kFp8GroupSize / kWarpSize;
 constexpr int64_t kMaxQuantBlocks = 65535;
 static_assert(kColsPerLane == 4, "a lane quantizes 4 columns of its group (one 32-bit store of q)");
 
-// Row r of a quantize_groups call: the input row it reads and the output row it writes (QuantizeGroupsArgs'
-// slot_to_row; out < 0: nothing written).
-struct RowPair {
-    int64_t in, out;
-};
-__device__ __forceinline__ RowPair rows_of(const QuantizeGroupsArgs& args, int64_t row) {
-    if (args.slot_to_row == nullptr) return {row, row};
-    return {row / args.topk, args.slot_to_row[row]};
-}
-
 __global__ void __launch_bounds__(kQuantThreads) quantize_groups_kernel(const QuantizeGroupsArgs args) {
     const int lane_idx = static_cast<int>(threadIdx.x) % kWarpSize;
     const int64_t groups_per_row = ceil_div(args.cols, static_cast<int64_t>(kFp8GroupSize));
@@ -36,8 +26,7 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_groups_kernel(const Qu
     for (int64_t group_idx =
              static_cast<int64_t>(blockIdx.x) * (kQuantThreads / kWarpSize) + static_cast<int>(threadIdx.x) / kWarpSize;
          group_idx < num_groups; group_idx += warps_per_grid) {
-        const RowPair rows = rows_of(args, group_idx / groups_per_row);  // warp-uniform
-        if (rows.out < 0) continue;
+        const int64_t row_idx = group_idx / groups_per_row;  // warp-uniform
         const int64_t group_in_row = group_idx % groups_per_row;
         const int64_t first_col = group_in_row * kFp8GroupSize + lane_idx * kColsPerLane;
         float values[kColsPerLane];
@@ -46,20 +35,20 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_groups_kernel(const Qu
         for (int i = 0; i < kColsPerLane; ++i) {
             const int64_t col = first_col + i;
             values[i] =
-                col < args.cols ? load_scalar(args.in, args.in_dtype, rows.in * args.in_row_stride + col) : 0.0f;
+                col < args.cols ? load_scalar(args.in, args.in_dtype, row_idx * args.in_row_stride + col) : 0.0f;
             stats.add(values[i]);
         }
         stats.reduce_over_warp();
         const float scale = group_scale(stats, args.pow2);
         const float factor = group_factor(stats, scale, args.pow2);
-        uint8_t* q_row = args.q + rows.out * args.cols;
+        uint8_t* q_row = args.q + row_idx * args.cols;
 #pragma unroll
         for (int i = 0; i < kColsPerLane; ++i) {
             const int64_t col = first_col + i;
             if (col >= args.cols) break;
             q_row[col] = quantize_value(values[i], factor, stats.non_finite);
         }
-        if (lane_idx == 0) args.scales[rows.out * groups_per_row + group_in_row] = scale;
+        if (lane_idx == 0) args.scales[row_idx * groups_per_row + group_in_row] = scale;
     }
 }
 
@@ -98,14 +87,14 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_groups_vector_kernel(c
         float values[kGroupsPerWarp][kColsPerLane];
         GroupStats stats[kGroupsPerWarp];
         int64_t col[kGroupsPerWarp];
-        RowPair rows[kGroupsPerWarp];
+        int64_t rows[kGroupsPerWarp];
 #pragma unroll
         for (int j = 0; j < kGroupsPerWarp; ++j) {  // warp-uniform: every lane takes part in the reductions
             const int64_t group_idx = min(first_group + j, num_groups - 1);
-            rows[j] = rows_of(args, group_idx / groups_per_row);
+            rows[j] = group_idx / groups_per_row;
             col[j] = (group_idx % groups_per_row) * kFp8GroupSize + lane_idx * kColsPerLane;
-            if (col[j] < args.cols && rows[j].out >= 0) {
-                load4(in + rows[j].in * args.in_row_stride + col[j], values[j]);
+            if (col[j] < args.cols) {
+                load4(in + rows[j] * args.in_row_stride + col[j], values[j]);
             } else {
 #pragma unroll
                 for (int i = 0; i < kColsPerLane; ++i) values[j][i] = 0.0f;
@@ -116,7 +105,7 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_groups_vector_kernel(c
 #pragma unroll
         for (int j = 0; j < kGroupsPerWarp; ++j) {
             stats[j].reduce_over_warp();
-            if (first_group + j >= num_groups || rows[j].out < 0) continue;
+            if (first_group + j >= num_groups) continue;
             const float scale = group_scale(stats[j], args.pow2);
             const float factor = group_factor(stats[j], scale, args.pow2);
             uint32_t bytes = 0;
@@ -124,9 +113,9 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_groups_vector_kernel(c
             for (int i = 0; i < kColsPerLane; ++i) {
                 bytes |= static_cast<uint32_t>(quantize_value(values[j][i], factor, stats[j].non_finite)) << (8 * i);
             }
-            if (col[j] < args.cols) *reinterpret_cast<uint32_t*>(args.q + rows[j].out * args.cols + col[j]) = bytes;
+            if (col[j] < args.cols) *reinterpret_cast<uint32_t*>(args.q + rows[j] * args.cols + col[j]) = bytes;
             if (lane_idx == 0) {
-                args.scales[rows[j].out * groups_per_row + (first_group + j) % groups_per_row] = scale;
+                args.scales[rows[j] * groups_per_row + (first_group + j) % groups_per_row] = scale;
             }
         }
     }
@@ -151,11 +140,9 @@ __global__ void __launch_bounds__(kQuantThreads) quantize_groups_row_kernel(cons
     for (int64_t row_idx =
              static_cast<int64_t>(blockIdx.x) * (kQuantThreads / kWarpSize) + static_cast<int>(threadIdx.x) / kWarpSize;
          row_idx < args.rows; row_idx += warps_per_grid) {
-        const RowPair rows = rows_of(args, row_idx);  // warp-uniform
-        if (rows.out < 0) continue;
-        const T* in_row = static_cast<const T*>(args.in) + rows.in * args.in_row_stride;
-        uint8_t* q_row = args.q + rows.out * args.cols;
-        float* scale_row = args.scales + rows.out * groups_per_row;
+        const T* in_row = static_cast<const T*>(args.in) + row_idx * args.in_row_stride;
+        uint8_t* q_row = args.q + row_idx * args.cols;
+        float* scale_row = args.scales + row_idx * groups_per_row;
         for (int64_t first_col = 0; first_col < args.cols; first_col += kRowChunkCols * kRowChunksInFlight) {
             uint32_t words[kRowChunksInFlight][4];
 #pragma unroll
@@ -415,9 +402,8 @@ bool quantize_blocks_vectorizable(const QuantizeBlocksArgs& args) {
 megamoe_status_t launch_quantize_groups(const QuantizeGroupsArgs& args, cudaStream_t stream) {
     if (args.rows == 0 || args.cols == 0) return MEGAMOE_STATUS_SUCCESS;
     if (args.in == nullptr || args.q == nullptr || args.scales == nullptr || args.rows < 0 || args.cols < 0 ||
-        args.in_row_stride < args.cols || (args.slot_to_row != nullptr && args.topk < 1)) {
-        return set_error(MEGAMOE_STATUS_INTERNAL_ERROR,
-                         "quantize_groups: in, q, scales, a row stride >= cols, and topk >= 1 when scattering");
+        args.in_row_stride < args.cols) {
+        return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "quantize_groups: in, q, scales and a row stride >= cols");
     }
     const int64_t num_groups = args.rows * ceil_div(args.cols, static_cast<int64_t>(kFp8GroupSize));
     const int64_t warps_per_block = kQuantThreads / kWarpSize;  // a row (the row path) or a group each

@@ -69,7 +69,6 @@
 #include "sm90/epilogue.cuh"
 #include "sm90/k_grouped_config.cuh"
 #include "sm90/k_grouped_host.cuh"
-#include "sm90/knobs.h"
 #include "sm90/launch.h"
 #include "sm90/ptx.h"
 
@@ -460,11 +459,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         if (params.tma_store) prefetch_tensor_map(&out_map);
     }
     cluster_sync();  // barriers initialised in both CTAs before any multicast or remote arrive
-    // Launched programmatically (MEGAMOE_SM90_PDL): the prologue above overlapped the previous kernel's tail; nothing
-    // written by an earlier kernel (routing, the schedule, operands) is read before this. The next kernel may be
-    // scheduled now: it waits for this one's completion in turn.
-    griddepcontrol_wait();
-    griddepcontrol_launch_dependents();
     const auto cta_rank = static_cast<int>(cluster_cta_rank());
     const int warpgroup_idx = __shfl_sync(0xffffffffu, thread_idx / kWarpgroupThreads, 0);
     if (warpgroup_idx == 0) {
@@ -610,7 +604,7 @@ megamoe_status_t launch_k_grouped_gemm_sm90(const cuda::KGroupedGemmArgs& args, 
     CUtensorMap out_map{};
     params.tma_store = !f32_out && encode_out_map(args.dtype, out, args.num_experts, args.m, args.n, &out_map);
     // The gathered operand on the narrow side of the tile (the tile table, k_grouped_config.cuh).
-    const bool wide_a = params.a.tma && args.b_gather_slots != nullptr && !k_grouped_narrow_a_tile();
+    const bool wide_a = params.a.tma && args.b_gather_slots != nullptr;
     return wide_a ? launch_shape<WideATile>(args, params, a_map, b_map, out_map, f32_out, num_sms, stream)
                   : launch_shape<NarrowATile>(args, params, a_map, b_map, out_map, f32_out, num_sms, stream);
 }

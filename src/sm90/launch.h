@@ -16,7 +16,6 @@
 #include "common.h"
 #include "device/cuda_utils.h"
 #include "megamoe/megamoe.h"
-#include "sm90/knobs.h"
 
 namespace megamoe::sm90 {
 
@@ -125,26 +124,21 @@ template <int kClusterSize, typename... KernelArgs, typename... Args>
 megamoe_status_t launch_cluster_kernel(void (*kernel)(KernelArgs...), const char* name, int num_threads, int smem_bytes,
                                        int64_t max_clusters, cudaStream_t stream, Args&&... args) {
     if (max_clusters <= 0) return MEGAMOE_STATUS_SUCCESS;  // no tiles
-    cudaLaunchAttribute attributes[2]{};
+    cudaLaunchAttribute attributes[1]{};
     attributes[0].id = cudaLaunchAttributeClusterDimension;
     attributes[0].val.clusterDim.x = kClusterSize;
     attributes[0].val.clusterDim.y = 1;
     attributes[0].val.clusterDim.z = 1;
-    // Programmatic dependent launch (MEGAMOE_SM90_PDL=1): the kernel may start while the stream's previous kernel
-    // finishes; it waits for it (griddepcontrol_wait) before reading anything that kernel wrote.
-    attributes[1].id = cudaLaunchAttributeProgrammaticStreamSerialization;
-    attributes[1].val.programmaticStreamSerializationAllowed = 1;
     cudaLaunchConfig_t config{};
     config.blockDim = dim3(num_threads);
     config.dynamicSmemBytes = smem_bytes;
     config.stream = stream;
     config.attrs = attributes;
-    config.numAttrs = 1;                  // the occupancy query: the cluster dimension alone
+    config.numAttrs = 1;
     config.gridDim = dim3(kClusterSize);  // for the occupancy query
     int fitting = 0;
     MEGAMOE_CUDA_RETURN_IF_ERROR(prepare_cluster_kernel(reinterpret_cast<const void*>(kernel), config, name, &fitting));
     config.gridDim = dim3(static_cast<unsigned>(std::min<int64_t>(fitting, max_clusters) * kClusterSize));
-    config.numAttrs = programmatic_launch() ? 2 : 1;
     MEGAMOE_CUDA_RETURN_IF_ERROR(
         cuda::check_cuda(cudaLaunchKernelEx(&config, kernel, std::forward<Args>(args)...), name));
     return cuda::check_launch(name);

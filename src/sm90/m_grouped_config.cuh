@@ -59,46 +59,30 @@ enum class BSource {
                // K 0 of its map; A (by TMA) a 3-D map [rows, 2, k] over its halves: the separate layout's dX GEMM
 };
 
-// How the two consumer warpgroups share the work.
-enum class Schedule {
-    kCooperative,  // both on one 128 x kBlockN tile, 64 rows each, in step: the tensor cores idle during the epilogue
-    kPingPong,     // each on its own 128 x 128 tile, taking the CTA's tiles in turn: one's epilogue runs under the
-                   // other's mainloop (the producer fills the stages in tile order, so the mainloops alternate)
-};
-
 // What the wgmmas multiply.
 enum class Operands {
-    k16Bit,         // bf16 / f16 A and B (the output's type): one set of accumulators, one wgmma batch in flight
-    kFp8Blockwise,  // e4m3 A and B with f32 scales per 128 K (m_grouped_fp8_gemm_sm90.h): a stage (one K group)
-                    // summed into a second set of accumulators, promoted into the first by its scales once complete
-    kFp8Rescaled,   // the same operands, one set of accumulators kept in units of the current group's scales: before
-                    // a group's wgmmas the accumulators are multiplied by (previous scales / its scales), after the
-                    // last group by its scales (the 128 x 256 tile without a second set), as two m64 x 128 column
-                    // halves (MEGAMOE_SM90_FP8_HALVES=1, an experiment; the launch picks kFp8RescaledFullN otherwise)
-    kFp8RescaledFullN,  // kFp8Rescaled with m64 x 256 wgmmas (A read once per k step, not once per column half), both
-                        // halves rescaled before the group's wgmmas (the default: up to 1.34x faster, H200)
+    k16Bit,  // bf16 / f16 A and B (the output's type): one set of accumulators, one wgmma batch in flight
+    kFp8,    // e4m3 A and B with f32 scales per 128 K (m_grouped_fp8_gemm_sm90.h): one set of accumulators kept in
+             // units of the current K group's scales, multiplied by (previous scales / its scales) before a group's
+             // m64 x 256 wgmmas and by the last group's scales at the end (m_grouped_fp8_mainloop.cuh)
 };
 
-// The tile configuration of a schedule and operand type; every size the kernel, its epilogues and the host derive from
-// it. A K block is one 128-byte swizzled row of either operand type (64 16-bit or 128 e4m3 elements): the shared-memory
-// geometry (A and B tiles, swizzle, cp.async chunks per row) is the same for both.
-template <Schedule kSchedule, Operands kOperands = Operands::k16Bit>
+// The tile configuration of an operand type: 128 x 256 outputs, the two consumer warpgroups on 64 rows each (one m64
+// row block), in step (cooperative). Every size the kernel, its epilogues and the host derive comes from it. A K block
+// is one 128-byte swizzled row of either operand type (64 16-bit or 128 e4m3 elements): the shared-memory geometry
+// (A and B tiles, swizzle, cp.async chunks per row) is the same for both.
+template <Operands kOperands = Operands::k16Bit>
 struct TileConfig {
-    static constexpr bool kPingPong = kSchedule == Schedule::kPingPong;
-    static constexpr bool kFp8 = kOperands != Operands::k16Bit;
-    static constexpr bool kFp8Promoted = kOperands == Operands::kFp8Blockwise;   // a second set of accumulators
-    static constexpr bool kFp8FullN = kOperands == Operands::kFp8RescaledFullN;  // full-width wgmmas
+    static constexpr bool kFp8 = kOperands == Operands::kFp8;
     static constexpr int kOperandBytes = kFp8 ? 1 : kElemBytes;
     static constexpr int kBlockK = kSwizzleBytes / kOperandBytes;         // K elements per stage (FP8: one scale group)
     static constexpr int kOperandChunkElems = 16 / kOperandBytes;         // elements of one 16-byte cp.async
     static constexpr int kMmaK = kFp8 ? 32 : kWgmmaK;                     // K of one wgmma
     static constexpr uint64_t kDescKStep = (kMmaK * kOperandBytes) >> 4;  // K-major descriptor units per wgmma
-    // Columns of B_e per tile: FP8's second set of accumulators halves the cooperative tile.
-    static constexpr int kBlockN = kPingPong || kFp8Promoted ? 128 : 256;
-    static constexpr int kConsumerRows = kPingPong ? kBlockM : kBlockM / kNumConsumers;  // rows a consumer computes
-    static constexpr int kRowBlocks = kConsumerRows / kWgmmaM;                           // its m64 wgmma row blocks
-    static constexpr int kBlockRegs = kWgmmaM * kBlockN / kWarpgroupThreads;  // accumulators of one row block
-    static constexpr int kNumAccRegs = kRowBlocks * kBlockRegs;
+    static constexpr int kBlockN = 256;                                   // columns of B_e per tile
+    static constexpr int kConsumerRows = kBlockM / kNumConsumers;         // rows a consumer computes: one row block
+    static constexpr int kBlockRegs = kWgmmaM * kBlockN / kWarpgroupThreads;  // accumulators of the row block
+    static constexpr int kNumAccRegs = kBlockRegs;
     static constexpr int kBBoxRows = kBlockN / kNumBBoxes;
     static constexpr int kBBoxBytes = kBBoxRows * kSwizzleBytes;
     static constexpr int kBTileBytes = kBlockN * kSwizzleBytes;
@@ -107,14 +91,13 @@ struct TileConfig {
     static constexpr int kKNBoxesPerCta = kKNNumBoxes / kClusterSize;  // a shared kKN tile: boxes multicast per CTA
     static constexpr int kStoreChunks = kBlockN / kTmaStoreCols;       // store epilogue: TMA boxes per warp row slice
     // Per CTA of the cluster, one per warp that reads a stage: a stage is refilled (by multicast) in all at once.
-    static constexpr int kEmptyArrivalsPerCta = (kPingPong ? 1 : kNumConsumers) * kWarpsPerWarpgroup;
+    static constexpr int kEmptyArrivalsPerCta = kNumConsumers * kWarpsPerWarpgroup;
 
     static_assert(kBlockK * kOperandBytes == kSwizzleBytes && kBlockK % kMmaK == 0,
                   "a K block is one 128-byte swizzled row of whole wgmma K steps");
     static_assert(!kFp8 || kBlockK == kFp8ScaleGroup, "an FP8 stage is one scale group along K");
-    static_assert(!kFp8 || (!kPingPong && kRowBlocks == 1), "FP8: the cooperative tile, one row block per consumer");
-    static_assert((kFp8Promoted ? 2 : 1) * kNumAccRegs <= 128,
-                  "the accumulators (FP8: and the group's) of one consumer thread fit beside the epilogue's registers");
+    static_assert(kConsumerRows == kWgmmaM, "a consumer's rows are one m64 row block");
+    static_assert(kNumAccRegs <= 128, "the accumulators of one consumer thread fit beside the epilogue's registers");
     static_assert(kBBoxBytes % kSwizzleAtomBytes == 0, "TMA boxes start on a swizzle atom");
     static_assert(kKNNumBoxes * kKNBoxBytes == kBTileBytes, "kKN boxes cover the B tile");
     static_assert(kKNBoxesPerCta * kClusterSize == kKNNumBoxes, "the CTAs of a pair split the kKN boxes evenly");
@@ -164,17 +147,11 @@ constexpr int smem_bytes() {
     return static_cast<int>(sizeof(SharedStorage<Config, kStaging>)) + kSwizzleAtomBytes;  // + alignment slack
 }
 
-using Cooperative = TileConfig<Schedule::kCooperative>;
-using PingPong = TileConfig<Schedule::kPingPong>;
-using Fp8Cooperative = TileConfig<Schedule::kCooperative, Operands::kFp8Blockwise>;
-using Fp8RescaledCooperative = TileConfig<Schedule::kCooperative, Operands::kFp8Rescaled>;
-using Fp8RescaledFullNCooperative = TileConfig<Schedule::kCooperative, Operands::kFp8RescaledFullN>;
+using Cooperative = TileConfig<Operands::k16Bit>;
+using Fp8Cooperative = TileConfig<Operands::kFp8>;
 static_assert(num_stages<Cooperative, true>() == 4 && num_stages<Cooperative, false>() == 4,
-              "the cooperative 128 x 256 tile: 4 stages of 48 KiB (with staging: + 32 KiB)");
-static_assert(num_stages<PingPong, false>() == 7, "the ping-pong 128 x 128 tile: 7 stages of 32 KiB");
-static_assert(num_stages<Fp8Cooperative, true>() == 6 && num_stages<Fp8Cooperative, false>() == 7,
-              "the FP8 128 x 128 tile: 7 stages of 32 KiB (with staging: 6)");
-static_assert(smem_bytes<Cooperative, true>() <= kMaxSmemBytes && smem_bytes<PingPong, true>() <= kMaxSmemBytes,
+              "the 128 x 256 tile: 4 stages of 48 KiB (with staging: + 32 KiB)");
+static_assert(smem_bytes<Cooperative, true>() <= kMaxSmemBytes,
               "stages and the staging boxes of TMA stores exceed the shared memory of an SM");
 
 // What the mainloop and the tile schedule read; each epilogue policy (m_grouped_epilogue.cuh) has its own Params.
@@ -190,10 +167,9 @@ struct MainloopParams {
     const int* m_tile_offsets;      // [E + 1]
     int64_t num_experts;
     int64_t num_n_tiles;
-    bool late_decode;  // consumers decode a tile under their previous tile's last batch (MEGAMOE_SM90_M_LATE_DECODE)
 };
 
-// The FP8 operands' scales (Operands::kFp8Blockwise; m_grouped_fp8_gemm_sm90.h's Fp8BlockScales), after the other
+// The FP8 operands' scales (Operands::kFp8; m_grouped_fp8_gemm_sm90.h's Fp8BlockScales), after the other
 // params so that the 16-bit kernels' parameter offsets do not depend on them.
 struct NoScaleParams {};
 struct Fp8ScaleParams {

@@ -4,7 +4,6 @@
 // interleaved layout's row order, which the dX and dW13 GEMMs read as w13 stores its rows).
 #pragma once
 
-#include "device/fp8_math.cuh"
 #include "sm90/m_grouped_epilogue.cuh"
 #include "sm90/m_grouped_gemm_sm90.h"
 
@@ -25,9 +24,6 @@ struct DSwiGLUParamsOf : Act::Params {
     float* ds_parts;      // [rows, num_n_tiles] partial sums of ds
     const void* weights;  // topk_weights [T * topk] (s of row r: weights[a_gather_slots[r]]), NULL: s = 1
     megamoe_dtype_t weights_dtype;
-    uint8_t* dh_q;     // the quantizing policy (DSwiGLUEpilogueOf's kQuantizeDh): dh [rows, 2I] e4m3, 1 x 128 groups
-    float* dh_scales;  // and its scales [rows, 2I / 128]
-    bool dh_q_pow2;    // power-of-two scales
 };
 
 // The topk weight s of the thread's two accumulator rows of a row block (rows 16 w + l / 4 and + 8 of its 64), 0 for
@@ -103,66 +99,6 @@ __device__ __forceinline__ void load_dswiglu_sub_tile(const MainloopParams& para
     cuda::cp_async_commit();
 }
 
-// store_tile_dswiglu's quantization of dh (kQuantizeDh): the quad-reduced stats of the lane's rows (copy pass p: row
-// dswiglu_copy_row(p)), then its own dh chunks read back, their bytes and the rows' scales stored.
-template <typename T, class Config, int kPasses, int kGroups, class Params>
-__device__ __forceinline__ void quantize_dh_chunks(const MainloopParams& params, const Params& epilogue,
-                                                   const Tile& tile,
-                                                   cuda::PackedGroupStats<T> (&packed)[kPasses][2][kGroups],
-                                                   int warp_first_row, int64_t first_col, int lane_idx) {
-    constexpr int kNumSubTiles = Config::kBlockN / kDSwiGLUSubCols;
-    constexpr int kSubTilesPerGroup = kFp8ScaleGroup / kDSwiGLUSubCols;
-    const int64_t intermediate = params.n;
-    const int64_t groups_per_row = 2 * intermediate / kFp8ScaleGroup;
-    const int copy_chunk = lane_idx % kDSwiGLUChunksPerRow;
-    cuda::GroupStats stats[kPasses][2][kGroups];
-    float scales[kPasses][2][kGroups], factors[kPasses][2][kGroups];
-#pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) {
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {
-#pragma unroll
-            for (int group = 0; group < kGroups; ++group) {
-                packed[pass][half][group].reduce_over_quad();  // every lane: the shuffles take the whole warp
-                stats[pass][half][group] = packed[pass][half][group].stats();
-                scales[pass][half][group] = cuda::group_scale(stats[pass][half][group], epilogue.dh_q_pow2);
-                factors[pass][half][group] =
-                    cuda::group_factor(stats[pass][half][group], scales[pass][half][group], epilogue.dh_q_pow2);
-            }
-        }
-    }
-    const T* dh = static_cast<const T*>(epilogue.dh);
-#pragma unroll
-    for (int pass = 0; pass < kPasses; ++pass) {
-        const int row = warp_first_row + dswiglu_copy_row(pass, lane_idx);
-        if (row >= tile.num_rows) continue;
-        const int64_t row_idx = tile.row_begin + row;
-#pragma unroll
-        for (int half = 0; half < 2; ++half) {  // dg, du
-            const T* dh_row = dh + row_idx * 2 * intermediate + half * intermediate;
-            uint8_t* q_row = epilogue.dh_q + row_idx * 2 * intermediate + half * intermediate;
-#pragma unroll
-            for (int sub_tile = 0; sub_tile < kNumSubTiles; ++sub_tile) {
-                const int64_t col = first_col + sub_tile * kDSwiGLUSubCols + copy_chunk * 8;
-                if (col >= intermediate) continue;
-                const int group = sub_tile / kSubTilesPerGroup;
-                uint32_t words[4];
-                load_chunk(dh_row, col, words);
-                *reinterpret_cast<uint2*>(q_row + col) =
-                    cuda::quantize_chunk<T>(words, factors[pass][half][group], stats[pass][half][group].non_finite);
-            }
-#pragma unroll
-            for (int group = 0; group < kGroups; ++group) {
-                const int64_t group_col = first_col + group * kFp8ScaleGroup;
-                if (copy_chunk == 0 && group_col < intermediate) {
-                    epilogue.dh_scales[row_idx * groups_per_row + (half * intermediate + group_col) / kFp8ScaleGroup] =
-                        scales[pass][half][group];
-                }
-            }
-        }
-    }
-}
-
 // dSwiGLU epilogue of one consumer warp's 16 rows of a row block (rows and fragments as in store_tile): acc = p =
 // W2[e]^T dy of the tile's I columns, `staging` the warp's slots (shared address). Sub-tiles of 32 columns: g, u come
 // by 16-byte cp.async into a buffer (zero fill for rows past the tile's end and columns past I), the next sub-tile's
@@ -174,13 +110,7 @@ __device__ __forceinline__ void quantize_dh_chunks(const MainloopParams& params,
 // sums its p a of each row in column order; the quad's partial sums (a fixed shuffle order) give the row's sum over
 // the tile's columns. Columns past I hold p = 0 (B zero-filled) and read no h. kFirstLoaded: the first sub-tile's
 // loads were issued when the tile started (begin_tile), so their latency hides under the mainloop.
-// kQuantizeDh (the FP8 dH, [dg, du] order): dh also quantized along 2I in 1 x 128 groups for dX: each lane adds the
-// 16-bit values of the dh chunks it stores to its rows' group stats (a 128-column group of dg or du is 4 sub-tiles:
-// 4 of the lane's chunks, the quad holding the row's other chunks), the quad reduces them, and once every sub-tile is
-// stored each lane reads its own chunks back (its own writes: L2 hits) and stores their e4m3 bytes, quad lane 0 the
-// scales: the bytes and scales launch_quantize_groups makes from that dh, bit for bit.
-template <typename T, class Act, bool kInterleaved, class Config, int kFirstReg, bool kFirstLoaded, bool kQuantizeDh,
-          int kNumRegs>
+template <typename T, class Act, bool kInterleaved, class Config, int kFirstReg, bool kFirstLoaded, int kNumRegs>
 __device__ __forceinline__ void store_tile_dswiglu(const MainloopParams& params, const DSwiGLUParamsOf<Act>& epilogue,
                                                    const Tile& tile, const float (&acc)[kNumRegs],
                                                    const RowWeights& weights, uint32_t staging, int row_block,
@@ -210,8 +140,8 @@ __device__ __forceinline__ void store_tile_dswiglu(const MainloopParams& params,
     auto load_sub_tile = [&](int sub_tile) {
         load_dswiglu_sub_tile<Config>(params, epilogue.h, tile, staging, warp_first_row, sub_tile, lane_idx);
     };
-    // 16-byte chunks, masked; on_chunk(pass, words) for each stored one.
-    auto store_slot = [&](uint32_t slot_addr, T* out, int64_t row_stride, int sub_tile, const auto& on_chunk) {
+    // 16-byte chunks, masked.
+    auto store_slot = [&](uint32_t slot_addr, T* out, int64_t row_stride, int sub_tile) {
         const int64_t col = copy_col(sub_tile);
 #pragma unroll
         for (int pass = 0; pass < kDSwiGLUPasses; ++pass) {
@@ -220,15 +150,9 @@ __device__ __forceinline__ void store_tile_dswiglu(const MainloopParams& params,
             ld_shared_v4(slot_addr + swizzle_64b_offset(row, copy_chunk), words);
             if (warp_first_row + row < tile.num_rows && col < intermediate) {
                 store_chunk(out + (tile.row_begin + warp_first_row + row) * row_stride, col, words);
-                on_chunk(pass, words);
             }
         }
     };
-    const auto no_stats = [](int, const uint32_t(&)[4]) {};
-    static_assert(!kQuantizeDh || (!kInterleaved && Config::kBlockN % kFp8ScaleGroup == 0),
-                  "dh quantized: the concatenated order, whole 128-column groups per tile");
-    constexpr int kDhGroups = kQuantizeDh ? Config::kBlockN / kFp8ScaleGroup : 1;
-    cuda::PackedGroupStats<T> dh_stats[kDSwiGLUPasses][2][kDhGroups];  // the lane's rows: dg, du; the tile's groups
     float ds[2] = {0.0f, 0.0f};
     if constexpr (!kFirstLoaded) load_sub_tile(0);
 #pragma unroll
@@ -289,18 +213,9 @@ __device__ __forceinline__ void store_tile_dswiglu(const MainloopParams& params,
                 stmatrix_x4(slot(2 * buffer + 1) + matrix_offset(block), dup_regs[block]);
             }
             __syncwarp();
-            constexpr int kSubTilesPerGroup = kFp8ScaleGroup / kDSwiGLUSubCols;
-            const int group = sub_tile / kSubTilesPerGroup;
 #pragma unroll
             for (int half = 0; half < 2; ++half) {  // dg, du
-                const auto add_stats = [&](int pass, const uint32_t(&words)[4]) {
-                    if constexpr (kQuantizeDh) {
-#pragma unroll
-                        for (int word_idx = 0; word_idx < 4; ++word_idx)
-                            dh_stats[pass][half][group].add(words[word_idx]);
-                    }
-                };
-                store_slot(slot(2 * buffer + half), dh + half * intermediate, 2 * intermediate, sub_tile, add_stats);
+                store_slot(slot(2 * buffer + half), dh + half * intermediate, 2 * intermediate, sub_tile);
             }
             __syncwarp();  // read out before s a overwrites the g slot
         }
@@ -309,11 +224,8 @@ __device__ __forceinline__ void store_tile_dswiglu(const MainloopParams& params,
             stmatrix_x4(slot(2 * buffer) + matrix_offset(block), act_regs[block]);
         }
         __syncwarp();
-        store_slot(slot(2 * buffer), act, intermediate, sub_tile, no_stats);
+        store_slot(slot(2 * buffer), act, intermediate, sub_tile);
         __syncwarp();  // read out before the next sub-tile's loads refill the buffer
-    }
-    if constexpr (kQuantizeDh) {
-        quantize_dh_chunks<T, Config>(params, epilogue, tile, dh_stats, warp_first_row, first_col, lane_idx);
     }
 #pragma unroll
     for (int half = 0; half < 2; ++half) {  // the row's ds part
@@ -325,50 +237,39 @@ __device__ __forceinline__ void store_tile_dswiglu(const MainloopParams& params,
     }
 }
 
-// dH's epilogue for an activation policy; kInterleaved: dh in the interleaved order (written elsewhere than h);
-// kSortedA: A is dy already in sorted-row order (MEGAMOE_SM90_SORTED_DY: a copy made before dH, or grouped rows),
-// loaded by TMA, the gather slots then only giving each row's weight.
-// kQuantizeDh: dh also quantized along 2I (the FP8 dH feeding the FP8 dX; params.dh_q, dh_scales).
-template <class Act, bool kInterleaved, bool kSortedA = false, bool kQuantizeDh = false>
+// dH's epilogue for an activation policy; kInterleaved: dh in the interleaved order (written elsewhere than h).
+template <class Act, bool kInterleaved>
 struct DSwiGLUEpilogueOf : NoEpilogueHooks {
     using Activation = Act;
     using Params = DSwiGLUParamsOf<Act>;
-    static constexpr bool kTmaA = kSortedA;
+    static constexpr bool kTmaA = false;
     static constexpr bool kGateUpPairs = false;
     static constexpr bool kGateUpHalves = false;
     static constexpr bool kStaging = true;  // the sub-tile slots of store_tile_dswiglu
-    static constexpr const char* name(BLayout) {
-        return kQuantizeDh ? "m_grouped_gemm_sm90[dswiglu, dh quantized]" : "m_grouped_gemm_sm90[dswiglu, kn]";
-    }
+    static constexpr const char* name(BLayout) { return "m_grouped_gemm_sm90[dswiglu]"; }
     struct TileState {
-        RowWeights row_weights[2];  // per row block of the consumer (at most two)
+        RowWeights row_weights;
     };
 
-    // The rows' weights, and the g, u loads of the first row block's first sub-tile into the warp's slots (free: the
+    // The rows' weights, and the g, u loads of the row block's first sub-tile into the warp's slots (free: the
     // previous tile's epilogue has read them out), so their latency hides under the mainloop.
     template <class Config>
     __device__ __forceinline__ static TileState begin_tile(const MainloopParams& mainloop, const Params& params,
-                                                           const Tile& tile, int first_row_block, uint32_t warp_staging,
+                                                           const Tile& tile, int row_block, uint32_t warp_staging,
                                                            int warp_idx, int lane_idx) {
-        static_assert(Config::kRowBlocks <= 2, "TileState holds two row blocks' weights");
         TileState state{};
-#pragma unroll
-        for (int block = 0; block < Config::kRowBlocks; ++block) {
-            state.row_weights[block] =
-                load_row_weights(mainloop, params, tile, first_row_block + block, warp_idx, lane_idx);
-        }
+        state.row_weights = load_row_weights(mainloop, params, tile, row_block, warp_idx, lane_idx);
         load_dswiglu_sub_tile<Config>(mainloop, params.h, tile, warp_staging,
-                                      first_row_block * kWgmmaM + warp_idx * kDSwiGLUSubRows, 0, lane_idx);
+                                      row_block * kWgmmaM + warp_idx * kDSwiGLUSubRows, 0, lane_idx);
         return state;
     }
-    template <typename T, class Config, int kLocalBlock, int kNumRegs>
+    template <typename T, class Config, int kNumRegs>
     __device__ __forceinline__ static void store(const CUtensorMap*, const MainloopParams& mainloop,
                                                  const Params& params, const Tile& tile, const float (&acc)[kNumRegs],
                                                  const TileState& state, uint32_t warp_staging, int row_block,
                                                  int warp_idx, int lane_idx) {
-        store_tile_dswiglu<T, Act, kInterleaved, Config, kLocalBlock * Config::kBlockRegs, kLocalBlock == 0,
-                           kQuantizeDh>(mainloop, params, tile, acc, state.row_weights[kLocalBlock], warp_staging,
-                                        row_block, warp_idx, lane_idx);
+        store_tile_dswiglu<T, Act, kInterleaved, Config, 0, true>(mainloop, params, tile, acc, state.row_weights,
+                                                                  warp_staging, row_block, warp_idx, lane_idx);
     }
 };
 using DSwiGLUEpilogue = DSwiGLUEpilogueOf<SwiGLUActivation, false>;
@@ -395,9 +296,6 @@ DSwiGLUParamsOf<Act> make_dswiglu_params(const DSwiGLUEpilogueArgs& args) {
     params.ds_parts = args.ds_parts;
     params.weights = args.weights;
     params.weights_dtype = args.weights_dtype;
-    params.dh_q = args.dh_q;
-    params.dh_scales = args.dh_scales;
-    params.dh_q_pow2 = args.dh_q_pow2;
     if constexpr (Act::kClamped) {
         params.limit = args.activation.limit;
         params.alpha = args.activation.alpha;

@@ -274,12 +274,12 @@ struct GatedEpilogue : NoEpilogueHooks {
     static constexpr bool kGateUpHalves = !Gated::kInterleaved;
     static constexpr bool kStaging = false;
     static constexpr const char* name(BLayout) { return "m_grouped_gemm_sm90[swiglu]"; }
-    template <typename T, class Config, int kLocalBlock, int kNumRegs>
+    template <typename T, class Config, int kNumRegs>
     __device__ __forceinline__ static void store(const CUtensorMap*, const MainloopParams& mainloop,
                                                  const Params& params, const Tile& tile, const float (&acc)[kNumRegs],
                                                  const TileState&, uint32_t, int row_block, int warp_idx,
                                                  int lane_idx) {
-        constexpr int kFirstReg = kLocalBlock * Config::kBlockRegs;
+        constexpr int kFirstReg = 0;  // the consumer's one row block
         if constexpr (Gated::kInterleaved) {
             store_tile_paired<T, Gated, Config, kFirstReg>(mainloop, params, tile, acc, row_block, warp_idx, lane_idx);
         } else {
@@ -289,16 +289,15 @@ struct GatedEpilogue : NoEpilogueHooks {
 };
 using SwiGLUEpilogue = GatedEpilogue<SwiGLUOptions>;
 
-// kBias: b2[e] added to the accumulators before they are stored (the down GEMM). kSortedA: A is the sorted rows (by
-// TMA), else rows gathered by slot (the FP8 GEMMs' option).
-template <bool kBias, bool kSortedA = true>
+// kBias: b2[e] added to the accumulators before they are stored (the down GEMM). A is the sorted rows, by TMA.
+template <bool kBias>
 struct StoreEpilogueOf : NoEpilogueHooks {
     struct Params : BiasParamsOf<kBias> {
         void* out;  // [rows, n], row stride ldo
         int64_t ldo;
         bool tma_store;  // the output's tensor map made: a warp's rows inside the expert go out by TMA
     };
-    static constexpr bool kTmaA = kSortedA;
+    static constexpr bool kTmaA = true;
     static constexpr bool kGateUpPairs = false;
     static constexpr bool kGateUpHalves = false;
     static constexpr bool kStaging = true;
@@ -307,12 +306,12 @@ struct StoreEpilogueOf : NoEpilogueHooks {
     }
     // `warp_staging`: the warp's staging boxes (shared address). A TMA store cannot stop at the expert's end (the rows
     // after it are the next expert's first tile, another CTA's), so a warp whose rows cross it stores from registers.
-    template <typename T, class Config, int kLocalBlock, int kNumRegs>
+    template <typename T, class Config, int kNumRegs>
     __device__ __forceinline__ static void store(const CUtensorMap* out_map, const MainloopParams& mainloop,
                                                  const Params& params, const Tile& tile, float (&acc)[kNumRegs],
                                                  const TileState&, uint32_t warp_staging, int row_block, int warp_idx,
                                                  int lane_idx) {
-        constexpr int kFirstReg = kLocalBlock * Config::kBlockRegs;
+        constexpr int kFirstReg = 0;  // the consumer's one row block
         if constexpr (kBias) add_row_bias<T, Config, kFirstReg>(mainloop, params.bias, tile, acc, lane_idx);
         // The warp's first row of the tile, warp-uniform to the compiler (taken from lane 0), so the choice between TMA
         // and register stores needs no divergence handling around the register path's shuffles.

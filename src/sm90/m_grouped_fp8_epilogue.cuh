@@ -1,4 +1,4 @@
-// The FP8 up projection's epilogue (issue #20): SwiGLU that writes a = silu(g) u quantized for the down GEMM, so no
+// The FP8 up projection's epilogue : SwiGLU that writes a = silu(g) u quantized for the down GEMM, so no
 // pass over a follows. a is rounded to the output type first (the bf16 value the 16-bit path would store, and stores
 // here too where asked), then quantized in 1 x 128 groups along I by the recipe's rules (device/fp8_math.cuh): the
 // bytes and scales are those launch_quantize_groups makes from that a, bit for bit. One tile's 128 output columns are
@@ -7,8 +7,6 @@
 // the pairs of 4 fragments are quad-transposed (as the 16-bit epilogue's stores) so that each lane stores 8 contiguous
 // bytes (and 16 of a); the scale from lane 0.
 // h = [g, u] by sorted row, as the 16-bit epilogue writes it (the same quad-transposed chunks), where asked.
-// kSortedA: A is x already quantized in sorted-row order (MEGAMOE_FP8_SORTED_X=1: the quantization pass scatters x's
-// rows by slot), loaded by TMA; else x's rows gathered by slot (cp.async).
 #pragma once
 
 #include <cstdint>
@@ -19,8 +17,7 @@
 
 namespace megamoe::sm90::m_grouped {
 
-template <bool kSortedA>
-struct QuantizedSwiGLUEpilogueOf : NoEpilogueHooks {
+struct QuantizedSwiGLUEpilogue : NoEpilogueHooks {
     using Activation = SwiGLUActivation;
     struct Params : Activation::Params {
         void* out;          // a [rows, I] in the element type, or NULL
@@ -30,21 +27,18 @@ struct QuantizedSwiGLUEpilogueOf : NoEpilogueHooks {
         float* act_scales;  // [rows, I / 128]: the scale of row r's group g at act_scales[r * (I / 128) + g]
         bool pow2;          // power-of-two scales
     };
-    static constexpr bool kTmaA = kSortedA;
+    static constexpr bool kTmaA = false;
     static constexpr bool kGateUpPairs = true;
     static constexpr bool kGateUpHalves = true;
     static constexpr bool kStaging = false;
-    static constexpr const char* name(BLayout) {
-        return kSortedA ? "m_grouped_gemm_sm90[swiglu, a quantized, sorted x]"
-                        : "m_grouped_gemm_sm90[swiglu, a quantized]";
-    }
+    static constexpr const char* name(BLayout) { return "m_grouped_gemm_sm90[swiglu, a quantized]"; }
 
-    template <typename T, class Config, int kLocalBlock, int kNumRegs>
+    template <typename T, class Config, int kNumRegs>
     __device__ __forceinline__ static void store(const CUtensorMap*, const MainloopParams& mainloop,
                                                  const Params& params, const Tile& tile, const float (&acc)[kNumRegs],
                                                  const TileState&, uint32_t, int row_block, int warp_idx,
                                                  int lane_idx) {
-        constexpr int kFirstReg = kLocalBlock * Config::kBlockRegs;
+        constexpr int kFirstReg = 0;  // the consumer's one row block
         constexpr int kNumFrags = Config::kBlockN / 8;
         constexpr int kOutFrags = kNumFrags / 2;  // a's 8-column fragments: gate fragment f, up fragment f + kOutFrags
         static_assert(kOutFrags * 8 == kFp8ScaleGroup, "a tile's output columns are one scale group");
@@ -114,7 +108,5 @@ struct QuantizedSwiGLUEpilogueOf : NoEpilogueHooks {
         }
     }
 };
-
-using QuantizedSwiGLUEpilogue = QuantizedSwiGLUEpilogueOf<false>;
 
 }  // namespace megamoe::sm90::m_grouped

@@ -1,12 +1,12 @@
 // The blockwise FP8 M-grouped GEMMs on Hopper (sm_90a; m_grouped_fp8_gemm_sm90.cu): the kernel of
-// m_grouped_gemm_sm90.cu with e4m3 operands and the recipe's f32 scales (DESIGN §7, issue #20), bf16 / f16 out.
+// m_grouped_gemm_sm90.cu with e4m3 operands and the recipe's f32 scales (docs/DESIGN.md, FP8), bf16 / f16 out.
 //   acc[r, n] = sum_g sa[a_row(r), g] * sb_e[n / 128, g] * sum_{k in group g} A8[a_row(r), k] * B8_e[n, k]
 // K groups of 128 (the last one may be partial), B_e in 128 x 128 blocks from its row 0, each group's products summed
 // by the FP8 wgmma (whose internal accumulation keeps fewer bits than f32: why the recipe scales at least every 128 K)
 // and brought into f32 accumulators with its scales once per group, as megamoe.fp8_reference.blockwise_gemm computes
-// them up to f32 rounding: by default the accumulators are kept in the current group's units and rescaled between
-// groups (its range limit: docs/DESIGN.md §7), under MEGAMOE_SM90_FP8_PROMOTE=1 each group is promoted from a second
-// set. a_row(r) = a_gather_slots[r] / topk (A rows gathered by slot: x for the up projection) or r (A the sorted rows).
+// them up to f32 rounding: the accumulators are kept in the current group's units and rescaled between groups (its
+// range limit: docs/DESIGN.md, FP8). a_row(r) = a_gather_slots[r] / topk (A rows gathered by slot: x for the up
+// projection) or r (A the sorted rows).
 //
 // Operands (cuda::MGroupedGemmArgs, whose dtype is the OUTPUT's here, bf16 or f16): args.a e4m3 bytes [num_a_rows, K]
 // (lda bytes), args.b e4m3 bytes, B_e = b + e * b_expert_stride stored [N_b, K] K-contiguous (BLayout::kNK only:
@@ -43,7 +43,7 @@ struct Fp8BlockScales {
 bool m_grouped_fp8_gemm_sm90_supported(const cuda::MGroupedGemmArgs& args, const Fp8BlockScales& scales, bool swiglu);
 
 // out[r, n] = acc[r, n] in args.dtype, row stride ldo (a multiple of 8), out holding num_out_rows rows (at least the
-// sorted rows). A: the sorted rows (args.a_gather_slots NULL) or gathered by slot. The down projection (A = a e4m3, B =
+// sorted rows). A: the sorted rows (args.a_gather_slots NULL), read by TMA. The down projection (A = a e4m3, B =
 // w2 [E, H, I]) and dX (A = dh e4m3 along 2I, B = w13's transposed copy [E, H, 2I] with w13's scales, b_transposed).
 megamoe_status_t launch_m_grouped_fp8_gemm_sm90_store(const cuda::MGroupedGemmArgs& args, const Fp8BlockScales& scales,
                                                       void* out, int64_t ldo, int64_t num_out_rows, int num_sms,
@@ -55,13 +55,12 @@ struct Fp8QuantizedAct {
     uint8_t* q;     // [rows, I] e4m3 bytes, by sorted row (8-byte aligned)
     float* scales;  // [rows, I / 128]
     bool pow2;      // power-of-two scales
-    bool a_tma;     // A's sorted rows (args.a_gather_slots NULL) read by TMA, not cp.async (MEGAMOE_FP8_SORTED_X=1)
 };
 
 // The up projection with SwiGLU (args.n = I, B_e = w13[e] [2I, H] in e4m3): h = [g, u] ([rows, 2I] by sorted row)
-// and a = silu(g) * u ([rows, I]) in args.dtype; either may be NULL. `act_q`: a quantized as well (NULL: not); it needs
-// the default mainloop (not MEGAMOE_SM90_FP8_PROMOTE=1: a tile's 128 output columns are one scale group). A: x gathered
-// by slot, or (args.a_gather_slots NULL) rows already in sorted order, read by cp.async or (act_q->a_tma) by TMA.
+// and a = silu(g) * u ([rows, I]) in args.dtype; either may be NULL. `act_q`: a quantized as well (NULL: not; a tile's
+// 128 output columns are one scale group). A: x gathered by slot, or (args.a_gather_slots NULL) rows already in sorted
+// order, read by cp.async.
 megamoe_status_t launch_m_grouped_fp8_gemm_sm90_gated(const cuda::MGroupedGemmArgs& args, const Fp8BlockScales& scales,
                                                       void* h, void* act, int num_sms, cudaStream_t stream,
                                                       const Fp8QuantizedAct* act_q = nullptr);
@@ -69,11 +68,8 @@ megamoe_status_t launch_m_grouped_fp8_gemm_sm90_gated(const cuda::MGroupedGemmAr
 // dH with dSwiGLU fused, FP8 operands (A = dy e4m3 [T, H] gathered by slot with its 1 x 128 scales along H, B =
 // w2's transposed FP8 copy [E, I, H] (kNK) with w2's block scales, b_transposed; args.n = I, args.k = H): the
 // epilogue of launch_m_grouped_gemm_sm90_dswiglu (dh, s * a, the ds partial sums from h; epilogue.b_layout is not
-// used: B is kNK). epilogue.a_sorted: NULL (dy gathered), or dy's e4m3 rows already in sorted-row order
-// ([a_sorted_rows, H], read by TMA; scales.a then by sorted row too: MEGAMOE_FP8_SORTED_DY=1; SwiGLU, dh in the
-// [dg, du] order and not quantized only). epilogue.dh_q: dh also quantized along 2I for the FP8 dX, in the [dg, du]
-// order. SwiGLU or the clamped activation, dh in either order. Needs the default mainloop (not
-// MEGAMOE_SM90_FP8_PROMOTE=1). *num_ds_parts: the partial sums per row (256-column n-tiles).
+// used: B is kNK). SwiGLU or the clamped activation, dh in either order. *num_ds_parts: the partial sums per row
+// (256-column n-tiles).
 megamoe_status_t launch_m_grouped_fp8_gemm_sm90_dswiglu(const cuda::MGroupedGemmArgs& args,
                                                         const Fp8BlockScales& scales,
                                                         const DSwiGLUEpilogueArgs& epilogue, int num_sms,

@@ -51,22 +51,15 @@ megamoe_status_t launch_gated(const cuda::MGroupedGemmArgs& args, const GatedArg
 }
 
 // The dSwiGLU epilogue for activation Act, dh in the interleaved order or [dg, du]; B = w2 read kKN, or kNK when w2
-// is stored transposed.
-// *num_ds_parts: the tile configuration's n-tiles of I, one partial sum of ds each per row.
-template <class Act, bool kInterleaved, bool kSortedA = false>
+// is stored transposed. *num_ds_parts: the tile configuration's n-tiles of I, one partial sum of ds each per row.
+template <class Act, bool kInterleaved>
 megamoe_status_t launch_dswiglu(const cuda::MGroupedGemmArgs& args, const DSwiGLUEpilogueArgs& epilogue, int num_sms,
                                 cudaStream_t stream, int64_t* num_ds_parts) {
-    using Epi = DSwiGLUEpilogueOf<Act, kInterleaved, kSortedA>;
-    *num_ds_parts =
-        ceil_div(args.n, uses_pingpong_variant<Epi, BSource::kOne>() ? PingPong::kBlockN : ConfigOf<Epi>::kBlockN);
+    using Epi = DSwiGLUEpilogueOf<Act, kInterleaved>;
+    *num_ds_parts = ceil_div(args.n, int64_t{ConfigOf<Epi>::kBlockN});
     const typename Epi::Params params = make_dswiglu_params<Act>(epilogue);
-    CUtensorMap a_map{};  // kSortedA: the sorted dy by boxes of kBlockM rows x kBlockK, zero fill past its rows and K
-    if (kSortedA &&
-        !encode_sorted_a_map<ConfigOf<Epi>>(args, epilogue.a_sorted, epilogue.a_sorted_rows, args.k, &a_map)) {
-        return set_error(MEGAMOE_STATUS_CUDA_ERROR, "m_grouped_gemm_sm90: cuTensorMapEncodeTiled failed for dy");
-    }
-    return epilogue.b_layout == BLayout::kKN ? launch<Epi, BLayout::kKN>(args, params, num_sms, stream, a_map)
-                                             : launch<Epi, BLayout::kNK>(args, params, num_sms, stream, a_map);
+    return epilogue.b_layout == BLayout::kKN ? launch<Epi, BLayout::kKN>(args, params, num_sms, stream)
+                                             : launch<Epi, BLayout::kNK>(args, params, num_sms, stream);
 }
 
 // The store epilogue (kBias: + b2[e]) on B read b_layout.
@@ -134,7 +127,7 @@ megamoe_status_t launch_m_grouped_gemm_sm90_gated(const cuda::MGroupedGemmArgs& 
 }
 
 int64_t dswiglu_sm90_max_ds_parts(int64_t intermediate) {
-    return ceil_div(intermediate, std::min(ConfigOf<DSwiGLUEpilogue>::kBlockN, PingPong::kBlockN));
+    return ceil_div(intermediate, int64_t{ConfigOf<DSwiGLUEpilogue>::kBlockN});
 }
 
 megamoe_status_t launch_m_grouped_gemm_sm90_dswiglu(const cuda::MGroupedGemmArgs& args,
@@ -146,19 +139,6 @@ megamoe_status_t launch_m_grouped_gemm_sm90_dswiglu(const cuda::MGroupedGemmArgs
         return epilogue.dh_interleaved
                    ? launch_dswiglu<ClampedSwiGLUActivation, true>(args, epilogue, num_sms, stream, num_ds_parts)
                    : launch_dswiglu<ClampedSwiGLUActivation, false>(args, epilogue, num_sms, stream, num_ds_parts);
-    }
-    const bool sorted_a = epilogue.a_sorted != nullptr && cuda::is_aligned(epilogue.a_sorted, 16) &&
-                          args.k % kChunkElems == 0 && epilogue.a_sorted_rows > 0 &&
-                          epilogue.a_sorted_rows <= INT32_MAX;
-    if (sorted_a && !dswiglu_fast_math()) {
-        return epilogue.dh_interleaved
-                   ? launch_dswiglu<SwiGLUActivation, true, true>(args, epilogue, num_sms, stream, num_ds_parts)
-                   : launch_dswiglu<SwiGLUActivation, false, true>(args, epilogue, num_sms, stream, num_ds_parts);
-    }
-    if (dswiglu_fast_math()) {
-        return epilogue.dh_interleaved
-                   ? launch_dswiglu<SwiGLUFastActivation, true>(args, epilogue, num_sms, stream, num_ds_parts)
-                   : launch_dswiglu<SwiGLUFastActivation, false>(args, epilogue, num_sms, stream, num_ds_parts);
     }
     return epilogue.dh_interleaved
                ? launch_dswiglu<SwiGLUActivation, true>(args, epilogue, num_sms, stream, num_ds_parts)

@@ -50,21 +50,10 @@ struct DSwiGLUEpilogueArgs {
     Activation<float> activation;   // SwiGLU or clamped SwiGLU
     bool dh_interleaved;            // dh in the interleaved layout's row order (then dh must not be h)
     cuda::BLayout b_layout;         // kKN: w2 [E, H, I]; kNK: stored transposed, [E, I, H]
-    // dy in sorted-row order [a_sorted_rows, H] (row r of it is the A row of sorted row r), read by TMA instead of the
-    // gather; NULL: gather dy's rows (args.a, args.a_gather_slots). Taken for SwiGLU (not the clamped activation or
-    // the fast-math switch, which gather). The gather slots still give each row's weight.
-    const void* a_sorted;
-    int64_t a_sorted_rows;
-    // The FP8 dH only (launch_m_grouped_fp8_gemm_sm90_dswiglu), [dg, du] order: dh also quantized along 2I in 1 x 128
-    // groups for the FP8 dX, the bytes [rows, 2I] and scales [rows, 2I / 128] launch_quantize_groups makes from the
-    // dh written, bit for bit (8-byte aligned bytes, 4-byte aligned scales); NULL: not.
-    uint8_t* dh_q = nullptr;
-    float* dh_scales = nullptr;
-    bool dh_q_pow2 = false;
 };
 
-// The most partial sums of ds per row that launch_m_grouped_gemm_sm90_dswiglu writes (one per n-tile of I: 256
-// columns, 128 on the ping-pong tile of MEGAMOE_SM90_DH_PINGPONG): what ds_parts must hold per row.
+// The most partial sums of ds per row that launch_m_grouped_gemm_sm90_dswiglu writes (one per 256-column n-tile of
+// I): what ds_parts must hold per row.
 int64_t dswiglu_sm90_max_ds_parts(int64_t intermediate);
 
 // dH with dSwiGLU fused (A = dy gathered by sorted slot, B = w2[e] read [K = H, N = I] (kKN; kNK when transposed),

@@ -4,7 +4,6 @@
 
 #include "device/cuda_utils.h"
 #include "device/grouped_gemm_args.h"
-#include "sm90/knobs.h"
 #include "sm90/launch.h"
 #include "sm90/m_grouped_config.cuh"
 
@@ -76,7 +75,6 @@ inline MainloopParams make_mainloop_params(const cuda::MGroupedGemmArgs& args) {
     params.expert_offsets = args.expert_offsets;
     params.m_tile_offsets = args.m_tile_offsets;
     params.num_experts = args.num_experts;
-    params.late_decode = m_grouped_late_decode();
     return params;
 }
 

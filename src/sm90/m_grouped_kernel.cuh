@@ -87,7 +87,6 @@
 #include "device/cuda_utils.h"
 #include "device/grouped_gemm_args.h"
 #include "sm90/epilogue.cuh"
-#include "sm90/knobs.h"
 #include "sm90/launch.h"
 #include "sm90/m_grouped_config.cuh"
 #include "sm90/m_grouped_dswiglu.cuh"
@@ -134,8 +133,8 @@ constexpr uint64_t kBDescK16Step = kBLayout == BLayout::kNK ? kDescK16Step : kDe
 template <class Epi>
 constexpr int kFullArrivals = Epi::kTmaA ? 2 : kWarpgroupThreads + 1;
 
-// The CTA's tile sequence: cluster tiles c, c + num_clusters, ... (c: this CTA's cluster). The producer walks all of
-// them; a cooperative consumer too, a ping-pong consumer every other one (the first for consumer 0).
+// The CTA's tile sequence: cluster tiles c, c + num_clusters, ... (c: this CTA's cluster); the producer and both
+// consumers walk all of them.
 struct CtaTiles {
     int64_t first;
     int64_t stride;
@@ -252,35 +251,23 @@ __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensor
 }
 
 // One row block's wgmmas of a stage: kBlockK / 16 k16 steps of m64 x kBlockN x k16 on the block's A rows.
-template <typename T, BLayout kBLayout, class Config, int kRowBlock, int kNumRegs>
+template <typename T, BLayout kBLayout, class Config, int kNumRegs>
 __device__ __forceinline__ void row_block_mma(uint64_t desc_a, uint64_t desc_b, float (&acc)[kNumRegs]) {
 #pragma unroll
     for (int k_step = 0; k_step < Config::kBlockK / kWgmmaK; ++k_step) {
-        wgmma<T, kBLayout, Config, kRowBlock * Config::kBlockRegs>(desc_a + k_step * kDescK16Step,
-                                                                   desc_b + k_step * kBDescK16Step<kBLayout>, acc);
+        wgmma<T, kBLayout, Config, 0>(desc_a + k_step * kDescK16Step, desc_b + k_step * kBDescK16Step<kBLayout>, acc);
     }
 }
 
-// Ping-pong consumers take turns on the tensor cores: consumer c starts the mainloop of a tile once the other has
-// finished the mainloop of the CTA's previous tile (named barrier kMainloopDoneBarrier + the other's index: the other
-// arrives, c waits). Besides running the epilogues under the other's mainloop, this keeps every wait on a stage's
-// full barrier at most one phase ahead of the barrier: the fill a consumer waits for is the next one of its stage
-// (the stage's previous fill belongs to a tile whose mainloop has ended), which is all a parity wait can tell apart.
-constexpr uint32_t kMainloopDoneBarrier = 1;  // IDs 1, 2: consumer 0 / 1 has finished a mainloop
-constexpr uint32_t kOrderThreads = kNumConsumers * kWarpgroupThreads;
-
-// Consumer warpgroup `consumer_idx`: wgmma over the stages of its tiles, then the epilogue. Cooperative: every tile of
-// the CTA, rows [64 consumer_idx, + 64); ping-pong: every other tile (consumer_idx first), all 128 rows as two row
-// blocks, the other consumer's stages skipped (every tile has num_k_blocks stages), the mainloops in turn.
-// FP8 (Config::kFp8): a stage is one K group; m_grouped_fp8_mainloop.cuh's promoted or rescaled mainloop runs a tile's
-// stages at once (skip_stages where the consumer has no rows).
+// Consumer warpgroup `consumer_idx`: wgmma over the stages of every tile of the CTA, rows [64 consumer_idx, + 64), then
+// the epilogue. FP8 (Config::kFp8): a stage is one K group; m_grouped_fp8_mainloop.cuh's rescaled mainloop runs a
+// tile's stages at once (skip_stages where the consumer has no rows).
 template <typename T, class Config, class Epi, BLayout kBLayout, class Storage>
 __device__ __forceinline__ void consume(const CUtensorMap* out_map, const MainloopParams& params,
                                         const typename Epi::Params& epilogue, const ScaleParamsOf<Config>& scales,
                                         Storage& smem, int num_m_tiles, int64_t num_tiles, int num_k_blocks,
                                         uint32_t cta_rank, int consumer_idx, int thread_idx) {
     constexpr int kNumStages = num_stages<Config, Epi::kStaging>();
-    constexpr int kTileStep = Config::kPingPong ? kNumConsumers : 1;  // tiles of the CTA's sequence per own tile
     const int lane_idx = thread_idx % kWarpSize;
     const int warp_idx = (thread_idx % kWarpgroupThreads) / kWarpSize;
     uint32_t warp_staging = 0;  // the warp's staging (TMA store boxes, dSwiGLU's sub-tile slots)
@@ -288,48 +275,27 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Mainlo
         warp_staging = shared_address(smem.staging.boxes) +
                        static_cast<uint32_t>((consumer_idx * kWarpsPerWarpgroup + warp_idx) * kWarpStagingBytes);
     }
-    const int first_row_block = Config::kPingPong ? 0 : consumer_idx;  // the consumer's first 64-row block of a tile
+    const int row_block = consumer_idx;  // the consumer's 64-row block of a tile
     const CtaTiles tiles;
     int stage_idx = 0;
     uint32_t phase = 0;
-    const int64_t first_seq = Config::kPingPong ? consumer_idx : 0;
-    if (first_seq > 0) advance_stages<kNumStages>(stage_idx, phase, first_seq * num_k_blocks);
     float acc[Config::kNumAccRegs];
-    // MEGAMOE_SM90_M_LATE_DECODE: each tile after the first decoded while the previous one's last batch ran (16-bit).
-    const bool late_decode = !Config::kFp8 && params.late_decode;
-    Tile next_tile{};
-    for (int64_t seq_idx = first_seq; tiles.at(seq_idx) < num_tiles; seq_idx += kTileStep) {
-        const Tile tile = late_decode && seq_idx != first_seq
-                              ? next_tile
-                              : decode_tile(params, tiles.at(seq_idx), num_m_tiles, cta_rank);
-        // A consumer whose first row block has no rows only keeps the pipeline going. Ping-pong's second row block runs
-        // whenever the first does: a branch between the wgmmas of one batch makes ptxas serialize them (C7520, wgmma
-        // behind a warpgroup arrive on a divergent path); its rows past the tile's end read zero-filled or the next
-        // expert's rows, and are not stored.
-        const bool has_rows = first_row_block * kWgmmaM < tile.num_rows;
+    for (int64_t seq_idx = 0; tiles.at(seq_idx) < num_tiles; ++seq_idx) {
+        const Tile tile = decode_tile(params, tiles.at(seq_idx), num_m_tiles, cta_rank);
+        // A consumer whose row block has no rows only keeps the pipeline going.
+        const bool has_rows = row_block * kWgmmaM < tile.num_rows;
         const typename Epi::TileState epilogue_state =  // its loads stay in flight during the mainloop
-            Epi::template begin_tile<Config>(params, epilogue, tile, first_row_block, warp_staging, warp_idx, lane_idx);
+            Epi::template begin_tile<Config>(params, epilogue, tile, row_block, warp_staging, warp_idx, lane_idx);
 #pragma unroll
         for (int reg_idx = 0; reg_idx < Config::kNumAccRegs; ++reg_idx) acc[reg_idx] = 0.0f;
-        if (Config::kPingPong && seq_idx > 0) {  // the CTA's previous tile is the other consumer's
-            named_barrier_sync(kMainloopDoneBarrier + (consumer_idx ^ 1), kOrderThreads);
-        }
         [[maybe_unused]] int in_flight_stage = -1;
         if constexpr (Config::kFp8) {  // the tile's stages at once (m_grouped_fp8_mainloop.cuh)
             static_assert(kBLayout == BLayout::kNK, "FP8 wgmma reads B K-major");
             if (has_rows) {
                 const Fp8TileScales tile_scales =
-                    fp8_tile_scales<Config, Epi>(params, scales, tile, first_row_block, warp_idx, lane_idx);
-                if constexpr (Config::kFp8Promoted) {
-                    fp8_promoted_mainloop<Config, Epi, kNumStages>(smem, stage_idx, phase, num_k_blocks, tile_scales,
-                                                                   first_row_block, lane_idx, acc);
-                } else if constexpr (Config::kFp8FullN) {
-                    fp8_rescaled_full_mainloop<Config, Epi, kNumStages>(smem, stage_idx, phase, num_k_blocks,
-                                                                        tile_scales, first_row_block, lane_idx, acc);
-                } else {
-                    fp8_rescaled_mainloop<Config, Epi, kNumStages>(smem, stage_idx, phase, num_k_blocks, tile_scales,
-                                                                   first_row_block, lane_idx, acc);
-                }
+                    fp8_tile_scales<Config, Epi>(params, scales, tile, row_block, warp_idx, lane_idx);
+                fp8_mainloop<Config, Epi, kNumStages>(smem, stage_idx, phase, num_k_blocks, tile_scales, row_block,
+                                                      lane_idx, acc);
             } else {
                 skip_stages<Config, kNumStages>(smem, stage_idx, phase, num_k_blocks, lane_idx);
             }
@@ -339,40 +305,21 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Mainlo
                 // A written by cp.async (generic proxy) is read by wgmma (async proxy); a stage that TMA filled alone
                 // is the async proxy's throughout.
                 if constexpr (!Epi::kTmaA) fence_proxy_async_shared();
-                const uint8_t* tile_a = smem.a[stage_idx] + first_row_block * kRowBlockATileBytes;
+                const uint8_t* tile_a = smem.a[stage_idx] + row_block * kRowBlockATileBytes;
                 const uint64_t desc_b = make_b_desc<kBLayout>(smem.b[stage_idx]);
                 if (has_rows) {
                     fence_accumulators(acc);
                     wgmma_fence();
-                    row_block_mma<T, kBLayout, Config, 0>(make_smem_desc_k_major_sw128(tile_a), desc_b, acc);
-                    if constexpr (Config::kRowBlocks > 1) {
-                        row_block_mma<T, kBLayout, Config, 1>(
-                            make_smem_desc_k_major_sw128(tile_a + kRowBlockATileBytes), desc_b, acc);
-                    }
+                    row_block_mma<T, kBLayout, Config>(make_smem_desc_k_major_sw128(tile_a), desc_b, acc);
                     wgmma_commit_group();
                 }
                 retire_previous_batch<kClusterSize, kNumStages>(acc, smem.empty, in_flight_stage, stage_idx, phase,
                                                                 lane_idx);
             }
+            retire_last_batch<kClusterSize>(acc, smem.empty, in_flight_stage, lane_idx);
         }
-        // Ping-pong: the other consumer may issue its next tile's wgmmas as soon as this one's last batch is issued
-        // (the tensor pipe runs them in order), not once it has completed, so the pipe does not drain at the switch.
-        if (Config::kPingPong && tiles.at(seq_idx + 1) < num_tiles) {  // the next tile is the other consumer's
-            named_barrier_arrive(kMainloopDoneBarrier + consumer_idx, kOrderThreads);
-        }
-        if (late_decode && tiles.at(seq_idx + kTileStep) < num_tiles) {
-            next_tile = decode_tile(params, tiles.at(seq_idx + kTileStep), num_m_tiles, cta_rank);
-        }
-        if constexpr (!Config::kFp8) retire_last_batch<kClusterSize>(acc, smem.empty, in_flight_stage, lane_idx);
-        Epi::template store<T, Config, 0>(out_map, params, epilogue, tile, acc, epilogue_state, warp_staging,
-                                          first_row_block, warp_idx, lane_idx);
-        if constexpr (Config::kRowBlocks > 1) {
-            Epi::template store<T, Config, 1>(out_map, params, epilogue, tile, acc, epilogue_state, warp_staging,
-                                              first_row_block + 1, warp_idx, lane_idx);
-        }
-        if constexpr (Config::kPingPong) {  // the other consumer's next tile
-            advance_stages<kNumStages>(stage_idx, phase, static_cast<int64_t>(kTileStep - 1) * num_k_blocks);
-        }
+        Epi::template store<T, Config>(out_map, params, epilogue, tile, acc, epilogue_state, warp_staging, row_block,
+                                       warp_idx, lane_idx);
     }
     Epi::finish(lane_idx);
 }
@@ -404,11 +351,6 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         Epi::prefetch_maps(params.epilogue, &out_map);
     }
     cluster_sync();  // barriers initialised in both CTAs before any multicast or remote arrive
-    // Launched programmatically (MEGAMOE_SM90_PDL): the prologue above overlapped the previous kernel's tail; nothing
-    // written by an earlier kernel (routing, the schedule, operands) is read before this. The next kernel may be
-    // scheduled now: it waits for this one's completion in turn.
-    griddepcontrol_wait();
-    griddepcontrol_launch_dependents();
     const uint32_t cta_rank = cluster_cta_rank();
 
     const MainloopParams& mainloop = params.mainloop;
@@ -479,16 +421,11 @@ megamoe_status_t launch_on(const cuda::MGroupedGemmArgs& args, const typename Ep
                                                                        cols_per_row, num_sms, stream);
 }
 
-// The launch on the epilogue's tile configuration (ConfigOf, or the ping-pong tile under a switch).
+// The launch on the epilogue's tile configuration (ConfigOf).
 template <class Epi, BLayout kBLayout, BSource kBSource = BSource::kOne>
 megamoe_status_t launch(const cuda::MGroupedGemmArgs& args, const typename Epi::Params& epilogue, int num_sms,
                         cudaStream_t stream, const CUtensorMap& a_map = CUtensorMap{},
                         const CUtensorMap& out_map = CUtensorMap{}) {
-    if constexpr (kHasPingPongVariant<Epi, kBSource>) {  // no ping-pong kernel is built for the other epilogues
-        if (uses_pingpong_variant<Epi, kBSource>()) {
-            return launch_on<Epi, kBLayout, kBSource, PingPong>(args, epilogue, num_sms, stream, a_map, out_map);
-        }
-    }
     return launch_on<Epi, kBLayout, kBSource, ConfigOf<Epi>>(args, epilogue, num_sms, stream, a_map, out_map);
 }
 

@@ -2,7 +2,6 @@
 //   mbarrier   init, arrive (this CTA, or a CTA of the cluster), arrive + expect_tx, parity wait (the stage pipelines'
 //              full / empty barriers), a stage's release in every CTA of the cluster;
 //   cluster    CTA rank, cluster-wide barrier; named CTA barriers (sync, arrive);
-//   griddepcontrol  programmatic dependent launch: wait for the grids this one depends on, launch dependents;
 //   TMA        cp.async.bulk.tensor 2-D and 3-D loads, plain or multicast to CTAs of the cluster, completing
 //              on an mbarrier; 2-D and 3-D stores (and 3-D reduce-adds) from shared memory in bulk async-groups,
 //              commit_group and wait_group (.read: until the stores have read their shared memory); the plain
@@ -15,8 +14,7 @@
 //   wgmma      shared-memory matrix descriptors (K-major and MN-major, 128-byte swizzle), fence / commit / wait, and
 //              the accumulator register fence that keeps the compiler from moving accumulator accesses
 //              across an in-flight wgmma;
-//   setmaxnreg register reallocation between warpgroups;
-//   tanh.approx the SFU's tanh (the dSwiGLU epilogue's fast sigmoid).
+//   setmaxnreg register reallocation between warpgroups.
 // The wgmma instruction itself comes from CuTe's MMA atoms (cute/arch/mma_sm90_gmma.hpp). The 16-byte
 // cp.async with zero fill is the sm_80 one (cuda/mma_sm80.h). Semantics: PTX ISA 8.x, "mbarrier",
 // "cp.async.bulk.tensor", "wgmma", "Matrix Descriptor Format".
@@ -183,16 +181,6 @@ __device__ __forceinline__ void cluster_sync() {
             : "memory");
 }
 
-// Programmatic dependent launch: wait until the grids this one depends on have completed and their memory is visible
-// (a no-op when the launch was not programmatic), and let this grid's dependents be scheduled once every CTA has
-// signalled or exited (they wait for this grid's completion in their own griddepcontrol_wait).
-__device__ __forceinline__ void griddepcontrol_wait() {
-    asm volatile("griddepcontrol.wait;\n" ::: "memory");
-}
-__device__ __forceinline__ void griddepcontrol_launch_dependents() {
-    asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
-}
-
 // Makes the barrier count one arrival once every cp.async this thread issued so far has landed (noinc: the
 // arrival is one of those the barrier was initialised to expect). The thread does not wait.
 __device__ __forceinline__ void cp_async_mbarrier_arrive_noinc(uint64_t* barrier) {
@@ -346,13 +334,6 @@ __device__ __forceinline__ void ld_shared_v4(uint32_t shared_addr, uint32_t (&wo
                  : "=r"(words[0]), "=r"(words[1]), "=r"(words[2]), "=r"(words[3])
                  : "r"(shared_addr)
                  : "memory");
-}
-
-// tanh(x) by the SFU (MUFU.TANH): maximum relative error about 2^-11 (PTX ISA, tanh.approx.f32); tanh(+-inf) = +-1.
-__device__ __forceinline__ float tanh_approx(float value) {
-    float result;
-    asm("tanh.approx.f32 %0, %1;\n" : "=f"(result) : "f"(value));
-    return result;
 }
 
 __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* tensor_map) {
