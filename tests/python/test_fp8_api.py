@@ -164,7 +164,7 @@ def test_op_schemas_carry_the_precision_and_the_fp8_weights():
 def test_cache_quantizes_again_after_every_optimizer_step(gen, optimizer):
     """Fused optimizers update weights without bumping their version counters (AdamW(fused=True): checked on torch
     2.15): the cache must still see the step (the 8-layer training example trained on stale FP8 copies before it did:
-    session 8 notes)."""
+    bench/results/2026-12-02-nvidia-h200-760dd9d-notes.md)."""
     fp8.clear_cache()
     w13 = torch.nn.Parameter(torch.randn(2, 256, 128, generator=gen).to(torch.bfloat16))
     w2 = torch.nn.Parameter(torch.randn(2, 128, 128, generator=gen).to(torch.bfloat16))
