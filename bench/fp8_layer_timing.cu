@@ -1,15 +1,9 @@
 // Times the whole layer through the C API, precision DEFAULT (bf16) against FP8_BLOCKWISE, on the reference shapes at
 // balanced routing (slot (t, j) to expert (t * topk + j) mod E): the forward (keep-h: saved_h written) and the forward
 // + backward (dx, d topk_weights, dw13, dw2 in bf16), with the FP8 weights made once beforehand by
-// megamoe_quantize_experts (timed on its own: once per optimizer step in training). FP8 variants: the defaults (a
-// quantized in the up GEMM's epilogue, dh by a pass), a by a pass (MEGAMOE_FP8_ACT_PASS=1), dh in dH's epilogue
-// (MEGAMOE_FP8_DH_EPILOGUE=1), the weight gradients on the K-grouped FP8 GEMM (MEGAMOE_FP8_WGRAD=1; expert 0's dw13
-// against bf16's printed beside y and dx) and x or dy quantized in sorted-row order, read by TMA
-// (MEGAMOE_FP8_SORTED_X=1, MEGAMOE_FP8_SORTED_DY=1; both), and the M-grouped FP8 GEMMs' mainloop as two m64 x 128
-// column halves (MEGAMOE_SM90_FP8_HALVES=1) instead of m64 x 256 wgmmas, and dy's and dh's e4m3 copies in the dw13
-// output (the default) or in the workspace (MEGAMOE_FP8_OPERANDS_IN_DW13=0; each variant's workspace size printed).
-// CUDA events on the default stream, 3 warm-up calls, the median of 10; the variants alternate within each of ROUNDS
-// rounds (argument 2, default 2). Weights N(0, 1 / K)-like, x and dy uniform in [-1, 1]. Usage:
+// megamoe_quantize_experts (timed on its own: once per optimizer step in training), each call's backward workspace
+// printed. CUDA events on the default stream, 3 warm-up calls, the median of 10; the two precisions alternate within
+// each of ROUNDS rounds (argument 2, default 2). Weights N(0, 1 / K)-like, x and dy uniform in [-1, 1]. Usage:
 //   megamoe_fp8_layer_timing [shape name|all] [rounds]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -176,23 +170,16 @@ void time_shape(const Shape& s, int rounds) {
     bwd.dw13 = tensor(dw13.data, MEGAMOE_DTYPE_BF16, {E, 2 * I, H});
     bwd.dw2 = tensor(dw2.data, MEGAMOE_DTYPE_BF16, {E, H, I});
 
-    // The workspace of the largest variant (the size depends on the precision, MEGAMOE_FP8_ACT_PASS,
-    // MEGAMOE_FP8_WGRAD, MEGAMOE_FP8_SORTED_X and MEGAMOE_FP8_SORTED_DY).
+    // The workspace of the larger of the two precisions.
     size_t workspace_bytes = 0;
     for (const megamoe_precision_t precision : {MEGAMOE_PRECISION_DEFAULT, MEGAMOE_PRECISION_FP8_BLOCKWISE}) {
-        for (const char* pass : {"0", "1"}) {
-            setenv("MEGAMOE_FP8_ACT_PASS", pass, 1);
-            setenv("MEGAMOE_FP8_WGRAD", pass, 1);
-            setenv("MEGAMOE_FP8_SORTED_X", pass, 1);
-            setenv("MEGAMOE_FP8_SORTED_DY", pass, 1);
-            fwd.precision = bwd.precision = precision;
-            fwd.fp8 = bwd.fp8 = precision == MEGAMOE_PRECISION_DEFAULT ? megamoe_fp8_experts_t{} : fp8;
-            size_t bytes = 0;
-            CHECK_MEGAMOE(megamoe_forward_workspace_size(&fwd, &bytes));
-            workspace_bytes = std::max(workspace_bytes, bytes);
-            CHECK_MEGAMOE(megamoe_backward_workspace_size(&bwd, &bytes));
-            workspace_bytes = std::max(workspace_bytes, bytes);
-        }
+        fwd.precision = bwd.precision = precision;
+        fwd.fp8 = bwd.fp8 = precision == MEGAMOE_PRECISION_DEFAULT ? megamoe_fp8_experts_t{} : fp8;
+        size_t bytes = 0;
+        CHECK_MEGAMOE(megamoe_forward_workspace_size(&fwd, &bytes));
+        workspace_bytes = std::max(workspace_bytes, bytes);
+        CHECK_MEGAMOE(megamoe_backward_workspace_size(&bwd, &bytes));
+        workspace_bytes = std::max(workspace_bytes, bytes);
     }
     Buffer workspace(workspace_bytes);
     fwd.workspace = bwd.workspace = workspace.data;
@@ -201,38 +188,15 @@ void time_shape(const Shape& s, int rounds) {
     struct Variant {
         const char* name;
         megamoe_precision_t precision;
-        const char* act_pass;
-        const char* wgrad;          // MEGAMOE_FP8_WGRAD
-        const char* dh_epilogue;    // MEGAMOE_FP8_DH_EPILOGUE
-        const char* sorted;         // "x": MEGAMOE_FP8_SORTED_X=1, "dy": MEGAMOE_FP8_SORTED_DY=1, "x+dy": both
-        const char* halves;         // MEGAMOE_SM90_FP8_HALVES
-        const char* in_dw13 = "1";  // MEGAMOE_FP8_OPERANDS_IN_DW13 ("0": dy's and dh's copies in the workspace)
-    } variants[] = {{"bf16", MEGAMOE_PRECISION_DEFAULT, "0", "0", "0", "0", "0"},
-                    {"fp8", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "0", "0", "0", "0"},
-                    {"fp8-act-pass", MEGAMOE_PRECISION_FP8_BLOCKWISE, "1", "0", "0", "0", "0"},
-                    {"fp8-dh-epi", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "0", "1", "0", "0"},
-                    {"fp8-wgrad", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "1", "0", "0", "0"},
-                    {"fp8-sorted-x", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "0", "0", "x", "0"},
-                    {"fp8-sorted-dy", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "0", "0", "dy", "0"},
-                    {"fp8-sorted-both", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "0", "0", "x+dy", "0"},
-                    {"fp8-halves", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "0", "0", "0", "1"},
-                    {"fp8-in-workspace", MEGAMOE_PRECISION_FP8_BLOCKWISE, "0", "0", "0", "0", "0", "0"}};
+    } variants[] = {{"bf16", MEGAMOE_PRECISION_DEFAULT}, {"fp8", MEGAMOE_PRECISION_FP8_BLOCKWISE}};
     const auto select = [&](const Variant& v) {
-        setenv("MEGAMOE_FP8_ACT_PASS", v.act_pass, 1);
-        setenv("MEGAMOE_FP8_WGRAD", v.wgrad, 1);
-        setenv("MEGAMOE_FP8_DH_EPILOGUE", v.dh_epilogue, 1);
-        setenv("MEGAMOE_FP8_SORTED_X", std::strchr(v.sorted, 'x') != nullptr ? "1" : "0", 1);
-        setenv("MEGAMOE_FP8_SORTED_DY", std::strstr(v.sorted, "dy") != nullptr ? "1" : "0", 1);
-        setenv("MEGAMOE_SM90_FP8_HALVES", v.halves, 1);
-        setenv("MEGAMOE_FP8_OPERANDS_IN_DW13", v.in_dw13, 1);
         fwd.precision = bwd.precision = v.precision;
         fwd.fp8 = bwd.fp8 = v.precision == MEGAMOE_PRECISION_DEFAULT ? megamoe_fp8_experts_t{} : fp8;
     };
     const megamoe_tensor_t* w13p = &w13_t;
     const megamoe_tensor_t* w2p = &w2_t;
-    // A sanity check, not a test (tests/cpp/test_fp8_layer_cuda.cpp is): y and dx of each variant against bf16's.
-    std::vector<std::vector<float>> y_of, dx_of;
-    std::vector<std::vector<float>> dw13_of;
+    // A sanity check, not a test (tests/cpp/test_fp8_layer_cuda.cpp is): y, dx and expert 0's dw13 of FP8 against bf16's.
+    std::vector<std::vector<float>> y_of, dx_of, dw13_of;
     for (const Variant& v : variants) {
         select(v);
         CHECK_MEGAMOE(megamoe_forward(&fwd));
@@ -249,13 +213,6 @@ void time_shape(const Shape& s, int rounds) {
             relative_difference(dx_of.back(), dx_of.front()), relative_difference(dw13_of.back(), dw13_of.front()),
             static_cast<double>(backward_bytes) / (1 << 20));
     }
-    std::printf(
-        "%-16s fp8 against fp8-act-pass: y %s, dx %s; against fp8-dh-epi: dx %s; against fp8-sorted-x: y %s; against "
-        "fp8-sorted-dy: dx %s; against fp8-halves: y %s, dx %s\n",
-        s.name, y_of[1] == y_of[2] ? "bitwise equal" : "DIFFER", dx_of[1] == dx_of[2] ? "bitwise equal" : "DIFFER",
-        dx_of[1] == dx_of[3] ? "bitwise equal" : "DIFFER", y_of[1] == y_of[5] ? "bitwise equal" : "DIFFER",
-        dx_of[1] == dx_of[6] ? "bitwise equal" : "DIFFER", y_of[1] == y_of[8] ? "bitwise equal" : "DIFFER",
-        dx_of[1] == dx_of[8] ? "bitwise equal" : "DIFFER");
     for (int round = 1; round <= rounds; ++round) {
         for (const Variant& v : variants) {
             select(v);

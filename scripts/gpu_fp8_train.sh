@@ -1,12 +1,10 @@
 #!/usr/bin/env bash
-# One device call for the FP8 layer (issue #20): the FP8 layer gtests with line-buffered output (and a gdb backtrace
+# One device call for the FP8 layer: the FP8 layer gtests with line-buffered output (and a gdb backtrace
 # if the process dies), then the accuracy run: examples/train_qwen3_moe.py with experts_implementation megamoe (bf16)
 # and megamoe-fp8 from the same seed and data, STEPS steps (default 200), compared by examples/compare_losses.py
-# (the mean relative loss difference over the last 100 steps: the issue's bar is 0.25 %). Logs in OUT. RUNS picks the
-# runs (default "megamoe megamoe-fp8"; add megamoe-fp8-wgrad for the weight gradients in FP8); GTEST_FILTER=none skips
-# the gtests. More runs: megamoe-fp8-fwd / megamoe-fp8-bwd (MEGAMOE_FP8_ONLY=forward / backward: one direction in FP8,
-# the other in bf16), grouped_mm (HF's experts: the bf16 noise floor of the comparison); SEED picks the seed (default
-# 0, in the logs' names when set).
+# (the mean relative loss difference over the last 100 steps). Logs in OUT. RUNS picks the runs (default "megamoe
+# megamoe-fp8"; grouped_mm, HF's experts, gives the bf16 noise floor of the comparison); GTEST_FILTER=none skips the
+# gtests; SEED picks the seed (default 0, in the logs' names when set).
 # Inputs: CARRY (default .carry/) with libmegamoe.so[.xz] and megamoe_tests[.xz].
 #   OUT=/tmp/out STEPS=200 bash scripts/gpu_fp8_train.sh
 set -uo pipefail
@@ -30,17 +28,9 @@ if [ "${GTEST_FILTER:-Fp8Layer*}" != none ]; then
         grep -A 25 "SIGSEGV\|signal" "$OUT/gdb-fp8-layer.log" | head -n 40
     fi
 fi
-# RUNS: the runs, in order (megamoe-fp8-wgrad: megamoe-fp8 with MEGAMOE_FP8_WGRAD=1, the weight gradients in FP8).
 tag=${SEED:+-seed$SEED}
 for run in ${RUNS:-megamoe megamoe-fp8}; do
-    impl=$run wgrad=0 only=
-    case "$run" in
-        *-wgrad) impl=${run%-wgrad} wgrad=1 ;;
-        *-fwd) impl=${run%-fwd} only=forward ;;
-        *-bwd) impl=${run%-bwd} only=backward ;;
-    esac
-    MEGAMOE_FP8_WGRAD=$wgrad MEGAMOE_FP8_ONLY=$only timeout "${TRAIN_TIMEOUT:-170}" python3 examples/train_qwen3_moe.py \
-        --experts-impl "$impl" --steps "${STEPS:-200}" --seed "${SEED:-0}" --log-json "$OUT/train-$run$tag.json" \
+    timeout "${TRAIN_TIMEOUT:-170}" python3 examples/train_qwen3_moe.py --experts-impl "$run" --steps "${STEPS:-200}" --seed "${SEED:-0}" --log-json "$OUT/train-$run$tag.json" \
         >"$OUT/train-$run$tag.log" 2>&1 || status=1
     tail -n 3 "$OUT/train-$run$tag.log"
 done

@@ -6,8 +6,7 @@
 # reports with KEEP_REPORTS=0).
 # Each PROFILE is NAME:SHAPE:KERNEL_REGEX:SKIP[:VAR=VALUE,...] (SKIP counts the matching launches before it: the
 # first pass's and the second pass's earlier ones; keep-h mode runs 4 m_grouped and 2 k_grouped kernels a pass).
-# NCU_ARGS adds arguments of scripts/ncu_moe.py (--precision fp8: the FP8 layer, e.g. with MEGAMOE_FP8_WGRAD=1 in the
-# profile's settings and the regex k_grouped_fp8 for its weight-gradient GEMM).
+# NCU_ARGS adds arguments of scripts/ncu_moe.py (--precision fp8: the FP8 layer).
 #   OUT=/tmp/out PROFILES="up-q235:qwen3-235b-a22b:m_grouped:4 dh-q30:qwen3-30b-a3b:m_grouped:6" bash scripts/gpu_ncu.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."

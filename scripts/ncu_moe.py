@@ -5,7 +5,7 @@ warm-up pass). Example, the M-grouped kernels (up, down, dH, dX) at qwen3-30b-a3
         python3 scripts/ncu_moe.py --shape qwen3-30b-a3b
 
 --precision fp8 runs the FP8 layer (megamoe.fp8's cached weights, quantized in the first pass, so the second pass
-launches only the layer's kernels; MEGAMOE_FP8_WGRAD=1 in the environment puts its weight gradients on the FP8 GEMM).
+launches only the layer's kernels).
 """
 import argparse
 

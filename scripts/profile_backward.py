@@ -1,6 +1,6 @@
 """Per-kernel GPU times of megamoe's backward at the reference shapes (torch.profiler, launches in order), on the
 sm_90a path (weight gradients on the sm_90a K-grouped kernel), on it with the portable weight-gradient kernel
-(sm90-portable-wgrad: MEGAMOE_SM90_WEIGHT_GRADS=0) and on the portable path (MEGAMOE_DISABLE_SM90=1), with forward,
+(sm90-portable-wgrad: the test override TEST_PORTABLE_WEIGHT_GRADS) and on the portable path (MEGAMOE_DISABLE_SM90=1), with forward,
 backward and forward+backward median times by CUDA events, in both memory modes (keep-h: the forward writes h
 and the backward reads it; recompute: the backward recomputes h). Keep-h's backward consumes h (dh is written over
 it), so each timed backward first restores h from a copy (a device-to-device copy, timed on its own and subtracted;
@@ -23,6 +23,7 @@ from torch.autograd import DeviceType
 from torch.profiler import ProfilerActivity, profile
 
 import megamoe
+from megamoe import _lib
 import workloads
 from timing import cuda_time
 from profile_forward import short_name
@@ -101,7 +102,7 @@ def main():
         with torch.no_grad():
             for path, mode in [(p_, m_) for p_ in args.paths.split(",") for m_ in args.modes.split(",")]:
                 os.environ["MEGAMOE_DISABLE_SM90"] = "1" if path.startswith("portable") else "0"
-                os.environ["MEGAMOE_SM90_WEIGHT_GRADS"] = "0" if path == "sm90-portable-wgrad" else "1"
+                _lib.set_test_overrides(_lib.TEST_PORTABLE_WEIGHT_GRADS if path == "sm90-portable-wgrad" else 0)
                 keep_h = mode == "keep-h"
                 (_, backward, _), (fwd, bwd, both) = pass_times(inputs, dy, keep_h, args.runs)
                 print(f"\n{name} [{args.routing}] {path} {mode}: forward {fwd:.3f} ms, backward {bwd:.3f} ms "

@@ -242,6 +242,25 @@ def library():
     return _LIB
 
 
+# The C API's test overrides (megamoe.h: megamoe_test_override_t): force a choice the library otherwise makes itself,
+# for tests. Not for production use.
+TEST_PORTABLE_WEIGHT_GRADS = 1  # the sm_90a backward's weight gradients on the portable kernel
+TEST_FP8_FORWARD_ONLY = 2  # an FP8 call's backward in the element type
+TEST_FP8_BACKWARD_ONLY = 4  # an FP8 call's forward in the element type
+TEST_FP8_OPERANDS_IN_WORKSPACE = 8  # the FP8 backward's dy and dh copies in the workspace, not in dw13
+
+
+def set_test_overrides(overrides):
+    """Sets the library's test overrides (a bitwise OR of the TEST_* values; 0 restores its own choices) and returns
+    the previous ones. Process-wide."""
+    lib = library()
+    lib.megamoe_testing_overrides.restype = ctypes.c_uint32
+    lib.megamoe_testing_set_overrides.argtypes = [ctypes.c_uint32]
+    previous = lib.megamoe_testing_overrides()
+    lib.megamoe_testing_set_overrides(int(overrides))
+    return previous
+
+
 def version():
     """The loaded library's version, "MAJOR.MINOR.PATCH" (megamoe_version(); the wheel's metadata has the same one: both
     come from include/megamoe/megamoe.h)."""

@@ -57,7 +57,8 @@ size_t workspace_size(const megamoe_grouped_backward_params_t& params, const Sha
 megamoe_status_t run(const megamoe_backward_params_t& params, const Shape& shape);
 megamoe_status_t run(const megamoe_grouped_backward_params_t& params, const Shape& shape);
 // Whether the backward would run its M-grouped GEMMs (up, dH, dX) on the fused sm_90a kernels, and its weight
-// gradients (dW13, dW2; MEGAMOE_SM90_WEIGHT_GRADS=0 opts out) on the sm_90a K-grouped kernel. For tests and
+// gradients (dW13, dW2; the test override MEGAMOE_TEST_PORTABLE_WEIGHT_GRADS opts out) on the sm_90a K-grouped
+// kernel. For tests and
 // benchmarks.
 bool backward_uses_sm90(const megamoe_backward_params_t& params, const Shape& shape);
 bool backward_uses_sm90(const megamoe_grouped_backward_params_t& params, const Shape& shape);

@@ -129,7 +129,21 @@ inline bool sm90_available(std::string* reason) {
         if (!sm90_available(&skip_reason)) GTEST_SKIP() << skip_reason; \
     } while (0)
 
-// Sets an environment variable for the scope (the MEGAMOE_* switches are read on every call).
+// Sets the library's test overrides (megamoe_testing_set_overrides) for its lifetime, then restores the previous ones.
+class ScopedOverrides {
+  public:
+    explicit ScopedOverrides(uint32_t overrides) : previous_(megamoe_testing_overrides()) {
+        megamoe_testing_set_overrides(overrides);
+    }
+    ~ScopedOverrides() { megamoe_testing_set_overrides(previous_); }
+    ScopedOverrides(const ScopedOverrides&) = delete;
+    ScopedOverrides& operator=(const ScopedOverrides&) = delete;
+
+  private:
+    uint32_t previous_;
+};
+
+// Sets an environment variable for the scope (MEGAMOE_DISABLE_SM90 is read on every call).
 class ScopedEnv {
   public:
     ScopedEnv(const char* name, const char* value) : name_(name) { setenv(name, value, 1); }

@@ -318,13 +318,6 @@ inline Prepared prepare(const Case& c, std::mt19937_64& rng) {
     return p;
 }
 
-// MEGAMOE_SM90_FP8_PROMOTE=1 (sm90/knobs.h's fp8_promoted()): the launches that need the default mainloop (dH, a
-// quantized in the gated epilogue) refuse it with MEGAMOE_STATUS_NOT_SUPPORTED.
-inline bool promote_requested() {
-    const char* value = std::getenv("MEGAMOE_SM90_FP8_PROMOTE");
-    return value != nullptr && std::string(value) == "1";
-}
-
 // Poisons the outputs, runs `launch`, downloads them.
 template <typename Launch>
 inline std::vector<HostTensor> run(const std::vector<DeviceTensor*>& outputs, const Launch& launch) {

@@ -1,6 +1,6 @@
 // Weight gradients accumulated into f32 buffers (accumulate_weight_grads) on the GPU, on the three kernel choices of
-// the K-grouped weight gradients: the sm_90a kernel (MEGAMOE_SM90_WEIGHT_GRADS=1, Hopper only), the portable kernel
-// after the sm_90a M-grouped GEMMs (MEGAMOE_SM90_WEIGHT_GRADS=0, Hopper only) and the portable path throughout
+// the K-grouped weight gradients: the sm_90a kernel (Hopper only), the portable kernel after the sm_90a M-grouped
+// GEMMs (the test override MEGAMOE_TEST_PORTABLE_WEIGHT_GRADS, Hopper only) and the portable path throughout
 // (MEGAMOE_DISABLE_SM90=1, any GPU). On the ragged set (T = 1, one expert taking every slot, empty experts, dropped
 // slots, sizes off every tile, f16) and cases aimed at the sm_90a kernel's k-blocks and cluster pairs, each buffer
 // filled with random values first:
@@ -29,13 +29,13 @@ namespace {
 
 enum class WeightGradKernel { kSm90, kPortableAfterSm90, kPortablePath };
 
-// The environment switches of one kernel choice, set for the scope.
+// The setting of one kernel choice (MEGAMOE_DISABLE_SM90, the test override of the weight gradients), for the scope.
 struct KernelChoice {
     explicit KernelChoice(WeightGradKernel kernel)
         : disable_sm90("MEGAMOE_DISABLE_SM90", kernel == WeightGradKernel::kPortablePath ? "1" : "0"),
-          sm90_weight_grads("MEGAMOE_SM90_WEIGHT_GRADS", kernel == WeightGradKernel::kSm90 ? "1" : "0") {}
+          portable_weight_grads(kernel == WeightGradKernel::kSm90 ? 0u : MEGAMOE_TEST_PORTABLE_WEIGHT_GRADS) {}
     ScopedEnv disable_sm90;
-    ScopedEnv sm90_weight_grads;
+    ScopedOverrides portable_weight_grads;
 };
 
 HostTensor random_f32(const std::vector<int64_t>& dims, std::mt19937_64& rng) {
@@ -112,7 +112,7 @@ void check_accumulation(const Sm90Case& c, WeightGradKernel kernel) {
     ASSERT_EQ(cuda::backward_uses_sm90(device.backward.params, shape), kernel != WeightGradKernel::kPortablePath)
         << "sm_90a M-grouped GEMMs taken or not, against MEGAMOE_DISABLE_SM90";
     ASSERT_EQ(cuda::backward_weight_grads_use_sm90(device.backward.params, shape), kernel == WeightGradKernel::kSm90)
-        << "sm_90a weight-gradient kernel taken or not, against MEGAMOE_SM90_WEIGHT_GRADS";
+        << "sm_90a weight-gradient kernel taken or not, against MEGAMOE_TEST_PORTABLE_WEIGHT_GRADS";
 
     const auto [fresh13, fresh2] = device.run(false, previous13, previous2);
     const auto [got13, got2] = device.run(true, previous13, previous2);

@@ -12,19 +12,17 @@
 //     (a = silu(g) u of the bf16 h) within c sum |a| S_p + e sum |p a| (+ u |ds| in a 16-bit dtype); dh = [dg, du] and
 //     s a of launch_m_grouped_fp8_gemm_sm90_dswiglu on the same operands within test_m_grouped_fp8_backward_cuda.cpp's
 //     bounds; dx_t = sum_j q_tj, q = dh_q w13 (dh quantized along 2I, B = w13_t) within u |dx| + sum_j (2u |q| + c S);
-//     dw13 = sum dh x^T and dw2 = sum dy (s a)^T from those 16-bit operands within w sum |terms| + u_out |dw|, or,
-//     with MEGAMOE_FP8_WGRAD=1, the recipe over those operands quantized along the tokens (fp8_wgrad_test_util.h).
+//     dw13 = sum dh x^T and dw2 = sum dy (s a)^T from those 16-bit operands within w sum |terms| + u_out |dw|.
 //   u: x's rounding (bf16 2^-8, f16 2^-11; f32 outputs 2^-24), c = 2^-9 the FP8 accumulation budget per unit of the
 //   term sizes S (fp8_test_util.h's kAccumulation, justified in test_m_grouped_fp8_gemm_cuda.cpp), e = 2^-14 the f32
 //   evaluation and summation of <p, a> (as the dH test's), w = 2^-12 the f32 sums of the weight gradients (at most a
 //   few hundred rows an expert here: their worst case is ~2^-15). Each output's relative Frobenius error below 1e-2.
 //   Outputs exactly 0 where nothing is routed (dropped slots, padding rows, experts without rows).
 // Every case: outputs and workspaces poisoned (NaN) before each run, two runs bitwise equal, keep-h (saved_h) and
-// recompute bitwise equal, the calls without the FP8 copies they do not read bitwise equal, a quantized by a pass
-// (MEGAMOE_FP8_ACT_PASS=1), x and dy quantized in sorted-row order and read by TMA (MEGAMOE_FP8_SORTED_X=1,
-// MEGAMOE_FP8_SORTED_DY=1), dh quantized by dH's epilogue (MEGAMOE_FP8_DH_EPILOGUE=1) and dy's and dh's e4m3 copies
-// in the dw13 output (the default; MEGAMOE_FP8_OPERANDS_IN_DW13=0: in the workspace, larger where they fit) bitwise the
-// same, the path sm90-fp8. Cases: T = 1 with topk 1, one expert taking every slot, empty experts, dropped slots, every
+// recompute bitwise equal, the calls without the FP8 copies they do not read bitwise equal, dy's and dh's e4m3 copies
+// in the dw13 output (the default; the test override MEGAMOE_TEST_FP8_OPERANDS_IN_WORKSPACE: in the workspace, larger
+// where they fit) bitwise the same, the path sm90-fp8 (one direction only under the FP8_FORWARD_ONLY / BACKWARD_ONLY
+// overrides). Cases: T = 1 with topk 1, one expert taking every slot, empty experts, dropped slots, every
 // slot dropped, several M tiles, E = 16, H and I in {128, 256, 384}, f16, weights in the element type; grouped rows
 // with padding, without scores, only padding. Also: accumulate_weight_grads into f32, a CUDA graph of quantize +
 // forward + backward replaying the eager bits, and the refusals (NOT_SUPPORTED naming FP8). Every test skips without a
@@ -46,7 +44,6 @@
 #include "activation.h"
 #include "cuda_test_util.h"
 #include "fp8_layer_test_util.h"
-#include "fp8_wgrad_test_util.h"
 #include "fp8_test_util.h"
 #include "portable/fp8_quant.h"
 #include "sm90/m_grouped_fp8_gemm_sm90.h"
@@ -334,14 +331,19 @@ void check_layer(const LayerCase& c) {
     EXPECT_EQ(path, MEGAMOE_PATH_SM90_FP8) << "forward path " << megamoe_path_string(path);
     ASSERT_EQ(layer.backward(&path), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
     EXPECT_EQ(path, MEGAMOE_PATH_SM90_FP8) << "backward path " << megamoe_path_string(path);
-    {  // the accuracy diagnostic: one direction in FP8, the other on the 16-bit path (and its path says so)
-        const ScopedEnv only("MEGAMOE_FP8_ONLY", "forward");
+    {  // one direction in FP8, the other on the 16-bit path (and its path says so)
+        const ScopedOverrides only(MEGAMOE_TEST_FP8_FORWARD_ONLY);
         ASSERT_EQ(layer.forward(&path), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
-        EXPECT_EQ(path, MEGAMOE_PATH_SM90_FP8)
-            << "MEGAMOE_FP8_ONLY=forward: forward path " << megamoe_path_string(path);
+        EXPECT_EQ(path, MEGAMOE_PATH_SM90_FP8) << "FP8 forward only: forward path " << megamoe_path_string(path);
         ASSERT_EQ(layer.backward(&path), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
-        EXPECT_NE(path, MEGAMOE_PATH_SM90_FP8)
-            << "MEGAMOE_FP8_ONLY=forward: backward path " << megamoe_path_string(path);
+        EXPECT_NE(path, MEGAMOE_PATH_SM90_FP8) << "FP8 forward only: backward path " << megamoe_path_string(path);
+    }
+    {
+        const ScopedOverrides only(MEGAMOE_TEST_FP8_BACKWARD_ONLY);
+        ASSERT_EQ(layer.forward(&path), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
+        EXPECT_NE(path, MEGAMOE_PATH_SM90_FP8) << "FP8 backward only: forward path " << megamoe_path_string(path);
+        ASSERT_EQ(layer.backward(&path), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
+        EXPECT_EQ(path, MEGAMOE_PATH_SM90_FP8) << "FP8 backward only: backward path " << megamoe_path_string(path);
     }
 
     // Forward: keep-h twice, recompute, and without the transposed copies (the forward does not read them).
@@ -353,18 +355,6 @@ void check_layer(const LayerCase& c) {
     EXPECT_EQ(kept.y.bytes, run_forward(layer).y.bytes) << "y: without fp8.w13_t and fp8.w2_t";
     layer.fp8_view = layer.fp8.view();
     layer.keep_h = true;
-    {
-        const ScopedEnv act_pass("MEGAMOE_FP8_ACT_PASS", "1");  // a stored, then quantized by a pass: the same bytes
-        const ForwardOut by_pass = run_forward(layer);
-        EXPECT_EQ(kept.y.bytes, by_pass.y.bytes) << "y: MEGAMOE_FP8_ACT_PASS=1 differs";
-        EXPECT_EQ(kept.saved_h.bytes, by_pass.saved_h.bytes) << "saved_h: MEGAMOE_FP8_ACT_PASS=1 differs";
-    }
-    {
-        const ScopedEnv sorted_x("MEGAMOE_FP8_SORTED_X", "1");  // x quantized in sorted order, read by TMA: same bytes
-        const ForwardOut sorted = run_forward(layer);
-        EXPECT_EQ(kept.y.bytes, sorted.y.bytes) << "y: MEGAMOE_FP8_SORTED_X=1 differs";
-        EXPECT_EQ(kept.saved_h.bytes, sorted.saved_h.bytes) << "saved_h: MEGAMOE_FP8_SORTED_X=1 differs";
-    }
 
     const HostTensor h = first_rows(kept.saved_h, rows, 2 * I);  // the routed rows
     const Quantized x_q = quantize(d.x, 1, T, H, false), dy_q = quantize(d.dy, 1, T, H, false);
@@ -395,21 +385,12 @@ void check_layer(const LayerCase& c) {
     layer.keep_h = false;
     expect_same_bits(got, run_backward(layer, kept.saved_h), "recompute mode (no saved_h) against keep-h");
     layer.keep_h = true;
-    {
-        const ScopedEnv dh_epilogue("MEGAMOE_FP8_DH_EPILOGUE", "1");  // dh quantized by dH's epilogue: same bytes
-        expect_same_bits(got, run_backward(layer, kept.saved_h), "MEGAMOE_FP8_DH_EPILOGUE=1 against the pass's");
-    }
-    {
-        const ScopedEnv sorted_dy("MEGAMOE_FP8_SORTED_DY",
-                                  "1");  // dy quantized in sorted order, read by TMA: same bytes
-        expect_same_bits(got, run_backward(layer, kept.saved_h), "MEGAMOE_FP8_SORTED_DY=1 against the default");
-    }
-    if (!fp8_weight_grads_requested()) {  // dy's and dh's e4m3 copies in the dw13 output: the same bits, less workspace
+    {  // dy's and dh's e4m3 copies in the dw13 output: the same bits, less workspace
         expect_same_bits(got, run_backward(layer, kept.saved_h), "the default again");
         const size_t default_bytes = layer.last_workspace_bytes;
-        const ScopedEnv in_workspace("MEGAMOE_FP8_OPERANDS_IN_DW13", "0");
+        const ScopedOverrides in_workspace(MEGAMOE_TEST_FP8_OPERANDS_IN_WORKSPACE);
         expect_same_bits(got, run_backward(layer, kept.saved_h),
-                         "MEGAMOE_FP8_OPERANDS_IN_DW13=0 (in the workspace) against the default (in dw13)");
+                         "dy, dh copies in the workspace (test override) against the default (in dw13)");
         if (fp8_operands_fit_in_dw13(c)) {
             EXPECT_GT(layer.last_workspace_bytes, default_bytes) << "dy, dh not in dw13 by default";
         } else {
@@ -432,17 +413,8 @@ void check_layer(const LayerCase& c) {
     const auto x_at = [&](int64_t r, int64_t j) { return d.x.get(s.token[static_cast<size_t>(r)] * H + j); };
     const auto dy_at = [&](int64_t r, int64_t j) { return d.dy.get(s.token[static_cast<size_t>(r)] * H + j); };
     const auto sa_at = [&](int64_t r, int64_t i) { return dh.sa.get(r * I + i); };
-    if (fp8_weight_grads_requested()) {  // MEGAMOE_FP8_WGRAD=1: on the K-grouped FP8 GEMM (fp8_wgrad_test_util.h)
-        const double u = output_rounding(c.grad_dtype()), f = floor_of(c.grad_dtype());
-        const HostTensor x_rows = gather_rows(d.x, s.token, H), dy_rows = gather_rows(d.dy, s.token, H);
-        expect_close(got.dw13, fp8_weight_grad_target(s.gathered, s.offsets, s.tiles, dh.dh, 2 * I, x_rows, H, u, f), H,
-                     "dw13 (FP8)");
-        expect_close(got.dw2, fp8_weight_grad_target(s.gathered, s.offsets, s.tiles, dy_rows, H, dh.sa, I, u, f), I,
-                     "dw2 (FP8)");
-    } else {
-        expect_close(got.dw13, weight_grad_target(s, E, 2 * I, H, dh_at, x_at, c.grad_dtype()), H, "dw13");
-        expect_close(got.dw2, weight_grad_target(s, E, H, I, dy_at, sa_at, c.grad_dtype()), I, "dw2");
-    }
+    expect_close(got.dw13, weight_grad_target(s, E, 2 * I, H, dh_at, x_at, c.grad_dtype()), H, "dw13");
+    expect_close(got.dw2, weight_grad_target(s, E, H, I, dy_at, sa_at, c.grad_dtype()), I, "dw2");
 
     if (!c.f32_grads) return;
     // Accumulated into f32 buffers holding values: previous + the fresh gradient, one f32 addition, twice the same.

@@ -1,5 +1,4 @@
-// The FP8 quantization kernels (src/portable/fp8_quant.h: groups along rows, scattered into sorted rows or not, and
-// weight blocks; an expert's rows along tokens: test_fp8_quant_expert_rows_cuda.cpp) against the host port of
+// The FP8 quantization kernels (src/portable/fp8_quant.h: groups along rows and weight blocks) against the host port of
 // python/megamoe/fp8_reference.py's rules (fp8_quant_host_port.h), bit for bit: scales (NaN compared as bits)
 // and e4m3 bytes, on partial groups and blocks, every input dtype, a row stride past the columns, power-of-two scales
 // or not, zero groups, NaN and infinities, underflowing scales, values at the E4M3 limit. The host port is itself
@@ -111,82 +110,6 @@ TEST(Fp8QuantCuda, DefinedEdgeCases) {
     for (const megamoe_dtype_t dtype : {MEGAMOE_DTYPE_F32, MEGAMOE_DTYPE_BF16}) {
         SCOPED_TRACE(testing::Message() << "dtype " << dtype);
         expect_edge_cases_match_host(dtype);
-    }
-}
-
-// quantize_groups scattering routing slots into sorted rows (slot_to_row: MEGAMOE_FP8_SORTED_X's pass over x): sorted
-// row slot_to_row[s] holds token row s / topk quantized, dropped slots write nothing, rows no slot maps to keep their
-// poison; every kernel path (cols 1064 of stride 1080: rows (bf16) or vector (f32); 300 of 312: vector; 301 of 301:
-// scalar), bf16 and f32.
-TEST(Fp8QuantCuda, ScatteredSlotsIntoSortedRows) {
-    SKIP_WITHOUT_CUDA();
-    std::mt19937_64 rng(fresh_seed());
-    constexpr int64_t kTokens = 23, kTopk = 3, kSlots = kTokens * kTopk;
-    // A random permutation of the slots onto the sorted rows, every fifth slot dropped: the last rows unused.
-    std::vector<int64_t> order(static_cast<size_t>(kSlots));
-    for (int64_t i = 0; i < kSlots; ++i) order[static_cast<size_t>(i)] = i;
-    std::shuffle(order.begin(), order.end(), rng);
-    HostTensor slot_to_row(MEGAMOE_DTYPE_I32, {kSlots});
-    slot_to_row.fill(-1.0);
-    int64_t num_rows = 0;
-    for (int64_t i = 0; i < kSlots; ++i) {
-        if (i % 5 != 4) slot_to_row.set(order[static_cast<size_t>(i)], static_cast<double>(num_rows++));
-    }
-    const DeviceTensor slot_to_row_dev = DeviceTensor::upload(slot_to_row);
-    for (const auto [cols, stride] : {std::pair<int64_t, int64_t>{1064, 1080}, std::pair<int64_t, int64_t>{300, 312},
-                                      std::pair<int64_t, int64_t>{301, 301}}) {
-        for (const megamoe_dtype_t dtype : {MEGAMOE_DTYPE_BF16, MEGAMOE_DTYPE_F32}) {
-            SCOPED_TRACE(testing::Message() << "cols " << cols << ", dtype " << dtype);
-            const int64_t groups = (cols + kGroup - 1) / kGroup;
-            HostTensor input(dtype, {kTokens, stride});
-            input.fill_random(rng, 3.0);
-            std::vector<float> values(static_cast<size_t>(kTokens * cols));
-            for (int64_t t = 0; t < kTokens; ++t) {
-                for (int64_t c = 0; c < cols; ++c)
-                    values[static_cast<size_t>(t * cols + c)] = static_cast<float>(input.get(t * stride + c));
-            }
-            const HostQuant want = host_quantize(values, kTokens, cols, false);  // per token row
-            const DeviceTensor in_dev = DeviceTensor::upload(input);
-            DeviceTensor q_dev(HostTensor(MEGAMOE_DTYPE_E4M3, {kSlots, cols}).view);
-            DeviceTensor scales_dev(HostTensor(MEGAMOE_DTYPE_F32, {kSlots, groups}).view);
-            q_dev.poison();
-            scales_dev.poison();
-            cuda::QuantizeGroupsArgs args{};
-            args.in = in_dev.view().data;
-            args.in_dtype = dtype;
-            args.rows = kSlots;
-            args.cols = cols;
-            args.in_row_stride = stride;
-            args.q = static_cast<uint8_t*>(q_dev.view().data);
-            args.scales = static_cast<float*>(scales_dev.view().data);
-            args.slot_to_row = static_cast<const int*>(slot_to_row_dev.view().data);
-            args.topk = kTopk;
-            ASSERT_EQ(cuda::launch_quantize_groups(args, nullptr), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
-            expect_cuda(cudaDeviceSynchronize(), "quantize_groups scattering");
-            const HostTensor q = q_dev.download(), scales = scales_dev.download();
-            std::vector<int64_t> token_of_row(static_cast<size_t>(kSlots), -1);
-            for (int64_t slot = 0; slot < kSlots; ++slot) {
-                const auto row = static_cast<int64_t>(slot_to_row.get(slot));
-                if (row >= 0) token_of_row[static_cast<size_t>(row)] = slot / kTopk;
-            }
-            for (int64_t row = 0; row < kSlots; ++row) {
-                const int64_t token = token_of_row[static_cast<size_t>(row)];
-                for (int64_t g = 0; g < groups; ++g) {
-                    const uint32_t got = word_at(scales, row * groups + g);
-                    if (token < 0) {
-                        ASSERT_EQ(got, 0xFFFFFFFFu) << "scale of unused row " << row << " written";
-                    } else {
-                        ASSERT_TRUE(same_scale(got, want.scales[static_cast<size_t>(token * groups + g)]))
-                            << "scale of row " << row << ", group " << g;
-                    }
-                }
-                for (int64_t c = 0; c < cols; ++c) {
-                    const uint8_t byte = q.bytes[static_cast<size_t>(row * cols + c)];
-                    ASSERT_EQ(byte, token < 0 ? 0xFF : want.q[static_cast<size_t>(token * cols + c)])
-                        << "row " << row << " (token " << token << "), column " << c;
-                }
-            }
-        }
     }
 }
 

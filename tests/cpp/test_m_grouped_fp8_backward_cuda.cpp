@@ -19,11 +19,9 @@
 //       slot), I = 128 / 256 / 384 (a partial last ds n-tile), H with a partial last K group, f32 / element-type / no
 //       weights, bf16 and f16, SwiGLU and the clamped activation; *num_ds_parts = ceil(I / 256).
 // Every output poisoned (NaN) before each run, two runs bitwise equal; dh interleaved, and dh written over h, bitwise
-// the plain dh; dh also quantized along 2I by the epilogue (dh_q): dh, act, ds bitwise the plain run's and the e4m3
-// bytes and scales bitwise launch_quantize_groups' of that dh (refused in the interleaved order). On the host: the
-// reference's transposed scales against an explicitly transposed copy, and the dH bounds against mutants. The refusals
-// (with a message) and all GPU tests need a compute capability 9.0 device and skip without one; dH skips under
-// MEGAMOE_SM90_FP8_PROMOTE=1 (the launch refuses that mainloop).
+// the plain dh. On the host: the reference's transposed scales against an explicitly transposed copy, and the dH
+// bounds against mutants. The refusals (with a message) and all GPU tests need a compute capability 9.0 device and
+// skip without one.
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -253,40 +251,10 @@ void check_dh(const DhCase& d, std::mt19937_64& rng) {
     EXPECT_EQ(h_in_place.download().bytes, first[0].bytes) << "dh written over h differs";
     EXPECT_EQ(over_h[0].bytes, first[1].bytes) << "act differs with dh over h";
     EXPECT_EQ(over_h[1].bytes, first[2].bytes) << "ds_parts differ with dh over h";
-
-    // dh also quantized along 2I by the epilogue (over h, as the FP8 backward runs it): dh, act and ds bitwise the
-    // plain run's, the e4m3 bytes and scales bitwise launch_quantize_groups' of that dh.
-    const DeviceTensor h_quantized = DeviceTensor::upload(h);
-    DeviceTensor dh_q(HostTensor(MEGAMOE_DTYPE_E4M3, {rows, 2 * inter}).view);
-    DeviceTensor dh_scales(HostTensor(MEGAMOE_DTYPE_F32, {rows, 2 * inter / kGroup}).view);
-    sm90::DSwiGLUEpilogueArgs quantizing = in_place;
-    quantizing.h = quantizing.dh = h_quantized.view().data;
-    quantizing.dh_q = static_cast<uint8_t*>(dh_q.view().data);
-    quantizing.dh_scales = static_cast<float*>(dh_scales.view().data);
-    const std::vector<HostTensor> quantized = run({&act, &ds, &dh_q, &dh_scales}, launch(quantizing));
-    EXPECT_EQ(h_quantized.download().bytes, first[0].bytes) << "dh differs when quantized by the epilogue";
-    EXPECT_EQ(quantized[0].bytes, first[1].bytes) << "act differs when dh is quantized";
-    EXPECT_EQ(quantized[1].bytes, first[2].bytes) << "ds_parts differ when dh is quantized";
-    if (rows > 0) {
-        const Quantized dh_want = quantize(first[0], 1, rows, 2 * inter, false);
-        const std::vector<uint8_t> got_q(quantized[2].bytes.begin(), quantized[2].bytes.begin() + rows * 2 * inter);
-        std::vector<float> got_scales(dh_want.host.scales.size());
-        std::memcpy(got_scales.data(), quantized[3].bytes.data(), got_scales.size() * sizeof(float));
-        EXPECT_EQ(got_q, dh_want.host.q) << "dh's e4m3 bytes: not launch_quantize_groups'";
-        EXPECT_EQ(got_scales, dh_want.host.scales) << "dh's scales: not launch_quantize_groups'";
-    }
-    sm90::DSwiGLUEpilogueArgs interleaved_quantized = quantizing;
-    interleaved_quantized.dh_interleaved = true;
-    interleaved_quantized.dh = dh.view().data;
-    EXPECT_EQ(launch(interleaved_quantized)(), MEGAMOE_STATUS_INTERNAL_ERROR)
-        << "dh quantized in the interleaved order";
 }
 
 TEST(Fp8BackwardSm90, DHiddenMatchesReference) {
     SKIP_WITHOUT_SM90();
-    if (promote_requested()) {
-        GTEST_SKIP() << "MEGAMOE_SM90_FP8_PROMOTE=1: the FP8 dH needs the default mainloop (refused)";
-    }
     std::mt19937_64 rng(fresh_seed() + 4);
     for (const DhCase& d : dh_cases(rng)) check_dh(d, rng);
 }
@@ -294,7 +262,6 @@ TEST(Fp8BackwardSm90, DHiddenMatchesReference) {
 // The launch refuses, with a message, what it cannot take; the well-formed operands launch.
 TEST(Fp8BackwardSm90, DHiddenRefusesWhatItCannotTake) {
     SKIP_WITHOUT_SM90();
-    const ScopedEnv default_mainloop("MEGAMOE_SM90_FP8_PROMOTE", "0");
     constexpr int64_t kHidden = 256, kInter = 256, kRows = 64, kExperts = 2;
     const DeviceTensor a(HostTensor(MEGAMOE_DTYPE_I32, {kRows * kHidden / 4}).view);
     const DeviceTensor b(HostTensor(MEGAMOE_DTYPE_I32, {kExperts * kInter * kHidden / 4}).view);
@@ -359,8 +326,6 @@ TEST(Fp8BackwardSm90, DHiddenRefusesWhatItCannotTake) {
     epilogue.dh = const_cast<void*>(epilogue.h);
     epilogue.dh_interleaved = true;
     expect_refused(good, good_scales, epilogue, "interleaved dh over h");
-    const ScopedEnv promoted("MEGAMOE_SM90_FP8_PROMOTE", "1");
-    expect_refused(good, good_scales, good_epilogue, "MEGAMOE_SM90_FP8_PROMOTE=1");
 }
 
 // Random e4m3 bytes (N(0, 32), saturated) and power-of-two scales in [2^-6, 1].

@@ -6,8 +6,8 @@
 //     equal, and each case asserts that the sm_90a path was taken;
 //   - on the four reference shapes of DESIGN.md section 4, against the portable path (MEGAMOE_DISABLE_SM90=1)
 //     within bf16 error (dx and d topk_weights whole, dW13 / dW2 on their first and last experts);
-//   - the sm_90a K-grouped weight-gradient kernel (the default; MEGAMOE_SM90_WEIGHT_GRADS=0 opts out) on the
-//     ragged set and on cases aimed at its TMA k-blocks and cluster pairs, and its two tile shapes against each other;
+//   - the sm_90a K-grouped weight-gradient kernel (the default; the test override MEGAMOE_TEST_PORTABLE_WEIGHT_GRADS
+//     opts out) on the ragged set and on cases aimed at its TMA k-blocks and cluster pairs;
 //   - the keep-h memory mode (the forward's saved_h read by the backward) against the recompute mode, bitwise, on
 //     the sm_90a and the portable path, with saved_h itself against the CPU reference's h;
 //   - the dispatch: misaligned views fall back to the portable path; s * a and q in the dw13 output.
@@ -68,7 +68,7 @@ void check_against_reference(const Sm90Case& c, bool sm90_weight_grads) {
     DeviceBackward device = upload_backward(problem);
     ASSERT_TRUE(cuda::backward_uses_sm90(device.params, shape_of(device.params))) << "sm_90a path not taken";
     ASSERT_EQ(cuda::backward_weight_grads_use_sm90(device.params, shape_of(device.params)), sm90_weight_grads)
-        << "sm_90a weight-gradient kernel taken or not, against MEGAMOE_SM90_WEIGHT_GRADS";
+        << "sm_90a weight-gradient kernel taken or not, against MEGAMOE_TEST_PORTABLE_WEIGHT_GRADS";
     device.run();
     const Grads got = device.download();
     device.run();
@@ -83,111 +83,23 @@ void check_against_reference(const Sm90Case& c, bool sm90_weight_grads) {
 
 TEST(Sm90Backward, RaggedShapesMatchReference) {  // sm_90a M-grouped GEMMs, portable weight gradients
     SKIP_WITHOUT_SM90();
-    const ScopedEnv portable_weight_grads("MEGAMOE_SM90_WEIGHT_GRADS", "0");
+    const ScopedOverrides portable_weight_grads(MEGAMOE_TEST_PORTABLE_WEIGHT_GRADS);
     for (const Sm90Case& c : sm90_ragged_cases()) check_against_reference(c, false);
 }
 
-// The sm_90a K-grouped weight-gradient kernel (the default, set explicitly here) on the same ragged set, and on
+// The sm_90a K-grouped weight-gradient kernel (the default) on the same ragged set, and on
 // cases aimed at it: experts of whole 64-row k-blocks only (all by TMA), odd numbers of the tiles a cluster pairs
 // (the second CTA recomputes the first one's tile) with M / N tails, and more cluster tiles than clusters with empty
 // experts between full ones (CTAs walk experts of different lengths), and more claimed tiles per cluster than the
 // tile ring holds, heaviest expert first.
 TEST(Sm90Backward, WeightGradKernelMatchesReference) {
     SKIP_WITHOUT_SM90();
-    const ScopedEnv enable("MEGAMOE_SM90_WEIGHT_GRADS", "1");
     std::vector<Sm90Case> cases = sm90_ragged_cases();
     cases.push_back({"whole k-blocks only, odd m-tile pairs", 256, 264, 136, 1, 1});
     cases.push_back({"odd n-tile pairs, long experts", 600, 712, 392, 2, 2});
     cases.push_back({"more cluster tiles than clusters, half empty", 768, 528, 264, 40, 4, Routing::kHalfEmpty});
     cases.push_back({"claimed tiles wrap the ring, one hot expert", 1500, 528, 264, 96, 3, Routing::kOneExpert});
     for (const Sm90Case& c : cases) check_against_reference(c, true);
-}
-
-// With the switch `name` = `value` of sm90/knobs.h set, the forward's y and the backward's gradients (recompute mode:
-// the up GEMM runs again) of the ragged set and of cases aimed at the tile schedules equal the defaults' bitwise.
-void expect_switch_agrees_bitwise(const char* name, const char* value) {
-    std::vector<Sm90Case> cases = sm90_ragged_cases();
-    cases.push_back({"odd n-tile pairs, long experts", 600, 712, 392, 2, 2});
-    cases.push_back({"claimed tiles wrap the ring, one hot expert", 1500, 528, 264, 96, 3, Routing::kOneExpert});
-    for (const Sm90Case& c : cases) {
-        SCOPED_TRACE(::testing::PrintToString(c));
-        const Problem problem = make_problem(c);
-        DeviceForward forward = upload_forward(problem);
-        const HostTensor y = forward.run();
-        DeviceBackward backward = upload_backward(problem);
-        backward.run();
-        const Grads grads = backward.download();
-        const ScopedEnv variant(name, value);
-        EXPECT_EQ(y.bytes, forward.run().bytes) << "y differs with " << name << "=" << value;
-        backward.run();
-        expect_bitwise_equal(grads, backward.download());
-    }
-}
-
-// The K-grouped kernel's two tile shapes (k_grouped_config.cuh: 256 x 128 where B is gathered, dW13's x; 128 x 256
-// forced): each output element reduces over the same k-blocks in the same order, whatever the tile around it.
-TEST(Sm90Backward, WeightGradTileShapesAgreeBitwise) {
-    SKIP_WITHOUT_SM90();
-    const ScopedEnv enable("MEGAMOE_SM90_WEIGHT_GRADS", "1");
-    expect_switch_agrees_bitwise("MEGAMOE_SM90_K_TILE", "128x256");
-}
-
-// The M-grouped 16-bit consumers decoding each tile under the previous tile's last batch (MEGAMOE_SM90_M_LATE_DECODE=1)
-// against decoding it before its mainloop: the same tiles in the same order, so y and every gradient bitwise equal.
-TEST(Sm90Backward, MGroupedLateDecodeAgreesBitwise) {
-    SKIP_WITHOUT_SM90();
-    expect_switch_agrees_bitwise("MEGAMOE_SM90_M_LATE_DECODE", "1");
-}
-
-// The M-grouped kernel's ping-pong 128 x 128 tile (the default options' up and store GEMMs: the forward's up and down,
-// the backward's recomputed up and dX) against the cooperative 128 x 256 one: each output row reduces over the same K
-// blocks in the same order.
-TEST(Sm90Backward, PingPongTileAgreesBitwise) {
-    SKIP_WITHOUT_SM90();
-    expect_switch_agrees_bitwise("MEGAMOE_SM90_M_PINGPONG", "128");
-}
-
-// dy copied once into sorted-row order and read by TMA in dH and dW2 (where the dw13 output has room for it beside s a;
-// else both gather, as by default): the same rows in the same order, so the same gradients bitwise.
-TEST(Sm90Backward, SortedDyAgreesBitwise) {
-    SKIP_WITHOUT_SM90();
-    const char* dh_pingpong = std::getenv("MEGAMOE_SM90_DH_PINGPONG");
-    if (dh_pingpong != nullptr && std::string(dh_pingpong) == "128") {
-        GTEST_SKIP()
-            << "MEGAMOE_SM90_DH_PINGPONG=128 is set: the default dH runs on the ping-pong tile (ds in 128-column "
-               "parts), the sorted-dy dH on the cooperative one (256-column parts), so d topk_weights differs "
-               "in rounding";
-    }
-    expect_switch_agrees_bitwise("MEGAMOE_SM90_SORTED_DY", "1");
-}
-
-// dH on the ping-pong 128 x 128 tile (MEGAMOE_SM90_DH_PINGPONG=128): dx, dw13 and dw2 reduce over the same K blocks
-// in the same order as on the default tile, so they agree bitwise; ds comes in 128-column parts instead of 256-column
-// ones (added in another order), so d topk_weights is held to the CPU reference.
-TEST(Sm90Backward, DHiddenPingPongMatchesReference) {
-    SKIP_WITHOUT_SM90();
-    std::vector<Sm90Case> cases = sm90_ragged_cases();
-    cases.push_back({"odd n-tile pairs, long experts", 600, 712, 392, 2, 2});
-    for (const Sm90Case& c : cases) {
-        SCOPED_TRACE(::testing::PrintToString(c));
-        DeviceBackward backward = upload_backward(make_problem(c));
-        backward.run();
-        const Grads defaults = backward.download();
-        const ScopedEnv variant("MEGAMOE_SM90_DH_PINGPONG", "128");
-        backward.run();
-        const Grads got = backward.download();
-        EXPECT_EQ(defaults.dx.bytes, got.dx.bytes) << "dx differs on the ping-pong dH tile";
-        EXPECT_EQ(defaults.dw13.bytes, got.dw13.bytes) << "dw13 differs on the ping-pong dH tile";
-        EXPECT_EQ(defaults.dw2.bytes, got.dw2.bytes) << "dw2 differs on the ping-pong dH tile";
-        check_against_reference(c, true);
-    }
-}
-
-// Programmatic dependent launch of the sm_90a kernels: every kernel waits for the previous one before reading what it
-// wrote, so the outputs are the serialized launches' bitwise.
-TEST(Sm90Backward, ProgrammaticLaunchAgreesBitwise) {
-    SKIP_WITHOUT_SM90();
-    expect_switch_agrees_bitwise("MEGAMOE_SM90_PDL", "1");
 }
 
 // Keep-h mode: the forward writes saved_h (poisoned first), the backward reads it instead of recomputing h (and writes

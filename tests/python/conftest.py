@@ -135,3 +135,19 @@ def torch_grouped(x_sorted, tokens_per_expert, w13, w2, scores=None):
     ids[: expert_of_row.numel(), 0] = expert_of_row
     weights = scores[:, None] if scores is not None else torch.ones(R, 1, dtype=x_sorted.dtype, device=x_sorted.device)
     return torch_moe(x_sorted, ids, weights, w13, w2)
+
+
+@pytest.fixture
+def overrides():
+    """Sets the library's test overrides for one test (overrides(flags): megamoe._lib.TEST_* values), restoring the
+    previous ones after it."""
+    from megamoe import _lib
+
+    previous = []
+
+    def set_overrides(flags):
+        previous.append(_lib.set_test_overrides(flags))
+
+    yield set_overrides
+    if previous:
+        _lib.set_test_overrides(previous[0])

@@ -1,7 +1,7 @@
 """Weight gradients accumulated into f32 buffers (main_grads) on a GPU, on each kernel choice of the weight gradients:
-the sm_90a K-grouped kernel (default on an H200), the portable one after the sm_90a GEMMs
-(MEGAMOE_SM90_WEIGHT_GRADS=0) and the portable path (MEGAMOE_DISABLE_SM90=1). Ragged shapes (empty experts, one
-expert taking every slot, dropped slots, sizes off tile multiples, f16), buffers filled with random values first:
+the sm_90a K-grouped kernel (the default on Hopper), the portable one after the sm_90a GEMMs (the test override
+TEST_PORTABLE_WEIGHT_GRADS) and the portable path (MEGAMOE_DISABLE_SM90=1). Ragged shapes (empty experts, one expert
+taking every slot, dropped slots, sizes off tile multiples, f16), buffers filled with random values first:
 buffer == previous + the same path's fresh f32 gradient (bitwise), bitwise run to run, the added gradient against the
 CPU reference, empty experts untouched; the autograd path adding twice; grouped rows. Skipped, with the reason,
 without a GPU (the sm_90a choices without a compute capability 9.0 device)."""
@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import megamoe
+from megamoe import _lib
 from conftest import make_problem, rel_err
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="no CUDA device: GPU tests need one")
@@ -25,21 +26,22 @@ CASES = [
     ("off_multiples_of_8", 61, 70, 33, 5, 2, "random", torch.bfloat16),
     ("f16_dropped", 97, 72, 48, 7, 2, "dropped", torch.float16),
 ]
-# kernel choice -> (environment, the backward path it must take on aligned shapes)
+# kernel choice -> (environment, test overrides, the backward path it must take on aligned shapes)
 CHOICES = {
-    "sm90": ({"MEGAMOE_SM90_WEIGHT_GRADS": "1"}, "sm90"),
-    "sm90+portable_wgrad": ({"MEGAMOE_SM90_WEIGHT_GRADS": "0"}, "sm90+cuda-weight-grads"),
-    "portable": ({"MEGAMOE_DISABLE_SM90": "1"}, "cuda"),
+    "sm90": ({}, 0, "sm90"),
+    "sm90+portable_wgrad": ({}, _lib.TEST_PORTABLE_WEIGHT_GRADS, "sm90+cuda-weight-grads"),
+    "portable": ({"MEGAMOE_DISABLE_SM90": "1"}, 0, "cuda"),
 }
 TOLERANCE = {torch.bfloat16: 2e-2, torch.float16: 4e-3}
 
 
-def _choose(choice, monkeypatch):
-    env, path = CHOICES[choice]
+def _choose(choice, monkeypatch, overrides):
+    env, flags, path = CHOICES[choice]
     if choice != "portable" and torch.cuda.get_device_capability() != (9, 0):
         pytest.skip("device is not compute capability 9.0: the sm_90a kernels need a Hopper GPU")
     for name, value in env.items():
         monkeypatch.setenv(name, value)
+    overrides(flags)
     return path
 
 
@@ -57,8 +59,8 @@ def _unused_experts(ids, num_experts):
 
 @pytest.mark.parametrize("case", CASES, ids=[c[0] for c in CASES])
 @pytest.mark.parametrize("choice", list(CHOICES))
-def test_accumulates_against_fresh_and_reference(case, choice, monkeypatch, gen):
-    path = _choose(choice, monkeypatch)
+def test_accumulates_against_fresh_and_reference(case, choice, monkeypatch, overrides, gen):
+    path = _choose(choice, monkeypatch, overrides)
     cpu, (x, ids, s, w13, w2, dy) = _cuda_problem(case, gen)
     if case[2] % 8 == 0 and case[3] % 8 == 0:
         assert megamoe.path_of(x, ids, s, w13, w2, backward=True) == path
@@ -85,8 +87,8 @@ def test_accumulates_against_fresh_and_reference(case, choice, monkeypatch, gen)
 
 
 @pytest.mark.parametrize("choice", list(CHOICES))
-def test_empty_batch_leaves_the_buffers_untouched(choice, monkeypatch, gen):
-    _choose(choice, monkeypatch)
+def test_empty_batch_leaves_the_buffers_untouched(choice, monkeypatch, overrides, gen):
+    _choose(choice, monkeypatch, overrides)
     _, (x, ids, s, w13, w2, dy) = _cuda_problem(("empty", 0, 64, 32, 3, 2, "random", torch.bfloat16), gen)
     buf13, buf2 = torch.randn(w13.shape, generator=gen).cuda(), torch.randn(w2.shape, generator=gen).cuda()
     before13, before2 = buf13.clone(), buf2.clone()
@@ -95,8 +97,8 @@ def test_empty_batch_leaves_the_buffers_untouched(choice, monkeypatch, gen):
 
 
 @pytest.mark.parametrize("choice", list(CHOICES))
-def test_autograd_main_grads_add_twice(choice, monkeypatch, gen):
-    _choose(choice, monkeypatch)
+def test_autograd_main_grads_add_twice(choice, monkeypatch, overrides, gen):
+    _choose(choice, monkeypatch, overrides)
     _, (x, ids, s, w13, w2, dy) = _cuda_problem(CASES[2], gen)
     fresh = megamoe.moe_backward(dy, x, ids, s, w13, w2, None, True)
     buf13, buf2 = torch.randn(w13.shape, generator=gen).cuda(), torch.randn(w2.shape, generator=gen).cuda()
@@ -112,8 +114,8 @@ def test_autograd_main_grads_add_twice(choice, monkeypatch, gen):
 
 
 @pytest.mark.parametrize("choice", list(CHOICES))
-def test_grouped_rows_accumulate(choice, monkeypatch, gen):
-    _choose(choice, monkeypatch)
+def test_grouped_rows_accumulate(choice, monkeypatch, overrides, gen):
+    _choose(choice, monkeypatch, overrides)
     counts = torch.tensor([5, 0, 300, 0, 17], device="cuda")
     R, H, I, E = 340, 136, 72, 5
     x = (torch.randn(R, H, generator=gen) * 0.5).bfloat16().cuda()

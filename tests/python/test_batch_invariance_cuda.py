@@ -1,11 +1,8 @@
 """Batch invariance on a GPU: a token's y, and given its dy its dx and d topk_weights, are bitwise the same whatever
 other tokens share the call. RL frameworks need this so that the sampler's and the trainer's log-probabilities agree.
 Subsets of one batch (T = 1, 7, 128 and the whole batch, each shuffled) against the whole batch, on the fused sm_90a
-kernels (with each experiment switch of src/sm90/knobs.h that changes the per-token arithmetic) and on the portable
-ones, in both memory modes. Skipped, with the reason, where no GPU is present (or, for the sm_90a cases, no Hopper
+kernels and on the portable ones, in both memory modes. Skipped, with the reason, where no GPU is present (or, for the sm_90a cases, no Hopper
 GPU)."""
-
-import os
 
 import pytest
 import torch
@@ -19,7 +16,6 @@ T, H, I, E, TOPK = 4096, 264, 200, 16, 4  # H, I off every tile; a few hundred r
 SUBSET_SIZES = (1, 7, 128, T)
 PATHS = {  # name: environment of the call, expected path
     "sm90": ({"MEGAMOE_DISABLE_SM90": "0"}, "sm90"),
-    "sm90-dswiglu-fast": ({"MEGAMOE_DISABLE_SM90": "0", "MEGAMOE_SM90_DSWIGLU_MATH": "fast"}, "sm90"),
     "portable": ({"MEGAMOE_DISABLE_SM90": "1"}, "cuda"),
 }
 
@@ -55,5 +51,4 @@ def test_a_tokens_outputs_do_not_depend_on_the_batch(environment, keep_h, gen):
                                  keep_h)
         for name, got, want in zip(("y", "dx", "dtopk_weights"), part, whole):
             assert torch.equal(got, want[tokens]), (
-                f"{name} of {size} tokens differs from theirs in the whole batch of {T} "
-                f"({os.environ.get('MEGAMOE_SM90_DSWIGLU_MATH', 'default')} math)")
+                f"{name} of {size} tokens differs from theirs in the whole batch of {T}")

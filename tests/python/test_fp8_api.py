@@ -1,4 +1,4 @@
-"""The Python face of precision="fp8" (blockwise FP8, issue #20): megamoe.fp8 (Fp8Experts, quantize_experts, the
+"""The Python face of precision="fp8" (blockwise FP8): megamoe.fp8 (Fp8Experts, quantize_experts, the
 cache experts_for), the precision option and the FP8 weights threaded through megamoe.moe / grouped_moe, their
 backwards, path_of, the custom ops, autograd and torch.compile, the modules and adapters.
 
@@ -372,13 +372,12 @@ def test_modules_and_adapters_pass_the_precision(recorder, gen):
 
 # ---------------------------------------------------------------- GPU: the recipe as the kernels run it
 
-def recipe_as_run(x, ids, s, w13, w2, dy, low=torch.bfloat16, fp8_weight_grads=False):
+def recipe_as_run(x, ids, s, w13, w2, dy, low=torch.bfloat16):
     """The layer under the recipe (fp8_reference's quantization and blockwise GEMMs, float64 between them) with the
     16-bit rounding points of the CUDA path: a rounded to x's dtype before its quantization (the up GEMM's epilogue
     quantizes the a it stores), the backward's h rounded (saved or recomputed, h is x's dtype), dh rounded before its
     quantization pass, and the weight gradients from the 16-bit dh, x, dy and s a, unquantized (megamoe.h:
-    FP8_BLOCKWISE computes them as DEFAULT does) or, fp8_weight_grads (MEGAMOE_FP8_WGRAD=1), from those operands
-    quantized along the tokens in groups of 128 of each expert's rows. low=None: no rounding (then y, dx and d
+    FP8_BLOCKWISE computes them as DEFAULT does). low=None: no rounding (then y, dx and d
     topk_weights are fp8_reference.moe_reference's). Returns (y, dx, dtopk_weights, dw13, dw2) in float64, on the
     CPU."""
     f64 = torch.float64
@@ -392,10 +391,8 @@ def recipe_as_run(x, ids, s, w13, w2, dy, low=torch.bfloat16, fp8_weight_grads=F
     def along(v):  # quantized in 1 x 128 groups along the last dimension, back in float64
         return fp8_reference.dequantize_groups(*fp8_reference.quantize_groups(v), dtype=f64)
 
-    def along_tokens(v):  # an expert's rows [n, C] in groups of 128 rows from its first, back in float64
-        if not fp8_weight_grads:
-            return v.to(f64)
-        return fp8_reference.dequantize_groups(*fp8_reference.quantize_groups(v, dim=0), dim=0, dtype=f64)
+    def along_tokens(v):  # the weight gradients' operands: the 16-bit values, in float64
+        return v.to(f64)
 
     w13_q, w2_q = (fp8_reference.dequantize_blocks(*fp8_reference.quantize_blocks(w), dtype=f64) for w in (w13, w2))
     x_q, dy_q = along(x), along(dy)  # [T, H]
@@ -495,32 +492,6 @@ def test_forward_and_backward_against_the_recipe(case, gen):
     rerun = _fp8_run(problem)
     for name, first, second in zip(OUTPUTS, ours, rerun):
         assert torch.equal(first, second), f"{name}: two runs differ"
-
-
-@requires_sm90
-@pytest.mark.parametrize("case", CASES[:4], ids=[c[0] for c in CASES[:4]])
-def test_fp8_weight_grads_against_the_recipe(case, gen, monkeypatch):
-    """MEGAMOE_FP8_WGRAD=1: the weight gradients on the K-grouped FP8 GEMM, against recipe_as_run with their operands
-    quantized along the tokens (the other outputs as without the switch), within the same bound; keep-h and recompute
-    bitwise; and farther from the 16-bit weight gradients than from the recipe (the switch took effect)."""
-    _, T, H, I, E, topk, routing, dtype = case
-    problem = make_problem(T, H, I, E, topk, routing, dtype=dtype, gen=gen)
-    sixteen = _fp8_run(problem)
-    monkeypatch.setenv("MEGAMOE_FP8_WGRAD", "1")
-    ours = _fp8_run(problem)
-    run = recipe_as_run(*problem, low=dtype, fp8_weight_grads=True)
-    for index, name in enumerate(OUTPUTS):
-        err = rel_err(ours[index], run[index])
-        what = f"{name}: fp8 weight gradients vs recipe_as_run {err:.2e}"
-        print(what)
-        assert torch.isfinite(ours[index]).all() and err < BOUND_RUN, what
-        if index < 3:
-            assert torch.equal(ours[index], sixteen[index]), f"{name}: changed by MEGAMOE_FP8_WGRAD=1"
-    for index in (3, 4):
-        assert rel_err(sixteen[index], run[index]) > 2 * rel_err(ours[index], run[index]), OUTPUTS[index]
-    recomputed = _fp8_run(problem, recompute=True)
-    for name, kept, again in zip(OUTPUTS, ours, recomputed):
-        assert torch.equal(kept, again), f"{name}: keep-h and recompute modes differ"
 
 
 @requires_sm90

@@ -1,0 +1,172 @@
+"""One build of the library (MEGAMOE_LIBRARY) on fixed inputs, for comparing builds side by side: every output's digest
+(bitwise comparison across builds and machines without moving tensors) and, with --rounds, the per-call, back-to-back
+and CUDA-graph times with every kernel's median (torch.profiler). Inputs are seeded (workloads.make_case: the same
+bytes in every process), so two builds' digests are equal exactly when their outputs are bitwise equal.
+
+Digests cover y, dx, d topk_weights, dw13 and dw2 of the reference shapes (--shapes) in keep-h mode, bf16 and (on a
+Hopper GPU) FP8, and of a ragged set (T = 1, topk = 1, one expert taking every slot, empty experts, dropped slots,
+sizes off every tile, f16) on the default path and on the portable kernels (MEGAMOE_DISABLE_SM90=1), recompute mode
+too. Each line: `digest <case> <what> <output> <sha256 prefix>`.
+
+    MEGAMOE_LIBRARY=.carry/lib-base.so PYTHONPATH=python:bench:scripts python3 scripts/ab_libs.py --name base \\
+        --shapes qwen3-30b-a3b,deepseek-v3 --rounds 1 > base.log
+    python3 scripts/ab_libs.py --compare base.log main.log     # every digest equal, or the ones that differ
+"""
+import argparse
+import hashlib
+import math
+import os
+import sys
+
+import torch
+
+DIGEST_OUTPUTS = ("y", "dx", "dtopk_weights", "dw13", "dw2")
+RAGGED = [  # name, T, H, I, E, topk, routing, dtype (as tests/python/conftest.py's make_problem takes them)
+    ("t1_topk1", 1, 64, 40, 4, 1, "random", torch.bfloat16),
+    ("one_expert_takes_all", 300, 136, 72, 4, 1, "one_expert", torch.bfloat16),
+    ("most_experts_empty", 5, 64, 40, 64, 2, "half_empty", torch.bfloat16),
+    ("dropped_tails", 37, 200, 72, 5, 2, "dropped", torch.bfloat16),
+    ("k_and_n_tails", 260, 520, 200, 8, 2, "random", torch.bfloat16),
+    ("long_experts_odd_pairs", 600, 712, 392, 2, 2, "random", torch.bfloat16),
+    ("f16_dropped", 97, 72, 48, 7, 2, "dropped", torch.float16),
+    ("fp8_shaped", 300, 256, 384, 8, 2, "dropped", torch.bfloat16),
+]
+
+
+def digest(tensor):
+    return hashlib.sha256(tensor.detach().contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest()[:16]
+
+
+def outputs(megamoe, inputs, dy, keep_h, precision="bf16"):
+    """y, dx, d topk_weights, dw13, dw2 of one forward and backward through the custom ops."""
+    options = {}
+    if precision == "fp8":
+        options = dict(precision="fp8", fp8_experts=megamoe.fp8.quantize_experts(inputs[3], inputs[4]))
+    x, ids, s, w13, w2 = inputs
+    if precision == "bf16":
+        y, h = megamoe.moe_forward(x, ids, s, w13, w2, keep_h)
+        return (y, *megamoe.moe_backward(dy, x, ids, s, w13, w2, h if keep_h else None)[:4])
+    leaves = [t.detach().requires_grad_(t.is_floating_point()) for t in inputs]
+    y = megamoe.moe(*leaves, recompute=not keep_h, **options)
+    y.backward(dy)
+    return (y.detach(), leaves[0].grad, leaves[2].grad, leaves[3].grad, leaves[4].grad)
+
+
+def print_digests(case, what, values):
+    for name, value in zip(DIGEST_OUTPUTS, values):
+        print(f"digest {case} {what} {name} {digest(value)}", flush=True)
+
+
+def reference_digests(megamoe, workloads, shapes, sm90):
+    for shape in shapes:
+        dims = workloads.SHAPES[shape]
+        case = workloads.make_case(shape, dims, "balanced", "cuda")
+        inputs = [t.detach() for t in (case.x, case.ids, case.s, case.w13, case.w2)]
+        dy = case.dy.detach()
+        with torch.no_grad():
+            print_digests(shape, "bf16-keep-h", outputs(megamoe, inputs, dy, True))
+        if sm90:
+            print_digests(shape, "fp8-keep-h", outputs(megamoe, inputs, dy, True, "fp8"))
+        del case, inputs, dy
+        torch.cuda.empty_cache()
+
+
+def ragged_digests(megamoe, make_problem, sm90):
+    gen = torch.Generator().manual_seed(20261206)
+    for name, T, H, I, E, topk, routing, dtype in RAGGED:
+        problem = [t.detach().cuda() for t in make_problem(T, H, I, E, topk, routing, dtype=dtype, gen=gen)]
+        inputs, dy = problem[:5], problem[5]
+        for portable in (False, True):
+            os.environ["MEGAMOE_DISABLE_SM90"] = "1" if portable else "0"
+            path = "portable" if portable else "default"
+            for keep_h in (True, False):
+                with torch.no_grad():
+                    values = outputs(megamoe, inputs, dy, keep_h)
+                print_digests(name, f"{path}-{'keep-h' if keep_h else 'recompute'}", values)
+        os.environ["MEGAMOE_DISABLE_SM90"] = "0"
+        if sm90 and H % 128 == 0 and I % 128 == 0:
+            print_digests(name, "fp8-keep-h", outputs(megamoe, inputs, dy, True, "fp8"))
+
+
+def timings(megamoe, workloads, shapes, name, round_idx, runs):
+    from profile_backward import GEMM_LABELS, backward_kernels, pass_times
+    from timing import CudaTimer, back_to_back, graph_replay
+
+    for shape in shapes:
+        T, H, I, E, topk = dims = workloads.SHAPES[shape]
+        unit = 1.0 * T * topk * H * I
+        case = workloads.make_case(shape, dims, "balanced", "cuda")
+        inputs = [t.detach() for t in (case.x, case.ids, case.s, case.w13, case.w2)]
+        dy = case.dy.detach()
+        with torch.no_grad():
+            (forward, backward, _), (fwd, bwd, both) = pass_times(inputs, dy, True, runs)
+            step = lambda: outputs(megamoe, inputs, dy, True)  # noqa: E731
+            timer = CudaTimer()
+            graph_ms = graph_replay(step, timer, 3, 2 * runs, math.inf)["graph_ms"]
+            b2b_ms = back_to_back(step, timer, 2 * runs)["b2b_ms"]
+            print(f"\n== {shape} {name} round {round_idx}: fwd+bwd {both:.3f} ms ({18 * unit / both / 1e9:.0f} "
+                  f"TFLOP/s), forward {fwd:.3f}, backward {bwd:.3f}, CUDA-graph {graph_ms:.3f}, back to back "
+                  f"{b2b_ms:.3f}", flush=True)
+            rows = backward_kernels(forward, runs, [("up", 4.0), ("down", 2.0)])
+            rows += backward_kernels(backward, runs, GEMM_LABELS)
+            for label, ms, kname in rows:
+                if label:
+                    print(f"  kernel {shape} {name} {label[0]} {ms:.3f} ms {label[1] * unit / ms / 1e9:.0f} TFLOP/s")
+        del case, inputs, dy
+        torch.cuda.empty_cache()
+
+
+def compare(logs):
+    """Every digest of the first log against the others'; returns the process status (0: all equal)."""
+    tables = []
+    for log in logs:
+        table = {}
+        with open(log) as f:
+            for line in f:
+                if line.startswith("digest "):
+                    _, case, what, output, value = line.split()
+                    table[(case, what, output)] = value
+        tables.append(table)
+    status = 0
+    for log, table in zip(logs[1:], tables[1:]):
+        keys = sorted(set(tables[0]) | set(table))
+        differ = [k for k in keys if tables[0].get(k) != table.get(k)]
+        print(f"{logs[0]} against {log}: {len(keys) - len(differ)} of {len(keys)} digests equal")
+        for case, what, output in differ:
+            print(f"  DIFFER {case} {what} {output}: {tables[0].get((case, what, output))} against "
+                  f"{table.get((case, what, output))}")
+        status |= 1 if differ or not keys else 0
+    return status
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--name", default="main")
+    p.add_argument("--shapes", default="qwen3-30b-a3b")
+    p.add_argument("--digests", choices=["all", "shapes", "ragged", "none"], default="all")
+    p.add_argument("--rounds", type=int, default=0, help="timing rounds in this process (0: digests only)")
+    p.add_argument("--round-offset", type=int, default=0)
+    p.add_argument("--runs", type=int, default=5)
+    p.add_argument("--compare", nargs="+", metavar="LOG", help="compare the digests of two or more logs")
+    args = p.parse_args()
+    if args.compare:
+        sys.exit(compare(args.compare))
+    import megamoe
+    import workloads
+
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "..", "tests", "python"))
+    from conftest import make_problem
+
+    sm90 = torch.cuda.get_device_capability() == (9, 0)
+    shapes = [s for s in args.shapes.split(",") if s]
+    print(f"library {os.environ.get('MEGAMOE_LIBRARY', '(the package)')} on {torch.cuda.get_device_name()}")
+    if args.digests in ("all", "shapes"):
+        reference_digests(megamoe, workloads, shapes, sm90)
+    if args.digests in ("all", "ragged"):
+        ragged_digests(megamoe, make_problem, sm90)
+    for round_idx in range(args.rounds):
+        timings(megamoe, workloads, shapes, args.name, args.round_offset + round_idx, args.runs)
+
+
+if __name__ == "__main__":
+    main()
