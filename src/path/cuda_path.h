@@ -58,8 +58,7 @@ megamoe_status_t run(const megamoe_backward_params_t& params, const Shape& shape
 megamoe_status_t run(const megamoe_grouped_backward_params_t& params, const Shape& shape);
 // Whether the backward would run its M-grouped GEMMs (up, dH, dX) on the fused sm_90a kernels, and its weight
 // gradients (dW13, dW2; the test override MEGAMOE_TEST_PORTABLE_WEIGHT_GRADS opts out) on the sm_90a K-grouped
-// kernel. For tests and
-// benchmarks.
+// kernel. For tests and benchmarks.
 bool backward_uses_sm90(const megamoe_backward_params_t& params, const Shape& shape);
 bool backward_uses_sm90(const megamoe_grouped_backward_params_t& params, const Shape& shape);
 bool backward_weight_grads_use_sm90(const megamoe_backward_params_t& params, const Shape& shape);
