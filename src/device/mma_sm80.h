@@ -1,6 +1,6 @@
-// The few sm_80 PTX instructions the portable grouped GEMMs are built from, one thin wrapper each:
-// cp.async (16-byte global -> shared copies with zero fill), ldmatrix (8x8 b16 tiles from shared
-// memory into mma fragments, optionally transposed) and mma.sync m16n8k16 with f32 accumulators.
+// The few sm_80 PTX instructions the portable grouped GEMMs are built from, one thin wrapper each: ldmatrix (8x8 b16
+// tiles from shared memory into mma fragments, optionally transposed) and mma.sync m16n8k16 with f32 accumulators;
+// their 16-byte cp.async copies: device/cp_async.cuh.
 // Fragment layouts are those of the PTX ISA "mma.m16n8k16" section for .bf16 / .f16 inputs.
 #pragma once
 
@@ -9,30 +9,9 @@
 
 #include <cstdint>
 
+#include "device/cp_async.cuh"
+
 namespace megamoe::cuda {
-
-__device__ __forceinline__ uint32_t shared_address(const void* ptr) {
-    return static_cast<uint32_t>(__cvta_generic_to_shared(ptr));
-}
-
-// Copies 16 bytes global -> shared without staging in registers; when `valid` is false nothing is
-// read and the 16 shared bytes are zero-filled (`global_ptr` must still be a mapped address).
-__device__ __forceinline__ void cp_async_16(void* shared_ptr, const void* global_ptr, bool valid) {
-    const int num_src_bytes = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_address(shared_ptr)),
-                 "l"(__cvta_generic_to_global(global_ptr)), "r"(num_src_bytes)
-                 : "memory");
-}
-
-__device__ __forceinline__ void cp_async_commit() {
-    asm volatile("cp.async.commit_group;\n" ::: "memory");
-}
-
-// Waits until at most kNumPending committed groups of this thread are still in flight.
-template <int kNumPending>
-__device__ __forceinline__ void cp_async_wait() {
-    asm volatile("cp.async.wait_group %0;\n" ::"n"(kNumPending) : "memory");
-}
 
 // Four 8x8 b16 matrices; lanes 8i..8i+7 give the row addresses of matrix i, register i receives it.
 __device__ __forceinline__ void ldmatrix_x4(uint32_t (&regs)[4], const void* shared_row) {

@@ -66,11 +66,13 @@
 #include <utility>
 
 #include "device/cuda_utils.h"
-#include "sm90/epilogue.cuh"
-#include "sm90/k_grouped_config.cuh"
-#include "sm90/k_grouped_host.cuh"
-#include "sm90/launch.h"
-#include "sm90/ptx.h"
+#include "sm90/kit/store.cuh"
+#include "sm90/k_grouped/config.cuh"
+#include "sm90/k_grouped/host.cuh"
+#include "sm90/k_grouped/scheduler.cuh"
+#include "sm90/kit/launch.h"
+#include "sm90/kit/pipeline.cuh"
+#include "sm90/kit/ptx.h"
 
 namespace megamoe::sm90 {
 namespace {
@@ -109,17 +111,6 @@ __device__ __forceinline__ int load_gather_slot(const Operand& operand, int bloc
     return operand.gather_slots[min(block_first_row + stage_row, row_end - 1)];
 }
 
-__device__ __forceinline__ uint64_t cvta_to_global(const void* ptr) {
-    return static_cast<uint64_t>(__cvta_generic_to_global(ptr));
-}
-
-// cp_async_16_to (ptx.h) from a global-space address (cvta_to_global): 16 bytes when `valid`, else 16 zero bytes.
-__device__ __forceinline__ void cp_async_16_global(uint32_t shared_addr, uint64_t global_addr, bool valid) {
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_addr), "l"(global_addr),
-                 "r"(valid ? 16 : 0)
-                 : "memory");
-}
-
 // One operand's share of a stage by cp.async into the tile at shared address `tile`: row stage_row = first_row +
 // kRowsPerPass p of the tile is sorted row block_first_row + stage_row, its source row (kGathered) the token this
 // thread's warp loaded for it, taken by shuffle, or else that sorted row, clamped to the expert's last row (rows past
@@ -134,7 +125,7 @@ __device__ __forceinline__ void copy_operand(uint32_t tile, const Operand& opera
     const int chunk_idx = thread_idx % Shape::kThreadsPerRow, first_row = thread_idx / Shape::kThreadsPerRow;
     const int sub_row = thread_idx % kWarpSize / Shape::kThreadsPerRow;
     const int rows_left = row_end - block_first_row - first_row;
-    const uint64_t col_base = cvta_to_global(operand.data + (col_valid ? col : 0));
+    const uint64_t col_base = global_address(operand.data + (col_valid ? col : 0));
     const auto row_bytes = static_cast<uint32_t>(operand.ld) * kElemBytes;  // ld < 2^31 elements
     const uint32_t first_dst = tile + mn_major_offset(first_row, chunk_idx);
 #pragma unroll
@@ -149,7 +140,7 @@ __device__ __forceinline__ void copy_operand(uint32_t tile, const Operand& opera
         const bool valid = col_valid && (kWhole || row_offset < rows_left);
         const uint32_t dst = (first_dst ^ (static_cast<uint32_t>(row_offset % 8) * kChunkBytes)) +
                              static_cast<uint32_t>(row_offset * kSwizzleBytes);
-        cp_async_16_global(dst, col_base + static_cast<uint64_t>(static_cast<uint32_t>(src_row)) * row_bytes, valid);
+        cp_async_16(dst, col_base + static_cast<uint64_t>(static_cast<uint32_t>(src_row)) * row_bytes, valid);
     }
 }
 
@@ -192,27 +183,23 @@ __device__ __forceinline__ void load_operand_tma(uint8_t* tile, const CUtensorMa
 // The producer warpgroup, stage by stage over every k-block of this CTA's tiles. The next tile is decoded a whole tile
 // ahead and the next stage's gather indices load one stage ahead, across tile boundaries too, so neither a tile's
 // expert offsets nor its first indices are waited for when it starts.
-template <class Shape, class Storage>
+template <class Shape, class Pipeline, class Storage>
 __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensorMap* b_map, const KernelParams& params,
-                                        Storage& smem, int cta_rank, int thread_idx) {
+                                        const Pipeline& pipeline, Storage& smem, int cta_rank, int thread_idx) {
     using ATile = typename Shape::ATile;
     using BTile = typename Shape::BTile;
-    constexpr int kNumStages = Storage::kNumStages;
-    uint64_t* full = smem.full;
-    uint64_t* empty = smem.empty;
     const bool a_shared = params.share && !params.pair_along_m;
     const bool b_shared = params.share && params.pair_along_m;
     const int lane_idx = thread_idx % kWarpSize;
-    TileSequence tiles(&smem.ring, params.tile_counter, cta_rank == 0 && thread_idx == 0);
-    int stage_idx = 0;
-    uint32_t phase = 0;
-    int tile_idx = tiles.next(lane_idx);
-    Tile tile = decode_tile_if_any<Shape>(params, tile_idx, cta_rank);
+    Scheduler<Shape> scheduler(params, &smem.ring, cta_rank == 0 && thread_idx == 0, cta_rank);
+    typename Pipeline::State state;
+    Tile tile;
+    bool has_tile = scheduler.next(tile, lane_idx);
     bool slots_loaded = false;  // a_next_slot / b_next_slot hold the indices of the next stage
     int a_next_slot = 0, b_next_slot = 0;
-    while (tile_idx < params.num_tiles) {
-        const int next_idx = tiles.next(lane_idx);
-        const Tile next = decode_tile_if_any<Shape>(params, next_idx, cta_rank);
+    while (has_tile) {
+        Tile next;
+        const bool has_next = scheduler.next(next, lane_idx);
         const int a_col = tile.m_begin + thread_idx % ATile::kThreadsPerRow * kChunkElems;
         const int b_col = tile.n_begin + thread_idx % BTile::kThreadsPerRow * kChunkElems;
         for (int k_block_idx = 0; k_block_idx < tile.num_k_blocks; ++k_block_idx) {
@@ -234,23 +221,24 @@ __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensor
             // The same for both CTAs of the cluster (same expert, same k-block): a shared tile is loaded by both.
             const bool whole_block = block_first_row + kBlockK <= tile.row_end;
             const bool a_tma = params.a.tma && whole_block, b_tma = params.b.tma && whole_block;
-            uint8_t* tile_a = smem.a[stage_idx];
-            uint8_t* tile_b = smem.b[stage_idx];
-            mbarrier_wait(&empty[stage_idx], phase ^ 1);
+            uint8_t* tile_a = smem.a[state.index];
+            uint8_t* tile_b = smem.b[state.index];
+            uint64_t* full = pipeline.full_barrier(state);
+            pipeline.producer_acquire(state);
             if (thread_idx == 0) {
                 const uint32_t tma_bytes = (a_tma ? ATile::kBytes : 0) + (b_tma ? BTile::kBytes : 0);
                 if (tma_bytes == 0) {
-                    mbarrier_arrive(&full[stage_idx]);
+                    mbarrier_arrive(full);
                 } else {
                     fence_proxy_async_shared();  // the stage may last have been written by cp.async
-                    mbarrier_arrive_expect_tx(&full[stage_idx], tma_bytes);
+                    mbarrier_arrive_expect_tx(full, tma_bytes);
                     if (a_tma) {
-                        load_operand_tma<ATile>(tile_a, a_map, &full[stage_idx], tile.m_begin, block_first_row,
-                                                a_shared, cta_rank);
+                        load_operand_tma<ATile>(tile_a, a_map, full, tile.m_begin, block_first_row, a_shared,
+                                                cta_rank);
                     }
                     if (b_tma) {
-                        load_operand_tma<BTile>(tile_b, b_map, &full[stage_idx], tile.n_begin, block_first_row,
-                                                b_shared, cta_rank);
+                        load_operand_tma<BTile>(tile_b, b_map, full, tile.n_begin, block_first_row, b_shared,
+                                                cta_rank);
                     }
                 }
             }
@@ -262,10 +250,10 @@ __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensor
                 copy_stage_operand<BTile>(shared_address(tile_b), params.b, b_slot, params.topk, block_first_row,
                                           tile.row_end, thread_idx, b_col, b_col < params.n);
             }
-            cp_async_mbarrier_arrive_noinc(&full[stage_idx]);
-            advance_stage<kNumStages>(stage_idx, phase);
+            cp_async_mbarrier_arrive_noinc(full);
+            state.advance();
         }
-        tile_idx = next_idx;
+        has_tile = has_next;
         tile = next;
     }
     cuda::cp_async_commit();
@@ -371,30 +359,27 @@ __device__ __forceinline__ void store_tile_tma(const CUtensorMap* out_map, const
         });
 }
 
-template <class Shape, typename T, typename OutT, bool kAccumulate, class Storage>
-__device__ __forceinline__ void consume(const CUtensorMap* out_map, const KernelParams& params, Storage& smem,
-                                        int cta_rank, int consumer_idx, int thread_idx) {
-    constexpr int kNumStages = Storage::kNumStages;
-    uint64_t* full = smem.full;
-    uint64_t* empty = smem.empty;
+template <class Shape, typename T, typename OutT, bool kAccumulate, class Pipeline, class Storage>
+__device__ __forceinline__ void consume(const CUtensorMap* out_map, const KernelParams& params,
+                                        const Pipeline& pipeline, Storage& smem, int cta_rank, int consumer_idx,
+                                        int thread_idx) {
     const int lane_idx = thread_idx % kWarpSize;
     const int warp_idx = (thread_idx % kWarpgroupThreads) / kWarpSize;
     const uint32_t warp_staging = shared_address(smem.staging[consumer_idx * kWarpsPerWarpgroup + warp_idx]);
-    int stage_idx = 0;
-    uint32_t phase = 0;
+    typename Pipeline::State state;
     float acc[Shape::kNumAccRegs];
-    TileSequence tiles(&smem.ring, params.tile_counter, false);
-    int tile_idx = tiles.next(lane_idx);
-    Tile tile = decode_tile_if_any<Shape>(params, tile_idx, cta_rank);
-    while (tile_idx < params.num_tiles) {
+    Scheduler<Shape> scheduler(params, &smem.ring, false, cta_rank);
+    Tile tile;
+    bool has_tile = scheduler.next(tile, lane_idx);
+    while (has_tile) {
         int in_flight_stage = -1;
 #pragma unroll
         for (int reg_idx = 0; reg_idx < Shape::kNumAccRegs; ++reg_idx) acc[reg_idx] = 0.0f;
         for (int k_block_idx = 0; k_block_idx < tile.num_k_blocks; ++k_block_idx) {
-            mbarrier_wait(&full[stage_idx], phase);
+            pipeline.consumer_wait(state);
             fence_proxy_async_shared();  // cp.async wrote the tiles (generic proxy), wgmma reads them (async proxy)
-            const uint8_t* tile_a = smem.a[stage_idx] + consumer_idx * Shape::kRowBlocks * kMnBlockBytes;
-            const uint64_t desc_b = make_smem_desc_mn_major_sw128<kMnBlockBytes>(smem.b[stage_idx]);
+            const uint8_t* tile_a = smem.a[state.index] + consumer_idx * Shape::kRowBlocks * kMnBlockBytes;
+            const uint64_t desc_b = make_smem_desc_mn_major_sw128<kMnBlockBytes>(smem.b[state.index]);
             fence_accumulators(acc);
             wgmma_fence();
             for_each_index<Shape::kRowBlocks>([&](auto row_block) {  // row block b: the consumer's A block b
@@ -408,13 +393,13 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Kernel
                 }
             });
             wgmma_commit_group();
-            retire_previous_batch<kClusterSize, kNumStages>(acc, empty, in_flight_stage, stage_idx, phase, lane_idx);
+            pipeline.retire_previous_batch(acc, state, in_flight_stage, lane_idx);
         }
         // The next tile, read and decoded while this tile's last batch runs: its integer work and its load of the
         // expert's rows are off the path from this tile's epilogue to the next tile's first wgmmas.
-        const int next_idx = tiles.next(lane_idx);
-        const Tile next = decode_tile_if_any<Shape>(params, next_idx, cta_rank);
-        retire_last_batch<kClusterSize>(acc, empty, in_flight_stage, lane_idx);
+        Tile next;
+        const bool has_next = scheduler.next(next, lane_idx);
+        pipeline.retire_last_batch(acc, in_flight_stage, lane_idx);
         if (tile.store && (!kAccumulate || tile.num_k_blocks > 0)) {
             for_each_index<Shape::kRowBlocks>([&](auto row_block) {
                 constexpr int kRowBlock = decltype(row_block)::value;
@@ -427,7 +412,7 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Kernel
                 }
             });
         }
-        tile_idx = next_idx;
+        has_tile = has_next;
         tile = next;
     }
     if (lane_idx == 0) bulk_wait_group<0, false>();  // every store complete before the CTA exits
@@ -460,13 +445,15 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     }
     cluster_sync();  // barriers initialised in both CTAs before any multicast or remote arrive
     const auto cta_rank = static_cast<int>(cluster_cta_rank());
+    const StagePipeline<Storage::kNumStages, kClusterSize> pipeline{smem.full, smem.empty};
     const int warpgroup_idx = __shfl_sync(0xffffffffu, thread_idx / kWarpgroupThreads, 0);
     if (warpgroup_idx == 0) {
         setmaxnreg_dec<kProducerRegs>();
-        produce<Shape>(&a_map, &b_map, params, smem, cta_rank, thread_idx);
+        produce<Shape>(&a_map, &b_map, params, pipeline, smem, cta_rank, thread_idx);
     } else {
         setmaxnreg_inc<kConsumerRegs>();
-        consume<Shape, T, OutT, kAccumulate>(&out_map, params, smem, cta_rank, warpgroup_idx - 1, thread_idx);
+        consume<Shape, T, OutT, kAccumulate>(&out_map, params, pipeline, smem, cta_rank, warpgroup_idx - 1,
+                                             thread_idx);
     }
     cluster_sync();  // no CTA leaves while the other may still multicast into it or arrive on its barriers
 #endif
@@ -522,7 +509,7 @@ megamoe_status_t launch_typed(const CUtensorMap& a_map, const CUtensorMap& b_map
     const int64_t max_clusters = std::min<int64_t>(std::max(num_sms, kClusterSize) / kClusterSize, params.num_tiles);
     return launch_cluster_kernel<kClusterSize>(
         k_grouped_gemm_sm90_kernel<Shape, T, OutT, kAccumulate, kStoreBoxesPerWarp>, "k_grouped_gemm_sm90", kNumThreads,
-        smem_bytes<SharedStorage<Shape, kStoreBoxesPerWarp>>(), max_clusters, stream, a_map, b_map, out_map, params);
+        smem_bytes_of<SharedStorage<Shape, kStoreBoxesPerWarp>>(), max_clusters, stream, a_map, b_map, out_map, params);
 }
 
 // The launch on tile shape Shape: its tile counts and the pair's shared operand into `params` (whose operands, schedule

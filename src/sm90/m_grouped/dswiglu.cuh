@@ -4,7 +4,7 @@
 // interleaved layout's row order, which the dX and dW13 GEMMs read as w13 stores its rows).
 #pragma once
 
-#include "sm90/m_grouped_epilogue.cuh"
+#include "sm90/m_grouped/epilogue.cuh"
 #include "sm90/m_grouped_gemm_sm90.h"
 
 namespace megamoe::sm90::m_grouped {
@@ -93,8 +93,8 @@ __device__ __forceinline__ void load_dswiglu_sub_tile(const MainloopParams& para
         const bool valid = warp_first_row + row < tile.num_rows && col < params.n;
         const uint16_t* gate = valid ? h_elems + (tile.row_begin + warp_first_row + row) * 2 * params.n + col : h_elems;
         const uint32_t offset = swizzle_64b_offset(row, chunk);
-        cp_async_16_to(gate_slot + offset, gate, valid);
-        cp_async_16_to(gate_slot + kDSwiGLUSlotBytes + offset, valid ? gate + params.n : h_elems, valid);
+        cp_async_16(gate_slot + offset, gate, valid);
+        cp_async_16(gate_slot + kDSwiGLUSlotBytes + offset, valid ? gate + params.n : h_elems, valid);
     }
     cuda::cp_async_commit();
 }

@@ -2,9 +2,9 @@
 // the limit each entry hits. What was measured of other tiles: docs/log/.
 #pragma once
 
-#include "sm90/m_grouped_config.cuh"
-#include "sm90/m_grouped_dswiglu.cuh"
-#include "sm90/m_grouped_epilogue.cuh"
+#include "sm90/m_grouped/config.cuh"
+#include "sm90/m_grouped/dswiglu.cuh"
+#include "sm90/m_grouped/epilogue.cuh"
 
 namespace megamoe::sm90::m_grouped {
 

@@ -1,7 +1,7 @@
-// Shared by the fused Hopper M-grouped GEMM (m_grouped_gemm_sm90.cu) and its epilogues (m_grouped_epilogue.cuh): the
-// tile configurations and the shared-memory plan derived from them, the mainloop's parameters and the tile schedule
-// (decode_tile). The table choosing a configuration per epilogue is with the epilogue policies. Layouts, warp roles and
-// the shared-memory plan: m_grouped_gemm_sm90.cu's opening block.
+// The M-grouped family's configuration (kernel.cuh composes the kernel; its opening block holds the layouts, warp
+// roles and shared-memory plan): the tile configurations and the shared-memory plan derived from them, the mainloop's
+// parameters and the kernel's argument. The tile each epilogue runs with: tile_table.cuh; the tile order:
+// scheduler.cuh.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -11,14 +11,15 @@
 #include <type_traits>
 
 #include "device/grouped_gemm_args.h"
-#include "sm90/epilogue.cuh"
-#include "sm90/hopper.h"
-#include "sm90/ptx.h"
+#include "sm90/kit/arch.h"
+#include "sm90/kit/ptx.h"
+#include "sm90/kit/smem.h"
+#include "sm90/kit/store.cuh"
 
 namespace megamoe::sm90::m_grouped {
 
 // Shared by every tile configuration.
-// A cluster runs two consecutive M tiles of the schedule, one per CTA (hopper.h: kClusterSize).
+// A cluster runs two consecutive M tiles of the schedule, one per CTA (kit/arch.h: kClusterSize).
 constexpr int kBlockM = 128;   // rows per CTA tile: one M tile of the routing's schedule
 constexpr int kNumBBoxes = 2;  // kNK: TMA boxes per B tile (the gate and up halves for SwiGLU)
 constexpr int kBlockK = 64;
@@ -33,8 +34,8 @@ constexpr int kFp8ScaleGroup = 128;  // K elements per scale of the blockwise FP
 // kKN: boxes of 64 N columns (one 128-byte swizzled row) x kBlockK rows of K.
 constexpr int kKNBoxCols = kSwizzleBytes / kElemBytes;
 constexpr int kKNBoxBytes = kKNBoxCols * kBlockK * kElemBytes;
-// Per consumer warp, 4 KiB of staging: the store epilogue's 2 TMA store boxes of 16 rows x 128 bytes (epilogue.cuh),
-// or the dSwiGLU epilogue's 4 sub-tile slots of 16 rows x 64 bytes (m_grouped_dswiglu.cuh).
+// Per consumer warp, 4 KiB of staging: the store epilogue's 2 TMA store boxes of 16 rows x 128 bytes (kit/store.cuh),
+// or the dSwiGLU epilogue's 4 sub-tile slots of 16 rows x 64 bytes (dswiglu.cuh).
 constexpr int kWarpStagingBytes = kTmaStoreBuffers * kTmaStoreBoxBytes;
 constexpr int kStagingBytes = kNumConsumers * kWarpsPerWarpgroup * kWarpStagingBytes;
 
@@ -122,21 +123,17 @@ struct SharedStorageOf {
     uint64_t empty[kNumStages];
 };
 
-// The most stages (at most kMaxStages, at least 2) whose storage and alignment slack fit in an SM's shared memory.
-template <int kStages, int kStageBBytes, bool kStaging>
-constexpr int fit_stages() {
-    if constexpr (kStages <= 2 ||
-                  sizeof(SharedStorageOf<kStages, kStageBBytes, kStaging>) + kSwizzleAtomBytes <= kMaxSmemBytes) {
-        return kStages;
-    } else {
-        return fit_stages<kStages - 1, kStageBBytes, kStaging>();
-    }
-}
-
 // kStaging: the epilogue has per-warp staging in shared memory (the epilogue policy's kStaging).
 template <class Config, bool kStaging>
+struct StorageFor {
+    template <int kNumStages>
+    using Of = SharedStorageOf<kNumStages, Config::kBTileBytes, kStaging>;
+};
+
+// The most stages the shared-memory budget holds (kit/smem.h's rule, at most kMaxStages).
+template <class Config, bool kStaging>
 constexpr int num_stages() {
-    return fit_stages<kMaxStages, Config::kBTileBytes, kStaging>();
+    return fit_stages<StorageFor<Config, kStaging>::template Of, kMaxStages>();
 }
 
 template <class Config, bool kStaging>
@@ -144,7 +141,7 @@ using SharedStorage = SharedStorageOf<num_stages<Config, kStaging>(), Config::kB
 
 template <class Config, bool kStaging>
 constexpr int smem_bytes() {
-    return static_cast<int>(sizeof(SharedStorage<Config, kStaging>)) + kSwizzleAtomBytes;  // + alignment slack
+    return smem_bytes_of<SharedStorage<Config, kStaging>>();
 }
 
 using Cooperative = TileConfig<Operands::k16Bit>;
@@ -198,46 +195,5 @@ struct KernelParams {
     EpilogueParams epilogue;
     ScaleParams scales;
 };
-
-struct Tile {
-    int expert_idx;
-    int num_rows;  // valid rows of this CTA's M tile (0 past the end of the schedule)
-    int64_t row_begin;
-    int64_t n_tile_idx;
-    bool shared_b;  // both M tiles of the pair exist and belong to one expert: each CTA loads one B box for both
-};
-
-// Cluster tile `tile_idx` = (pair of M tiles 2p, 2p + 1 of the routing's schedule, n-tile) as seen by CTA
-// `cta_rank`, which runs M tile 2p + cta_rank. Both CTAs decode both M tiles, so they agree on shared_b.
-__device__ __forceinline__ Tile decode_tile(const MainloopParams& params, int64_t tile_idx, int num_m_tiles,
-                                            uint32_t cta_rank) {
-    const auto first_m_tile = static_cast<int>(tile_idx / params.num_n_tiles) * kClusterSize;
-    const int m_tile_idx = first_m_tile + static_cast<int>(cta_rank);
-    const int first_expert = cuda::expert_of_m_tile(params.m_tile_offsets, params.num_experts, first_m_tile);
-    const bool pair_complete = first_m_tile + 1 < num_m_tiles;
-    const int second_expert =
-        pair_complete ? cuda::expert_of_m_tile(params.m_tile_offsets, params.num_experts, first_m_tile + 1) : -1;
-    Tile tile;
-    tile.n_tile_idx = tile_idx % params.num_n_tiles;
-    tile.shared_b = first_expert == second_expert;
-    tile.expert_idx = cta_rank == 0 || !pair_complete ? first_expert : second_expert;
-    tile.num_rows = 0;
-    tile.row_begin = params.expert_offsets[tile.expert_idx];
-    if (m_tile_idx < num_m_tiles) {
-        tile.row_begin += static_cast<int64_t>(m_tile_idx - params.m_tile_offsets[tile.expert_idx]) * kBlockM;
-        tile.num_rows = static_cast<int>(
-            min(static_cast<int64_t>(kBlockM), params.expert_offsets[tile.expert_idx + 1] - tile.row_begin));
-    }
-    return tile;
-}
-
-// The first row of B_e in kNK box `box_idx` of the tile's B tile (rows of B_e: the N rows, or the gate / up rows):
-// gate / up halves take kBBoxRows gate rows from pair n0 and the matching up rows second_box_row_offset (I) further;
-// else the tile's kBlockN rows in order, box 1 kBBoxRows after box 0.
-template <class Config, class Epi>
-__device__ __forceinline__ int64_t b_box_first_row(const MainloopParams& params, const Tile& tile, int box_idx) {
-    const int64_t first_row = tile.n_tile_idx * (Epi::kGateUpHalves ? Config::kBBoxRows : Config::kBlockN);
-    return first_row + (box_idx == 0 ? 0 : params.second_box_row_offset);
-}
 
 }  // namespace megamoe::sm90::m_grouped

@@ -14,8 +14,8 @@
 #include <type_traits>
 
 #include "device/cuda_utils.h"
-#include "sm90/m_grouped_activation.cuh"
-#include "sm90/m_grouped_config.cuh"
+#include "sm90/m_grouped/activation.cuh"
+#include "sm90/m_grouped/scheduler.cuh"
 
 namespace megamoe::sm90::m_grouped {
 

@@ -1,7 +1,6 @@
-// Shared by the fused Hopper K-grouped GEMM (k_grouped_gemm_sm90.cu): the tile and pipeline configuration, the
-// kernel's parameters, the tile decode and the cluster's tile sequence (static stride or greedy claims through the
-// tile ring). Layouts, warp roles, the tile schedule and the shared-memory plan: k_grouped_gemm_sm90.cu's opening
-// block.
+// The K-grouped family's configuration (gemm.cu composes the kernel; its opening block holds the layouts, warp roles,
+// the tile schedule and the shared-memory plan): the tile table and the pipeline sizes, the shared storage and the
+// kernel's parameters. The tile order: scheduler.cuh.
 #pragma once
 
 #include <cuda_bf16.h>
@@ -10,9 +9,10 @@
 #include <cstdint>
 
 #include "device/int_divisor.h"
-#include "sm90/epilogue.cuh"
-#include "sm90/hopper.h"
-#include "sm90/ptx.h"
+#include "sm90/kit/smem.h"
+#include "sm90/kit/store.cuh"
+#include "sm90/kit/arch.h"
+#include "sm90/kit/ptx.h"
 
 namespace megamoe::sm90::k_grouped {
 
@@ -23,7 +23,7 @@ constexpr int kChunkBytes = kChunkElems * kElemBytes;
 constexpr int kMnBlockElems = kSwizzleBytes / kElemBytes;            // 64 MN elements per 128-byte swizzled row
 constexpr int kMnBlockBytes = kMnBlockElems * kBlockK * kElemBytes;  // one MN block (one TMA box) of a stage: 8 KiB
 constexpr int kIndexLanes = kBlockK / kWarpsPerWarpgroup;  // rows of a stage per producer warp, one index per lane
-// A cluster runs two output tiles of one expert sharing an operand (hopper.h: kClusterSize).
+// A cluster runs two output tiles of one expert sharing an operand (kit/arch.h: kClusterSize).
 constexpr int64_t kMaxTmaRows = INT32_MAX;            // the row extent of the tensor maps: sorted rows are below 2^31
 constexpr int kFullArrivals = kWarpgroupThreads + 1;  // every producer thread's cp.async + thread 0's (expect_tx)
 constexpr int kEmptyArrivalsPerCta = kNumConsumers * kWarpgroupThreads / kWarpSize;  // one per consumer warp
@@ -84,7 +84,7 @@ using NarrowATile = TileShape<128, 256>;
 using WideATile = TileShape<256, 128>;
 
 // Element-type epilogue by TMA stores: each consumer warp stages its 16 rows of a row block, 64 columns at a time
-// (one 128-byte swizzled row each, as the store's tensor map reads them), in one of its store boxes (epilogue.cuh).
+// (one 128-byte swizzled row each, as the store's tensor map reads them), in one of its store boxes (kit/store.cuh).
 constexpr int kMaxStages = 4;
 
 // The cluster's claimed tiles (tile schedule above); the leader CTA's empty barriers are the ones used.
@@ -110,24 +110,16 @@ struct SharedStorageOf {
     TileRing ring;
 };
 
-// The most stages (at most kMaxStages, at least 2) whose storage and alignment slack fit in an SM's shared memory.
-template <class Shape, int kStages, int kStoreBoxes>
-constexpr int fit_stages() {
-    if constexpr (kStages <= 2 ||
-                  sizeof(SharedStorageOf<Shape, kStages, kStoreBoxes>) + kSwizzleAtomBytes <= kMaxSmemBytes) {
-        return kStages;
-    } else {
-        return fit_stages<Shape, kStages - 1, kStoreBoxes>();
-    }
-}
-
 template <class Shape, int kStoreBoxes>
-using SharedStorage = SharedStorageOf<Shape, fit_stages<Shape, kMaxStages, kStoreBoxes>(), kStoreBoxes>;
+struct StorageFor {
+    template <int kNumStages>
+    using Of = SharedStorageOf<Shape, kNumStages, kStoreBoxes>;
+};
 
-template <class Storage>
-constexpr int smem_bytes() {
-    return static_cast<int>(sizeof(Storage)) + kSwizzleAtomBytes;  // + alignment slack
-}
+// The most stages the shared-memory budget holds (kit/smem.h's rule, at most kMaxStages).
+template <class Shape, int kStoreBoxes>
+using SharedStorage =
+    SharedStorageOf<Shape, fit_stages<StorageFor<Shape, kStoreBoxes>::template Of, kMaxStages>(), kStoreBoxes>;
 
 // 2 store boxes per warp: a chunk's store waits for the previous chunk's to have read its box. A tile's worth (4)
 // would leave 3 stages (slower: docs/log/).
@@ -135,7 +127,7 @@ constexpr int kStoreBoxesPerWarp = kTmaStoreBuffers;
 template <class Shape>
 constexpr bool storage_fits() {
     static_assert(SharedStorage<Shape, kStoreBoxesPerWarp>::kNumStages == 4, "2 store boxes per warp: 4 stages");
-    static_assert(smem_bytes<SharedStorage<Shape, kStoreBoxesPerWarp>>() <= kMaxSmemBytes,
+    static_assert(smem_bytes_of<SharedStorage<Shape, kStoreBoxesPerWarp>>() <= kMaxSmemBytes,
                   "stages and store staging exceed the shared memory of an SM");
     static_assert(Shape::kStoreChunks % kStoreBoxesPerWarp == 0, "a row block's chunks start again at box 0");
     return true;
@@ -176,123 +168,6 @@ struct KernelParams {
     const int4* experts_by_rank;  // [E] {expert, row_begin, row_end, 0}, heaviest first (NULL: e-th is e)
     void* out;                    // [E, M, N]
     bool tma_store;               // element-type out with its tensor map made: the epilogue stores by TMA
-};
-
-// Sorted rows are below 2^31 (T * topk < 2^31), and so are M and N (sizes of a weight's dimensions).
-struct Tile {
-    int expert_idx;
-    int m_begin;
-    int n_begin;
-    int row_begin;  // the expert's sorted rows [row_begin, row_end)
-    int row_end;
-    int num_k_blocks;
-    bool store;  // false: the partner's tile again (odd tile count), computed only to keep the pair in step
-};
-
-// CTA `cta_rank`'s output tile of cluster tile `tile_idx`. Both CTAs get the same expert, hence the same k-blocks.
-template <class Shape>
-__device__ __forceinline__ Tile decode_tile(const KernelParams& params, int tile_idx, int cta_rank) {
-    Tile tile;
-    const int expert_rank = params.tiles_per_expert_divisor.divide(tile_idx);
-    const int within = tile_idx - expert_rank * params.pairs_m * params.pairs_n;
-    const int num_paired = params.pair_along_m ? params.num_m_tiles : params.num_n_tiles;
-    const int within_quotient = params.pairs_n_divisor.divide(within);
-    const int within_rest = within - within_quotient * params.pairs_n;
-    const int pair_idx = params.pair_along_m ? within_quotient : within_rest;
-    const int other_idx = params.pair_along_m ? within_rest : within_quotient;
-    int paired_idx = pair_idx * kClusterSize + cta_rank;
-    tile.store = paired_idx < num_paired;
-    if (!tile.store) paired_idx = pair_idx * kClusterSize;
-    const int m_tile_idx = params.pair_along_m ? paired_idx : other_idx;
-    const int n_tile_idx = params.pair_along_m ? other_idx : paired_idx;
-    tile.m_begin = m_tile_idx * Shape::kBlockM;
-    tile.n_begin = n_tile_idx * Shape::kBlockN;
-    if (params.experts_by_rank != nullptr) {  // one load, not a chain: it stays in flight through the current tile
-        const int4 entry = params.experts_by_rank[expert_rank];
-        tile.expert_idx = entry.x;
-        tile.row_begin = entry.y;
-        tile.row_end = entry.z;
-    } else {
-        tile.expert_idx = expert_rank;
-        tile.row_begin = params.expert_offsets[expert_rank];
-        tile.row_end = params.expert_offsets[expert_rank + 1];
-    }
-    tile.num_k_blocks = (tile.row_end - tile.row_begin + kBlockK - 1) / kBlockK;
-    return tile;
-}
-
-// As decode_tile, or a tile with no rows and nothing to store past the last cluster tile (reads nothing).
-template <class Shape>
-__device__ __forceinline__ Tile decode_tile_if_any(const KernelParams& params, int tile_idx, int cta_rank) {
-    if (tile_idx < params.num_tiles) return decode_tile<Shape>(params, tile_idx, cta_rank);
-    Tile tile{};
-    tile.store = false;
-    return tile;
-}
-
-// The cluster's tile sequence. Balanced routing (no counter, or order_experts_kernel chose the static stride): every
-// thread computes the static stride itself (cluster c takes c, c + num_clusters, ...), no ring. Skewed routing: tiles
-// go through the tile ring above; every thread of every warp of both CTAs calls next() for each tile in the same
-// order, whole warps at a time. The leader CTA's producer thread 0 (claims) keeps the ring kClaimAhead tiles ahead of
-// its own reads, and its atomicAdd for a tile is issued one call before the tile is written into the ring: neither
-// the atomic's round trip nor the remote write is waited for when a tile starts.
-struct TileSequence {
-    TileRing* ring;
-    int* tile_counter;  // claims greedily from it, else NULL: the static stride, computed by every thread
-    int cluster_idx;
-    int num_clusters;
-    bool claims;
-    int seq_idx;
-    int pending;  // claims: the tile for sequence number seq_idx + kClaimAhead (atomicAdd in flight)
-
-    __device__ __forceinline__ TileSequence(TileRing* ring_, int* tile_counter_, bool claims_)
-        : ring(ring_), tile_counter(nullptr), claims(false), seq_idx(0), pending(0) {
-        cluster_idx = static_cast<int>(blockIdx.x) / kClusterSize;
-        num_clusters = static_cast<int>(gridDim.x) / kClusterSize;
-        // Read once, by every thread (the same value in both CTAs: order_experts_kernel wrote it before the launch).
-        if (tile_counter_ != nullptr && tile_counter_[1] != 0) {
-            tile_counter = tile_counter_;
-            claims = claims_;
-        }
-    }
-
-    // The claimed cluster tile of sequence number `seq`: the cluster's own index first, then the counter's.
-    __device__ __forceinline__ int claim(int seq) const {
-        if (seq == 0) return cluster_idx;
-        return num_clusters + atomicAdd(tile_counter, 1);
-    }
-
-    // Into slot seq % kTileRing of every CTA's ring (the leader's own too) once every warp has read its previous use:
-    // an arrival expecting 4 bytes, and the asynchronous store that completes them.
-    __device__ __forceinline__ void publish(int seq, int tile_idx) const {
-        const int slot = seq % kTileRing;
-        if (seq >= kTileRing) mbarrier_wait(&ring->empty[slot], (seq / kTileRing - 1) & 1);
-#pragma unroll
-        for (uint32_t cta_rank = 0; cta_rank < kClusterSize; ++cta_rank) {
-            mbarrier_arrive_expect_tx_cluster(&ring->full[slot], cta_rank, sizeof(int));
-            st_async_u32(&ring->tile_idx[slot], cta_rank, static_cast<uint32_t>(tile_idx), &ring->full[slot]);
-        }
-    }
-
-    // The next cluster tile (num_tiles or more: none left).
-    __device__ __forceinline__ int next(int lane_idx) {
-        if (tile_counter == nullptr) return cluster_idx + (seq_idx++) * num_clusters;  // static stride
-        if (claims) {
-            if (seq_idx == 0) {
-                for (int seq = 0; seq < kClaimAhead; ++seq) publish(seq, claim(seq));
-                pending = claim(kClaimAhead);
-            }
-            publish(seq_idx + kClaimAhead, pending);
-            pending = claim(seq_idx + kClaimAhead + 1);
-        }
-        const int slot = seq_idx % kTileRing;
-        mbarrier_wait(&ring->full[slot], (seq_idx / kTileRing) & 1);
-        const int tile_idx = *static_cast<volatile int*>(&ring->tile_idx[slot]);
-        __syncwarp();
-        if (lane_idx == 0) mbarrier_arrive_cluster(&ring->empty[slot], 0);
-        ++seq_idx;
-        return tile_idx;
-    }
 };
 
 }  // namespace megamoe::sm90::k_grouped

@@ -7,8 +7,8 @@
 #include <type_traits>
 
 #include "device/cuda_utils.h"
-#include "sm90/m_grouped_fp8_epilogue.cuh"
-#include "sm90/m_grouped_kernel.cuh"
+#include "sm90/m_grouped/fp8_epilogue.cuh"
+#include "sm90/m_grouped/kernel.cuh"
 
 namespace megamoe::sm90 {
 namespace {

@@ -86,243 +86,61 @@
 
 #include "device/cuda_utils.h"
 #include "device/grouped_gemm_args.h"
-#include "sm90/epilogue.cuh"
-#include "sm90/launch.h"
-#include "sm90/m_grouped_config.cuh"
-#include "sm90/m_grouped_dswiglu.cuh"
-#include "sm90/m_grouped_epilogue.cuh"
-#include "sm90/m_grouped_fp8_mainloop.cuh"
-#include "sm90/m_grouped_host.cuh"
-#include "sm90/m_grouped_tile_table.cuh"
-#include "sm90/ptx.h"
+#include "sm90/kit/store.cuh"
+#include "sm90/kit/launch.h"
+#include "sm90/kit/pipeline.cuh"
+#include "sm90/m_grouped/config.cuh"
+#include "sm90/m_grouped/dswiglu.cuh"
+#include "sm90/m_grouped/epilogue.cuh"
+#include "sm90/m_grouped/fp8_mainloop.cuh"
+#include "sm90/m_grouped/mainloop.cuh"
+#include "sm90/m_grouped/scheduler.cuh"
+#include "sm90/m_grouped/host.cuh"
+#include "sm90/m_grouped/tile_table.cuh"
+#include "sm90/kit/ptx.h"
 
 namespace megamoe::sm90::m_grouped {
 
 using cuda::ceil_div;
 
-// wgmma's B majorness: K-major for kNK, MN-major for kKN (A is always K-major).
-template <BLayout kBLayout>
-constexpr gmma::Major kBMajor = kBLayout == BLayout::kNK ? gmma::Major::K : gmma::Major::MN;
+// The kernel's parts for one epilogue policy, B layout, B source and tile configuration.
+template <typename T, class Epi, BLayout kBLayout, BSource kBSource, class Config>
+struct Kernel {
+    using Storage = SharedStorage<Config, Epi::kStaging>;
+    static constexpr int kNumStages = num_stages<Config, Epi::kStaging>();
+    using Pipeline = StagePipeline<kNumStages, kClusterSize>;
+    using Loader = StageLoader<Config, Epi, kBLayout, kBSource>;
+    using Mainloop = std::conditional_t<Config::kFp8, Fp8Mainloop<Config, Epi>, WgmmaMainloop<T, Config, Epi, kBLayout>>;
+    static_assert(!Config::kFp8 || kBLayout == BLayout::kNK, "FP8 wgmma reads B K-major");
 
-// acc[kFirstReg, kFirstReg + kBlockRegs) += A (64 x 16) * B (kBlockN x 16)^T, asynchronously: one row block of
-// 16-bit operands (the FP8 ones: m_grouped_fp8_mainloop.cuh's fp8_mma).
-template <typename T, BLayout kBLayout, class Config, int kFirstReg, int kNumRegs>
-__device__ __forceinline__ void wgmma(uint64_t desc_a, uint64_t desc_b, float (&acc)[kNumRegs]) {
-    static_assert(!Config::kFp8, "16-bit operands");
-    static_assert(kFirstReg + Config::kBlockRegs <= kNumRegs, "the row block's accumulators are the consumer's");
-    wgmma_unpacked<WgmmaOp<T, Config::kBlockN, gmma::Major::K, kBMajor<kBLayout>>, kFirstReg>(
-        desc_a, desc_b, acc, std::make_index_sequence<Config::kBlockRegs>{});
-}
-
-// Descriptor of the B tile of a stage, and its advance per k16 step.
-template <BLayout kBLayout>
-__device__ __forceinline__ uint64_t make_b_desc(const uint8_t* tile_b) {
-    if constexpr (kBLayout == BLayout::kNK) {
-        return make_smem_desc_k_major_sw128(tile_b);
-    } else {
-        return make_smem_desc_mn_major_sw128<kKNBoxBytes>(tile_b);
+    // Consumer warpgroup `consumer_idx`: every tile of the CTA, rows [64 consumer_idx, + 64): the mainloop, then the
+    // epilogue (whose per-tile loads are issued before the mainloop).
+    __device__ __forceinline__ static void consume(const CUtensorMap* out_map, const MainloopParams& params,
+                                                   const typename Epi::Params& epilogue,
+                                                   const ScaleParamsOf<Config>& scales, const Pipeline& pipeline,
+                                                   Storage& smem, Scheduler scheduler, int num_k_blocks,
+                                                   int consumer_idx, int thread_idx) {
+        const int lane_idx = thread_idx % kWarpSize;
+        const int warp_idx = (thread_idx % kWarpgroupThreads) / kWarpSize;
+        uint32_t warp_staging = 0;  // the warp's staging (TMA store boxes, dSwiGLU's sub-tile slots)
+        if constexpr (Epi::kStaging) {
+            warp_staging = shared_address(smem.staging.boxes) +
+                           static_cast<uint32_t>((consumer_idx * kWarpsPerWarpgroup + warp_idx) * kWarpStagingBytes);
+        }
+        const int row_block = consumer_idx;  // the consumer's 64-row block of a tile
+        typename Pipeline::State state;
+        float acc[Config::kNumAccRegs];
+        for (Tile tile; scheduler.next(tile, lane_idx);) {
+            const typename Epi::TileState epilogue_state =  // its loads stay in flight during the mainloop
+                Epi::template begin_tile<Config>(params, epilogue, tile, row_block, warp_staging, warp_idx, lane_idx);
+            Mainloop::mma_tile(pipeline, state, smem, params, scales, tile, num_k_blocks, row_block, warp_idx, lane_idx,
+                               acc);
+            Epi::template store<T, Config>(out_map, params, epilogue, tile, acc, epilogue_state, warp_staging,
+                                           row_block, warp_idx, lane_idx);
+        }
+        Epi::finish(lane_idx);
     }
-}
-template <BLayout kBLayout>
-constexpr uint64_t kBDescK16Step = kBLayout == BLayout::kNK ? kDescK16Step : kDescMnK16Step;
-
-// How the producer loads A (the policy's kTmaA): the store epilogue's A (down: a, dX: dh) holds the sorted rows
-// themselves, one TMA box of kBlockM rows per stage (thread 0); the others gather rows of x / dy with cp.async by all
-// 128 threads (not one-row TMA boxes, 128 per stage: the TMA unit is slow on small boxes). A stage's full barrier waits
-// for the expect_tx of A and of B, or the copies' arrivals and B's expect_tx.
-template <class Epi>
-constexpr int kFullArrivals = Epi::kTmaA ? 2 : kWarpgroupThreads + 1;
-
-// The CTA's tile sequence: cluster tiles c, c + num_clusters, ... (c: this CTA's cluster); the producer and both
-// consumers walk all of them.
-struct CtaTiles {
-    int64_t first;
-    int64_t stride;
-    __device__ __forceinline__ CtaTiles() : first(blockIdx.x / kClusterSize), stride(gridDim.x / kClusterSize) {}
-    __device__ __forceinline__ int64_t at(int64_t seq_idx) const { return first + seq_idx * stride; }
 };
-
-// Producer warpgroup: B by TMA, A by TMA or gathered by cp.async, stage by stage, for every tile of this CTA.
-// `b_second_map`: the second B map of kBSource kUpHalf / kKHalves (else unused).
-template <class Config, class Epi, BLayout kBLayout, BSource kBSource, class Storage>
-__device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensorMap* b_map,
-                                        const CUtensorMap* b_second_map, const MainloopParams& params, Storage& smem,
-                                        int num_m_tiles, int64_t num_tiles, int num_k_blocks, uint32_t cta_rank,
-                                        int thread_idx) {
-    constexpr int kNumStages = num_stages<Config, Epi::kStaging>();
-    constexpr bool kUpHalf = kBSource == BSource::kUpHalf;
-    constexpr bool kKHalves = kBSource == BSource::kKHalves;
-    static_assert(!kUpHalf || Epi::kGateUpHalves, "a second map for the up half: gate / up halves");
-    static_assert(!kKHalves || (Epi::kTmaA && !Epi::kGateUpPairs), "K halves: A by TMA, plain N columns");
-    const int num_k_blocks_per_map = kKHalves ? num_k_blocks / 2 : num_k_blocks;
-    if (Epi::kTmaA && thread_idx != 0) return;  // thread 0 loads both tiles
-    const int chunk_idx = thread_idx % kChunksPerRow;
-    const int first_row = thread_idx / kChunksPerRow;
-    const CtaTiles tiles;
-    int stage_idx = 0;
-    uint32_t phase = 0;
-    for (int64_t tile_idx = tiles.first; tile_idx < num_tiles; tile_idx += tiles.stride) {
-        const Tile tile = decode_tile(params, tile_idx, num_m_tiles, cta_rank);
-        const OperandBitsOf<Config>* src_rows[kProducerPasses];
-#pragma unroll
-        for (int pass = 0; pass < kProducerPasses; ++pass) {
-            const int local_row = first_row + pass * kProducerRowsPerPass;
-            src_rows[pass] = nullptr;
-            if (!Epi::kTmaA && local_row < tile.num_rows) {
-                const int64_t row_idx = tile.row_begin + local_row;
-                const int64_t a_row =
-                    params.a_gather_slots != nullptr ? params.a_gather_slots[row_idx] / params.topk : row_idx;
-                src_rows[pass] = static_cast<const OperandBitsOf<Config>*>(params.a) + a_row * params.lda +
-                                 chunk_idx * Config::kOperandChunkElems;
-            }
-        }
-        for (int k_block_idx = 0; k_block_idx < num_k_blocks; ++k_block_idx) {
-            mbarrier_wait(&smem.empty[stage_idx], phase ^ 1);
-            uint8_t* tile_a = smem.a[stage_idx];
-            uint8_t* tile_b = smem.b[stage_idx];
-            uint64_t* full = &smem.full[stage_idx];
-            const bool second_k_half = kKHalves && k_block_idx >= num_k_blocks_per_map;
-            const int32_t k_begin =
-                (second_k_half ? k_block_idx - num_k_blocks_per_map : k_block_idx) * Config::kBlockK;
-            const CUtensorMap* k_map = second_k_half ? b_second_map : b_map;  // B's map for this K block
-            if constexpr (Epi::kTmaA) {  // rows past the expert's end: the next expert's, results not stored
-                mbarrier_arrive_expect_tx(full, kATileBytes);
-                if constexpr (kKHalves) {
-                    tma_load_3d(tile_a, a_map, full, k_begin, second_k_half ? 1 : 0,
-                                static_cast<int32_t>(tile.row_begin));
-                } else {
-                    tma_load_2d(tile_a, a_map, full, k_begin, static_cast<int32_t>(tile.row_begin));
-                }
-            }
-            if (thread_idx == 0 && kBLayout == BLayout::kKN) {
-                mbarrier_arrive_expect_tx(full, Config::kBTileBytes);
-                // A shared B tile: boxes [cta_rank, cta_rank + 1) x kKNBoxesPerCta, multicast to both CTAs.
-#pragma unroll
-                for (int box_idx = 0; box_idx < Config::kKNNumBoxes; ++box_idx) {
-                    auto b_col = static_cast<int32_t>(tile.n_tile_idx * Config::kBlockN + box_idx * kKNBoxCols);
-                    const CUtensorMap* box_map = k_map;
-                    if constexpr (Epi::kGateUpHalves) {  // boxes [0, half): gate columns; [half, ..): up, n on
-                        constexpr int kHalfBoxes = Config::kKNNumBoxes / 2;
-                        static_assert(kHalfBoxes * 2 == Config::kKNNumBoxes, "kKN gate / up halves are whole boxes");
-                        const bool up = box_idx >= kHalfBoxes;  // kUpHalf: the up columns from K 0 of the second map
-                        b_col =
-                            static_cast<int32_t>(tile.n_tile_idx * (Config::kBlockN / 2) +
-                                                 (box_idx % kHalfBoxes) * kKNBoxCols + (up && !kUpHalf ? params.n : 0));
-                        if (kUpHalf && up) box_map = b_second_map;
-                    }
-                    uint8_t* box = tile_b + box_idx * kKNBoxBytes;
-                    if (!tile.shared_b) {
-                        tma_load_3d(box, box_map, full, b_col, k_begin, tile.expert_idx);
-                    } else if (box_idx / Config::kKNBoxesPerCta == static_cast<int>(cta_rank)) {
-                        tma_load_3d_multicast(box, box_map, full, b_col, k_begin, tile.expert_idx, kClusterMask);
-                    }
-                }
-            } else if (thread_idx == 0) {
-                mbarrier_arrive_expect_tx(full, Config::kBTileBytes);
-                // A shared B tile: box cta_rank, multicast to both CTAs; else both boxes, for this CTA alone.
-#pragma unroll
-                for (int box_idx = 0; box_idx < kNumBBoxes; ++box_idx) {
-                    const auto b_row = static_cast<int32_t>(b_box_first_row<Config, Epi>(params, tile, box_idx));
-                    uint8_t* box = tile_b + box_idx * Config::kBBoxBytes;
-                    const CUtensorMap* box_map = kUpHalf && box_idx == 1 ? b_second_map : k_map;
-                    if (!tile.shared_b) {
-                        tma_load_3d(box, box_map, full, k_begin, b_row, tile.expert_idx);
-                    } else if (box_idx == static_cast<int>(cta_rank)) {
-                        tma_load_3d_multicast(box, box_map, full, k_begin, b_row, tile.expert_idx, kClusterMask);
-                    }
-                }
-            }
-            if constexpr (!Epi::kTmaA) {
-                const bool col_valid = k_begin + chunk_idx * Config::kOperandChunkElems < params.k;
-#pragma unroll
-                for (int pass = 0; pass < kProducerPasses; ++pass) {
-                    const bool valid = col_valid && src_rows[pass] != nullptr;
-                    cp_async_16_to(shared_address(tile_a) +
-                                       swizzle_128b_offset(first_row + pass * kProducerRowsPerPass, chunk_idx),
-                                   valid ? src_rows[pass] + k_begin : params.a, valid);
-                }
-                cp_async_mbarrier_arrive_noinc(full);  // the stage is published once the copies land
-            }
-            advance_stage<kNumStages>(stage_idx, phase);
-        }
-    }
-    cuda::cp_async_commit();
-    cuda::cp_async_wait<0>();  // no copy outlives its thread
-}
-
-// One row block's wgmmas of a stage: kBlockK / 16 k16 steps of m64 x kBlockN x k16 on the block's A rows.
-template <typename T, BLayout kBLayout, class Config, int kNumRegs>
-__device__ __forceinline__ void row_block_mma(uint64_t desc_a, uint64_t desc_b, float (&acc)[kNumRegs]) {
-#pragma unroll
-    for (int k_step = 0; k_step < Config::kBlockK / kWgmmaK; ++k_step) {
-        wgmma<T, kBLayout, Config, 0>(desc_a + k_step * kDescK16Step, desc_b + k_step * kBDescK16Step<kBLayout>, acc);
-    }
-}
-
-// Consumer warpgroup `consumer_idx`: wgmma over the stages of every tile of the CTA, rows [64 consumer_idx, + 64), then
-// the epilogue. FP8 (Config::kFp8): a stage is one K group; m_grouped_fp8_mainloop.cuh's rescaled mainloop runs a
-// tile's stages at once (skip_stages where the consumer has no rows).
-template <typename T, class Config, class Epi, BLayout kBLayout, class Storage>
-__device__ __forceinline__ void consume(const CUtensorMap* out_map, const MainloopParams& params,
-                                        const typename Epi::Params& epilogue, const ScaleParamsOf<Config>& scales,
-                                        Storage& smem, int num_m_tiles, int64_t num_tiles, int num_k_blocks,
-                                        uint32_t cta_rank, int consumer_idx, int thread_idx) {
-    constexpr int kNumStages = num_stages<Config, Epi::kStaging>();
-    const int lane_idx = thread_idx % kWarpSize;
-    const int warp_idx = (thread_idx % kWarpgroupThreads) / kWarpSize;
-    uint32_t warp_staging = 0;  // the warp's staging (TMA store boxes, dSwiGLU's sub-tile slots)
-    if constexpr (Epi::kStaging) {
-        warp_staging = shared_address(smem.staging.boxes) +
-                       static_cast<uint32_t>((consumer_idx * kWarpsPerWarpgroup + warp_idx) * kWarpStagingBytes);
-    }
-    const int row_block = consumer_idx;  // the consumer's 64-row block of a tile
-    const CtaTiles tiles;
-    int stage_idx = 0;
-    uint32_t phase = 0;
-    float acc[Config::kNumAccRegs];
-    for (int64_t seq_idx = 0; tiles.at(seq_idx) < num_tiles; ++seq_idx) {
-        const Tile tile = decode_tile(params, tiles.at(seq_idx), num_m_tiles, cta_rank);
-        // A consumer whose row block has no rows only keeps the pipeline going.
-        const bool has_rows = row_block * kWgmmaM < tile.num_rows;
-        const typename Epi::TileState epilogue_state =  // its loads stay in flight during the mainloop
-            Epi::template begin_tile<Config>(params, epilogue, tile, row_block, warp_staging, warp_idx, lane_idx);
-#pragma unroll
-        for (int reg_idx = 0; reg_idx < Config::kNumAccRegs; ++reg_idx) acc[reg_idx] = 0.0f;
-        [[maybe_unused]] int in_flight_stage = -1;
-        if constexpr (Config::kFp8) {  // the tile's stages at once (m_grouped_fp8_mainloop.cuh)
-            static_assert(kBLayout == BLayout::kNK, "FP8 wgmma reads B K-major");
-            if (has_rows) {
-                const Fp8TileScales tile_scales =
-                    fp8_tile_scales<Config, Epi>(params, scales, tile, row_block, warp_idx, lane_idx);
-                fp8_mainloop<Config, Epi, kNumStages>(smem, stage_idx, phase, num_k_blocks, tile_scales, row_block,
-                                                      lane_idx, acc);
-            } else {
-                skip_stages<Config, kNumStages>(smem, stage_idx, phase, num_k_blocks, lane_idx);
-            }
-        } else {
-            for (int k_block_idx = 0; k_block_idx < num_k_blocks; ++k_block_idx) {
-                mbarrier_wait(&smem.full[stage_idx], phase);
-                // A written by cp.async (generic proxy) is read by wgmma (async proxy); a stage that TMA filled alone
-                // is the async proxy's throughout.
-                if constexpr (!Epi::kTmaA) fence_proxy_async_shared();
-                const uint8_t* tile_a = smem.a[stage_idx] + row_block * kRowBlockATileBytes;
-                const uint64_t desc_b = make_b_desc<kBLayout>(smem.b[stage_idx]);
-                if (has_rows) {
-                    fence_accumulators(acc);
-                    wgmma_fence();
-                    row_block_mma<T, kBLayout, Config>(make_smem_desc_k_major_sw128(tile_a), desc_b, acc);
-                    wgmma_commit_group();
-                }
-                retire_previous_batch<kClusterSize, kNumStages>(acc, smem.empty, in_flight_stage, stage_idx, phase,
-                                                                lane_idx);
-            }
-            retire_last_batch<kClusterSize>(acc, smem.empty, in_flight_stage, lane_idx);
-        }
-        Epi::template store<T, Config>(out_map, params, epilogue, tile, acc, epilogue_state, warp_staging, row_block,
-                                       warp_idx, lane_idx);
-    }
-    Epi::finish(lane_idx);
-}
 
 // `b_second_map` (after the others, so the kBSource::kOne kernels' parameters keep their offsets): B's second map.
 template <typename T, class Epi, BLayout kBLayout, BSource kBSource, class Config>
@@ -332,16 +150,17 @@ __global__ void __launch_bounds__(kNumThreads, 1)
                                const KernelParams<typename Epi::Params, ScaleParamsOf<Config>> params,
                                const __grid_constant__ CUtensorMap b_second_map) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
-    using Storage = SharedStorage<Config, Epi::kStaging>;
-    constexpr int kNumStages = num_stages<Config, Epi::kStaging>();
+    using Parts = Kernel<T, Epi, kBLayout, kBSource, Config>;
+    using Storage = typename Parts::Storage;
     extern __shared__ uint8_t smem_raw[];
     const uint32_t misalignment = shared_address(smem_raw) % kSwizzleAtomBytes;
     Storage& smem = *reinterpret_cast<Storage*>(smem_raw + (misalignment == 0 ? 0 : kSwizzleAtomBytes - misalignment));
+    const typename Parts::Pipeline pipeline{smem.full, smem.empty};
 
     const int thread_idx = static_cast<int>(threadIdx.x);
     if (thread_idx == 0) {
-        for (int stage_idx = 0; stage_idx < kNumStages; ++stage_idx) {
-            mbarrier_init(&smem.full[stage_idx], kFullArrivals<Epi>);
+        for (int stage_idx = 0; stage_idx < Parts::kNumStages; ++stage_idx) {
+            mbarrier_init(&smem.full[stage_idx], Parts::Loader::kFullArrivals);
             mbarrier_init(&smem.empty[stage_idx], kClusterSize * Config::kEmptyArrivalsPerCta);
         }
         fence_barrier_init();
@@ -356,17 +175,18 @@ __global__ void __launch_bounds__(kNumThreads, 1)
     const MainloopParams& mainloop = params.mainloop;
     const int num_m_tiles = mainloop.m_tile_offsets[mainloop.num_experts];
     const int64_t num_tiles = ceil_div(num_m_tiles, kClusterSize) * mainloop.num_n_tiles;  // cluster tiles
+    const Scheduler scheduler(mainloop, num_m_tiles, num_tiles, cta_rank);
     const int num_k_maps = kBSource == BSource::kKHalves ? 2 : 1;  // K halves: the K blocks of each map in turn
     const auto num_k_blocks = static_cast<int>(num_k_maps * ceil_div(mainloop.k, Config::kBlockK));
     const int warpgroup_idx = __shfl_sync(0xffffffffu, thread_idx / kWarpgroupThreads, 0);
     if (warpgroup_idx == 0) {
         setmaxnreg_dec<kProducerRegs>();
-        produce<Config, Epi, kBLayout, kBSource>(&a_map, &b_map, &b_second_map, mainloop, smem, num_m_tiles, num_tiles,
-                                                 num_k_blocks, cta_rank, thread_idx);
+        Parts::Loader::run(&a_map, &b_map, &b_second_map, mainloop, pipeline, smem, scheduler, num_k_blocks, cta_rank,
+                           thread_idx);
     } else {
         setmaxnreg_inc<kConsumerRegs>();
-        consume<T, Config, Epi, kBLayout>(&out_map, mainloop, params.epilogue, params.scales, smem, num_m_tiles,
-                                          num_tiles, num_k_blocks, cta_rank, warpgroup_idx - 1, thread_idx);
+        Parts::consume(&out_map, mainloop, params.epilogue, params.scales, pipeline, smem, scheduler, num_k_blocks,
+                       warpgroup_idx - 1, thread_idx);
     }
     cluster_sync();  // no CTA leaves while the other may still arrive on its barriers
 #endif

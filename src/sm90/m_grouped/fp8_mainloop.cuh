@@ -1,5 +1,5 @@
-// The blockwise FP8 mainloop of the M-grouped kernel (Operands::kFp8 of m_grouped_config.cuh; m_grouped_kernel.cuh's
-// consume runs it): which scales a consumer thread applies and the rescaled mainloop of a tile. A thread's
+// The blockwise FP8 consumer mainloop of the M-grouped kernel (Operands::kFp8 of config.cuh; kernel.cuh composes it):
+// which scales a consumer thread applies and the rescaled mainloop of a tile. A thread's
 // accumulators of a row block are 2 rows (lane / 4 and + 8 of its warp's 16) x the tile's columns, fragment f (8
 // columns) from B box f / (kBBoxRows / 8); each K group's partial sums are scaled by sa[row, g] * sb[block of the box,
 // g] (m_grouped_fp8_gemm_sm90.h).
@@ -7,9 +7,10 @@
 
 #include <cstdint>
 
-#include "sm90/hopper.h"
-#include "sm90/m_grouped_config.cuh"
-#include "sm90/ptx.h"
+#include "sm90/kit/arch.h"
+#include "sm90/kit/pipeline.cuh"
+#include "sm90/kit/ptx.h"
+#include "sm90/m_grouped/scheduler.cuh"
 
 namespace megamoe::sm90::m_grouped {
 
@@ -158,17 +159,6 @@ __device__ __forceinline__ void fp8_mma(const uint8_t* tile_a, const uint8_t* ti
     }
 }
 
-// A consumer with no rows in the tile: waits for each of its stages and releases it (the pipeline goes on).
-template <class Config, int kNumStages, class Storage>
-__device__ __forceinline__ void skip_stages(Storage& smem, int& stage_idx, uint32_t& phase, int num_k_blocks,
-                                            int lane_idx) {
-    for (int k_block_idx = 0; k_block_idx < num_k_blocks; ++k_block_idx) {
-        mbarrier_wait(&smem.full[stage_idx], phase);
-        if (lane_idx == 0) release_stage<kClusterSize>(&smem.empty[stage_idx]);
-        advance_stage<kNumStages>(stage_idx, phase);
-    }
-}
-
 // The accumulators of a full-width tile row (fragment f: box f / (kBBoxRows / 8), register j: row j % 4 / 2) *=
 // the factors of their rows and boxes.
 template <class Config, int kNumRegs>
@@ -180,43 +170,61 @@ __device__ __forceinline__ void scale_accumulators(float (&acc)[kNumRegs],
         acc[reg_idx] *= factors[reg_idx % 4 / 2][reg_idx / 4 / kFragsPerBox];
 }
 
-// The rescaled FP8 mainloop of one tile with rows: the accumulators are kept in units of the current K group's
-// scales; once group g - 1 has completed, they are multiplied by (its scales / group g's) and group g is issued as
-// m64 x kBlockN wgmmas (A read from shared memory once per k step); the rescaling is not under the consumer's own
-// wgmmas (the other consumer's keep the tensor pipe busy). A stage is released once the next group's wgmmas are issued
-// (a lane-0 branch between them would make ptxas serialize every wgmma, C7520); only wgmmas of the current iteration
-// are in flight when the accumulators are read (C7514). The accumulators end in the last group's units and are scaled
-// by its scales.
-template <class Config, class Epi, int kNumStages, class Storage, int kNumRegs>
-__device__ __forceinline__ void fp8_mainloop(Storage& smem, int& stage_idx, uint32_t& phase,
-                                                           int num_k_blocks, const Fp8TileScales& tile_scales,
-                                                           int first_row_block, int lane_idx, float (&acc)[kNumRegs]) {
+// The FP8 consumer mainloop (the kernel's Mainloop for Config::kFp8): its rescaled tile, or, for a consumer with no
+// rows in the tile, each stage waited for and released (the pipeline goes on).
+// The rescaled mainloop of a tile with rows: the accumulators are kept in units of the current K group's scales; once
+// group g - 1 has completed, they are multiplied by (its scales / group g's) and group g is issued as m64 x kBlockN
+// wgmmas (A read from shared memory once per k step); the rescaling is not under the consumer's own wgmmas (the other
+// consumer's keep the tensor pipe busy). A stage is released once the next group's wgmmas are issued (a lane-0 branch
+// between them would make ptxas serialize every wgmma, C7520); only wgmmas of the current iteration are in flight when
+// the accumulators are read (C7514). The accumulators end in the last group's units and are scaled by its scales.
+template <class Config, class Epi>
+struct Fp8Mainloop {
+    static_assert(Config::kFp8, "e4m3 operands");
+
+    template <class Pipeline, class Storage, int kNumRegs>
+    __device__ __forceinline__ static void mma_tile(const Pipeline& pipeline, typename Pipeline::State& state,
+                                                    Storage& smem, const MainloopParams& params,
+                                                    const Fp8ScaleParams& scales, const Tile& tile, int num_k_blocks,
+                                                    int row_block, int warp_idx, int lane_idx,
+                                                    float (&acc)[kNumRegs]) {
 #pragma unroll
-    for (int reg_idx = 0; reg_idx < kNumRegs; ++reg_idx) acc[reg_idx] = 0.0f;
-    GroupScalePipeline scales;
-    float unit_factors[kThreadRows][kNumBBoxes];
-    scales.start(tile_scales, num_k_blocks);
-    int issued_stage = -1;
-    for (int k_block_idx = 0; k_block_idx < num_k_blocks; ++k_block_idx) {
-        if (k_block_idx > 0) scales.advance(tile_scales, k_block_idx, num_k_blocks, unit_factors);
-        mbarrier_wait(&smem.full[stage_idx], phase);
-        if constexpr (!Epi::kTmaA) fence_proxy_async_shared();
-        const uint8_t* tile_a = smem.a[stage_idx] + first_row_block * kRowBlockATileBytes;
-        wgmma_wait_group<0>();  // the previous group
+        for (int reg_idx = 0; reg_idx < kNumRegs; ++reg_idx) acc[reg_idx] = 0.0f;
+        if (row_block * kWgmmaM >= tile.num_rows) {
+            for (int k_block_idx = 0; k_block_idx < num_k_blocks; ++k_block_idx) {
+                pipeline.consumer_wait(state);
+                if (lane_idx == 0) pipeline.consumer_release(state.index);
+                state.advance();
+            }
+            return;
+        }
+        const Fp8TileScales tile_scales = fp8_tile_scales<Config, Epi>(params, scales, tile, row_block, warp_idx,
+                                                                       lane_idx);
+        GroupScalePipeline group_scales;
+        float unit_factors[kThreadRows][kNumBBoxes];
+        group_scales.start(tile_scales, num_k_blocks);
+        int issued_stage = -1;
+        for (int k_block_idx = 0; k_block_idx < num_k_blocks; ++k_block_idx) {
+            if (k_block_idx > 0) group_scales.advance(tile_scales, k_block_idx, num_k_blocks, unit_factors);
+            pipeline.consumer_wait(state);
+            if constexpr (!Epi::kTmaA) fence_proxy_async_shared();
+            const uint8_t* tile_a = smem.a[state.index] + row_block * kRowBlockATileBytes;
+            wgmma_wait_group<0>();  // the previous group
+            fence_accumulators(acc);
+            if (k_block_idx > 0) scale_accumulators<Config>(acc, unit_factors);
+            fence_accumulators(acc);
+            wgmma_fence();
+            fp8_mma<Config, Config::kBlockN, false>(tile_a, smem.b[state.index], acc);
+            wgmma_commit_group();
+            if (k_block_idx > 0 && lane_idx == 0) pipeline.consumer_release(issued_stage);
+            issued_stage = state.index;
+            state.advance();
+        }
+        wgmma_wait_group<0>();
         fence_accumulators(acc);
-        if (k_block_idx > 0) scale_accumulators<Config>(acc, unit_factors);
-        fence_accumulators(acc);
-        wgmma_fence();
-        fp8_mma<Config, Config::kBlockN, false>(tile_a, smem.b[stage_idx], acc);
-        wgmma_commit_group();
-        if (k_block_idx > 0 && lane_idx == 0) release_stage<kClusterSize>(&smem.empty[issued_stage]);
-        issued_stage = stage_idx;
-        advance_stage<kNumStages>(stage_idx, phase);
+        if (lane_idx == 0) pipeline.consumer_release(issued_stage);
+        scale_accumulators<Config>(acc, group_scales.current);  // from the last group's units
     }
-    wgmma_wait_group<0>();
-    fence_accumulators(acc);
-    if (lane_idx == 0) release_stage<kClusterSize>(&smem.empty[issued_stage]);
-    scale_accumulators<Config>(acc, scales.current);  // from the last group's units
-}
+};
 
 }  // namespace megamoe::sm90::m_grouped

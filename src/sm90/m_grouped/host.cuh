@@ -4,8 +4,8 @@
 
 #include "device/cuda_utils.h"
 #include "device/grouped_gemm_args.h"
-#include "sm90/launch.h"
-#include "sm90/m_grouped_config.cuh"
+#include "sm90/kit/launch.h"
+#include "sm90/m_grouped/config.cuh"
 
 namespace megamoe::sm90::m_grouped {
 

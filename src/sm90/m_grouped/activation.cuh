@@ -8,7 +8,7 @@
 #pragma once
 
 #include "activation.h"
-#include "sm90/epilogue.cuh"
+#include "sm90/kit/store.cuh"
 
 namespace megamoe::sm90::m_grouped {
 

@@ -3,9 +3,9 @@
 #pragma once
 
 #include "device/cuda_utils.h"
-#include "sm90/epilogue.cuh"
-#include "sm90/k_grouped_config.cuh"
-#include "sm90/launch.h"
+#include "sm90/kit/store.cuh"
+#include "sm90/k_grouped/config.cuh"
+#include "sm90/kit/launch.h"
 
 namespace megamoe::sm90::k_grouped {
 

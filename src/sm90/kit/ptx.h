@@ -1,12 +1,12 @@
 // Raw PTX of the Hopper (sm_90a) kernels, one thin wrapper per instruction:
 //   mbarrier   init, arrive (this CTA, or a CTA of the cluster), arrive + expect_tx, parity wait (the stage pipelines'
-//              full / empty barriers), a stage's release in every CTA of the cluster;
-//   cluster    CTA rank, cluster-wide barrier; named CTA barriers (sync, arrive);
+//              full / empty barriers: kit/pipeline.cuh);
+//   cluster    CTA rank, cluster-wide barrier;
 //   TMA        cp.async.bulk.tensor 2-D and 3-D loads, plain or multicast to CTAs of the cluster, completing
 //              on an mbarrier; 2-D and 3-D stores (and 3-D reduce-adds) from shared memory in bulk async-groups,
 //              commit_group and wait_group (.read: until the stores have read their shared memory); the plain
 //              (non-tensor) bulk copy of contiguous bytes into shared memory, completing on an mbarrier;
-//   cp.async   16-byte copy to a shared-memory address; arrival on an mbarrier once a thread's copies landed;
+//   cp.async   arrival on an mbarrier once a thread's copies landed (the copy itself: device/cp_async.cuh);
 //   stmatrix   four 8 x 8 b16 matrices from the mma fragment layout to shared memory; ldmatrix, the other way;
 //   ld.shared / st.shared  a 16-byte vector load from, an 8-byte f32 pair store to, a shared-memory address;
 //   proxies    fence.proxy.async: generic-proxy writes to shared memory (cp.async, st.shared, stmatrix) before
@@ -15,8 +15,7 @@
 //              the accumulator register fence that keeps the compiler from moving accumulator accesses
 //              across an in-flight wgmma;
 //   setmaxnreg register reallocation between warpgroups.
-// The wgmma instruction itself comes from CuTe's MMA atoms (cute/arch/mma_sm90_gmma.hpp). The 16-byte
-// cp.async with zero fill is the sm_80 one (cuda/mma_sm80.h). Semantics: PTX ISA 8.x, "mbarrier",
+// The wgmma instruction itself comes from CuTe's MMA atoms (kit/arch.h). Semantics: PTX ISA 8.x, "mbarrier",
 // "cp.async.bulk.tensor", "wgmma", "Matrix Descriptor Format".
 #pragma once
 
@@ -24,10 +23,12 @@
 
 #include <cstdint>
 
-#include "device/mma_sm80.h"
+#include "device/cp_async.cuh"
 
 namespace megamoe::sm90 {
 
+using cuda::cp_async_16;
+using cuda::global_address;
 using cuda::shared_address;
 
 // Bytes of one shared-memory row of a 128-byte swizzled K-major tile, and of its 8-row swizzle atom.
@@ -114,32 +115,6 @@ __device__ __forceinline__ void st_async_u32(const void* shared_ptr, uint32_t ct
         : "memory");
 }
 
-// Releases a stage of a pipeline whose fills may be multicast into the kClusterSize CTAs of the cluster: one arrival
-// on the stage's empty barrier (at `empty_barrier`'s offset) in each of them, this CTA included.
-template <int kClusterSize>
-__device__ __forceinline__ void release_stage(uint64_t* empty_barrier) {
-#pragma unroll
-    for (uint32_t cta_rank = 0; cta_rank < kClusterSize; ++cta_rank) mbarrier_arrive_cluster(empty_barrier, cta_rank);
-}
-
-// Moves a pipeline's stage cursor to the next of kNumStages stages, flipping the barrier parity it waits for when it
-// wraps around.
-template <int kNumStages>
-__device__ __forceinline__ void advance_stage(int& stage_idx, uint32_t& phase) {
-    if (++stage_idx == kNumStages) {
-        stage_idx = 0;
-        phase ^= 1;
-    }
-}
-
-// Moves the cursor `count` stages on (a ping-pong consumer skipping the stages of the other consumer's tiles).
-template <int kNumStages>
-__device__ __forceinline__ void advance_stages(int& stage_idx, uint32_t& phase, int64_t count) {
-    const int64_t position = stage_idx + count;
-    stage_idx = static_cast<int>(position % kNumStages);
-    phase ^= static_cast<uint32_t>((position / kNumStages) & 1);
-}
-
 // Blocks until the phase of parity `parity` has completed (a fresh barrier counts its phase "1" as done).
 __device__ __forceinline__ void mbarrier_wait(uint64_t* barrier, uint32_t parity) {
     const uint32_t address = shared_address(barrier);
@@ -164,16 +139,6 @@ __device__ __forceinline__ uint32_t cluster_cta_rank() {
 }
 
 // Every thread of every CTA of the cluster: arrive, then wait for all (release / acquire).
-// Named CTA barriers (IDs 1..15; 0 is __syncthreads'): `num_threads` (a multiple of 32) take part, some arriving
-// without waiting. The ping-pong consumers order their mainloops with them.
-__device__ __forceinline__ void named_barrier_sync(uint32_t barrier_id, uint32_t num_threads) {
-    asm volatile("bar.sync %0, %1;\n" ::"r"(barrier_id), "r"(num_threads) : "memory");
-}
-
-__device__ __forceinline__ void named_barrier_arrive(uint32_t barrier_id, uint32_t num_threads) {
-    asm volatile("bar.arrive %0, %1;\n" ::"r"(barrier_id), "r"(num_threads) : "memory");
-}
-
 __device__ __forceinline__ void cluster_sync() {
     asm volatile(
         "barrier.cluster.arrive.release.aligned;\n"
@@ -185,15 +150,6 @@ __device__ __forceinline__ void cluster_sync() {
 // arrival is one of those the barrier was initialised to expect). The thread does not wait.
 __device__ __forceinline__ void cp_async_mbarrier_arrive_noinc(uint64_t* barrier) {
     asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];\n" ::"r"(shared_address(barrier)) : "memory");
-}
-
-// The 16-byte cp.async with zero fill (cp_async_16 of cuda/mma_sm80.h) to a shared-memory address (shared_address):
-// 16 bytes from `global_ptr` when `valid`, else 16 zero bytes and no read.
-__device__ __forceinline__ void cp_async_16_to(uint32_t shared_addr, const void* global_ptr, bool valid) {
-    const int num_src_bytes = valid ? 16 : 0;
-    asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(shared_addr),
-                 "l"(__cvta_generic_to_global(global_ptr)), "r"(num_src_bytes)
-                 : "memory");
 }
 
 // Orders generic-proxy shared-memory writes this thread has performed or observed (through a barrier) before its
@@ -387,27 +343,6 @@ template <int kNumRegs>
 __device__ __forceinline__ void fence_accumulators(float (&acc)[kNumRegs]) {
 #pragma unroll
     for (int reg_idx = 0; reg_idx < kNumRegs; ++reg_idx) asm volatile("" : "+f"(acc[reg_idx])::"memory");
-}
-
-// A consumer after issuing a stage's wgmma batch: waits for the previous batch, releases that batch's stage (in every
-// CTA of the cluster: release_stage), and moves the cursor to the next stage; in_flight_stage becomes this one.
-template <int kClusterSize, int kNumStages, int kNumRegs>
-__device__ __forceinline__ void retire_previous_batch(float (&acc)[kNumRegs], uint64_t* empty, int& in_flight_stage,
-                                                      int& stage_idx, uint32_t& phase, int lane_idx) {
-    wgmma_wait_group<1>();
-    fence_accumulators(acc);
-    if (in_flight_stage >= 0 && lane_idx == 0) release_stage<kClusterSize>(&empty[in_flight_stage]);
-    in_flight_stage = stage_idx;
-    advance_stage<kNumStages>(stage_idx, phase);
-}
-
-// A consumer at the end of a tile: waits for its last batch and releases that batch's stage.
-template <int kClusterSize, int kNumRegs>
-__device__ __forceinline__ void retire_last_batch(float (&acc)[kNumRegs], uint64_t* empty, int in_flight_stage,
-                                                  int lane_idx) {
-    wgmma_wait_group<0>();
-    fence_accumulators(acc);
-    if (in_flight_stage >= 0 && lane_idx == 0) release_stage<kClusterSize>(&empty[in_flight_stage]);
 }
 
 template <int kNumRegs>

@@ -13,7 +13,7 @@
 
 #include "device/cuda_utils.h"
 #include "device/fp8_math.cuh"
-#include "sm90/m_grouped_epilogue.cuh"
+#include "sm90/m_grouped/epilogue.cuh"
 
 namespace megamoe::sm90::m_grouped {
 

@@ -10,7 +10,7 @@
 #include <cstdint>
 
 #include "device/cuda_utils.h"
-#include "sm90/ptx.h"
+#include "sm90/kit/ptx.h"
 
 namespace megamoe::sm90 {
 

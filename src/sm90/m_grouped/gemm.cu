@@ -5,7 +5,7 @@
 #include <algorithm>
 
 #include "device/cuda_utils.h"
-#include "sm90/m_grouped_kernel.cuh"
+#include "sm90/m_grouped/kernel.cuh"
 
 namespace megamoe::sm90 {
 namespace {
