@@ -277,6 +277,7 @@ void label_cuda(std::initializer_list<megamoe_tensor_t*> tensors) {
 // layout on sm_90a (its dh has a buffer of its own there). With MEGAMOE_DISABLE_SM90=1 every option has the default's
 // workspaces (the portable path's buffers serve every layout).
 TEST(LayoutsApi, CudaAcceptsEveryOptionWithTheDefaultsWorkspace) {
+    if (!megamoe_has_cuda()) GTEST_SKIP() << "a CPU-only build refuses CUDA tensors (Api.CpuOnlyBuildRefusesCudaTensors)";
     std::mt19937_64 rng(fresh_seed());
     const auto sizes = [](const LayoutProblem& problem, megamoe_path_t* path, std::string* reason) {
         HostTensor y(MEGAMOE_DTYPE_BF16, {6, 16});
