@@ -219,7 +219,10 @@ TEST(LayoutsApi, BadInputNamesTheArgument) {
         {[](auto& p, auto&) { p.b2.dtype = MEGAMOE_DTYPE_F32; }, "b2: dtype f32 not allowed"},
         {[](auto& p, auto&) { p.w3 = megamoe_tensor_t{}, p.layout.gate_up = MEGAMOE_GATE_UP_CONCATENATED; },
          "w13: expected shape [E, H, 2I]"},
-        {[](auto& p, auto&) { p.layout.gate_up = MEGAMOE_GATE_UP_INTERLEAVED; }, "w13: expected shape [E, H, 2I]"},
+        {[](auto& p, auto&) { p.w3 = megamoe_tensor_t{}, p.layout.gate_up = MEGAMOE_GATE_UP_INTERLEAVED; },
+         "w13: expected shape [E, H, 2I]"},
+        {[](auto& p, auto&) { p.layout.gate_up = MEGAMOE_GATE_UP_INTERLEAVED; },
+         "w3: given, but layout.gate_up = interleaved"},  // before w13's shape, which the layout sets
         {[](auto& p, auto&) {
              resize(&p.dw3, {3, 3, 4});
          },
