@@ -392,7 +392,18 @@ def run_cpu_demo(megamoe):
             print(f"  {k:14s} rel err vs float64: megamoe {v['megamoe']:.2e}, torch bf16 {v['torch_bf16']:.2e}"
                   f"  {'ok' if v['pass'] else 'FAIL'}")
     print("CPU demo " + ("passed" if ok else "FAILED"))
+    if ok:
+        print("\n".join(NEXT_STEPS).format(docs=megamoe.docs_path() if hasattr(megamoe, "docs_path") else "docs/"))
     return 0 if ok else 1
+
+
+NEXT_STEPS = (
+    "Next steps:",
+    "  python bench/bench.py --device cpu --shapes tiny --out /tmp/megamoe-bench   # the benchmark's flow on the CPU",
+    "  the Python API (megamoe.moe, MoEBlock, layouts, adapters): {docs}/python.md",
+    "  on an NVIDIA GPU (a Hopper one for the fused kernels) with the CUDA toolkit, the same install builds the GPU",
+    "  kernels and `python bench/bench.py` times megamoe against SonicMoE and torch on four model shapes",
+)
 
 
 def main(argv=None):
@@ -403,6 +414,13 @@ def main(argv=None):
     if not torch.cuda.is_available():
         if args.device == "cuda":
             sys.exit("--device cuda: no CUDA GPU found")
+        return run_cpu_demo(megamoe)
+    if not megamoe._lib.has_cuda():
+        message = ("this megamoe was built without CUDA (no nvcc when it was built): its library runs CPU tensors "
+                   "only. Install the CUDA toolkit 12.4+ (nvcc on PATH) and reinstall for the GPU benchmark")
+        if args.device == "cuda":
+            sys.exit(f"--device cuda: {message}")
+        print(f"warning: {message}; running the CPU demo")
         return run_cpu_demo(megamoe)
     return run_bench(megamoe, args, "cuda", timing.CudaTimer())
 

@@ -15,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 which=${1:?usage: test_wheel.sh newest|oldest}
-oldest_torch=$(sed -n 's/^dependencies = \["torch>=\([0-9.]*\)"\]$/\1/p' pyproject.toml)
+oldest_torch=$(sed -n 's/^dependencies = \["torch>=\([0-9.]*\)".*\]$/\1/p' pyproject.toml)
 case "$which" in
     newest) venv_args=(--system-site-packages) torch_spec=(--upgrade torch) pytest_args=() ;;
     oldest) venv_args=() torch_spec=("torch==${oldest_torch:?no torch>= floor in pyproject.toml}.*")
