@@ -377,8 +377,9 @@ def run_cpu_demo(megamoe):
     tokens, experts = torch.arange(T), list(range(E))
     ref = reference_outputs(case, tokens, experts, torch.float64)
     floor = reference_outputs(case, tokens, experts, torch.bfloat16)
+    build = "" if megamoe._lib.has_cuda() else " (a CPU-only build: no CUDA code)"
     print(f"T={T} H={H} I={I} E={E} topk={topk}, bf16 inputs, {int((case.ids < 0).sum())} dropped slots; "
-          f"megamoe {getattr(megamoe, '__version__', 'unknown')}, torch {torch.__version__}")
+          f"megamoe {getattr(megamoe, '__version__', 'unknown')}{build}, torch {torch.__version__}")
     ok = True
     for p, keys in (("fwd", FWD_KEYS), ("fwd+bwd", FWDBWD_KEYS)):
         path_outputs(megamoe.moe, case, tokens, experts, p == "fwd+bwd")  # warm-up (first call loads the library)
