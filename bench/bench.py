@@ -377,8 +377,9 @@ def run_cpu_demo(megamoe):
     tokens, experts = torch.arange(T), list(range(E))
     ref = reference_outputs(case, tokens, experts, torch.float64)
     floor = reference_outputs(case, tokens, experts, torch.bfloat16)
+    build = "" if megamoe._lib.has_cuda() else " (a CPU-only build: no CUDA code)"
     print(f"T={T} H={H} I={I} E={E} topk={topk}, bf16 inputs, {int((case.ids < 0).sum())} dropped slots; "
-          f"megamoe {getattr(megamoe, '__version__', 'unknown')}, torch {torch.__version__}")
+          f"megamoe {getattr(megamoe, '__version__', 'unknown')}{build}, torch {torch.__version__}")
     ok = True
     for p, keys in (("fwd", FWD_KEYS), ("fwd+bwd", FWDBWD_KEYS)):
         path_outputs(megamoe.moe, case, tokens, experts, p == "fwd+bwd")  # warm-up (first call loads the library)
@@ -392,7 +393,18 @@ def run_cpu_demo(megamoe):
             print(f"  {k:14s} rel err vs float64: megamoe {v['megamoe']:.2e}, torch bf16 {v['torch_bf16']:.2e}"
                   f"  {'ok' if v['pass'] else 'FAIL'}")
     print("CPU demo " + ("passed" if ok else "FAILED"))
+    if ok:
+        print("\n".join(NEXT_STEPS).format(docs=megamoe.docs_path() if hasattr(megamoe, "docs_path") else "docs/"))
     return 0 if ok else 1
+
+
+NEXT_STEPS = (
+    "Next steps:",
+    "  python bench/bench.py --device cpu --shapes tiny --out /tmp/megamoe-bench   # the benchmark's flow on the CPU",
+    "  the Python API (megamoe.moe, MoEBlock, layouts, adapters): {docs}/python.md",
+    "  on an NVIDIA GPU (a Hopper one for the fused kernels) with the CUDA toolkit, the same install builds the GPU",
+    "  kernels and `python bench/bench.py` times megamoe against SonicMoE and torch on four model shapes",
+)
 
 
 def main(argv=None):
@@ -403,6 +415,13 @@ def main(argv=None):
     if not torch.cuda.is_available():
         if args.device == "cuda":
             sys.exit("--device cuda: no CUDA GPU found")
+        return run_cpu_demo(megamoe)
+    if not megamoe._lib.has_cuda():
+        message = ("this megamoe was built without CUDA (no nvcc when it was built): its library runs CPU tensors "
+                   "only. Install the CUDA toolkit 12.4+ (nvcc on PATH) and reinstall for the GPU benchmark")
+        if args.device == "cuda":
+            sys.exit(f"--device cuda: {message}")
+        print(f"warning: {message}; running the CPU demo")
         return run_cpu_demo(megamoe)
     return run_bench(megamoe, args, "cuda", timing.CudaTimer())
 

@@ -1,8 +1,10 @@
 """Regenerates the README's "## Results" block (between <!-- results:begin --> and <!-- results:end -->) from
-bench/results/: a kernel table per shape (balanced routing), the FP8 table where the run measured FP8 (megamoe FP8
-beside megamoe bf16, SonicMoE and torchao FP8), a sentence on skewed routing, the bench plot, the
-tables of shapes that run lacks from the newest earlier runs holding them (with their commits; not without --bench
-given), and optionally an end-to-end training-step paragraph from two `examples/train_qwen3_moe.py --log-json` logs.
+bench/results/: for balanced routing a table of times per call (a row per shape and pass: the shape's T, H, I, E and
+topk, then megamoe and each peer in a column of its own, one number per cell) and one of activation memory, the FP8
+table where the run measured FP8 (megamoe FP8 beside megamoe bf16, SonicMoE and torchao FP8), a sentence on skewed
+routing, the bench plot, the tables of shapes that run lacks from the newest earlier runs holding them (with their
+commits; not without --bench given), and optionally an end-to-end training-step paragraph from two
+`examples/train_qwen3_moe.py --log-json` logs.
 
     python bench/readme_results.py                      # newest bench JSON and training logs in bench/results/
     python bench/readme_results.py --bench bench/results/<date>-<gpu>-<commit>.json \\
@@ -28,9 +30,54 @@ import report  # noqa: E402  (bench/report.py: derive() and the table helpers)
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = os.path.join(ROOT, "bench", "results")
 BEGIN, END = "<!-- results:begin -->", "<!-- results:end -->"
-TARGETS = ("Targets (issue #19): forward+backward >= 1.10x SonicMoE at qwen3-30b-a3b, >= 1.05x at qwen3-235b-a22b,"
-           " >= 1.20x at deepseek-v3 and >= 1.00x at mixtral-8x7b, forward >= 1.00x (mixtral-8x7b >= 0.95x),"
-           " activation memory at or below today's, a training step >= 1.34x the grouped_mm experts with eager layers.")
+# The implementations of the README's tables, each a column of its own (the full tables add the FP8 ones).
+README_IMPLS = (("megamoe", "megamoe"), ("megamoe_recompute", "megamoe recompute"), ("sonicmoe", "SonicMoE"),
+                ("torch_compiled", "torch compiled"), ("torch", "torch eager"))
+SIZES = ("T", "H", "I", "E", "topk")
+TIME_HEADER = ("shape", *SIZES, "pass", *(f"{label} ms" for _, label in README_IMPLS), "dense GEMM ms",
+               "megamoe speed-up over SonicMoE", "megamoe TFLOP/s", "megamoe % of dense")
+MEMORY_HEADER = ("shape", *(f"{label} GiB" for _, label in README_IMPLS))
+
+
+def _balanced(results):
+    return [c for c in results["cases"] if c.get("routing", "balanced") == "balanced"]
+
+
+def time_rows(results):
+    """A row per balanced case and measured pass (the cases derive()d): the shape, its sizes, each implementation's
+    ms per call, the dense GEMM's (the forward's FLOPs: on the fwd row), megamoe's speed-up over SonicMoE, its TFLOP/s
+    and its percentage of the dense GEMM's rate (fwd+bwd: against 3x the dense time)."""
+    rows = []
+    for case in _balanced(results):
+        sizes = [report._f(case.get(size), "d") for size in SIZES]
+        for p, label in report.PASSES:
+            if p not in case:
+                continue
+            rows.append([case["shape"], *sizes, label,
+                         *(report._ms(report._num(case, p, name, "ms")) for name, _ in README_IMPLS),
+                         report._ms(report._num(case, "dense", "ms")) if p == "fwd" else "—",
+                         report._x(report._num(case, p, "sonicmoe", "megamoe_speedup")),
+                         report._rate(report._num(case, p, "megamoe", "tflops")),
+                         report._f(report._num(case, p, "megamoe", "pct_dense"), ".0f")])
+    return rows
+
+
+def memory_rows(results):
+    """A row per balanced case with a fwd+bwd pass: each implementation's activation memory in GiB."""
+    return [[case["shape"], *(report._f(report._num(case, "fwdbwd", name, "activation_gib"), ".2f")
+                              for name, _ in README_IMPLS)]
+            for case in _balanced(results) if "fwdbwd" in case]
+
+
+def result_tables(results):
+    """Lines: the times table, then the activation-memory table where the run measured memory (the cases
+    derive()d)."""
+    lines = report.markdown_rows(TIME_HEADER, time_rows(results))
+    memory = memory_rows(results)
+    if any(cell != "—" for row in memory for cell in row[1:]):
+        lines += ["", "Activation memory of a fwd+bwd (extra peak memory minus its gradient outputs):", "",
+                  *report.markdown_rows(MEMORY_HEADER, memory)]
+    return lines
 
 
 def _commit_rank(commit):
@@ -98,8 +145,7 @@ def other_shapes_section(others, readme_dir):
         md = _link(os.path.splitext(path)[0] + ".md", readme_dir)
         lines += ["", f"{', '.join(shapes)}: the newest run of {'this shape' if len(shapes) == 1 else 'these shapes'}"
                   f" ({results.get('date', '—')}, commit `{results.get('commit', '—')}`, command"
-                  f" `{results.get('command', '—')}`; [`{md}`]({md})):", "",
-                  *report.markdown_rows(report.SUMMARY_HEADER, report.summary_rows(results, "", "balanced"))]
+                  f" `{results.get('command', '—')}`; [`{md}`]({md})):", "", *result_tables(results)]
     return lines
 
 
@@ -168,13 +214,12 @@ def kernel_section(results, bench_path, readme_dir):
     md = _link(base + ".md", readme_dir)
     full = f"; full table with errors: [`{md}`]({md})" if os.path.exists(base + ".md") else ""
     lines = [f"One {results.get('gpu', '—')}, bf16, {results.get('date', '—')}, commit `{commit}`, command"
-             f" `{results.get('command', '—')}`{full}. Times per call (CUDA events around one call, the GPU idle before"
-             " it; the full table adds back-to-back and CUDA-graph times). \"torch eager\" / \"torch compiled\" are the"
-             " `_grouped_mm` path of `bench/torch_moe_baseline.py` without / with `torch.compile`; \"dense\" is a bf16"
-             " GEMM of the forward's FLOPs (fwd+bwd: 3x its time); activation GiB = extra peak memory of a fwd+bwd"
-             " minus its gradient outputs.", "",
-             *report.markdown_rows(report.SUMMARY_HEADER, report.summary_rows(results, "", "balanced")),
-             "", "Peers: " + report.peers_note(results)]
+             f" `{results.get('command', '—')}`{full}. Milliseconds per call, lower is better (CUDA events around one"
+             " call, the GPU idle before it; the full table adds back-to-back and CUDA-graph times); T tokens, hidden"
+             " size H, expert intermediate size I, E experts, topk experts per token. \"torch eager\" / \"torch"
+             " compiled\" are the `_grouped_mm` path of `bench/torch_moe_baseline.py` without / with `torch.compile`;"
+             " \"dense GEMM\" is a bf16 GEMM of the forward's FLOPs (megamoe's % of dense for fwd+bwd is against 3x"
+             " its time).", "", *result_tables(results), "", "Peers: " + report.peers_note(results)]
     if report.fp8_measured(results):
         lines += ["", "FP8 beside bf16 (balanced routing, per call; speed-up = megamoe bf16's ms / the row's ms; error ="
                   " the largest relative error against the fp32 reference over the checked tensors):", "",
@@ -235,7 +280,7 @@ def generate(bench_path, readme_dir, train=None, others=()):
     lines += other_shapes_section(others, readme_dir)
     if train and train[0] and train[1]:
         lines += [""] + train_section(_load(train[0]), _load(train[1]), train[2], readme_dir, train[:2])
-    return "\n".join(lines + ["", TARGETS])
+    return "\n".join(lines)
 
 
 def replace_block(text, block):

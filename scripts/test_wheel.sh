@@ -15,7 +15,7 @@ set -euo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 which=${1:?usage: test_wheel.sh newest|oldest}
-oldest_torch=$(sed -n 's/^dependencies = \["torch>=\([0-9.]*\)"\]$/\1/p' pyproject.toml)
+oldest_torch=$(sed -n 's/^dependencies = \["torch>=\([0-9.]*\)".*\]$/\1/p' pyproject.toml)
 case "$which" in
     newest) venv_args=(--system-site-packages) torch_spec=(--upgrade torch) pytest_args=() ;;
     oldest) venv_args=() torch_spec=("torch==${oldest_torch:?no torch>= floor in pyproject.toml}.*")
@@ -34,12 +34,7 @@ pip=("$venv/bin/python" -m pip install -q --disable-pip-version-check)
 
 # The user's machine: no toolkit on the search paths (no folder named cuda, none holding an nvcc, a wrapper's included),
 # nothing pointing at one or at another libmegamoe.so.
-without_toolkit() {
-    local dir kept=()
-    IFS=: read -ra dirs <<<"$1"
-    for dir in "${dirs[@]}"; do [[ "${dir,,}" == *cuda* || -e "$dir/nvcc" ]] || kept+=("$dir"); done
-    (IFS=:; echo "${kept[*]}")
-}
+source scripts/without_toolkit.sh
 run=(env -u CUDA_HOME -u CUDA_PATH -u LIBRARY_PATH -u MEGAMOE_LIBRARY "PATH=$(pwd)/$venv/bin:$(without_toolkit "$PATH")"
      "LD_LIBRARY_PATH=$(without_toolkit "${LD_LIBRARY_PATH:-}")")
 if "${run[@]}" bash -c 'command -v nvcc'; then echo "error: nvcc still on PATH" >&2; exit 1; fi

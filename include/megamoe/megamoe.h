@@ -327,6 +327,9 @@ MEGAMOE_API int32_t megamoe_version(void);
 /* MEGAMOE_ABI_VERSION of the build, and sizeof() of a public struct as the library was built (0: unknown kind). */
 MEGAMOE_API int32_t megamoe_abi_version(void);
 MEGAMOE_API size_t megamoe_struct_size(megamoe_struct_kind_t kind);
+/* 1 where the library was built with its CUDA code, 0 for a CPU-only build (the reference alone, built without nvcc):
+ * there every call on CUDA tensors returns MEGAMOE_STATUS_NOT_SUPPORTED saying so. */
+MEGAMOE_API int32_t megamoe_has_cuda(void);
 
 /* Workspace bytes the call needs for these shapes, dtypes and device (data pointers are not read). */
 MEGAMOE_API megamoe_status_t megamoe_forward_workspace_size(const megamoe_forward_params_t* params, size_t* bytes);

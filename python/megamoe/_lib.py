@@ -195,12 +195,29 @@ _ENTRY_POINTS = (
 
 
 def _candidates():
-    env = os.environ.get("MEGAMOE_LIBRARY")
-    if env:
-        yield pathlib.Path(env)
     here = pathlib.Path(__file__).resolve().parent
     yield here / "lib" / "libmegamoe.so"  # where the wheel (pip install) puts it
     yield here.parent.parent / "build" / "libmegamoe.so"  # a CMake build of this checkout
+
+
+def library_path():
+    """The libmegamoe.so to load: the file MEGAMOE_LIBRARY names when it is set (ImportError naming it when it is not
+    a file: never another library in its place), else the installed one, else a CMake build of this checkout."""
+    env = os.environ.get("MEGAMOE_LIBRARY")
+    if env:
+        path = pathlib.Path(env)
+        if not path.is_file():
+            raise ImportError(f"megamoe: MEGAMOE_LIBRARY={env}: {'a directory' if path.is_dir() else 'no such file'}"
+                              "; name a libmegamoe.so, or unset MEGAMOE_LIBRARY to load the installed one")
+        return path
+    tried = list(_candidates())
+    for path in tried:
+        if path.is_file():
+            return path
+    raise ImportError(
+        "megamoe: libmegamoe.so not found (tried: " + ", ".join(map(str, tried)) + "). Install with "
+        "`pip install .`, build with CMake into build/, or set MEGAMOE_LIBRARY."
+    )
 
 
 _LIB = None
@@ -210,17 +227,8 @@ def library():
     """The loaded shared library (loaded once, on first use)."""
     global _LIB
     if _LIB is None:
-        tried = []
-        for path in _candidates():
-            tried.append(str(path))
-            if path.is_file():
-                lib = ctypes.CDLL(str(path))
-                break
-        else:
-            raise ImportError(
-                "megamoe: libmegamoe.so not found (tried: " + ", ".join(tried) + "). Install with "
-                "`pip install .`, build with CMake into build/, or set MEGAMOE_LIBRARY."
-            )
+        path = library_path()
+        lib = ctypes.CDLL(str(path))
         check_abi(lib, path)
         lib.megamoe_last_error.restype = ctypes.c_char_p
         lib.megamoe_path_reason.restype = ctypes.c_char_p
@@ -261,6 +269,16 @@ def set_test_overrides(overrides):
     return previous
 
 
+def has_cuda():
+    """Whether the loaded library has its CUDA code (False: a CPU-only build, made without nvcc, which runs the CPU
+    reference and refuses CUDA tensors; a library without megamoe_has_cuda predates CPU-only builds: True)."""
+    lib = library()
+    if not hasattr(lib, "megamoe_has_cuda"):
+        return True
+    lib.megamoe_has_cuda.restype = ctypes.c_int32
+    return bool(lib.megamoe_has_cuda())
+
+
 def version():
     """The loaded library's version, "MAJOR.MINOR.PATCH" (megamoe_version(); the wheel's metadata has the same one: both
     come from include/megamoe/megamoe.h)."""
@@ -289,13 +307,25 @@ def check_abi(lib, path):
         )
 
 
+# What each argument's dtype may be, for the message that refuses one the library cannot even be told about (the
+# library checks the rest, e.g. that w13 has the dtype of x). Any other name: a row or weight tensor.
+_INDEX_DTYPES = "int32 or int64"
+_ROW_WEIGHT_DTYPES = "float32 or the dtype of the rows (bf16, f16, f32, f64)"
+_FLOAT_DTYPES = "bf16, f16, f32 or f64 (bf16 / f16 on CUDA)"
+ALLOWED_DTYPES = {"topk_ids": _INDEX_DTYPES, "tokens_per_expert": _INDEX_DTYPES, "topk_weights": _ROW_WEIGHT_DTYPES,
+                  "scores": _ROW_WEIGHT_DTYPES, "dtopk_weights": _ROW_WEIGHT_DTYPES, "dscores": _ROW_WEIGHT_DTYPES,
+                  **{name: "float8_e4m3fn" for name in ("fp8_w13", "fp8_w13_t", "fp8_w2", "fp8_w2_t", "fp8.w13",
+                                                        "fp8.w13_t", "fp8.w2", "fp8.w2_t")},
+                  **{name: "float32" for name in ("fp8_w13_scales", "fp8_w2_scales", "fp8.w13_scales",
+                                                  "fp8.w2_scales")}}
+
+
 def check_arg(name, tensor):
     """What must hold before a tensor can even be described to the library (type, dtype, rank, device)."""
     if not isinstance(tensor, torch.Tensor):
         raise TypeError(f"megamoe: {name} must be a torch.Tensor, got {type(tensor).__name__}")
     if tensor.dtype not in _DTYPE_CODES:
-        raise TypeError(f"megamoe: {name} has dtype {tensor.dtype}; supported: bf16, f16, f32, f64, int32, int64 "
-                        "(and float8_e4m3fn for the FP8 expert weights)")
+        raise TypeError(f"megamoe: {name} has dtype {tensor.dtype}; allowed: {ALLOWED_DTYPES.get(name, _FLOAT_DTYPES)}")
     if tensor.dim() > MAX_DIMS:
         raise ValueError(f"megamoe: {name} has {tensor.dim()} dimensions; at most {MAX_DIMS}")
     if tensor.device.type not in ("cpu", "cuda"):
@@ -322,11 +352,22 @@ def view(name, tensor):
     return out
 
 
+# The C API's words in its messages -> what a Python caller passed.
+_PYTHON_WORDS = {"precision: FP8_BLOCKWISE": 'precision="fp8"'}
+
+
+def python_message(message):
+    """A library message in the Python API's words (precision="fp8" where the C API says FP8_BLOCKWISE)."""
+    for c_words, python_words in _PYTHON_WORDS.items():
+        message = message.replace(c_words, python_words)
+    return message
+
+
 def check(status):
     """Raise the exception matching a non-success status, with the library's message."""
     if status == STATUS_SUCCESS:
         return
-    message = "megamoe: " + library().megamoe_last_error().decode()
+    message = "megamoe: " + python_message(library().megamoe_last_error().decode())
     if status == STATUS_INVALID_ARGUMENT:
         raise ValueError(message)
     if status == STATUS_NOT_SUPPORTED:

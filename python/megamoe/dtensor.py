@@ -64,7 +64,7 @@ def expert_shard_local(entry, name, tensor):
         return tensor
     if all(placement.is_shard(0) or placement.is_replicate() for placement in tensor.placements):
         return tensor.to_local()
-    # TODO(#12): tensor-parallel experts (Shard(1) / Shard(2): partial outputs to reduce).
+    # TODO: tensor-parallel experts (Shard(1) / Shard(2): partial outputs to reduce).
     raise ValueError(f"{entry}: {name} is a DTensor with {_sharding(tensor)}; only Shard(0) (experts) or Replicate "
                      "placements are supported (its local shard must hold whole experts)")
 

@@ -23,7 +23,7 @@ from .ep_pipeline import ExpertParallelMoE
 from .layouts import op_options
 from .modules import reshaped
 
-# TODO(#13): choose by measurement on several GPUs (NCCL): the overlap a chunk buys against its extra launches and
+# TODO: choose by measurement on several GPUs (NCCL): the overlap a chunk buys against its extra launches and
 # smaller GEMMs; 1 (no chunking) until then.
 DEFAULT_NUM_CHUNKS = 1
 

@@ -1,4 +1,4 @@
-"""The CPU reference of the blockwise FP8 recipe (issue #20; DeepSeek-V3, arXiv 2412.19437 section 3.3): what the
+"""The CPU reference of the blockwise FP8 recipe (DeepSeek-V3, arXiv 2412.19437 section 3.3): what the
 FP8 kernels' quantized operands and scales must equal bitwise, and the GEMM they compute.
 
 Quantization of a tensor along one axis (the GEMM's K) in groups of `group` elements (1 x 128 tiles of activations),

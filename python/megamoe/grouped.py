@@ -11,6 +11,9 @@ gradients computed only where needed and the weight gradients accumulated into m
 layer.
 """
 
+import torch
+
+from .argument_errors import ARGUMENT_ERRORS, raise_in_graph
 from .dtensor import expert_shard_local, refuse_dtensor_activations, same_sharding
 from .op_family import OPTIONAL_TENSOR, Arg, EntryPoint, OpFamily, gradients, tensor_args
 
@@ -18,10 +21,18 @@ GroupedGrads = gradients("GroupedGrads", __name__, "x_sorted", "scores", """grou
 [R, H], dscores [R], dw13, dw2, dw3 (shaped as w13, w2, w3), db13 [E, 2I], db2 [E, H]; None where not asked for or
 where the input (scores, w3, b13, b2) is absent.""")
 GRAD_NAMES = GroupedGrads._fields  # grouped_backward's outputs, in order
+
+
+def _num_rows(a):
+    """R of x_sorted [R, H], one slot per row (None for another rank)."""
+    return a["x_sorted"].shape[0] if a["x_sorted"].dim() == 2 else None
+
+
 OPS = OpFamily(EntryPoint(
     name="grouped", user_entry="megamoe.grouped_moe", c_prefix="grouped_", output="out", grad_output="dout",
     inputs=(*tensor_args("x_sorted", "tokens_per_expert", "w13", "w2"), Arg("scores", OPTIONAL_TENSOR, None)),
-    grads=GroupedGrads, num_slots=lambda a: a["x_sorted"].shape[0]))  # R: one slot per row
+    grads=GroupedGrads, num_slots=_num_rows,
+    too_many_slots=lambda a: f"x_sorted: R = {a['x_sorted'].shape[0]} rows exceed 2^31 - 1"))
 
 # torch.ops.megamoe.grouped_forward(x_sorted, tokens_per_expert, w13, w2, scores=None, keep_h=False, w3, b13, b2,
 # <options>, fp8_*, main_grad_*) -> (out [R, H], h [R, 2I] when keep_h, else [0])
@@ -65,9 +76,15 @@ def grouped_moe(x_sorted, tokens_per_expert, w13, w2, scores=None, recompute=Fal
     precision ("bf16" or "fp8") and fp8_experts (the FP8 weights of the local experts; None: the cache's,
     megamoe.fp8.experts_for of the local w13 and w2): as megamoe.moe's.
     """
-    inputs, experts = _local_experts("megamoe.grouped_moe", x_sorted, tokens_per_expert, w13, w2, scores,
-                                     dict(w3=w3, b13=b13, b2=b2))
-    return OPS.apply(inputs, experts, recompute, layout, activation, main_grads, precision, fp8_experts)
+    try:
+        inputs, experts = _local_experts("megamoe.grouped_moe", x_sorted, tokens_per_expert, w13, w2, scores,
+                                         dict(w3=w3, b13=b13, b2=b2))
+        call = OPS.forward_call(inputs, experts, recompute, layout, activation, main_grads, precision, fp8_experts)
+    except ARGUMENT_ERRORS as error:
+        if not torch.compiler.is_compiling():
+            raise
+        return raise_in_graph(error, x_sorted)  # torch.compile: raised by the graph (argument_errors.py)
+    return OPS.forward(call)
 
 
 def grouped_backward(dout, x_sorted, tokens_per_expert, w13, w2, scores=None, saved_h=None, wgrad_f32=False, *,

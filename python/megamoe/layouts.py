@@ -64,10 +64,17 @@ class Activation:
         if self.kind not in ACTIVATION_CODES:
             raise ValueError(f"megamoe: activation.kind: unknown activation {self.kind!r} (one of "
                              f"{', '.join(ACTIVATION_CODES)})")
+        for name in ("limit", "alpha"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, (int, float)):
+                raise TypeError(f"megamoe: activation.{name} must be a number, got {type(value).__name__}")
 
 
 def clamped_swiglu(limit=7.0, alpha=1.702):
     """gpt-oss's activation: min(g, limit) sigmoid(alpha min(g, limit)) (clamp(u, -limit, limit) + 1)."""
+    for name, value in (("limit", limit), ("alpha", alpha)):
+        if isinstance(value, bool) or not isinstance(value, (int, float)):
+            raise TypeError(f"megamoe: clamped_swiglu: {name} must be a number, got {type(value).__name__}")
     return Activation("clamped_swiglu", float(limit), float(alpha))
 
 
@@ -110,10 +117,23 @@ def options_of(gate_up, w13_transposed, w2_transposed, activation, limit, alpha,
 def arrange_weights(w13, w2, b13=None, layout=None):
     """Canonical expert weights (w13 [E, 2I, H]: gate rows, then up rows; w2 [E, H, I]; b13 [E, 2I] gate, then up, or
     None) stored as `layout` stores them (a copy, contiguous): dict of w13, w3 (None unless separate), w2, b13. For
-    converting checkpoints and for tests and benchmarks; the ops read each layout in place."""
+    converting checkpoints and for tests and benchmarks; the ops read each layout in place. Arguments of other types
+    or shapes raise TypeError / ValueError naming them."""
     layout = CONCATENATED if layout is None else layout
+    if not isinstance(layout, Layout):
+        raise TypeError(f"megamoe: layout must be a megamoe.Layout (e.g. megamoe.SEPARATE), got "
+                        f"{type(layout).__name__}")
+    for name, tensor in (("w13", w13), ("w2", w2), ("b13", b13)):
+        if tensor is not None and not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"megamoe: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if w13.dim() != 3 or w13.shape[1] % 2:
+        raise ValueError(f"megamoe: w13: expected shape [E, 2I, H] (the canonical layout), got {list(w13.shape)}")
     E, two_i, H = w13.shape
     I = two_i // 2
+    if list(w2.shape) != [E, H, I]:
+        raise ValueError(f"megamoe: w2: expected shape [E, H, I] = {[E, H, I]} (from w13), got {list(w2.shape)}")
+    if b13 is not None and list(b13.shape) != [E, 2 * I]:
+        raise ValueError(f"megamoe: b13: expected shape [E, 2I] = {[E, 2 * I]} (from w13), got {list(b13.shape)}")
     gate, up = w13[:, :I], w13[:, I:]
     w3 = None
     if layout.gate_up == "interleaved":

@@ -18,12 +18,50 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._lib import precision_code
+from .argument_errors import ARGUMENT_ERRORS, raise_in_graph
 from .ops import moe
 
 
 def _router_dtype(dtype):
     """The router runs in fp32, or in fp64 for fp64 inputs (so fp64 tests stay exact)."""
     return torch.promote_types(dtype, torch.float32)
+
+
+def positive_int(name, value):
+    """`value` itself when it is an int > 0 (not a bool), else TypeError / ValueError naming `name`."""
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise TypeError(f"megamoe: {name} must be an int, got {type(value).__name__}")
+    if value <= 0:
+        raise ValueError(f"megamoe: {name} must be > 0, got {value}")
+    return value
+
+
+def check_rows(name, tensor, hidden, owner):
+    """`tensor` [..., hidden]: a tensor whose last dimension is the module's hidden size (ValueError naming `name`
+    and the module's hidden size otherwise), checked before any reshape."""
+    if not isinstance(tensor, torch.Tensor):
+        raise TypeError(f"megamoe: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if tensor.dim() == 0 or tensor.shape[-1] != hidden:
+        raise ValueError(f"megamoe: {name}: expected shape [..., H] with H = {hidden} (the hidden size of this "
+                         f"{owner}), got {list(tensor.shape)}")
+
+
+def check_routing(x, topk_ids, topk_weights):
+    """topk_ids [..., topk] with the leading dimensions of x [..., H], topk_weights shaped as topk_ids and of a float
+    dtype: each mismatch a ValueError / TypeError naming the argument, before any reshape (a reshape would accept a
+    transposed topk_weights of the same size)."""
+    for name, tensor in (("topk_ids", topk_ids), ("topk_weights", topk_weights)):
+        if not isinstance(tensor, torch.Tensor):
+            raise TypeError(f"megamoe: {name} must be a torch.Tensor, got {type(tensor).__name__}")
+    if topk_ids.dim() != x.dim() or topk_ids.shape[:-1] != x.shape[:-1]:
+        raise ValueError(f"megamoe: topk_ids: expected shape [..., topk] with the leading dimensions of x "
+                         f"{list(x.shape[:-1])}, got {list(topk_ids.shape)}")
+    if topk_weights.shape != topk_ids.shape:
+        raise ValueError(f"megamoe: topk_weights: expected the shape of topk_ids {list(topk_ids.shape)}, got "
+                         f"{list(topk_weights.shape)}")
+    if not topk_weights.is_floating_point():
+        raise ValueError(f"megamoe: topk_weights: dtype {topk_weights.dtype} not allowed (a float dtype: float32 or "
+                         "the dtype of x run as they are, another one is cast to float32)")
 
 
 def reshaped(tensor, shape):
@@ -55,6 +93,10 @@ class MoEExperts(nn.Module):
                  precision="bf16"):
         super().__init__()
         factory = {"dtype": dtype, "device": device}
+        for name, value in (("num_experts", num_experts), ("hidden", hidden), ("intermediate", intermediate)):
+            positive_int(name, value)
+        if not isinstance(recompute, bool):
+            raise TypeError(f"megamoe: recompute must be True or False, got {type(recompute).__name__}")
         precision_code(precision)  # ValueError naming `precision` for an unknown one
         self.num_experts, self.hidden, self.intermediate = num_experts, hidden, intermediate
         self.init_std = init_std
@@ -83,8 +125,16 @@ class MoEExperts(nn.Module):
     def forward(self, x, topk_ids, topk_weights):
         """x [..., H], topk_ids [..., topk] (-1 = dropped slot), topk_weights [..., topk] -> y [..., H] in x's dtype.
 
-        topk_weights may be fp32 or x's dtype; any other float dtype is cast to fp32.
+        topk_weights may be fp32 or x's dtype; any other float dtype is cast to fp32. The shapes are checked before
+        anything is reshaped (ValueError naming the argument; under torch.compile raised when the graph runs).
         """
+        try:
+            check_rows("x", x, self.hidden, "MoEExperts")
+            check_routing(x, topk_ids, topk_weights)
+        except ARGUMENT_ERRORS as error:
+            if not torch.compiler.is_compiling():
+                raise
+            return raise_in_graph(error, x)  # torch.compile: raised by the graph (argument_errors.py)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.hidden)  # [T, H]
         ids = topk_ids.reshape(-1, topk_ids.shape[-1])  # [T, topk] (T = 0 too)
@@ -153,7 +203,10 @@ class MoEBlock(nn.Module):
         precision="bf16",
     ):
         super().__init__()
-        if not 0 < topk <= num_experts:
+        for name, value in (("hidden", hidden), ("intermediate", intermediate), ("num_experts", num_experts),
+                            ("topk", topk)):
+            positive_int(name, value)
+        if topk > num_experts:
             raise ValueError(f"megamoe: topk must be in [1, num_experts={num_experts}], got {topk}")
         self.hidden, self.num_experts, self.topk = hidden, num_experts, topk
         self.norm_topk_prob = norm_topk_prob
@@ -171,6 +224,13 @@ class MoEBlock(nn.Module):
         return F.linear(x.to(dtype), self.router.weight.to(dtype))
 
     def forward(self, x):
+        try:
+            check_rows("x", x, self.hidden, "MoEBlock")  # before any reshape
+        except ARGUMENT_ERRORS as error:
+            if not torch.compiler.is_compiling():
+                raise
+            placeholder = torch.empty(0) if not isinstance(x, torch.Tensor) else x.new_empty(0)
+            return MoEBlockOutput(raise_in_graph(error, x), placeholder)  # raised by the graph (argument_errors.py)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.hidden)  # [T, H]
         logits = self.router_logits(x2)  # [T, E]
@@ -190,9 +250,23 @@ def load_balancing_loss(router_logits, topk):
     router probability of e; only P carries a gradient. Multiply by the aux-loss coefficient (Qwen3-MoE: 0.001)
     and add it to the loss. No host synchronisation.
     """
-    if isinstance(router_logits, (list, tuple)):
-        router_logits = torch.cat([r.reshape(-1, r.shape[-1]) for r in router_logits], dim=0)
-    num_experts = router_logits.shape[-1]
+    logits = list(router_logits) if isinstance(router_logits, (list, tuple)) else [router_logits]
+    if not logits:
+        raise ValueError("megamoe: router_logits: an empty list (one tensor [..., E] per layer expected)")
+    for index, tensor in enumerate(logits):
+        name = "router_logits" if tensor is router_logits else f"router_logits[{index}]"
+        if not isinstance(tensor, torch.Tensor) or not tensor.is_floating_point() or tensor.dim() == 0:
+            what = f"a {tensor.dtype} tensor of {tensor.dim()} dimensions" if isinstance(tensor, torch.Tensor) else (
+                type(tensor).__name__)
+            raise TypeError(f"megamoe: {name} must be a float tensor [..., E] of router logits, got {what}")
+        if tensor.shape[-1] != logits[0].shape[-1]:
+            raise ValueError(f"megamoe: {name}: E = {tensor.shape[-1]} experts, but router_logits[0] has "
+                             f"{logits[0].shape[-1]}")
+    num_experts = logits[0].shape[-1]
+    if isinstance(topk, bool) or not isinstance(topk, int) or not 0 < topk <= num_experts:
+        raise ValueError(f"megamoe: topk must be an int in [1, E={num_experts}] (E: the last dimension of "
+                         f"router_logits), got {topk!r}")
+    router_logits = torch.cat([r.reshape(-1, num_experts) for r in logits]) if len(logits) > 1 else logits[0]
     probs = torch.softmax(router_logits.reshape(-1, num_experts).float(), dim=-1)  # [T, E]
     chosen = torch.topk(probs, topk, dim=-1).indices.reshape(-1)  # [T * topk]
     counts = torch.zeros(num_experts, dtype=probs.dtype, device=probs.device)

@@ -52,6 +52,7 @@ class Arg(NamedTuple):
 
 
 REQUIRED = inspect.Parameter.empty
+MAX_SLOTS = 2**31 - 1  # the rows of h (T * topk, or R): sorted-row indices are int32 on the device
 TENSOR = torch.Tensor
 OPTIONAL_TENSOR = Optional[torch.Tensor]
 
@@ -98,10 +99,11 @@ def contiguous(name, tensor):
     return tensor
 
 
-def check_args(tensors):
-    """What must hold of each given tensor before the library can be asked about it (_lib.check_arg)."""
+def check_args(tensors, required=()):
+    """What must hold of each given tensor, and of each `required` one (None there is a TypeError naming it), before
+    the library can be asked about it (_lib.check_arg)."""
     for name, tensor in tensors.items():
-        if tensor is not None:
+        if tensor is not None or name in required:
             _lib.check_arg(name, tensor)
 
 
@@ -218,7 +220,8 @@ class EntryPoint:
     output: str  # the forward's output (y, out) and the backward's incoming gradient (dy, dout), as the C API names
     grad_output: str
     grads: type  # the backward's gradients, a gradients() NamedTuple: "d" + an input's name (dx for x), rows' first
-    num_slots: Callable  # the rows of h, from the forward's arguments by name: [num_slots, 2I]
+    num_slots: Callable  # the rows of h, from the forward's arguments by name: [num_slots, 2I]; None for a wrong rank
+    too_many_slots: Callable  # the message refusing more than MAX_SLOTS of them, naming the argument
 
 
 class OpFamily:
@@ -230,6 +233,7 @@ class OpFamily:
         self.grad_names = entry.grads._fields
         self.grad_inputs = tuple(name[1:] for name in self.grad_names)  # dx -> x, dscores -> scores, dw13 -> w13
         self.input_names = tuple(arg.name for arg in entry.inputs)
+        self.required_inputs = tuple(arg.name for arg in entry.inputs if arg.default is REQUIRED)
         self.rows = self.grad_inputs[0]  # x / x_sorted: its dtype and device are every row tensor's
         self.tensor_names = self.input_names + EXPERT_NAMES + FP8_NAMES  # the inputs of every op, in op order
         grad_arg = Arg(entry.grad_output, TENSOR)
@@ -271,9 +275,10 @@ class OpFamily:
         return {name: contiguous(name, a[name]) for name in names}
 
     def _h_shape(self, a):
-        if not a["keep_h"]:
+        slots = self.entry.num_slots(a)
+        if not a["keep_h"] or slots is None or a["w2"].dim() != 3:  # a wrong rank: the library names it
             return (0,)
-        return (self.entry.num_slots(a), 2 * _intermediate(a["w2"], a["w2_transposed"]))  # [slots, 2I]
+        return (slots, 2 * _intermediate(a["w2"], a["w2_transposed"]))  # [slots, 2I]
 
     def _forward(self, a):
         """out [rows, H], and h = [g, u] [slots, 2I] by sorted row when keep_h (for one backward), else [0]."""
@@ -343,6 +348,7 @@ class OpFamily:
         num_inputs = len(ctx.needs_input_grad)
         if grad is None:  # the output unused by the loss: nothing flows back
             return (None,) * num_inputs
+        grad = grad.contiguous()  # autograd's own gradient (y.sum()'s is expanded): copied without a warning
         h, *saved = _saved_tensors(ctx, self.entry.user_entry)
         saved_h = _saved_h_or_none(h)  # recompute mode's empty h is not passed: the op would count it as mutated
         if saved_h is None:
@@ -358,12 +364,18 @@ class OpFamily:
 
     # ---- the generic halves of the Python entry points (plain tensors: DTensors already read by the caller)
 
-    def apply(self, inputs, experts, recompute, layout, activation, main_grads, precision="bf16", fp8_experts=None):
-        """The forward op on `inputs` (the entry point's, by name) and `experts` (w3, b13, b2), h kept unless
-        recompute or no gradient is wanted; main_grads ride along to the autograd backward. precision "fp8": the FP8
-        weights fp8_experts, else the cache's (fp8.experts_for), saved for the backward with the other inputs."""
+    def forward_call(self, inputs, experts, recompute, layout, activation, main_grads, precision="bf16",
+                     fp8_experts=None):
+        """The arguments (positional, keyword) of the forward op on `inputs` (the entry point's, by name) and
+        `experts` (w3, b13, b2), every argument checked first (TypeError / ValueError / NotImplementedError naming
+        it; the library checks the rest when the op runs): h kept unless recompute or no gradient is wanted;
+        main_grads ride along to the autograd backward. precision "fp8": the FP8 weights fp8_experts, else the
+        cache's (fp8.experts_for), saved for the backward with the other inputs. The entry points call it inside
+        their argument_errors guard and pass the result to forward()."""
         tensors = {**inputs, **experts}
-        check_args(tensors)
+        self.check_tensors(tensors)
+        if not isinstance(recompute, bool):
+            raise TypeError(f"megamoe: recompute must be True or False, got {type(recompute).__name__}")
         options = op_options(layout, activation, precision)
         fp8 = _fp8.op_arguments(self.entry.user_entry, options, inputs["w13"], inputs["w2"], fp8_experts,
                                 w3=experts.get("w3"))
@@ -371,10 +383,24 @@ class OpFamily:
                                        {name: tensors[name] for name in _main_grads.PARAM_NAMES})
         differentiable = [tensors[name] for name in self.grad_inputs if tensors[name] is not None]
         needs_grad = torch.is_grad_enabled() and any(t.requires_grad for t in differentiable)
-        out, _h = self.forward_op(*inputs.values(), needs_grad and not recompute, *experts.values(), **options, **fp8,
-                                  **{arg: buffer for arg, buffer in zip(_main_grads.OP_ARGS, buffers.values())
-                                     if buffer is not None})  # no main_grad_* / fp8_* arguments without tensors
+        return ((*inputs.values(), needs_grad and not recompute, *experts.values()),
+                {**options, **fp8, **{arg: buffer for arg, buffer in zip(_main_grads.OP_ARGS, buffers.values())
+                                      if buffer is not None}})  # no main_grad_* / fp8_* arguments without tensors
+
+    def forward(self, call):
+        """The forward op's output on forward_call's arguments."""
+        args, keywords = call
+        out, _h = self.forward_op(*args, **keywords)
         return out
+
+    def check_tensors(self, tensors):
+        """The tensors of a call (the entry point's inputs and experts by name) as far as the library cannot check
+        them: each given one describable (_lib.check_arg), every required input given, and the rows of h (T * topk,
+        or R) below 2^31 (checked before any copy or allocation, which for so many rows could run out of memory)."""
+        check_args(tensors, self.required_inputs)
+        slots = self.entry.num_slots(tensors)
+        if slots is not None and slots > MAX_SLOTS:
+            raise NotImplementedError("megamoe: " + self.entry.too_many_slots(tensors))
 
     def backward(self, entry, grad, inputs, saved_h, wgrad_f32, experts, layout, activation, grads, main_grads,
                  precision="bf16", fp8_experts=None):
@@ -384,6 +410,8 @@ class OpFamily:
         the argument)."""
         refuse_dtensors(entry, "the backward takes plain tensors", **{self.entry.grad_output: grad}, **inputs,
                         saved_h=saved_h, **experts)
+        _lib.check_arg(self.entry.grad_output, grad)
+        self.check_tensors({**inputs, **experts})
         options = op_options(layout, activation, precision)
         if saved_h is None:
             saved_h = grad.new_empty((0,)) if isinstance(grad, torch.Tensor) else None
@@ -400,7 +428,7 @@ class OpFamily:
         """The implementation (a _lib.Path) the forward (backward=True: the backward) runs on these arguments. Reads
         no data (allocates one output for the forward's query, and precision "fp8" without fp8_experts uninitialised
         FP8 weights: fp8.empty_experts)."""
-        check_args({**inputs, **experts})
+        self.check_tensors({**inputs, **experts})
         options = op_options(layout, activation, precision)
         fp8 = _fp8.op_arguments(entry, options, inputs["w13"], inputs["w2"], fp8_experts, quantize=False,
                                 w3=experts.get("w3"))

@@ -11,6 +11,9 @@ GEMMs in blockwise FP8 on the FP8 weights of fp8.py (the caller's fp8_experts, o
 arguments of the ops that the forward saves for its backward.
 """
 
+import torch
+
+from .argument_errors import ARGUMENT_ERRORS, raise_in_graph
 from .dtensor import refuse_dtensor_activations, replicated_local
 from .op_family import EntryPoint, OpFamily, gradients, tensor_args
 
@@ -18,9 +21,22 @@ MoEGrads = gradients("MoEGrads", __name__, "x", "topk_weights", """moe_backward'
 [T, topk], dw13, dw2, dw3 (shaped as w13, w2, w3), db13 [E, 2I], db2 [E, H]; None where not asked for or where the
 parameter is absent.""")
 GRAD_NAMES = MoEGrads._fields  # moe_backward's outputs, in order
+
+
+def _num_slots(a):
+    """T * topk of topk_ids [T, topk] (None for another rank)."""
+    ids = a["topk_ids"]
+    return ids.shape[0] * ids.shape[1] if ids.dim() == 2 else None
+
+
+def _too_many_slots(a):
+    T, topk = a["topk_ids"].shape
+    return f"topk_ids: T * topk = {T} * {topk} exceeds 2^31 - 1 slots"
+
+
 OPS = OpFamily(EntryPoint(name="moe", user_entry="megamoe.moe", c_prefix="", output="y", grad_output="dy",
                           inputs=tensor_args("x", "topk_ids", "topk_weights", "w13", "w2"), grads=MoEGrads,
-                          num_slots=lambda a: a["topk_ids"].shape[0] * a["topk_ids"].shape[1]))  # T * topk
+                          num_slots=_num_slots, too_many_slots=_too_many_slots))
 
 # torch.ops.megamoe.moe_forward(x, topk_ids, topk_weights, w13, w2, keep_h=False, w3, b13, b2, <options>, fp8_*,
 # main_grad_*) -> (y [T, H], h [T*topk, 2I] by sorted row when keep_h, else [0])
@@ -87,9 +103,15 @@ def moe(x, topk_ids, topk_weights, w13, w2, recompute=False, *, w3=None, b13=Non
     under torch.compile, quantized in the graph on each call. The backward reads the FP8 weights its forward read
     (saved with the inputs).
     """
-    inputs, experts = _replicated_weights("megamoe.moe", x, topk_ids, topk_weights, w13, w2,
-                                          dict(w3=w3, b13=b13, b2=b2))
-    return OPS.apply(inputs, experts, recompute, layout, activation, main_grads, precision, fp8_experts)
+    try:
+        inputs, experts = _replicated_weights("megamoe.moe", x, topk_ids, topk_weights, w13, w2,
+                                              dict(w3=w3, b13=b13, b2=b2))
+        call = OPS.forward_call(inputs, experts, recompute, layout, activation, main_grads, precision, fp8_experts)
+    except ARGUMENT_ERRORS as error:
+        if not torch.compiler.is_compiling():
+            raise
+        return raise_in_graph(error, x)  # torch.compile: raised by the graph, as it is here (argument_errors.py)
+    return OPS.forward(call)
 
 
 def moe_backward(dy, x, topk_ids, topk_weights, w13, w2, saved_h=None, wgrad_f32=False, *, w3=None, b13=None, b2=None,

@@ -3,11 +3,14 @@
 // body (run_entry): the whole layer (topk_ids routed by the library) and grouped rows (rows already sorted by
 // expert, tokens_per_expert counts). megamoe_*_path report the path a call takes, and megamoe_path_reason why a call
 // the fused sm_90a kernels would run takes the portable ones (its expert parameters' alignment). Also the version and
-// the ABI guard (megamoe_abi_version, megamoe_struct_size).
+// the ABI guard (megamoe_abi_version, megamoe_struct_size). A CPU-only build (MEGAMOE_WITH_CUDA=0: no nvcc when it
+// was built) has the reference alone and refuses CUDA tensors once they are validated, naming the build.
 #include <string>
 
 #include "common.h"
+#if MEGAMOE_WITH_CUDA
 #include "path/cuda_path.h"
+#endif
 #include "layout.h"
 #include "reference/reference.h"
 #include "test_overrides.h"
@@ -36,14 +39,40 @@ megamoe_device_type_t device_of(const megamoe_grouped_backward_params_t& p) {
     return p.x_sorted.device_type;
 }
 
+// The name of the rows input that device_of reads.
+template <typename Params>
+const char* first_input_name(const Params&) {
+    return "x";
+}
+const char* first_input_name(const megamoe_grouped_forward_params_t&) {
+    return "x_sorted";
+}
+const char* first_input_name(const megamoe_grouped_backward_params_t&) {
+    return "x_sorted";
+}
+
+#if !MEGAMOE_WITH_CUDA
+// A CPU-only build given CUDA tensors (`what`: the argument or call that holds them).
+megamoe_status_t cuda_not_built(const char* what) {
+    return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
+                     "%s: CUDA tensors, but this libmegamoe.so was built without CUDA (CPU reference only: no nvcc "
+                     "when it was built); pass CPU tensors, or rebuild with the CUDA toolkit 12.4+ (nvcc on PATH)",
+                     what);
+}
+#endif
+
 // Every argument (validate.h), and for FP8_BLOCKWISE the device (the sm_90a kernels only). Every layout, activation
 // and bias runs on both devices.
 template <typename Params>
 megamoe_status_t validate_for_device(const Params* params, Shape* shape) {
     MEGAMOE_CHECK(validate(params, shape));
+#if MEGAMOE_WITH_CUDA
     if (params->precision == MEGAMOE_PRECISION_FP8_BLOCKWISE) {  // validated: CUDA tensors
         return cuda::check_fp8_device(Experts::of(*params).w13->device_index);
     }
+#else
+    if (device_of(*params) == MEGAMOE_DEVICE_CUDA) return cuda_not_built(first_input_name(*params));
+#endif
     return MEGAMOE_STATUS_SUCCESS;
 }
 
@@ -54,8 +83,13 @@ megamoe_status_t query_workspace(const Params* params, size_t* bytes) {
     if (bytes == nullptr) return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "bytes: NULL");
     Shape shape{};
     MEGAMOE_CHECK(validate_for_device(params, &shape));
-    *bytes = device_of(*params) == MEGAMOE_DEVICE_CUDA ? cuda::workspace_size(*params, shape)
-                                                       : reference::workspace_size(*params, shape);
+#if MEGAMOE_WITH_CUDA
+    if (device_of(*params) == MEGAMOE_DEVICE_CUDA) {
+        *bytes = cuda::workspace_size(*params, shape);
+        return MEGAMOE_STATUS_SUCCESS;
+    }
+#endif
+    *bytes = reference::workspace_size(*params, shape);
     return MEGAMOE_STATUS_SUCCESS;
 }
 
@@ -67,14 +101,16 @@ megamoe_status_t run_entry(const Params* params) {
     Shape shape{};
     MEGAMOE_CHECK(validate_for_device(params, &shape));
     const Params& p = *params;
-    if (device_of(p) == MEGAMOE_DEVICE_CPU) {
-        MEGAMOE_CHECK(check_cpu_values(p, shape));
-        MEGAMOE_CHECK(check_workspace(p.workspace, p.workspace_bytes, reference::workspace_size(p, shape)));
-        return reference::run(p, shape);
+#if MEGAMOE_WITH_CUDA
+    if (device_of(p) == MEGAMOE_DEVICE_CUDA) {
+        MEGAMOE_CHECK(check_cuda_pointers_of(p));
+        MEGAMOE_CHECK(check_workspace(p.workspace, p.workspace_bytes, cuda::workspace_size(p, shape)));
+        return cuda::run(p, shape);
     }
-    MEGAMOE_CHECK(check_cuda_pointers_of(p));
-    MEGAMOE_CHECK(check_workspace(p.workspace, p.workspace_bytes, cuda::workspace_size(p, shape)));
-    return cuda::run(p, shape);
+#endif
+    MEGAMOE_CHECK(check_cpu_values(p, shape));
+    MEGAMOE_CHECK(check_workspace(p.workspace, p.workspace_bytes, reference::workspace_size(p, shape)));
+    return reference::run(p, shape);
 }
 
 // megamoe_*_path of every entry point: validate as the call would, then the reference or what the CUDA path picks.
@@ -85,8 +121,13 @@ megamoe_status_t query_path(const Params* params, megamoe_path_t* path) {
     if (path == nullptr) return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "path: NULL");
     Shape shape{};
     MEGAMOE_CHECK(validate_for_device(params, &shape));
-    *path =
-        device_of(*params) == MEGAMOE_DEVICE_CUDA ? cuda::path(*params, shape, &g_path_reason) : MEGAMOE_PATH_REFERENCE;
+#if MEGAMOE_WITH_CUDA
+    if (device_of(*params) == MEGAMOE_DEVICE_CUDA) {
+        *path = cuda::path(*params, shape, &g_path_reason);
+        return MEGAMOE_STATUS_SUCCESS;
+    }
+#endif
+    *path = MEGAMOE_PATH_REFERENCE;
     return MEGAMOE_STATUS_SUCCESS;
 }
 
@@ -123,6 +164,10 @@ int32_t megamoe_version(void) {
 
 int32_t megamoe_abi_version(void) {
     return MEGAMOE_ABI_VERSION;
+}
+
+int32_t megamoe_has_cuda(void) {
+    return MEGAMOE_WITH_CUDA;
 }
 
 size_t megamoe_struct_size(megamoe_struct_kind_t kind) {
@@ -208,9 +253,14 @@ megamoe_status_t megamoe_quantize_experts(const megamoe_tensor_t* w13, const meg
                                           const megamoe_fp8_experts_t* fp8, void* stream) {
     megamoe::clear_error();
     megamoe::Shape shape{};
-    MEGAMOE_CHECK(megamoe::check_quantize_experts(w13, w2, fp8, &shape));
+    MEGAMOE_CHECK(megamoe::check_quantize_experts(w13, w2, fp8, &shape));  // CPU-only: refuses the CUDA tensors
+#if MEGAMOE_WITH_CUDA
     MEGAMOE_CHECK(megamoe::cuda::check_fp8_device(w13->device_index));
     return megamoe::cuda::quantize_experts(*w13, *w2, *fp8, shape, stream);
+#else
+    (void)stream;
+    return megamoe::cuda_not_built("w13");
+#endif
 }
 
 const char* megamoe_path_reason(void) {

@@ -2,7 +2,9 @@
 // naming it, never a crash.
 #include "api/validate.h"
 
+#if MEGAMOE_WITH_CUDA
 #include <cuda_runtime_api.h>
+#endif
 
 #include <cinttypes>
 #include <string>
@@ -18,8 +20,15 @@ bool is_valid_dtype(megamoe_dtype_t dtype) {
 
 // A CUDA tensor's pointer must be device (or managed) memory of its device: a host pointer labelled
 // CUDA would otherwise crash a kernel.
+// A CPU-only build (MEGAMOE_WITH_CUDA=0) refuses every CUDA tensor here (and the entry points before, api.cpp).
 megamoe_status_t check_cuda_pointer(const char* name, const megamoe_tensor_t& tensor) {
     if (tensor.device_type != MEGAMOE_DEVICE_CUDA || numel(tensor) == 0) return MEGAMOE_STATUS_SUCCESS;
+#if !MEGAMOE_WITH_CUDA
+    return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
+                     "%s: a CUDA tensor, but this libmegamoe.so was built without CUDA (CPU reference only: no nvcc "
+                     "when it was built)",
+                     name);
+#else
     cudaPointerAttributes attributes{};
     const cudaError_t err = cudaPointerGetAttributes(&attributes, tensor.data);
     if (err != cudaSuccess) {
@@ -32,6 +41,23 @@ megamoe_status_t check_cuda_pointer(const char* name, const megamoe_tensor_t& te
                          tensor.device_index);
     }
     return MEGAMOE_STATUS_SUCCESS;
+#endif
+}
+
+// Whether the element count of a tensor (non-negative extents) times the widest dtype's 8 bytes fits in int64_t: the
+// element and byte counts computed from its shape cannot overflow.
+bool fits_in_memory(const megamoe_tensor_t& tensor) {
+    constexpr int64_t kMaxElements = INT64_MAX / 8;
+    int64_t count = 1;
+    bool empty = false;
+    bool overflow = false;
+    for (int32_t dim = 0; dim < tensor.ndim; ++dim) {
+        if (tensor.shape[dim] == 0) empty = true;
+        if (overflow || empty) continue;
+        overflow = tensor.shape[dim] > kMaxElements / count;
+        if (!overflow) count *= tensor.shape[dim];
+    }
+    return empty || !overflow;
 }
 
 // The CUDA path lays buffers out at 256-byte offsets and picks kernels on their alignment: the base must be aligned
@@ -66,6 +92,10 @@ megamoe_status_t check_tensor(const char* name, const megamoe_tensor_t& tensor, 
             return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "%s: negative extent in shape %s", name,
                              shape_string(tensor).c_str());
         }
+    }
+    if (!fits_in_memory(tensor)) {  // numel and the byte sizes below may not overflow
+        return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "%s: shape %s has more elements than memory can hold", name,
+                         shape_string(tensor).c_str());
     }
     int64_t expected_stride = 1;
     for (int32_t dim = ndim - 1; dim >= 0 && numel(tensor) > 0; --dim) {  // an empty tensor has no layout

@@ -107,10 +107,8 @@ struct WeightDims {
     }
 };
 
-// w3 present exactly when the layout is separate, then shaped as w13; the biases optional.
-megamoe_status_t check_w3_and_biases(const char* x_name, const megamoe_tensor_t& x, const Experts& experts,
-                                     const WeightDims& dims, const Shape& shape) {
-    const std::string same_dtype = std::string("must equal the dtype of ") + x_name;
+// w3 present exactly when the layout is separate (before the weights' shapes, which the layout sets).
+megamoe_status_t check_w3_presence(const Experts& experts, const WeightDims& dims) {
     if (dims.separate && !is_present(*experts.w3)) {
         return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT,
                          "w3: required by layout.gate_up = separate (the up projection %s; w13 holds the gate)",
@@ -121,6 +119,13 @@ megamoe_status_t check_w3_and_biases(const char* x_name, const megamoe_tensor_t&
                          "w3: given, but layout.gate_up = %s keeps the up rows in w13 (w3 is for the separate layout)",
                          gate_up_name(experts.layout.gate_up));
     }
+    return MEGAMOE_STATUS_SUCCESS;
+}
+
+// w3 (present: check_w3_presence) shaped as w13; the biases optional.
+megamoe_status_t check_w3_and_biases(const char* x_name, const megamoe_tensor_t& x, const Experts& experts,
+                                     const WeightDims& dims, const Shape& shape) {
+    const std::string same_dtype = std::string("must equal the dtype of ") + x_name;
     if (dims.separate) {
         const std::string w3_dims = dims.w13 + dims.origin(x_name, experts.layout);
         MEGAMOE_CHECK(check_input("w3", *experts.w3, x, x_name, 3, w3_dims.c_str(), dims.w13_shape(shape), x.dtype,
@@ -146,6 +151,7 @@ megamoe_status_t check_rows_and_weights(const char* x_name, const char* x_dims, 
     MEGAMOE_CHECK(check_tensor(x_name, x, 2, x_dims));
     MEGAMOE_CHECK(check_layout(experts.layout));  // first: the weights' shapes depend on it
     const WeightDims dims = WeightDims::of(experts.layout);
+    MEGAMOE_CHECK(check_w3_presence(experts, dims));
     MEGAMOE_CHECK(check_tensor("w13", w13, 3, dims.w13));
     MEGAMOE_CHECK(check_tensor("w2", w2, 3, dims.w2));
     if (x.dtype != MEGAMOE_DTYPE_BF16 && x.dtype != MEGAMOE_DTYPE_F16 && x.dtype != MEGAMOE_DTYPE_F32 &&

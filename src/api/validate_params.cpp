@@ -65,9 +65,10 @@ megamoe_status_t check_routed_inputs(const megamoe_tensor_t& x, const megamoe_te
                          shape_string(ids).c_str());
     MEGAMOE_CHECK(check_shape("topk_ids", ids, {shape->num_tokens, shape->topk}, "[T, topk] (T from x)"));
     MEGAMOE_CHECK(check_shape("topk_weights", weights, {shape->num_tokens, shape->topk}, "[T, topk] (as topk_ids)"));
-    if (shape->num_slots() > kMaxRows) {
-        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "topk_ids: T * topk = %" PRId64 " exceeds 2^31 - 1 slots",
-                         shape->num_slots());
+    if (shape->num_tokens > 0 && shape->topk > kMaxRows / shape->num_tokens) {  // T * topk > kMaxRows, unmultiplied
+        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
+                         "topk_ids: T * topk = %" PRId64 " * %" PRId64 " exceeds 2^31 - 1 slots", shape->num_tokens,
+                         shape->topk);
     }
     MEGAMOE_CHECK(check_same_device("topk_ids", ids, x));
     return check_same_device("topk_weights", weights, x);

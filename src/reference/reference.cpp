@@ -6,7 +6,7 @@
 //
 // Memory modes: the forward writes h = [g, u] into saved_h when asked (rounded to its dtype), row by sorted row (the
 // slots in the stable expert order, as the CUDA path keeps it: megamoe.h); the backward reads a given saved_h instead
-// of recomputing h.
+// of recomputing h, and a recomputed h is rounded to that dtype too, so both modes give the same gradients bitwise.
 //
 // Both entry points run forward_slots / backward_slots; only the widened Inputs differ: the whole layer's slot
 // (t, j) has expert topk_ids[t, j] and weight topk_weights[t, j]; grouped rows are one slot per row (topk = 1),
@@ -49,6 +49,7 @@ struct Inputs {
     ExpertWeights<Acc> weights;   // canonical W13[e] [2I, H], W2[e] [H, I] of the routed experts, biases
     Activation<Acc> activation;
     std::vector<int64_t> h_row;  // [T * topk]: the slot's row of saved_h (stable sort by expert), -1 = dropped
+    megamoe_dtype_t h_dtype;     // the dtype saved_h holds h in: x's
 
     Inputs(const Shape& problem, const megamoe_tensor_t& x_t, std::vector<int64_t> slot_expert, const Experts& experts)
         : shape(problem),
@@ -57,7 +58,8 @@ struct Inputs {
           weight(static_cast<size_t>(problem.num_slots()), Acc(1)),
           weights(ExpertWeights<Acc>::read(experts, problem, expert)),
           activation(Activation<Acc>::of(experts.activation)),
-          h_row(sorted_rows(expert, problem.num_experts)) {}
+          h_row(sorted_rows(expert, problem.num_experts)),
+          h_dtype(x_t.dtype) {}
 
     // The whole layer: slot t * topk + j goes to topk_ids[t, j] with weight topk_weights[t, j].
     static Inputs routed(const Shape& problem, const megamoe_tensor_t& x_t, const megamoe_tensor_t& ids_t,
@@ -115,6 +117,23 @@ struct Inputs {
             act[i] = activation.forward(g, u);
         }
     }
+
+    // g, u and a as up() gives them after a round trip through saved_h's dtype: what the backward reads in keep-h
+    // mode, so that recomputing h gives the same gradients bitwise.
+    void up_as_saved(int64_t token_idx, int64_t expert_idx, Acc* gate, Acc* up_out, Acc* act) const {
+        up(token_idx, expert_idx, gate, up_out, act);
+        for (int64_t i = 0; i < shape.intermediate; ++i) {
+            gate[i] = as_saved(gate[i]);
+            up_out[i] = as_saved(up_out[i]);
+            act[i] = activation.forward(gate[i], up_out[i]);
+        }
+    }
+
+    Acc as_saved(Acc value) const {
+        uint64_t element = 0;  // room for the widest dtype
+        store_element(&element, h_dtype, 0, static_cast<double>(value));
+        return static_cast<Acc>(load_element(&element, h_dtype, 0));
+    }
 };
 
 // y_t = sum_j s_tj o_tj, and h = [g, u] per slot into saved_h when it is present.
@@ -171,7 +190,7 @@ void backward_slots(const Inputs<Acc>& in, const megamoe_tensor_t& dy_t, const m
             Acc ds = 0;
             if (e >= 0) {
                 Acc* a = &act[slot * I];
-                if (saved_h.data) {  // h as the forward kept it (rounded), else recomputed
+                if (saved_h.data) {  // h as the forward kept it (rounded), else recomputed and rounded alike
                     const int64_t h_base = in.h_row[slot] * 2 * I;
                     for (int64_t i = 0; i < I; ++i) {
                         gate[i] = static_cast<Acc>(load_element(saved_h.data, saved_h.dtype, h_base + i));
@@ -179,7 +198,7 @@ void backward_slots(const Inputs<Acc>& in, const megamoe_tensor_t& dy_t, const m
                         a[i] = in.activation.forward(gate[i], up[i]);
                     }
                 } else {
-                    in.up(t, e, gate.data(), up.data(), a);
+                    in.up_as_saved(t, e, gate.data(), up.data(), a);
                 }
                 const Acc* w = in.weights.w2_of(e);
                 for (int64_t i = 0; i < I; ++i) proj[i] = 0;

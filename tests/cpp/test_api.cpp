@@ -107,6 +107,19 @@ TEST(Api, BadForwardInputsNameTheArgument) {
          MEGAMOE_STATUS_INVALID_ARGUMENT, "w13: unknown device"},
         {"negative extent", [](Problem&, megamoe_forward_params_t& p, HostTensor&) { p.x.shape[0] = -1; },
          MEGAMOE_STATUS_INVALID_ARGUMENT, "x: negative extent"},
+        {"x past any memory", [](Problem&, megamoe_forward_params_t& p, HostTensor&) { p.x.shape[0] = int64_t{1} << 62; },
+         MEGAMOE_STATUS_INVALID_ARGUMENT, "x: shape [4611686018427387904, 10] has more elements than memory"},
+        {"T * topk past 2^31 - 1",  // the shapes alone: validation fails before any data is read
+         [](Problem&, megamoe_forward_params_t& p, HostTensor&) {
+             for (megamoe_tensor_t* t : {&p.x, &p.topk_ids, &p.topk_weights, &p.y}) t->shape[0] = int64_t{1} << 31;
+         },
+         MEGAMOE_STATUS_NOT_SUPPORTED, "topk_ids: T * topk = 2147483648 * 2 exceeds 2^31 - 1 slots"},
+        {"T * topk past 2^64",  // T = 2^40, topk = 2^30: the product wraps in 64 bits
+         [](Problem&, megamoe_forward_params_t& p, HostTensor&) {
+             for (megamoe_tensor_t* t : {&p.x, &p.topk_ids, &p.topk_weights, &p.y}) t->shape[0] = int64_t{1} << 40;
+             p.topk_ids.shape[1] = p.topk_weights.shape[1] = int64_t{1} << 30;
+         },
+         MEGAMOE_STATUS_INVALID_ARGUMENT, "topk_ids: shape [1099511627776, 1073741824] has more elements than memory"},
         {"unknown accum", [](Problem&, megamoe_forward_params_t& p, HostTensor&) { p.accum = (megamoe_accum_t)9; },
          MEGAMOE_STATUS_INVALID_ARGUMENT, "accum:"},
         {"f32 on CUDA",
@@ -172,6 +185,28 @@ TEST(Api, BadBackwardInputsNameTheArgument) {
     params.dtopk_weights = megamoe_tensor_t{};
     EXPECT_EQ(megamoe_backward(&params), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
     EXPECT_STREQ(megamoe_last_error(), "");
+}
+
+// A CPU-only build (no nvcc when it was built) refuses CUDA tensors once they are valid, saying why.
+TEST(Api, CpuOnlyBuildRefusesCudaTensors) {
+    if (megamoe_has_cuda()) GTEST_SKIP() << "a CUDA build: CUDA tensors run";
+    std::mt19937_64 rng(fresh_seed());
+    Problem problem{6, 16, 8, 3, 2};
+    problem.dtype = MEGAMOE_DTYPE_BF16;
+    problem.make(rng);
+    HostTensor y(problem.dtype, {problem.num_tokens, problem.hidden});
+    megamoe_forward_params_t params = problem.forward_params(y);
+    for (megamoe_tensor_t* t : {&params.x, &params.topk_ids, &params.topk_weights, &params.w13, &params.w2, &params.y})
+        t->device_type = MEGAMOE_DEVICE_CUDA;
+    size_t bytes = 0;
+    megamoe_path_t path = MEGAMOE_PATH_REFERENCE;
+    for (const megamoe_status_t status : {megamoe_forward(&params), megamoe_forward_workspace_size(&params, &bytes),
+                                          megamoe_forward_path(&params, &path)}) {
+        EXPECT_EQ(status, MEGAMOE_STATUS_NOT_SUPPORTED) << megamoe_last_error();
+        EXPECT_NE(std::string(megamoe_last_error()).find("x: CUDA tensors, but this libmegamoe.so was built without CUDA"),
+                  std::string::npos)
+            << megamoe_last_error();
+    }
 }
 
 TEST(Api, NullPointersAndWorkspace) {

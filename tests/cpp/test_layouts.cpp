@@ -219,7 +219,10 @@ TEST(LayoutsApi, BadInputNamesTheArgument) {
         {[](auto& p, auto&) { p.b2.dtype = MEGAMOE_DTYPE_F32; }, "b2: dtype f32 not allowed"},
         {[](auto& p, auto&) { p.w3 = megamoe_tensor_t{}, p.layout.gate_up = MEGAMOE_GATE_UP_CONCATENATED; },
          "w13: expected shape [E, H, 2I]"},
-        {[](auto& p, auto&) { p.layout.gate_up = MEGAMOE_GATE_UP_INTERLEAVED; }, "w13: expected shape [E, H, 2I]"},
+        {[](auto& p, auto&) { p.w3 = megamoe_tensor_t{}, p.layout.gate_up = MEGAMOE_GATE_UP_INTERLEAVED; },
+         "w13: expected shape [E, H, 2I]"},
+        {[](auto& p, auto&) { p.layout.gate_up = MEGAMOE_GATE_UP_INTERLEAVED; },
+         "w3: given, but layout.gate_up = interleaved"},  // before w13's shape, which the layout sets
         {[](auto& p, auto&) {
              resize(&p.dw3, {3, 3, 4});
          },
@@ -277,6 +280,7 @@ void label_cuda(std::initializer_list<megamoe_tensor_t*> tensors) {
 // layout on sm_90a (its dh has a buffer of its own there). With MEGAMOE_DISABLE_SM90=1 every option has the default's
 // workspaces (the portable path's buffers serve every layout).
 TEST(LayoutsApi, CudaAcceptsEveryOptionWithTheDefaultsWorkspace) {
+    if (!megamoe_has_cuda()) GTEST_SKIP() << "a CPU-only build refuses CUDA tensors (Api.CpuOnlyBuildRefusesCudaTensors)";
     std::mt19937_64 rng(fresh_seed());
     const auto sizes = [](const LayoutProblem& problem, megamoe_path_t* path, std::string* reason) {
         HostTensor y(MEGAMOE_DTYPE_BF16, {6, 16});

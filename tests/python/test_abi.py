@@ -29,7 +29,7 @@ def test_library_reports_the_abi_the_binding_declares():
 @pytest.fixture
 def reload(monkeypatch):
     """Loads the library afresh (the loaded one is restored afterwards); returns the path it loads."""
-    path = next(p for p in _lib._candidates() if p.is_file())
+    path = _lib.library_path()
     monkeypatch.setattr(_lib, "_LIB", None)
     return path
 

@@ -172,6 +172,7 @@ CUDA_OPTION_CASES = [
 ]
 
 
+@pytest.mark.skipif(not _lib.has_cuda(), reason="a CPU-only libmegamoe.so (built without nvcc) refuses CUDA tensors")
 @pytest.mark.parametrize("case", CUDA_OPTION_CASES, ids=[c[0] for c in CUDA_OPTION_CASES])
 def test_cuda_accepts_the_new_options(good, case):
     """Without a GPU: the C API's validation of CUDA-labelled tensors (the workspace and path queries read no data)

@@ -364,7 +364,10 @@ def test_cpu_demo_without_a_gpu(capsys):
         pytest.skip("a GPU is present: bench.py runs the benchmark, not the demo")
     import bench
     assert bench.main([]) == 0
-    assert "CPU demo passed" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "CPU demo passed" in out
+    next_steps = out[out.index("CPU demo passed"):]  # what to run next, after the verdict
+    assert "python bench/bench.py --device cpu --shapes tiny" in next_steps and "python.md" in next_steps
 
 
 def test_merge_split_runs(tmp_path):

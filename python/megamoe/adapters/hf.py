@@ -36,7 +36,7 @@ brings the experts their tokens through an `EPImplementation`, which calls this 
 - "megamoe" (registered here, `DistributedConfig(ep_size=P, ep_implementation="megamoe")`): `megamoe.ep.moe` does
   the dispatch and the combine itself on the global ids (one host sync, topk sums in a fixed order, the experts as
   grouped rows), with the experts' local `gate_up_proj` / `down_proj` shards; needs `tp_size == 1` and the default
-  layout (megamoe.ep.moe takes no other layout yet: NotImplementedError naming it, TODO(#12)).
+  layout (megamoe.ep.moe takes no other layout yet: NotImplementedError naming it).
 
 transformers stays an optional dependency: `import megamoe` never imports it; only this module does.
 """
@@ -224,7 +224,7 @@ if EPImplementation is not None:
         def __init__(self, experts, ep_mesh, tp_mesh):
             super().__init__(experts, ep_mesh, tp_mesh)
             if tp_mesh.size() > 1:
-                # TODO(#13): slice the batch the TP group shares (as transformers' AllToAllEP does) and gather back.
+                # TODO: slice the batch the TP group shares (as transformers' AllToAllEP does) and gather back.
                 raise NotImplementedError("megamoe: ep_implementation='megamoe' needs tp_size == 1 (each rank its own "
                                           "batch); use ep_implementation='all_to_all' with experts_implementation="
                                           "'megamoe' for tp_size > 1")
@@ -237,7 +237,7 @@ if EPImplementation is not None:
             _check_supported(self.experts, setting)
             args = experts_arguments(self.experts)  # the local shards: transformers runs this under them
             if not _is_default(args):
-                # TODO(#12): layouts, biases and activations in megamoe.ep.moe.
+                # TODO: layouts, biases and activations in megamoe.ep.moe.
                 raise NotImplementedError(f"megamoe: {setting} runs experts in megamoe's default layout only; "
                                           f"{type(self.experts).__name__} has {_describe(args)} (use "
                                           "ep_implementation='all_to_all' with experts_implementation='megamoe')")
