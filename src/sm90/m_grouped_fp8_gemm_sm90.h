@@ -68,7 +68,7 @@ megamoe_status_t launch_m_grouped_fp8_gemm_sm90_gated(const cuda::MGroupedGemmAr
 // dH with dSwiGLU fused, FP8 operands (A = dy e4m3 [T, H] gathered by slot with its 1 x 128 scales along H, B =
 // w2's transposed FP8 copy [E, I, H] (kNK) with w2's block scales, b_transposed; args.n = I, args.k = H): the
 // epilogue of launch_m_grouped_gemm_sm90_dswiglu (dh, s * a, the ds partial sums from h; epilogue.b_layout is not
-// used: B is kNK). SwiGLU or the clamped activation, dh in either order. *num_ds_parts: the partial sums per row
+// used: B is kNK). SwiGLU, dh in the [dg, du] order (else NOT_SUPPORTED). *num_ds_parts: the partial sums per row
 // (256-column n-tiles).
 megamoe_status_t launch_m_grouped_fp8_gemm_sm90_dswiglu(const cuda::MGroupedGemmArgs& args,
                                                         const Fp8BlockScales& scales,

@@ -168,6 +168,7 @@ struct KernelParams {
     const int4* experts_by_rank;  // [E] {expert, row_begin, row_end, 0}, heaviest first (NULL: e-th is e)
     void* out;                    // [E, M, N]
     bool tma_store;               // element-type out with its tensor map made: the epilogue stores by TMA
+    bool accumulate;              // f32 out: the tile added to the values there (a tile with no rows left as it is)
 };
 
 }  // namespace megamoe::sm90::k_grouped

@@ -68,6 +68,7 @@
 #include "device/cuda_utils.h"
 #include "sm90/kit/store.cuh"
 #include "sm90/k_grouped/config.cuh"
+#include "sm90/k_grouped/epilogue.cuh"
 #include "sm90/k_grouped/host.cuh"
 #include "sm90/k_grouped/scheduler.cuh"
 #include "sm90/kit/launch.h"
@@ -260,106 +261,7 @@ __device__ __forceinline__ void produce(const CUtensorMap* a_map, const CUtensor
     cuda::cp_async_wait<0>();  // no copy outlives its thread
 }
 
-// fn(std::integral_constant<int, i>) for i = 0 .. kCount - 1, in order (a compile-time index per call).
-template <typename Fn, int... kIdx>
-__device__ __forceinline__ void for_each_index(Fn&& fn, std::integer_sequence<int, kIdx...>) {
-    (fn(std::integral_constant<int, kIdx>{}), ...);
-}
-template <int kCount, typename Fn>
-__device__ __forceinline__ void for_each_index(Fn&& fn) {
-    for_each_index(fn, std::make_integer_sequence<int, kCount>{});
-}
-
-// One consumer warpgroup's row block kRowBlock of the output tile C_e[m_begin + row, n_begin + col] (its accumulators
-// from kRowBlock * kBlockRegs on), OutT = T or float (kAccumulate: float, added to the values there).
-template <class Shape, typename T, typename OutT, bool kAccumulate, int kRowBlock, int kNumRegs>
-__device__ __forceinline__ void store_tile(const KernelParams& params, const Tile& tile, const float (&acc)[kNumRegs],
-                                           int consumer_idx, int warp_idx, int lane_idx) {
-    static_assert(!kAccumulate || std::is_same_v<OutT, float>, "accumulation is into f32 outputs");
-    constexpr int kFirstReg = kRowBlock * Shape::kBlockRegs;
-    static_assert(kFirstReg + Shape::kBlockRegs <= kNumRegs, "the row block's accumulators are the consumer's");
-    constexpr int kNumFrags = Shape::kBlockN / 8;
-    constexpr int kFragsPerChunk = 4;
-    // f32 pairs of a row loaded before their stores: all of a 256-column row (no spills, 168 regs)
-    constexpr int kAccumulateBatch = kNumFrags < 32 ? kNumFrags : 32;
-    static_assert(kNumFrags % kAccumulateBatch == 0 && kNumFrags % kFragsPerChunk == 0, "whole batches and chunks");
-    const int quad_lane = lane_idx % 4;
-    const int first_row = consumer_idx * Shape::kConsumerRows + kRowBlock * kWgmmaM + warp_idx * 16 + lane_idx / 4;
-    OutT* out = static_cast<OutT*>(params.out) + static_cast<int64_t>(tile.expert_idx) * params.m * params.n;
-#pragma unroll
-    for (int half = 0; half < 2; ++half) {
-        const int64_t m_idx = tile.m_begin + first_row + half * 8;
-        const bool row_valid = m_idx < params.m;
-        OutT* out_row = out + m_idx * params.n;
-        if constexpr (kAccumulate) {
-#pragma unroll
-            for (int batch_idx = 0; batch_idx < kNumFrags / kAccumulateBatch; ++batch_idx) {
-                const int first_frag = batch_idx * kAccumulateBatch;
-                const int64_t first_col = tile.n_begin + first_frag * 8 + quad_lane * 2;
-                if (row_valid && tile.n_begin + (first_frag + kAccumulateBatch) * 8 <= params.n) {
-                    // The whole batch inside the output (the common case): its loads go out together, unpredicated
-                    // (a predicate per load would exhaust the predicate registers and serialize them).
-                    float2 before[kAccumulateBatch];
-#pragma unroll
-                    for (int pair_idx = 0; pair_idx < kAccumulateBatch; ++pair_idx) {
-                        before[pair_idx] = *reinterpret_cast<const float2*>(out_row + first_col + pair_idx * 8);
-                    }
-#pragma unroll
-                    for (int pair_idx = 0; pair_idx < kAccumulateBatch; ++pair_idx) {
-                        const int reg_idx = kFirstReg + (first_frag + pair_idx) * 4 + half * 2;
-                        store_pair_f32(out_row, first_col + pair_idx * 8, before[pair_idx].x + acc[reg_idx],
-                                       before[pair_idx].y + acc[reg_idx + 1]);
-                    }
-                } else if (row_valid) {  // the batch crosses N (N % 8 == 0: a pair is all in or all out)
-#pragma unroll
-                    for (int pair_idx = 0; pair_idx < kAccumulateBatch; ++pair_idx) {
-                        const int64_t col = first_col + pair_idx * 8;
-                        const int reg_idx = kFirstReg + (first_frag + pair_idx) * 4 + half * 2;
-                        if (col >= params.n) continue;
-                        const float2 before = *reinterpret_cast<const float2*>(out_row + col);
-                        store_pair_f32(out_row, col, before.x + acc[reg_idx], before.y + acc[reg_idx + 1]);
-                    }
-                }
-            }
-        } else if constexpr (std::is_same_v<OutT, float>) {
-#pragma unroll
-            for (int frag_idx = 0; frag_idx < kNumFrags; ++frag_idx) {
-                const int64_t col = tile.n_begin + frag_idx * 8 + quad_lane * 2;
-                const int reg_idx = kFirstReg + frag_idx * 4 + half * 2;
-                if (row_valid && col < params.n) store_pair_f32(out_row, col, acc[reg_idx], acc[reg_idx + 1]);
-            }
-        } else {
-#pragma unroll
-            for (int group_idx = 0; group_idx < kNumFrags / kFragsPerChunk; ++group_idx) {
-                uint32_t words[kFragsPerChunk];
-#pragma unroll
-                for (int word_idx = 0; word_idx < kFragsPerChunk; ++word_idx) {
-                    const int reg_idx = kFirstReg + (group_idx * kFragsPerChunk + word_idx) * 4 + half * 2;
-                    words[word_idx] = cuda::pack_pair<T>(acc[reg_idx], acc[reg_idx + 1]);
-                }
-                quad_transpose(words, quad_lane);
-                const int64_t col = tile.n_begin + (group_idx * kFragsPerChunk + quad_lane) * 8;
-                if (row_valid && col < params.n) store_chunk(out_row, col, words);
-            }
-        }
-    }
-}
-
-// One consumer warp's 16 rows of row block kRowBlock of the output tile (element type) by TMA stores, 64 columns at a
-// time, through its staging boxes at `staging` (store_warp_rows_tma); the warp returns to its MMAs as soon as its last
-// store is issued.
-template <class Shape, typename T, int kStoreBoxes, int kRowBlock, int kNumRegs>
-__device__ __forceinline__ void store_tile_tma(const CUtensorMap* out_map, const Tile& tile,
-                                               const float (&acc)[kNumRegs], uint32_t staging, int consumer_idx,
-                                               int warp_idx, int lane_idx) {
-    const int row = tile.m_begin + consumer_idx * Shape::kConsumerRows + kRowBlock * kWgmmaM + warp_idx * kTmaStoreRows;
-    store_warp_rows_tma<T, Shape::kStoreChunks, kRowBlock * Shape::kBlockRegs, kStoreBoxes>(
-        acc, staging, lane_idx, [&](uint32_t box, int chunk) {
-            tma_store_3d(out_map, box, tile.n_begin + chunk * kTmaStoreCols, row, tile.expert_idx);
-        });
-}
-
-template <class Shape, typename T, typename OutT, bool kAccumulate, class Pipeline, class Storage>
+template <class Shape, typename T, typename OutT, class Pipeline, class Storage>
 __device__ __forceinline__ void consume(const CUtensorMap* out_map, const KernelParams& params,
                                         const Pipeline& pipeline, Storage& smem, int cta_rank, int consumer_idx,
                                         int thread_idx) {
@@ -400,17 +302,9 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Kernel
         Tile next;
         const bool has_next = scheduler.next(next, lane_idx);
         pipeline.retire_last_batch(acc, in_flight_stage, lane_idx);
-        if (tile.store && (!kAccumulate || tile.num_k_blocks > 0)) {
-            for_each_index<Shape::kRowBlocks>([&](auto row_block) {
-                constexpr int kRowBlock = decltype(row_block)::value;
-                if (!std::is_same_v<OutT, float> && params.tma_store) {
-                    store_tile_tma<Shape, T, Storage::kStoreBoxesPerWarp, kRowBlock>(out_map, tile, acc, warp_staging,
-                                                                                     consumer_idx, warp_idx, lane_idx);
-                } else {
-                    store_tile<Shape, T, OutT, kAccumulate, kRowBlock>(params, tile, acc, consumer_idx, warp_idx,
-                                                                       lane_idx);
-                }
-            });
+        if (tile.store && (!params.accumulate || tile.num_k_blocks > 0)) {
+            Epilogue<Shape, T, OutT, Storage::kStoreBoxesPerWarp>::store(out_map, params, tile, acc, warp_staging,
+                                                                         consumer_idx, warp_idx, lane_idx);
         }
         has_tile = has_next;
         tile = next;
@@ -418,7 +312,7 @@ __device__ __forceinline__ void consume(const CUtensorMap* out_map, const Kernel
     if (lane_idx == 0) bulk_wait_group<0, false>();  // every store complete before the CTA exits
 }
 
-template <class Shape, typename T, typename OutT, bool kAccumulate, int kStoreBoxes>
+template <class Shape, typename T, typename OutT, int kStoreBoxes>
 __global__ void __launch_bounds__(kNumThreads, 1)
     k_grouped_gemm_sm90_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
                                const __grid_constant__ CUtensorMap out_map, const KernelParams params) {
@@ -452,8 +346,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
         produce<Shape>(&a_map, &b_map, params, pipeline, smem, cta_rank, thread_idx);
     } else {
         setmaxnreg_inc<kConsumerRegs>();
-        consume<Shape, T, OutT, kAccumulate>(&out_map, params, pipeline, smem, cta_rank, warpgroup_idx - 1,
-                                             thread_idx);
+        consume<Shape, T, OutT>(&out_map, params, pipeline, smem, cta_rank, warpgroup_idx - 1, thread_idx);
     }
     cluster_sync();  // no CTA leaves while the other may still multicast into it or arrive on its barriers
 #endif
@@ -503,12 +396,12 @@ __global__ void __launch_bounds__(kOrderThreads)
 // ---------------------------------------------------------------------------------------------------
 // Host side: the cluster launch (the tensor maps: k_grouped_host.cuh).
 
-template <class Shape, typename T, typename OutT, bool kAccumulate = false>
+template <class Shape, typename T, typename OutT>
 megamoe_status_t launch_typed(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUtensorMap& out_map,
                               const KernelParams& params, int num_sms, cudaStream_t stream) {
     const int64_t max_clusters = std::min<int64_t>(std::max(num_sms, kClusterSize) / kClusterSize, params.num_tiles);
     return launch_cluster_kernel<kClusterSize>(
-        k_grouped_gemm_sm90_kernel<Shape, T, OutT, kAccumulate, kStoreBoxesPerWarp>, "k_grouped_gemm_sm90", kNumThreads,
+        k_grouped_gemm_sm90_kernel<Shape, T, OutT, kStoreBoxesPerWarp>, "k_grouped_gemm_sm90", kNumThreads,
         smem_bytes_of<SharedStorage<Shape, kStoreBoxesPerWarp>>(), max_clusters, stream, a_map, b_map, out_map, params);
 }
 
@@ -541,9 +434,6 @@ megamoe_status_t launch_shape(const cuda::KGroupedGemmArgs& args, KernelParams p
     params.num_tiles = static_cast<int>(num_tiles);
     return cuda::with_element_type(args.dtype, [&](auto tag) {
         using T = typename decltype(tag)::Type;
-        if (args.accumulate) {
-            return launch_typed<Shape, T, float, true>(a_map, b_map, out_map, params, num_sms, stream);
-        }
         return f32_out ? launch_typed<Shape, T, float>(a_map, b_map, out_map, params, num_sms, stream)
                        : launch_typed<Shape, T, T>(a_map, b_map, out_map, params, num_sms, stream);
     });
@@ -575,6 +465,7 @@ megamoe_status_t launch_k_grouped_gemm_sm90(const cuda::KGroupedGemmArgs& args, 
     params.n = args.n;
     params.expert_offsets = args.expert_offsets;
     params.out = out;
+    params.accumulate = args.accumulate;
     if (args.schedule != nullptr && cuda::is_aligned(args.schedule, 16)) {  // heaviest first, claimed greedily
         auto* experts_by_rank = reinterpret_cast<int4*>(args.schedule);     // 256-byte aligned workspace
         int* tile_counter = args.schedule + 4 * args.num_experts;

@@ -147,18 +147,14 @@ megamoe_status_t launch_m_grouped_fp8_gemm_sm90_dswiglu(const cuda::MGroupedGemm
     }
     const megamoe_status_t outputs_status = check_dswiglu_outputs(epilogue, "m_grouped_fp8_gemm_sm90");
     if (outputs_status != MEGAMOE_STATUS_SUCCESS) return outputs_status;
-    *num_ds_parts = ceil_div(args.n, int64_t{Fp8Cooperative::kBlockN});
-    const auto launch = [&](auto epilogue_policy) {
-        using Epi = decltype(epilogue_policy);
-        return launch_fp8<Epi>(args, scales, make_dswiglu_params<typename Epi::Activation>(epilogue), num_sms, stream,
-                               CUtensorMap{}, CUtensorMap{});
-    };
-    if (epilogue.activation.is_clamped()) {
-        return epilogue.dh_interleaved ? launch(DSwiGLUEpilogueOf<ClampedSwiGLUActivation, true>{})
-                                       : launch(DSwiGLUEpilogueOf<ClampedSwiGLUActivation, false>{});
+    if (epilogue.activation.is_clamped() || epilogue.dh_interleaved) {
+        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
+                         "m_grouped_fp8_gemm_sm90: the FP8 dH runs SwiGLU with dh in the [dg, du] order (the FP8 layer "
+                         "takes no other activation or layout)");
     }
-    return epilogue.dh_interleaved ? launch(DSwiGLUEpilogueOf<SwiGLUActivation, true>{})
-                                   : launch(DSwiGLUEpilogueOf<SwiGLUActivation, false>{});
+    *num_ds_parts = ceil_div(args.n, int64_t{Fp8Cooperative::kBlockN});
+    return launch_fp8<DSwiGLUEpilogue>(args, scales, make_dswiglu_params<SwiGLUActivation>(epilogue), num_sms, stream,
+                                       CUtensorMap{}, CUtensorMap{});
 }
 
 }  // namespace megamoe::sm90
