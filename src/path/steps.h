@@ -69,7 +69,7 @@ class Backend {
     // h = [g, u] into workspace.h (recompute mode).
     virtual megamoe_status_t recompute_h(const BackwardStep& step) const = 0;
     // From h and p = W2[e]^T dy: dh into workspace.dh (w13's row order), s * a into workspace.act and the partial sums
-    // of ds into workspace.ds_parts, *num_ds_parts of them per row (left as it is where the step writes one).
+    // of ds into workspace.ds_parts. *num_ds_parts (1 on entry): the partial sums it wrote per row.
     virtual megamoe_status_t d_hidden(const BackwardStep& step, int64_t* num_ds_parts) const = 0;
     // q = dh W13[e] [S, H]; *q: where and in which dtype.
     virtual megamoe_status_t d_input(const BackwardStep& step, RowBuffer* q) const = 0;
