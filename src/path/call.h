@@ -7,8 +7,8 @@
 //                     reads tokens_per_expert and the gather is the identity (sorted_slot NULL); weight of row r:
 //                     scores[r], or 1 (weights NULL). out, d x_sorted and d scores are y, dx and d topk_weights.
 // Both carry the expert parameters' options (layout.h): w3, b13, b2, the layout and the activation. Both kernel sets
-// run every option: the sm_90a kernels as compile-time policies (sm90_args.h; a w3 or bias too misaligned for them
-// keeps the call on the portable kernels: sm90_options_blocker), the portable kernels through layout_steps.h, which
+// run every option: the sm_90a kernels as compile-time policies (steps_sm90.h; a w3 or bias too misaligned for them
+// keeps the call on the portable kernels: sm90_options_blocker), the portable kernels through steps_portable.h, which
 // runs the default options' own kernels when default_experts.
 #pragma once
 
@@ -38,7 +38,7 @@ struct Call {
     Activation<float> activation;
     bool default_experts;  // concatenated untransposed weights, SwiGLU, no biases
     // precision FP8_BLOCKWISE: the quantized weights (validated: present as the call reads them, default experts, H
-    // and I multiples of 128; path/fp8_steps.h runs the GEMMs); NULL: the GEMMs in the element type.
+    // and I multiples of 128; steps_fp8.cu runs the GEMMs); NULL: the GEMMs in the element type.
     const megamoe_fp8_experts_t* fp8;
     void* workspace;
     cudaStream_t stream;

@@ -31,9 +31,9 @@
 //           for the path the call takes). The K-grouped weight gradients run on sm90/k_grouped_gemm_sm90.h with
 //           the rest of the sm_90a backward (the test override MEGAMOE_TEST_PORTABLE_WEIGHT_GRADS keeps them on the
 //           portable kernel).
-// Non-default expert options (layouts, clamped SwiGLU, biases) run on the portable kernels through layout_steps.h (the
-// same steps, B read in the weights' layout, dh in w13's row order, bias gradients as per-expert column sums), and on
-// the sm_90a kernels (path/sm90_args.h) every layout: the gated epilogue takes the activation, b13 and the interleaved
+// Non-default expert options (layouts, clamped SwiGLU, biases) run on the portable kernels (steps_portable.h: the same
+// steps, B read in the weights' layout, dh in w13's row order, bias gradients as per-expert column sums), and on the
+// sm_90a kernels (steps_sm90.h) every layout: the gated epilogue takes the activation, b13 and the interleaved
 // pairs, B read kKN where w13 is stored transposed; the down GEMM's store epilogue adds b2; the dSwiGLU epilogue writes
 // dh in w13's row order (interleaved: into its own buffer, not over h), ds's bias term <dy, b2[e]> is added to the
 // first ds part by a row kernel; dX and dW13 read dh as w13 stores its rows (transposed: kNK / the operands swapped),
@@ -45,8 +45,9 @@
 // combine and the dx gather-sum then only scale / copy each row and write 0 for the padding rows past the counts'
 // sum. Their counts are checked on the device: when invalid, the routing flags every row (NaN out, dx, d scores) and
 // the weight gradients are filled with NaN after they are computed.
-// This file: the pieces both share (cuda_path_common.h); the forward's steps are in cuda_forward.cu, the backward's in
-// cuda_backward.cu.
+// The code: a call's plan (plan.h: its backend, portable, sm90 or sm90-FP8, and its workspace), each backend's steps
+// (steps.h), the forward and the backward as lists of steps (forward.cu, backward.cu); this file: the pieces they share
+// (cuda_path_common.h).
 #include "path/cuda_path_common.h"
 
 #include <cstdlib>
@@ -56,31 +57,10 @@
 #include <string>
 
 #include "device/cuda_utils.h"
-#include "path/sm90_args.h"
+#include "path/steps_sm90.h"
 #include "dtype.h"
 
 namespace megamoe::cuda {
-
-MGroupedGemmArgs up_gemm_args(megamoe_dtype_t dtype, const void* x, const void* w13, const RoutingPlan& plan,
-                              const RoutingBuffers& routing, const Shape& shape) {
-    MGroupedGemmArgs args{};
-    args.dtype = dtype;
-    args.a = x;
-    args.lda = shape.hidden;
-    args.a_gather_slots = routing.sorted_slot;  // NULL for grouped rows: row r of x is sorted row r
-    args.num_a_rows = shape.num_tokens;
-    args.topk = shape.topk;
-    args.b = w13;
-    args.b_expert_stride = 2 * shape.intermediate * shape.hidden;
-    args.ldb = shape.hidden;
-    args.n = shape.intermediate;
-    args.k = shape.hidden;
-    args.expert_offsets = routing.expert_offsets;
-    args.m_tile_offsets = routing.m_tile_offsets;
-    args.num_experts = shape.num_experts;
-    args.max_m_tiles = plan.max_m_tiles;
-    return args;
-}
 
 megamoe_status_t zero_if_wanted(const megamoe_tensor_t& tensor, size_t element_bytes, cudaStream_t stream,
                                 const char* name) {

@@ -1,6 +1,6 @@
-// What the forward (cuda_forward.cu) and backward (cuda_backward.cu) orchestration of the CUDA path share: the up
-// projection's GEMM arguments, the device facts read once per device, the routing plan of a call and the reason a call
-// stays off the sm_90a kernels. The path itself: cuda_path.cu's opening block.
+// What the CUDA path's plans and steps share (cuda_path.cu): the device facts read once per device, the routing plan of
+// a call, the reason a call stays off the sm_90a kernels and the zeroing of a wanted output. The path itself:
+// cuda_path.cu's opening block.
 #pragma once
 
 #include <cuda_runtime.h>
@@ -10,15 +10,9 @@
 
 #include "common.h"
 #include "path/call.h"
-#include "portable/grouped_gemm.h"
 #include "portable/routing.h"
-#include "test_overrides.h"
 
 namespace megamoe::cuda {
-
-// The up projection shared by forward and backward: rows of x gathered by sorted slot, times w13[e].
-MGroupedGemmArgs up_gemm_args(megamoe_dtype_t dtype, const void* x, const void* w13, const RoutingPlan& plan,
-                              const RoutingBuffers& routing, const Shape& shape);
 
 // Zeroes `tensor` (element_bytes per element) on the stream, when it is given and not empty.
 megamoe_status_t zero_if_wanted(const megamoe_tensor_t& tensor, size_t element_bytes, cudaStream_t stream,

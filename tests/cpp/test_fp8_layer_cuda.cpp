@@ -302,7 +302,7 @@ HostTensor f32_sum(const HostTensor& previous, const HostTensor& fresh) {
 
 // ---- One case ----
 
-// cuda_backward.cu's rule for dy's and dh's e4m3 copies in the dw13 output, stated again: act ([S, max(I, H)] 16-bit),
+// path/plan.cu's rule for dy's and dh's e4m3 copies in the dw13 output, stated again: act ([S, max(I, H)] 16-bit),
 // then dy's e4m3 rows and f32 scales, then dh's, each 256-byte aligned, within the dw13 output (16-bit weight
 // gradients).
 bool fp8_operands_fit_in_dw13(const LayerCase& c) {

@@ -1,5 +1,5 @@
 // The kernels of the non-default expert options on their own, against host loops: the GEMM steps of
-// src/path/layout_steps.h (the gated up GEMM for every layout, activation and b13; the down GEMM with a transposed w2
+// src/path/steps_portable.h (the gated up GEMM for every layout, activation and b13; the down GEMM with a transposed w2
 // and b2; the dX GEMM over dh in w13's row order, the separate layout's two GEMMs added by the f32 accumulating
 // epilogue), and the row kernels of src/portable/layout_rows.h (the per-expert column sums behind db13 / db2, the
 // activation rows kernel writing dh over h in place). Without a GPU every test skips.
@@ -13,7 +13,7 @@
 #include <vector>
 
 #include "portable/layout_rows.h"
-#include "path/layout_steps.h"
+#include "path/steps_portable.h"
 #include "layout_cuda_util.h"
 
 namespace megamoe::test {
@@ -23,7 +23,7 @@ constexpr megamoe_dtype_t kBf16 = MEGAMOE_DTYPE_BF16;
 constexpr megamoe_dtype_t kF32 = MEGAMOE_DTYPE_F32;
 
 // Rows of E = 3 experts (one empty, one over two M tiles) with their routing buffers on the device, and a Call of the
-// layout case holding the device weights: what layout_steps.h's GEMM steps read.
+// layout case holding the device weights: what steps_portable.h's GEMM steps read.
 struct GemmStepProblem {
     static constexpr int64_t kHidden = 40, kIntermediate = 72, kExperts = 3;
     static constexpr int kCounts[kExperts] = {5, 0, 140};
@@ -84,25 +84,8 @@ struct GemmStepProblem {
         return e;
     }
 
-    // The default options' GEMM arguments for A [rows, k] (what cuda_path.cu builds; the step adjusts them).
-    cuda::MGroupedGemmArgs args(const void* a, int64_t k, const void* b, int64_t ldb, int64_t n) const {
-        cuda::MGroupedGemmArgs out{};
-        out.dtype = kBf16;
-        out.a = a;
-        out.lda = k;
-        out.num_a_rows = num_rows;
-        out.topk = 1;
-        out.b = b;
-        out.b_expert_stride = n * k;
-        out.ldb = ldb;
-        out.n = n;
-        out.k = k;
-        out.expert_offsets = offsets_dev;
-        out.m_tile_offsets = tile_offsets_dev;
-        out.num_experts = kExperts;
-        out.max_m_tiles = tile_offsets.back();
-        return out;
-    }
+    // The rows' routing as the GEMM steps read it (the rows are the tokens: no gather).
+    cuda::SortedRows rows() const { return {nullptr, offsets_dev, tile_offsets_dev, tile_offsets.back()}; }
 };
 
 void expect_rows_near(const HostTensor& got, const std::vector<double>& want, const std::string& what) {
@@ -134,17 +117,14 @@ TEST(LayoutKernels, GemmStepsEveryLayout) {
         for (DeviceTensor* out : {&h_dev, &act_dev, &o_dev, &q_dev}) out->poison();
 
         const cuda::Call& call = problem.call;
-        cuda::MGroupedGemmArgs up = problem.args(x_dev.view().data, H, call.w13, H, I);
-        up.b_expert_stride = 2 * I * H;  // the default's w13 [E, 2I, H]
-        ASSERT_EQ(cuda::launch_up(call, up, h_dev.view().data, act_dev.view().data, nullptr), MEGAMOE_STATUS_SUCCESS)
+        const cuda::SortedRows rows = problem.rows();
+        ASSERT_EQ(cuda::launch_up(call, rows, x_dev.view().data, h_dev.view().data, act_dev.view().data, nullptr),
+                  MEGAMOE_STATUS_SUCCESS)
             << megamoe_last_error();
-        ASSERT_EQ(
-            cuda::launch_down(call, problem.args(act_in_dev.view().data, I, call.w2, I, H), o_dev.view().data, nullptr),
-            MEGAMOE_STATUS_SUCCESS)
+        ASSERT_EQ(cuda::launch_down(call, rows, act_in_dev.view().data, o_dev.view().data, nullptr),
+                  MEGAMOE_STATUS_SUCCESS)
             << megamoe_last_error();
-        cuda::MGroupedGemmArgs d_input = problem.args(dh_dev.view().data, 2 * I, call.w13, H, H);
-        d_input.lda = 2 * I;
-        ASSERT_EQ(cuda::launch_d_input(call, d_input, static_cast<float*>(q_dev.view().data), nullptr),
+        ASSERT_EQ(cuda::launch_d_input(call, rows, dh_dev.view().data, static_cast<float*>(q_dev.view().data), nullptr),
                   MEGAMOE_STATUS_SUCCESS)
             << megamoe_last_error();
         expect_cuda(cudaDeviceSynchronize(), "gemm steps");
