@@ -4,9 +4,7 @@
 //   values: one load when aligned), loads the token's rows 8 at a time in two rounds (its invalid flag, the rows'
 //   indices and weights; then the rows) and adds them in j order: the sum order is fixed, so results are bitwise
 //   reproducible. No shared memory.
-// dswiglu_rows: one block of 256 threads per sorted row; thread i handles columns i, i + 256, ... of
-//   the row in order, then a fixed shuffle tree and the 8 warp sums in warp order give ds
-//   (deterministic). Shared memory: 8 floats. Blocks past the device-side row count exit at once.
+// dswiglu_rows: dact_rows (layout_rows.cu) with SwiGLU, no b2 and dh as [dg, du].
 // finalize_dtopk: one thread per slot.
 // fill_nan_if: a grid-stride loop of at most kMaxFillBlocks blocks, which return at once when the flag is 0.
 #include "portable/elementwise.h"
@@ -15,7 +13,7 @@
 #include <type_traits>
 
 #include "device/cuda_utils.h"
-#include "device/warp_reduce.cuh"
+#include "portable/layout_rows.h"
 
 namespace megamoe::cuda {
 namespace {
@@ -23,13 +21,10 @@ namespace {
 constexpr int kGatherThreads = 256;
 constexpr int kGatherBytes = 16;  // of a source row per thread: one 16-byte load
 constexpr int kGatherBatch = 8;   // source rows whose loads are in flight together
-constexpr int kRowThreads = 256;
 constexpr int kSlotThreads = 256;
 constexpr int64_t kMaxGridY = 65535;
 constexpr int kFillThreads = 256;
 constexpr int64_t kMaxFillBlocks = 1024;
-
-static_assert(kRowThreads % kWarpSize == 0, "row reduction uses whole warps");
 
 // The columns a gather_sum thread owns of rows of RowT: one 16-byte load (8 16-bit or 4 f32 values).
 template <typename RowT>
@@ -69,11 +64,31 @@ __device__ __forceinline__ void unpack_gather_cols(const uint4& packed, float (&
     }
 }
 
+// The kCols sums of a gather_sum thread rounded to T at dst: one 16-byte (8 columns) or 8-byte (4) store when `vec`.
+template <typename T, int kCols>
+__device__ __forceinline__ void store_gather_cols(T* dst, const float (&acc)[kCols], bool vec, int num_valid) {
+    if (vec) {
+        uint32_t words[kCols / 2];
+#pragma unroll
+        for (int word_idx = 0; word_idx < kCols / 2; ++word_idx) {
+            words[word_idx] = pack_pair<T>(acc[2 * word_idx], acc[2 * word_idx + 1]);
+        }
+        if constexpr (kCols == 8) {
+            *reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
+        } else {
+            *reinterpret_cast<uint2*>(dst) = make_uint2(words[0], words[1]);
+        }
+    } else {
+        for (int item_idx = 0; item_idx < num_valid; ++item_idx) dst[item_idx] = from_float<T>(acc[item_idx]);
+    }
+}
+
 // Block (token t, column tile); thread i owns kGatherCols<RowT> columns of the tile. The token's source rows go in
 // batches of kGatherBatch, each in two rounds of loads: the token's invalid flag, the batch's row indices and weights
 // together (none depends on another), then the batch's rows; they are added in j order (fmaf, skipping dropped
-// slots): the sum order is fixed. An invalid token's columns are NaN.
-template <typename T, typename RowT>
+// slots): the sum order is fixed. An invalid token's columns are NaN. The output is in args.out_dtype: RowT for 16-bit
+// rows, chosen at run time (one branch at the store) for f32 rows.
+template <typename RowT>
 __global__ void __launch_bounds__(kGatherThreads) gather_sum_kernel(const GatherSumArgs args, bool vec) {
     constexpr int kCols = kGatherCols<RowT>;
     const int64_t token_idx = blockIdx.x;
@@ -116,52 +131,13 @@ __global__ void __launch_bounds__(kGatherThreads) gather_sum_kernel(const Gather
     if (token_invalid != 0) {
         for (int item_idx = 0; item_idx < kCols; ++item_idx) acc[item_idx] = __int_as_float(0x7fc00000);
     }
-    T* dst = static_cast<T*>(args.out) + token_idx * args.num_cols + col;
-    if (vec) {
-        uint32_t words[kCols / 2];
-#pragma unroll
-        for (int word_idx = 0; word_idx < kCols / 2; ++word_idx) {
-            words[word_idx] = pack_pair<T>(acc[2 * word_idx], acc[2 * word_idx + 1]);
-        }
-        if constexpr (kCols == 8) {
-            *reinterpret_cast<uint4*>(dst) = make_uint4(words[0], words[1], words[2], words[3]);
-        } else {
-            *reinterpret_cast<uint2*>(dst) = make_uint2(words[0], words[1]);
-        }
+    if constexpr (!std::is_same_v<RowT, float>) {
+        store_gather_cols(static_cast<RowT*>(args.out) + token_idx * args.num_cols + col, acc, vec, num_valid);
+    } else if (args.out_dtype == MEGAMOE_DTYPE_BF16) {
+        store_gather_cols(static_cast<__nv_bfloat16*>(args.out) + token_idx * args.num_cols + col, acc, vec, num_valid);
     } else {
-        for (int item_idx = 0; item_idx < num_valid; ++item_idx) dst[item_idx] = from_float<T>(acc[item_idx]);
+        store_gather_cols(static_cast<__half*>(args.out) + token_idx * args.num_cols + col, acc, vec, num_valid);
     }
-}
-
-template <typename T>
-__global__ void __launch_bounds__(kRowThreads) dswiglu_rows_kernel(const DSwiGLUArgs args) {
-    __shared__ float warp_sums[kRowThreads / kWarpSize];
-    const int64_t row_idx = blockIdx.x;
-    if (row_idx >= args.expert_offsets[args.num_experts]) return;
-    const int64_t slot_idx = slot_of_row(args.sorted_slot, row_idx);
-    const float weight = load_weight(args.weights, args.weights_dtype, slot_idx);
-    const int64_t intermediate = args.intermediate;
-    const T* h_row = static_cast<const T*>(args.h) + row_idx * 2 * intermediate;
-    T* dh_row = static_cast<T*>(args.dh) + row_idx * 2 * intermediate;
-    T* act_row = static_cast<T*>(args.act) + row_idx * intermediate;
-    const float* p_row = args.p + row_idx * intermediate;
-
-    float partial = 0.0f;
-    for (int64_t col = threadIdx.x; col < intermediate; col += kRowThreads) {
-        const float gate = to_float(h_row[col]);
-        const float up = to_float(h_row[intermediate + col]);
-        const float p = p_row[col];
-        const float sigmoid = 1.0f / (1.0f + expf(-gate));
-        const float silu = gate * sigmoid;
-        const float act = silu * up;
-        partial = fmaf(p, act, partial);
-        const float d_act = weight * p;
-        dh_row[col] = from_float<T>(d_act * up * sigmoid * (1.0f + gate * (1.0f - sigmoid)));
-        dh_row[intermediate + col] = from_float<T>(d_act * silu);
-        act_row[col] = from_float<T>(weight * act);
-    }
-    const float ds = block_sum<kRowThreads>(partial, warp_sums);
-    if (threadIdx.x == 0) args.ds_rows[row_idx] = ds;
 }
 
 __global__ void __launch_bounds__(kSlotThreads) finalize_dtopk_kernel(const FinalizeDTopkArgs args) {
@@ -181,12 +157,17 @@ __global__ void __launch_bounds__(kSlotThreads) finalize_dtopk_kernel(const Fina
     store_scalar(args.dtopk_weights, args.dtopk_dtype, slot_idx, value);
 }
 
-template <typename T>
-__global__ void __launch_bounds__(kFillThreads) fill_nan_if_kernel(const int* flag, T* data, int64_t count, T nan) {
+// data holds 32-bit elements (f32) or 16-bit ones, nan the element's bits.
+__global__ void __launch_bounds__(kFillThreads)
+    fill_nan_if_kernel(const int* flag, void* data, bool wide, int64_t count, uint32_t nan) {
     if (*flag == 0) return;
     const int64_t stride = static_cast<int64_t>(gridDim.x) * kFillThreads;
     for (int64_t idx = static_cast<int64_t>(blockIdx.x) * kFillThreads + threadIdx.x; idx < count; idx += stride) {
-        data[idx] = nan;
+        if (wide) {
+            static_cast<uint32_t*>(data)[idx] = nan;
+        } else {
+            static_cast<uint16_t*>(data)[idx] = static_cast<uint16_t>(nan);
+        }
     }
 }
 
@@ -196,13 +177,9 @@ megamoe_status_t launch_fill_nan_if(const int* flag, void* data, megamoe_dtype_t
                                     cudaStream_t stream) {
     if (data == nullptr || count == 0) return MEGAMOE_STATUS_SUCCESS;
     const dim3 grid(static_cast<unsigned>(std::min(ceil_div(count, kFillThreads), kMaxFillBlocks)));
-    if (dtype == MEGAMOE_DTYPE_F32) {
-        fill_nan_if_kernel<uint32_t>
-            <<<grid, kFillThreads, 0, stream>>>(flag, static_cast<uint32_t*>(data), count, 0x7fc00000u);
-    } else {  // bf16 or f16: the quiet NaN of each
-        const uint16_t nan = dtype == MEGAMOE_DTYPE_BF16 ? 0x7fc0 : 0x7e00;
-        fill_nan_if_kernel<uint16_t><<<grid, kFillThreads, 0, stream>>>(flag, static_cast<uint16_t*>(data), count, nan);
-    }
+    const bool wide = dtype == MEGAMOE_DTYPE_F32;  // else bf16 or f16: the quiet NaN of each
+    const uint32_t nan = wide ? 0x7fc00000u : (dtype == MEGAMOE_DTYPE_BF16 ? 0x7fc0u : 0x7e00u);
+    fill_nan_if_kernel<<<grid, kFillThreads, 0, stream>>>(flag, data, wide, count, nan);
     return check_launch("fill_nan_if_kernel");
 }
 
@@ -218,24 +195,35 @@ megamoe_status_t launch_gather_sum(const GatherSumArgs& args, cudaStream_t strea
     const bool vec = args.num_cols % cols_per_thread == 0 && is_aligned(args.rows, kGatherBytes) &&
                      is_aligned(args.out, cols_per_thread * sizeof(uint16_t));
     const dim3 grid(static_cast<unsigned>(args.num_tokens), static_cast<unsigned>(num_col_tiles));
-    with_element_type(args.out_dtype, [&](auto tag) {
-        using T = typename decltype(tag)::Type;
-        if (rows_f32) {
-            gather_sum_kernel<T, float><<<grid, kGatherThreads, 0, stream>>>(args, vec);
-        } else {
-            gather_sum_kernel<T, T><<<grid, kGatherThreads, 0, stream>>>(args, vec);
-        }
-    });
+    if (rows_f32) {
+        gather_sum_kernel<float><<<grid, kGatherThreads, 0, stream>>>(args, vec);
+    } else {
+        with_element_type(args.out_dtype, [&](auto tag) {
+            gather_sum_kernel<typename decltype(tag)::Type><<<grid, kGatherThreads, 0, stream>>>(args, vec);
+        });
+    }
     return check_launch("gather_sum_kernel");
 }
 
 megamoe_status_t launch_dswiglu_rows(const DSwiGLUArgs& args, cudaStream_t stream) {
-    if (args.max_rows == 0) return MEGAMOE_STATUS_SUCCESS;
-    const dim3 grid(static_cast<unsigned>(args.max_rows));
-    with_element_type(args.dtype, [&](auto tag) {
-        dswiglu_rows_kernel<typename decltype(tag)::Type><<<grid, kRowThreads, 0, stream>>>(args);
-    });
-    return check_launch("dswiglu_rows_kernel");
+    DActArgs dact{};
+    dact.dtype = args.dtype;
+    dact.h = args.h;
+    dact.dh = args.dh;
+    dact.dh_interleaved = false;
+    dact.p = args.p;
+    dact.act = args.act;
+    dact.ds_rows = args.ds_rows;
+    dact.sorted_slot = args.sorted_slot;
+    dact.expert_offsets = args.expert_offsets;
+    dact.num_experts = args.num_experts;
+    dact.weights = args.weights;
+    dact.weights_dtype = args.weights_dtype;
+    dact.b2 = nullptr;
+    dact.intermediate = args.intermediate;
+    dact.activation = {MEGAMOE_ACTIVATION_SWIGLU, 0.0f, 0.0f};
+    dact.max_rows = args.max_rows;
+    return launch_dact_rows(dact, stream);
 }
 
 megamoe_status_t launch_finalize_dtopk(const FinalizeDTopkArgs& args, cudaStream_t stream) {

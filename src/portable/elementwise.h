@@ -5,7 +5,8 @@
 //                 Forward combine (rows = o, w = topk_weights) and backward dx (rows = q, w = 1).
 //   dswiglu_rows  per sorted row r (slot = sorted_slot[r], s = topk_weights[slot]), from h = [g, u] and
 //                 p = W2[e]^T dy: ds = <p, a>, da = s p, dh = [dg, du] (over h in place, or into a separate
-//                 buffer), and s * a written to `act` (the dW2 operand: dW2[e] = sum dy (s a)^T).
+//                 buffer), and s * a written to `act` (the dW2 operand: dW2[e] = sum dy (s a)^T): the default
+//                 options' case of layout_rows.h's dact_rows (SwiGLU in PreciseMath, no b2), which runs it.
 //   finalize_dtopk  d topk_weights[slot] = ds of the slot's row (the sum of its partial sums, in order), 0 for
 //                 dropped slots, NaN for invalid tokens.
 //   fill_nan_if   every element NaN when a device flag is set (grouped rows' weight gradients under invalid

@@ -397,6 +397,19 @@ bool quantize_blocks_vectorizable(const QuantizeBlocksArgs& args) {
            is_aligned(args.q, kByteTileChunk) && is_aligned(args.q_t, kByteTileChunk);  // NULL q_t: aligned
 }
 
+// The launch of a quantizer: built for sm_90a alone (FP8_BLOCKWISE runs on compute capability 9.0 GPUs), so another
+// device finds no kernel image, NOT_SUPPORTED.
+megamoe_status_t check_quantize_launch(const char* kernel_name) {
+    const cudaError_t err = cudaGetLastError();
+    if (err == cudaErrorNoKernelImageForDevice) {
+        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
+                         "%s: the FP8 quantizers run on compute capability 9.0 GPUs only (built for sm_90a)",
+                         kernel_name);
+    }
+    if (err != cudaSuccess) return set_error(MEGAMOE_STATUS_CUDA_ERROR, "%s: %s", kernel_name, cudaGetErrorString(err));
+    return MEGAMOE_STATUS_SUCCESS;
+}
+
 }  // namespace
 
 megamoe_status_t launch_quantize_groups(const QuantizeGroupsArgs& args, cudaStream_t stream) {
@@ -414,7 +427,7 @@ megamoe_status_t launch_quantize_groups(const QuantizeGroupsArgs& args, cudaStre
         } else {
             quantize_groups_row_kernel<__half><<<grid, kQuantThreads, 0, stream>>>(args);
         }
-        return check_launch("quantize_groups_row_kernel");
+        return check_quantize_launch("quantize_groups_row_kernel");
     }
     if (quantize_groups_vectorizable(args)) {
         const dim3 grid(
@@ -430,11 +443,11 @@ megamoe_status_t launch_quantize_groups(const QuantizeGroupsArgs& args, cudaStre
                 quantize_groups_vector_kernel<float><<<grid, kQuantThreads, 0, stream>>>(args);
                 break;
         }
-        return check_launch("quantize_groups_vector_kernel");
+        return check_quantize_launch("quantize_groups_vector_kernel");
     }
     const dim3 grid(static_cast<unsigned>(std::min(ceil_div(num_groups, warps_per_block), kMaxQuantBlocks)));
     quantize_groups_kernel<<<grid, kQuantThreads, 0, stream>>>(args);
-    return check_launch("quantize_groups_kernel");
+    return check_quantize_launch("quantize_groups_kernel");
 }
 
 megamoe_status_t launch_quantize_blocks(const QuantizeBlocksArgs& args, cudaStream_t stream) {
@@ -449,7 +462,7 @@ megamoe_status_t launch_quantize_blocks(const QuantizeBlocksArgs& args, cudaStre
     if (num_blocks > INT32_MAX) return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "quantize_blocks: 2^31 blocks or more");
     if (!quantize_blocks_vectorizable(args)) {
         quantize_blocks_kernel<<<static_cast<unsigned>(num_blocks), kQuantThreads, 0, stream>>>(args, false);
-        return check_launch("quantize_blocks_kernel");
+        return check_quantize_launch("quantize_blocks_kernel");
     }
     const int64_t n_whole = args.n / kBlockSide, k_whole = args.k / kBlockSide;
     const int64_t whole_blocks = args.num_experts * n_whole * k_whole;
@@ -466,12 +479,12 @@ megamoe_status_t launch_quantize_blocks(const QuantizeBlocksArgs& args, cudaStre
                 quantize_blocks_vector_kernel<float><<<grid, kQuantThreads, 0, stream>>>(args);
                 break;
         }
-        MEGAMOE_CUDA_RETURN_IF_ERROR(check_launch("quantize_blocks_vector_kernel"));
+        MEGAMOE_CUDA_RETURN_IF_ERROR(check_quantize_launch("quantize_blocks_vector_kernel"));
     }
     const int64_t edge_blocks = num_blocks - whole_blocks;  // block_coords' edges_only order
     if (edge_blocks == 0) return MEGAMOE_STATUS_SUCCESS;
     quantize_blocks_kernel<<<static_cast<unsigned>(edge_blocks), kQuantThreads, 0, stream>>>(args, true);
-    return check_launch("quantize_blocks_kernel");
+    return check_quantize_launch("quantize_blocks_kernel");
 }
 
 }  // namespace megamoe::cuda

@@ -20,6 +20,8 @@
 // blocks an SM, 128 KB of loads in flight), the bytes staged in a swizzled 16 KB shared tile and stored 16 bytes at a
 // time (q's rows and q_t's, transposed by byte permutes). The partial blocks at the edges (and every block otherwise):
 // a second, scalar kernel, element by element.
+// Built for sm_90a alone (CMakeLists.txt: megamoe_fp8_quant), as FP8_BLOCKWISE runs on compute capability 9.0 GPUs
+// only: on another device a launch returns NOT_SUPPORTED.
 #pragma once
 
 #include <cuda_runtime.h>

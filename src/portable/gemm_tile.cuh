@@ -88,10 +88,6 @@ __device__ __forceinline__ void load_chunk(uint16_t* shared_dst, const uint16_t*
     }
 }
 
-__device__ __forceinline__ float silu(float value) {
-    return value / (1.0f + __expf(-value));
-}
-
 // A pair of adjacent outputs (col, col + 1) of one row; `paired` means one aligned 8-byte store.
 __device__ __forceinline__ void store_pair(float* row, int64_t col, int64_t num_cols, float first, float second,
                                            bool paired) {

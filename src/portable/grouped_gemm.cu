@@ -5,14 +5,14 @@
 // once), blockIdx.y = N tile. A rows are gathered through sorted_slot while loading (no copy of the
 // gathered matrix); each thread keeps the source rows of its two loader rows for the whole K loop.
 // Consecutive blocks are M tiles of one N tile, so the M tiles of an expert share its B tile in L2.
-// SwiGLU epilogue: N tile t holds, as n8 fragments 2p and 2p + 1, the gate rows j and the up rows
-// I + j of the same 8 columns j = 64 t + 8 p + [0, 8), so g and u of one output land in one thread.
-// Gated epilogue (every layout): the same pairing with the up rows read from b_up (w13 + I rows, or w3), or, for
-// interleaved rows, the tile in storage order, whose accumulator pairs (2i, 2i + 1) are (g_i, u_i) in one thread;
-// bias and activation (activation.h) applied in f32 before h and a are rounded.
+// Two epilogues, chosen at compile time (the gated one shapes which B rows the loader reads):
+//   store: the tile in f32 (stored, or added to out) or in the element type (plus b2), chosen at run time by the
+//     params, one warp-uniform branch per stored pair;
+//   gated: N tile t holds, as n8 fragments 2p and 2p + 1, the gate rows j and the up rows j (read from b_up: w13 + I
+//     rows, or w3) of the same 8 columns j = 64 t + 8 p + [0, 8), so g and u of one output land in one thread; or,
+//     for interleaved rows, the tile in storage order, whose accumulator pairs (2i, 2i + 1) are (g_i, u_i) in one
+//     thread. Bias and activation (activation.h, PreciseMath) applied in f32 before h and a are rounded.
 #include "portable/grouped_gemm.h"
-
-#include <type_traits>
 
 #include "portable/gemm_tile.cuh"
 #include "portable/routing.h"
@@ -22,7 +22,7 @@ namespace {
 
 using namespace gemm_tile;  // NOLINT(build/namespaces): the tile constants and helpers of both GEMM files
 
-enum class Epilogue { kStoreF32, kAccumulateF32, kStoreElem, kSwiGLU, kGatedAct };
+enum class Epilogue { kStore, kGatedAct };
 
 struct MGroupedParams {
     const uint16_t* a;
@@ -37,28 +37,51 @@ struct MGroupedParams {
     const int* expert_offsets;
     const int* m_tile_offsets;
     int64_t num_experts;
-    void* out;  // kStoreF32 (f32) or kStoreElem (element type)
+    void* out;  // kStore: f32 (out_f32) or the element type
     int64_t ldo;
-    void* h;    // kSwiGLU / kGatedAct, may be NULL
-    void* act;  // kSwiGLU / kGatedAct, may be NULL
+    bool out_f32;     // kStore
+    bool accumulate;  // kStore, f32: out += the tile
+    void* h;          // kGatedAct, may be NULL
+    void* act;        // kGatedAct, may be NULL
     bool paired_stores;
     const uint16_t* b_up;  // kGatedAct, not interleaved: B_0 of the up rows
     bool interleaved;      // kGatedAct
-    const uint16_t* bias;  // kGatedAct: b13 [E, 2I]; kStoreElem: b2 [E, N]; NULL: none
+    const uint16_t* bias;  // kGatedAct: b13 [E, 2I]; kStore in the element type: b2 [E, N]; NULL: none
     Activation<float> activation;
 };
 
-// kGatedAct: output column `col` of one row from its gate and up accumulators (b13 entries at gate_pos / up_pos of
-// the expert's bias row): h = [g, u] and a = act(g, u), each rounded once.
+// kStore: columns (col, col + 1) of one row, in f32 (stored or added) or in the element type (plus b2[e]).
+template <typename T>
+__device__ __forceinline__ void store_out_pair(const MGroupedParams& params, int64_t expert_idx, int64_t row_idx,
+                                               int64_t col, float first, float second) {
+    if (params.out_f32) {
+        float* out_row = static_cast<float*>(params.out) + row_idx * params.ldo;
+        if (params.accumulate) {
+            accumulate_pair(out_row, col, params.n, first, second, params.paired_stores);
+        } else {
+            store_pair(out_row, col, params.n, first, second, params.paired_stores);
+        }
+        return;
+    }
+    if (params.bias != nullptr) {  // b2[e, col], b2[e, col + 1]
+        const T* bias = reinterpret_cast<const T*>(params.bias) + expert_idx * params.n;
+        if (col < params.n) first += to_float(bias[col]);
+        if (col + 1 < params.n) second += to_float(bias[col + 1]);
+    }
+    store_pair(static_cast<T*>(params.out) + row_idx * params.ldo, col, params.n, first, second, params.paired_stores);
+}
+
+// kGatedAct, interleaved rows: output column `col` of one row from its gate and up accumulators (b13 entries at
+// 2 col, 2 col + 1 of the expert's bias row): h = [g, u] and a = act(g, u), each rounded once.
 template <typename T>
 __device__ __forceinline__ void store_gated(const MGroupedParams& params, int64_t expert_idx, int64_t row_idx,
-                                            int64_t col, float gate, float up, int64_t gate_pos, int64_t up_pos) {
+                                            int64_t col, float gate, float up) {
     const int64_t intermediate = params.n;
     if (col >= intermediate) return;
     if (params.bias != nullptr) {
         const T* bias = reinterpret_cast<const T*>(params.bias) + expert_idx * 2 * intermediate;
-        gate += to_float(bias[gate_pos]);
-        up += to_float(bias[up_pos]);
+        gate += to_float(bias[2 * col]);
+        up += to_float(bias[2 * col + 1]);
     }
     if (params.h != nullptr) {
         T* h_row = static_cast<T*>(params.h) + row_idx * 2 * intermediate;
@@ -70,10 +93,37 @@ __device__ __forceinline__ void store_gated(const MGroupedParams& params, int64_
     }
 }
 
+// kGatedAct, gate and up rows apart: output columns (col, col + 1) of one row from their gate and up accumulators
+// (b13 entries at col and I + col of the expert's bias row), as store_gated computes each.
+template <typename T>
+__device__ __forceinline__ void store_gated_pair(const MGroupedParams& params, int64_t expert_idx, int64_t row_idx,
+                                                 int64_t col, const float* gate_acc, const float* up_acc) {
+    const int64_t intermediate = params.n;
+    float gate[2] = {gate_acc[0], gate_acc[1]}, up[2] = {up_acc[0], up_acc[1]};
+    if (params.bias != nullptr) {
+        const T* bias = reinterpret_cast<const T*>(params.bias) + expert_idx * 2 * intermediate;
+        for (int item = 0; item < 2; ++item) {
+            if (col + item < intermediate) {
+                gate[item] += to_float(bias[col + item]);
+                up[item] += to_float(bias[intermediate + col + item]);
+            }
+        }
+    }
+    if (params.h != nullptr) {
+        T* h_row = static_cast<T*>(params.h) + row_idx * 2 * intermediate;
+        store_pair(h_row, col, intermediate, gate[0], gate[1], params.paired_stores);
+        store_pair(h_row + intermediate, col, intermediate, up[0], up[1], params.paired_stores);
+    }
+    if (params.act != nullptr) {
+        store_pair(static_cast<T*>(params.act) + row_idx * intermediate, col, intermediate,
+                   params.activation.forward(gate[0], up[0]), params.activation.forward(gate[1], up[1]),
+                   params.paired_stores);
+    }
+}
+
 template <typename T, BLayout kBLayout, Epilogue kEpilogue, bool kVec>
 __global__ void __launch_bounds__(kNumThreads, kVec ? kMinBlocksPerSmVec : 1)
     m_grouped_gemm_kernel(const MGroupedParams params) {
-    static_assert(kEpilogue != Epilogue::kSwiGLU || kBLayout == BLayout::kNK, "SwiGLU pairs rows of w13 [2I, H]");
     static_assert(kKMajorRowsPerPass % 16 == 0 && (kMNMajorChunksPerRow % 2) == 0,
                   "a loader thread's B rows (chunks) are all gate or all up rows in the gated epilogue");
     constexpr bool kBMNMajor = kBLayout == BLayout::kKN;
@@ -126,10 +176,6 @@ __global__ void __launch_bounds__(kNumThreads, kVec ? kMinBlocksPerSmVec : 1)
                 const int64_t b_row = params.interleaved ? n_tile_idx * kBlockN + local_n : pair_col;
                 b_src_rows[pass] =
                     b_row >= (params.interleaved ? 2 * params.n : params.n) ? -1 : static_cast<int>(b_row);
-            } else if constexpr (kEpilogue == Epilogue::kSwiGLU) {
-                const int frag_idx = local_n / 8;
-                const int64_t col = n_tile_idx * (kBlockN / 2) + (frag_idx / 2) * 8 + local_n % 8;
-                b_src_rows[pass] = col >= params.n ? -1 : static_cast<int>(frag_idx % 2 == 0 ? col : params.n + col);
             } else {
                 const int64_t b_row = n_tile_idx * kBlockN + local_n;
                 b_src_rows[pass] = b_row >= params.n ? -1 : static_cast<int>(b_row);
@@ -206,53 +252,19 @@ __global__ void __launch_bounds__(kNumThreads, kVec ? kMinBlocksPerSmVec : 1)
                     if (params.interleaved) {  // storage columns (2i, 2i + 1) = (g_i, u_i)
                         const int64_t col =
                             n_tile_idx * kBlockN + warp_n_idx * kWarpN + frag_n * 8 + (lane_idx % 4) * 2;
-                        store_gated<T>(params, expert_idx, row_idx, col / 2, pair[0], pair[1], col, col + 1);
+                        store_gated<T>(params, expert_idx, row_idx, col / 2, pair[0], pair[1]);
                     } else if (frag_n % 2 == 0) {  // fragments 2p (gate) and 2p + 1 (up) of the same columns
-                        const float* up = &acc[frag_m][frag_n + 1][half * 2];
                         const int64_t col = n_tile_idx * (kBlockN / 2) +
                                             (warp_n_idx * (kNumFragsN / 2) + frag_n / 2) * 8 + (lane_idx % 4) * 2;
-                        for (int item = 0; item < 2; ++item) {
-                            store_gated<T>(params, expert_idx, row_idx, col + item, pair[item], up[item], col + item,
-                                           params.n + col + item);
-                        }
+                        store_gated_pair<T>(params, expert_idx, row_idx, col, pair, &acc[frag_m][frag_n + 1][half * 2]);
                     }
                 }
-            } else if constexpr (kEpilogue != Epilogue::kSwiGLU) {
-                using OutT = std::conditional_t<kEpilogue == Epilogue::kStoreElem, T, float>;
-                OutT* out_row = static_cast<OutT*>(params.out) + row_idx * params.ldo;
+            } else {
 #pragma unroll
                 for (int frag_n = 0; frag_n < kNumFragsN; ++frag_n) {
                     const int64_t col = n_tile_idx * kBlockN + warp_n_idx * kWarpN + frag_n * 8 + (lane_idx % 4) * 2;
-                    float first = acc[frag_m][frag_n][half * 2], second = acc[frag_m][frag_n][half * 2 + 1];
-                    if constexpr (kEpilogue == Epilogue::kAccumulateF32) {
-                        accumulate_pair(out_row, col, params.n, first, second, params.paired_stores);
-                        continue;
-                    }
-                    if (kEpilogue == Epilogue::kStoreElem && params.bias != nullptr) {  // b2[e, col], b2[e, col + 1]
-                        const T* bias = reinterpret_cast<const T*>(params.bias) + expert_idx * params.n;
-                        if (col < params.n) first += to_float(bias[col]);
-                        if (col + 1 < params.n) second += to_float(bias[col + 1]);
-                    }
-                    store_pair(out_row, col, params.n, first, second, params.paired_stores);
-                }
-            } else {
-                const int64_t intermediate = params.n;
-#pragma unroll
-                for (int pair_idx = 0; pair_idx < kNumFragsN / 2; ++pair_idx) {
-                    const int64_t col = n_tile_idx * (kBlockN / 2) + (warp_n_idx * (kNumFragsN / 2) + pair_idx) * 8 +
-                                        (lane_idx % 4) * 2;
-                    const float* gate = &acc[frag_m][2 * pair_idx][half * 2];
-                    const float* up = &acc[frag_m][2 * pair_idx + 1][half * 2];
-                    if (params.h != nullptr) {
-                        T* h_row = static_cast<T*>(params.h) + row_idx * 2 * intermediate;
-                        store_pair(h_row, col, intermediate, gate[0], gate[1], params.paired_stores);
-                        store_pair(h_row + intermediate, col, intermediate, up[0], up[1], params.paired_stores);
-                    }
-                    if (params.act != nullptr) {
-                        T* act_row = static_cast<T*>(params.act) + row_idx * intermediate;
-                        store_pair(act_row, col, intermediate, silu(gate[0]) * up[0], silu(gate[1]) * up[1],
-                                   params.paired_stores);
-                    }
+                    store_out_pair<T>(params, expert_idx, row_idx, col, acc[frag_m][frag_n][half * 2],
+                                      acc[frag_m][frag_n][half * 2 + 1]);
                 }
             }
         }
@@ -298,86 +310,74 @@ MGroupedParams make_m_grouped_params(const MGroupedGemmArgs& args) {
     return params;
 }
 
+// The grid (the schedule's bound on M tiles, num_n_tiles), unlaunchable sizes refused; no tiles: grid.x == 0.
+megamoe_status_t m_grouped_grid(const MGroupedGemmArgs& args, int64_t num_n_tiles, const char* name, dim3* grid) {
+    *grid = dim3(0, 0);
+    if (args.max_m_tiles == 0 || num_n_tiles == 0) return MEGAMOE_STATUS_SUCCESS;
+    if (args.max_m_tiles > kMaxGridX || num_n_tiles > kMaxGridY) {
+        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "%s: grid %lld x %lld too large", name,
+                         static_cast<long long>(args.max_m_tiles), static_cast<long long>(num_n_tiles));
+    }
+    *grid = dim3(static_cast<unsigned>(args.max_m_tiles), static_cast<unsigned>(num_n_tiles));
+    return MEGAMOE_STATUS_SUCCESS;
+}
+
+// The store epilogue: out in f32 (out_f32; added with accumulate) or in the element type plus args.bias.
+megamoe_status_t launch_store(const MGroupedGemmArgs& args, BLayout b_layout, void* out, int64_t ldo, bool out_f32,
+                              bool accumulate, cudaStream_t stream) {
+    const char* name = !out_f32 ? "m_grouped_gemm_elem" : (accumulate ? "m_grouped_gemm_accumulate" : "m_grouped_gemm");
+    dim3 grid;
+    MEGAMOE_CUDA_RETURN_IF_ERROR(m_grouped_grid(args, ceil_div(args.n, kBlockN), name, &grid));
+    if (grid.x == 0) return MEGAMOE_STATUS_SUCCESS;
+    MGroupedParams params = make_m_grouped_params(args);
+    params.out = out;
+    params.ldo = ldo;
+    params.out_f32 = out_f32;
+    params.accumulate = accumulate;
+    if (out_f32) params.bias = nullptr;  // b2 belongs to the element-type store (the down GEMM)
+    params.paired_stores = ldo % 2 == 0 && is_aligned(out, out_f32 ? 8 : 4);
+    return b_layout == BLayout::kNK
+               ? dispatch_m_grouped<BLayout::kNK, Epilogue::kStore>(args, params, grid, stream, name)
+               : dispatch_m_grouped<BLayout::kKN, Epilogue::kStore>(args, params, grid, stream, name);
+}
+
 }  // namespace
 
 megamoe_status_t launch_m_grouped_gemm_f32(const MGroupedGemmArgs& args, BLayout b_layout, float* out, int64_t ldo,
                                            cudaStream_t stream, bool accumulate) {
-    const int64_t num_n_tiles = ceil_div(args.n, kBlockN);
-    if (args.max_m_tiles == 0 || num_n_tiles == 0) return MEGAMOE_STATUS_SUCCESS;
-    if (args.max_m_tiles > kMaxGridX || num_n_tiles > kMaxGridY) {
-        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "m_grouped_gemm: grid %lld x %lld too large",
-                         static_cast<long long>(args.max_m_tiles), static_cast<long long>(num_n_tiles));
-    }
-    MGroupedParams params = make_m_grouped_params(args);
-    params.out = out;
-    params.ldo = ldo;
-    params.paired_stores = ldo % 2 == 0 && is_aligned(out, 8);
-    const dim3 grid(static_cast<unsigned>(args.max_m_tiles), static_cast<unsigned>(num_n_tiles));
-    if (accumulate) {
-        return b_layout == BLayout::kNK ? dispatch_m_grouped<BLayout::kNK, Epilogue::kAccumulateF32>(
-                                              args, params, grid, stream, "m_grouped_gemm_accumulate[NK]")
-                                        : dispatch_m_grouped<BLayout::kKN, Epilogue::kAccumulateF32>(
-                                              args, params, grid, stream, "m_grouped_gemm_accumulate[KN]");
-    }
-    return b_layout == BLayout::kNK
-               ? dispatch_m_grouped<BLayout::kNK, Epilogue::kStoreF32>(args, params, grid, stream, "m_grouped_gemm[NK]")
-               : dispatch_m_grouped<BLayout::kKN, Epilogue::kStoreF32>(args, params, grid, stream,
-                                                                       "m_grouped_gemm[KN]");
+    return launch_store(args, b_layout, out, ldo, true, accumulate, stream);
 }
 
 megamoe_status_t launch_m_grouped_gemm_elem(const MGroupedGemmArgs& args, BLayout b_layout, void* out, int64_t ldo,
                                             cudaStream_t stream) {
-    const int64_t num_n_tiles = ceil_div(args.n, kBlockN);
-    if (args.max_m_tiles == 0 || num_n_tiles == 0) return MEGAMOE_STATUS_SUCCESS;
-    if (args.max_m_tiles > kMaxGridX || num_n_tiles > kMaxGridY) {
-        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "m_grouped_gemm_elem: grid %lld x %lld too large",
-                         static_cast<long long>(args.max_m_tiles), static_cast<long long>(num_n_tiles));
-    }
-    MGroupedParams params = make_m_grouped_params(args);
-    params.out = out;
-    params.ldo = ldo;
-    params.paired_stores = ldo % 2 == 0 && is_aligned(out, 4);
-    const dim3 grid(static_cast<unsigned>(args.max_m_tiles), static_cast<unsigned>(num_n_tiles));
-    return b_layout == BLayout::kNK ? dispatch_m_grouped<BLayout::kNK, Epilogue::kStoreElem>(args, params, grid, stream,
-                                                                                             "m_grouped_gemm_elem[NK]")
-                                    : dispatch_m_grouped<BLayout::kKN, Epilogue::kStoreElem>(args, params, grid, stream,
-                                                                                             "m_grouped_gemm_elem[KN]");
+    return launch_store(args, b_layout, out, ldo, false, false, stream);
 }
 
 megamoe_status_t launch_m_grouped_gemm_swiglu(const MGroupedGemmArgs& args, void* h, void* act, cudaStream_t stream) {
-    const int64_t num_n_tiles = ceil_div(args.n, kBlockN / 2);
-    if (args.max_m_tiles == 0 || num_n_tiles == 0) return MEGAMOE_STATUS_SUCCESS;
-    if (args.max_m_tiles > kMaxGridX || num_n_tiles > kMaxGridY) {
-        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "m_grouped_gemm_swiglu: grid %lld x %lld too large",
-                         static_cast<long long>(args.max_m_tiles), static_cast<long long>(num_n_tiles));
-    }
-    MGroupedParams params = make_m_grouped_params(args);
-    params.h = h;
-    params.act = act;
-    params.paired_stores = args.n % 2 == 0 && is_aligned(h, 4) && is_aligned(act, 4);
-    const dim3 grid(static_cast<unsigned>(args.max_m_tiles), static_cast<unsigned>(num_n_tiles));
-    return dispatch_m_grouped<BLayout::kNK, Epilogue::kSwiGLU>(args, params, grid, stream, "m_grouped_gemm_swiglu");
+    MGroupedGemmArgs gated = args;
+    gated.b_up = static_cast<const uint16_t*>(args.b) + args.n * args.ldb;  // w13's up rows start at row I
+    gated.interleaved = false;
+    gated.bias = nullptr;
+    gated.activation = {MEGAMOE_ACTIVATION_SWIGLU, 0.0f, 0.0f};
+    return launch_m_grouped_gemm_gated(gated, BLayout::kNK, h, act, stream);
 }
 
 megamoe_status_t launch_m_grouped_gemm_gated(const MGroupedGemmArgs& args, BLayout b_layout, void* h, void* act,
                                              cudaStream_t stream) {
-    const int64_t num_n_tiles = ceil_div(args.n, kBlockN / 2);  // 64 (gate, up) pairs per tile in every layout
-    if (args.max_m_tiles == 0 || num_n_tiles == 0) return MEGAMOE_STATUS_SUCCESS;
-    if (args.max_m_tiles > kMaxGridX || num_n_tiles > kMaxGridY) {
-        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED, "m_grouped_gemm_gated: grid %lld x %lld too large",
-                         static_cast<long long>(args.max_m_tiles), static_cast<long long>(num_n_tiles));
-    }
+    const char* name = "m_grouped_gemm_gated";
+    dim3 grid;  // 64 (gate, up) pairs per tile in every layout
+    MEGAMOE_CUDA_RETURN_IF_ERROR(m_grouped_grid(args, ceil_div(args.n, kBlockN / 2), name, &grid));
+    if (grid.x == 0) return MEGAMOE_STATUS_SUCCESS;
     if (!args.interleaved && args.b_up == nullptr) {
         return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "m_grouped_gemm_gated: no B of the up rows");
     }
     MGroupedParams params = make_m_grouped_params(args);
     params.h = h;
     params.act = act;
-    const dim3 grid(static_cast<unsigned>(args.max_m_tiles), static_cast<unsigned>(num_n_tiles));
-    return b_layout == BLayout::kNK ? dispatch_m_grouped<BLayout::kNK, Epilogue::kGatedAct>(args, params, grid, stream,
-                                                                                            "m_grouped_gemm_gated[NK]")
-                                    : dispatch_m_grouped<BLayout::kKN, Epilogue::kGatedAct>(args, params, grid, stream,
-                                                                                            "m_grouped_gemm_gated[KN]");
+    params.paired_stores = args.n % 2 == 0 && is_aligned(h, 4) && is_aligned(act, 4);
+    return b_layout == BLayout::kNK
+               ? dispatch_m_grouped<BLayout::kNK, Epilogue::kGatedAct>(args, params, grid, stream, name)
+               : dispatch_m_grouped<BLayout::kKN, Epilogue::kGatedAct>(args, params, grid, stream, name);
 }
 
 }  // namespace megamoe::cuda

@@ -4,9 +4,9 @@
 //     out[r, n] = sum_k A[a_row(r), k] * B_e(n, k)       for the sorted rows r of expert e
 //   a_row(r) = r, or the token of sorted_slot[r] (sorted_slot[r] / topk) when A is gathered.
 //   B_e is b + e * b_expert_stride, stored [N, K] (BLayout::kNK, K contiguous) or [K, N] (kKN).
-//   Epilogues: f32 store (or add), element-type store (plus a bias), or SwiGLU for the up projection (B = w13
-//   [E, 2I, H]; each N tile holds matching gate and up rows, so h = [g, u] and a = silu(g) * u come straight from
-//   registers), or its gated form for every layout, activation and b13 (launch_m_grouped_gemm_gated).
+//   Epilogues: f32 store (or add), element-type store (plus a bias), or the gated activation of the up projection
+//   for every layout, activation and b13 (launch_m_grouped_gemm_gated: each N tile holds matching gate and up rows,
+//   so h = [g, u] and a = act(g, u) come straight from registers; the default options' SwiGLU is one case of it).
 //   The grid is sized by host-known bounds; tiles come from the routing's m_tile_offsets.
 //
 // K-grouped (the weight gradients; the rows of the expert are the reduction dimension):
@@ -39,14 +39,14 @@ megamoe_status_t launch_m_grouped_gemm_f32(const MGroupedGemmArgs& args, BLayout
 megamoe_status_t launch_m_grouped_gemm_elem(const MGroupedGemmArgs& args, BLayout b_layout, void* out, int64_t ldo,
                                             cudaStream_t stream);
 
-// Up projection with SwiGLU: B = w13 [E, 2I, H] (kNK), args.n = I. Writes h = [g, u] ([rows, 2I] by sorted row: the
-// layout of saved_h) and a = silu(g) * u ([rows, I]) in the element type; h and act may be NULL (not written).
+// Up projection of the default options: launch_m_grouped_gemm_gated with B = w13 [E, 2I, H] (kNK, gate rows then up
+// rows), args.n = I, SwiGLU, no bias; args' b_up, interleaved, bias and activation are not read.
 megamoe_status_t launch_m_grouped_gemm_swiglu(const MGroupedGemmArgs& args, void* h, void* act, cudaStream_t stream);
 
-// The up projection of every layout, activation and b13 (the non-default options; the default runs _swiglu above):
-// the canonical gate row j is row (kKN: column) j of B_e, or 2j when args.interleaved; the up row j is row j of
-// b_up's expert, or 2j + 1 of B_e. h = [g, u] + b13 (canonical order) and a = args.activation.forward(g, u)
-// (activation.h) in the element type, as _swiglu writes them.
+// The up projection of every layout, activation and b13: the canonical gate row j is row (kKN: column) j of B_e, or
+// 2j when args.interleaved; the up row j is row j of b_up's expert, or 2j + 1 of B_e. Writes h = [g, u] + b13
+// ([rows, 2I] by sorted row, canonical order: the layout of saved_h) and a = args.activation.forward(g, u)
+// (activation.h, PreciseMath) in the element type ([rows, I]); h and act may be NULL (not written).
 megamoe_status_t launch_m_grouped_gemm_gated(const MGroupedGemmArgs& args, BLayout b_layout, void* h, void* act,
                                              cudaStream_t stream);
 

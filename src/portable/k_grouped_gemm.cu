@@ -4,10 +4,10 @@
 // K-grouped: blockIdx.x = (expert, M tile, N tile); the K loop walks the expert's sorted rows 32 at a
 // time (both operands MN-major, rows gathered while loading, their gather indices read one K step
 // ahead), then the tile is stored once: no split-K, so sums are deterministic, and an expert with no
-// rows stores zeros. Accumulating (kAccumulate, f32 out) the epilogue reads, adds and writes each element instead,
-// and a block whose expert has no rows returns at once, leaving its tile of out untouched.
-#include <type_traits>
-
+// rows stores zeros. The output type (f32 or the element type) and accumulation are run-time values of the params,
+// read once per stored pair (a warp-uniform branch after the K loop). Accumulating (f32 out) the epilogue reads, adds
+// and writes each element instead, and a block whose expert has no rows returns at once, leaving its tile of out
+// untouched.
 #include "portable/gemm_tile.cuh"
 #include "portable/grouped_gemm.h"
 
@@ -29,14 +29,15 @@ struct KGroupedParams {
     const int* expert_offsets;
     int64_t num_m_tiles;
     int64_t num_n_tiles;
-    void* out;
+    void* out;  // f32 (out_f32) or the element type
+    bool out_f32;
+    bool accumulate;  // f32 out: out += C_e
     bool paired_stores;
 };
 
-template <typename T, typename OutT, bool kVec, bool kAccumulate>
+template <typename T, bool kVec>
 __global__ void __launch_bounds__(kNumThreads, kVec ? kMinBlocksPerSmVec : 1)
     k_grouped_gemm_kernel(const KGroupedParams params) {
-    static_assert(!kAccumulate || std::is_same_v<OutT, float>, "accumulation is into f32 outputs");
     extern __shared__ __align__(128) uint16_t smem[];
     uint16_t* smem_a = smem;
     uint16_t* smem_b = smem + kNumStages * kTileElems;
@@ -47,7 +48,7 @@ __global__ void __launch_bounds__(kNumThreads, kVec ? kMinBlocksPerSmVec : 1)
     const int64_t n_tile_idx = blockIdx.x % params.num_n_tiles;
     const int row_begin = params.expert_offsets[expert_idx];
     const int num_rows = params.expert_offsets[expert_idx + 1] - row_begin;
-    if (kAccumulate && num_rows == 0) return;  // a zero gradient: the accumulated buffer stays as it is
+    if (params.accumulate && num_rows == 0) return;  // a zero gradient: the accumulated buffer stays as it is
 
     const int thread_idx = static_cast<int>(threadIdx.x);
     const int lane_idx = thread_idx % kWarpSize, warp_idx = thread_idx / kWarpSize;
@@ -116,42 +117,31 @@ __global__ void __launch_bounds__(kNumThreads, kVec ? kMinBlocksPerSmVec : 1)
                                      warp_n_idx, lane_idx);
     }
 
-    OutT* out_expert = static_cast<OutT*>(params.out) + expert_idx * params.m * params.n;
+    const int64_t out_expert = expert_idx * params.m * params.n;
 #pragma unroll
     for (int frag_m = 0; frag_m < kNumFragsM; ++frag_m) {
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
             const int64_t m_idx = m_tile_idx * kBlockM + warp_m_idx * kWarpM + frag_m * 16 + half * 8 + lane_idx / 4;
             if (m_idx >= params.m) continue;
-            OutT* out_row = out_expert + m_idx * params.n;
+            const int64_t out_row = out_expert + m_idx * params.n;
 #pragma unroll
             for (int frag_n = 0; frag_n < kNumFragsN; ++frag_n) {
                 const int64_t col = n_tile_idx * kBlockN + warp_n_idx * kWarpN + frag_n * 8 + (lane_idx % 4) * 2;
                 const float first = acc[frag_m][frag_n][half * 2], second = acc[frag_m][frag_n][half * 2 + 1];
-                if constexpr (kAccumulate) {
-                    accumulate_pair(out_row, col, params.n, first, second, params.paired_stores);
+                if (!params.out_f32) {
+                    store_pair(static_cast<T*>(params.out) + out_row, col, params.n, first, second,
+                               params.paired_stores);
+                } else if (params.accumulate) {
+                    accumulate_pair(static_cast<float*>(params.out) + out_row, col, params.n, first, second,
+                                    params.paired_stores);
                 } else {
-                    store_pair(out_row, col, params.n, first, second, params.paired_stores);
+                    store_pair(static_cast<float*>(params.out) + out_row, col, params.n, first, second,
+                               params.paired_stores);
                 }
             }
         }
     }
-}
-
-template <typename T>
-megamoe_status_t dispatch_k_grouped(const KGroupedParams& params, bool out_f32, bool accumulate, bool vec, dim3 grid,
-                                    cudaStream_t stream) {
-    const char* name = "k_grouped_gemm";
-    if (accumulate) {
-        return vec ? launch(k_grouped_gemm_kernel<T, float, true, true>, params, grid, stream, name)
-                   : launch(k_grouped_gemm_kernel<T, float, false, true>, params, grid, stream, name);
-    }
-    if (out_f32) {
-        return vec ? launch(k_grouped_gemm_kernel<T, float, true, false>, params, grid, stream, name)
-                   : launch(k_grouped_gemm_kernel<T, float, false, false>, params, grid, stream, name);
-    }
-    return vec ? launch(k_grouped_gemm_kernel<T, T, true, false>, params, grid, stream, name)
-               : launch(k_grouped_gemm_kernel<T, T, false, false>, params, grid, stream, name);
 }
 
 }  // namespace
@@ -172,11 +162,12 @@ megamoe_status_t launch_k_grouped_gemm(const KGroupedGemmArgs& args, void* out, 
     params.num_m_tiles = ceil_div(args.m, kBlockM);
     params.num_n_tiles = ceil_div(args.n, kBlockN);
     params.out = out;
-    const bool out_f32 = out_dtype == MEGAMOE_DTYPE_F32;
-    if (args.accumulate && !out_f32) {
+    params.out_f32 = out_dtype == MEGAMOE_DTYPE_F32;
+    params.accumulate = args.accumulate;
+    if (params.accumulate && !params.out_f32) {
         return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "k_grouped_gemm: accumulation needs an f32 output");
     }
-    params.paired_stores = args.n % 2 == 0 && is_aligned(out, out_f32 ? 8 : 4);
+    params.paired_stores = args.n % 2 == 0 && is_aligned(out, params.out_f32 ? 8 : 4);
 
     const int64_t num_blocks = args.num_experts * params.num_m_tiles * params.num_n_tiles;
     if (num_blocks == 0) return MEGAMOE_STATUS_SUCCESS;
@@ -187,7 +178,10 @@ megamoe_status_t launch_k_grouped_gemm(const KGroupedGemmArgs& args, void* out, 
     const dim3 grid(static_cast<unsigned>(num_blocks));
     const bool vec = vec_ok(args.a, args.lda, args.m) && vec_ok(args.b, args.ldb, args.n);
     return with_element_type(args.dtype, [&](auto tag) {
-        return dispatch_k_grouped<typename decltype(tag)::Type>(params, out_f32, args.accumulate, vec, grid, stream);
+        using T = typename decltype(tag)::Type;
+        const char* name = "k_grouped_gemm";
+        return vec ? launch(k_grouped_gemm_kernel<T, true>, params, grid, stream, name)
+                   : launch(k_grouped_gemm_kernel<T, false>, params, grid, stream, name);
     });
 }
 

@@ -8,8 +8,6 @@
 // expert_col_sums: block (expert, 256 columns), one thread per column adding the expert's rows in row order.
 #include "portable/layout_rows.h"
 
-#include <type_traits>
-
 #include "device/cuda_utils.h"
 #include "device/warp_reduce.cuh"
 #include "portable/routing.h"
@@ -24,9 +22,9 @@ constexpr size_t kDefaultSharedBytes = 48 * 1024;
 
 static_assert(kRowThreads % kWarpSize == 0, "row reduction uses whole warps");
 
-template <typename T, bool kInterleaved>
+template <typename T>
 __global__ void __launch_bounds__(kRowThreads) dact_rows_kernel(const DActArgs args) {
-    extern __shared__ __align__(16) unsigned char staging_bytes[];  // kInterleaved: the row's dh [2I]
+    extern __shared__ __align__(16) unsigned char staging_bytes[];  // dh_interleaved: the row's dh [2I]
     __shared__ float warp_sums[kRowThreads / kWarpSize];
     const int64_t row_idx = blockIdx.x;
     if (row_idx >= args.expert_offsets[args.num_experts]) return;
@@ -46,7 +44,7 @@ __global__ void __launch_bounds__(kRowThreads) dact_rows_kernel(const DActArgs a
         partial = fmaf(p, act, partial);
         float d_gate = 0.0f, d_up = 0.0f;
         args.activation.backward(gate, up, weight * p, &d_gate, &d_up);
-        if constexpr (kInterleaved) {
+        if (args.dh_interleaved) {
             staging[2 * col] = from_float<T>(d_gate);
             staging[2 * col + 1] = from_float<T>(d_up);
         } else {
@@ -63,7 +61,7 @@ __global__ void __launch_bounds__(kRowThreads) dact_rows_kernel(const DActArgs a
             partial = fmaf(to_float(dy_row[col]), to_float(bias[col]), partial);
         }
     }
-    if constexpr (kInterleaved) {
+    if (args.dh_interleaved) {
         __syncthreads();  // every h value of the row is read: dh may go over it
         for (int64_t col = threadIdx.x; col < 2 * intermediate; col += kRowThreads) dh_row[col] = staging[col];
     }
@@ -90,13 +88,13 @@ __global__ void __launch_bounds__(kRowThreads) bias_dot_rows_kernel(const BiasDo
     if (threadIdx.x == 0) args.ds_parts[row_idx * args.num_ds_parts] += dot;
 }
 
-template <typename T, typename OutT, bool kAccumulate>
+template <typename T>
 __global__ void __launch_bounds__(kColThreads) expert_col_sums_kernel(const ExpertColSumsArgs args) {
     const int64_t expert_idx = blockIdx.x;
     const int64_t col = static_cast<int64_t>(blockIdx.y) * kColThreads + threadIdx.x;
     if (col >= args.num_cols) return;
     const int row_begin = args.expert_offsets[expert_idx], row_end = args.expert_offsets[expert_idx + 1];
-    if (kAccumulate && row_begin == row_end) return;  // a zero gradient: the accumulated buffer stays as it is
+    if (args.accumulate && row_begin == row_end) return;  // a zero gradient: the accumulated buffer stays as it is
     const T* src = static_cast<const T*>(args.src);
     float acc = 0.0f;
     for (int row_idx = row_begin; row_idx < row_end; ++row_idx) {
@@ -105,44 +103,30 @@ __global__ void __launch_bounds__(kColThreads) expert_col_sums_kernel(const Expe
         const float weight = load_weight(args.weights, args.weights_dtype, slot_idx);
         acc = fmaf(weight, to_float(src[src_row * args.num_cols + col]), acc);
     }
-    OutT* out = static_cast<OutT*>(args.out) + expert_idx * args.num_cols + col;
-    if constexpr (kAccumulate) {
+    const int64_t out_idx = expert_idx * args.num_cols + col;
+    if (args.out_dtype != MEGAMOE_DTYPE_F32) {
+        static_cast<T*>(args.out)[out_idx] = from_float<T>(acc);
+    } else if (args.accumulate) {
+        float* out = static_cast<float*>(args.out) + out_idx;
         *out = *out + acc;
-    } else if constexpr (std::is_same_v<OutT, float>) {
-        *out = acc;
     } else {
-        *out = from_float<OutT>(acc);
+        static_cast<float*>(args.out)[out_idx] = acc;
     }
 }
 
 template <typename T>
 megamoe_status_t launch_dact_rows_typed(const DActArgs& args, cudaStream_t stream) {
     const dim3 grid(static_cast<unsigned>(args.max_rows));
-    if (!args.dh_interleaved) {
-        dact_rows_kernel<T, false><<<grid, kRowThreads, 0, stream>>>(args);
-        return check_launch("dact_rows_kernel");
-    }
-    const size_t staging_bytes = static_cast<size_t>(2 * args.intermediate) * sizeof(T);
+    const size_t staging_bytes =
+        args.dh_interleaved ? static_cast<size_t>(2 * args.intermediate) * sizeof(T) : static_cast<size_t>(0);
     if (staging_bytes > kDefaultSharedBytes) {
         MEGAMOE_CUDA_RETURN_IF_ERROR(check_cuda(
-            cudaFuncSetAttribute(dact_rows_kernel<T, true>, cudaFuncAttributeMaxDynamicSharedMemorySize,
+            cudaFuncSetAttribute(dact_rows_kernel<T>, cudaFuncAttributeMaxDynamicSharedMemorySize,
                                  static_cast<int>(staging_bytes)),
             "dact_rows_kernel: interleaved dh staging (2I elements of shared memory; I too large for this device)"));
     }
-    dact_rows_kernel<T, true><<<grid, kRowThreads, staging_bytes, stream>>>(args);
+    dact_rows_kernel<T><<<grid, kRowThreads, staging_bytes, stream>>>(args);
     return check_launch("dact_rows_kernel");
-}
-
-template <typename T>
-megamoe_status_t launch_col_sums_typed(const ExpertColSumsArgs& args, dim3 grid, cudaStream_t stream) {
-    if (args.accumulate) {
-        expert_col_sums_kernel<T, float, true><<<grid, kColThreads, 0, stream>>>(args);
-    } else if (args.out_dtype == MEGAMOE_DTYPE_F32) {
-        expert_col_sums_kernel<T, float, false><<<grid, kColThreads, 0, stream>>>(args);
-    } else {
-        expert_col_sums_kernel<T, T, false><<<grid, kColThreads, 0, stream>>>(args);
-    }
-    return check_launch("expert_col_sums_kernel");
 }
 
 }  // namespace
@@ -173,9 +157,10 @@ megamoe_status_t launch_expert_col_sums(const ExpertColSumsArgs& args, cudaStrea
         return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "expert_col_sums: accumulation needs an f32 output");
     }
     const dim3 grid(static_cast<unsigned>(args.num_experts), static_cast<unsigned>(num_col_tiles));
-    return with_element_type(args.src_dtype, [&](auto tag) {
-        return launch_col_sums_typed<typename decltype(tag)::Type>(args, grid, stream);
+    with_element_type(args.src_dtype, [&](auto tag) {
+        expert_col_sums_kernel<typename decltype(tag)::Type><<<grid, kColThreads, 0, stream>>>(args);
     });
+    return check_launch("expert_col_sums_kernel");
 }
 
 }  // namespace megamoe::cuda

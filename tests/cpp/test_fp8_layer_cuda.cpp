@@ -625,7 +625,8 @@ TEST(Fp8LayerCuda, QuantizeExpertsNamesBadArguments) {
     }
 }
 
-// On a GPU that is not compute capability 9.0 the FP8 calls are NOT_SUPPORTED (never a silent 16-bit run).
+// On a GPU that is not compute capability 9.0 the FP8 calls are NOT_SUPPORTED (never a silent 16-bit run), and so is
+// megamoe_quantize_experts (its kernels are built for sm_90a alone).
 TEST(Fp8LayerCuda, RefusedWithoutSm90Device) {
     SKIP_WITHOUT_CUDA();
     std::string reason;
@@ -633,6 +634,7 @@ TEST(Fp8LayerCuda, RefusedWithoutSm90Device) {
     const LayerData d = make_layer(whole_case("no sm_90", 8, 128, 128, 2, 2));
     DeviceLayer layer(d);
     expect_not_supported(layer, "not compute capability 9.0");
+    EXPECT_EQ(layer.quantize(), MEGAMOE_STATUS_NOT_SUPPORTED) << megamoe_last_error();
 }
 
 }  // namespace

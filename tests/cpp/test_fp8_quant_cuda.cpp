@@ -2,8 +2,8 @@
 // python/megamoe/fp8_reference.py's rules (fp8_quant_host_port.h), bit for bit: scales (NaN compared as bits)
 // and e4m3 bytes, on partial groups and blocks, every input dtype, a row stride past the columns, power-of-two scales
 // or not, zero groups, NaN and infinities, underflowing scales, values at the E4M3 limit. The host port is itself
-// checked (without a GPU too) on a group worked by hand: the same bytes as fp8_reference's test_known_bytes. Without
-// a GPU the kernel tests skip.
+// checked (without a GPU too) on a group worked by hand: the same bytes as fp8_reference's test_known_bytes. The
+// kernels are built for sm_90a alone: without a compute capability 9.0 GPU the kernel tests skip.
 #include <cuda_fp8.h>
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
@@ -66,7 +66,7 @@ void expect_kernel_matches_host(const HostTensor& input, int64_t rows, int64_t c
 }
 
 TEST(Fp8QuantCuda, RandomGroupsEveryDtype) {
-    SKIP_WITHOUT_CUDA();
+    SKIP_WITHOUT_SM90();
     std::mt19937_64 rng(fresh_seed());
     // 1064 quantized columns of a 1080-element stride (16-bit: the row path, a warp per row, more columns than its
     // chunks in flight and a partial last group; f32: the vector path), 300 of 312 (a partial group; the vector path:
@@ -106,7 +106,7 @@ void expect_edge_cases_match_host(megamoe_dtype_t dtype) {
 // f32 (the vector path) and bf16 (the row path: its packed 16-bit maxima); bf16 rounds the values set below, and the
 // host port reads the rounded ones back.
 TEST(Fp8QuantCuda, DefinedEdgeCases) {
-    SKIP_WITHOUT_CUDA();
+    SKIP_WITHOUT_SM90();
     for (const megamoe_dtype_t dtype : {MEGAMOE_DTYPE_F32, MEGAMOE_DTYPE_BF16}) {
         SCOPED_TRACE(testing::Message() << "dtype " << dtype);
         expect_edge_cases_match_host(dtype);
@@ -209,7 +209,7 @@ void check_weight_blocks(megamoe_dtype_t dtype, int64_t N, int64_t K) {
 // by byte), N = 256, K = 304 (the whole blocks by the vector kernel: 16-byte loads and stores; the partial last
 // k-blocks by the scalar kernel) and N = 272, K = 304 (the same with partial blocks at both edges).
 TEST(Fp8QuantCuda, WeightBlocksAndTheirTranspose) {
-    SKIP_WITHOUT_CUDA();
+    SKIP_WITHOUT_SM90();
     for (const megamoe_dtype_t dtype : {MEGAMOE_DTYPE_BF16, MEGAMOE_DTYPE_F16, MEGAMOE_DTYPE_F32}) {
         for (const auto [N, K] : {std::pair<int64_t, int64_t>{200, 300}, std::pair<int64_t, int64_t>{256, 304},
                                   std::pair<int64_t, int64_t>{272, 304}}) {

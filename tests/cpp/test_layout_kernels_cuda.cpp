@@ -2,7 +2,8 @@
 // src/path/steps_portable.h (the gated up GEMM for every layout, activation and b13; the down GEMM with a transposed w2
 // and b2; the dX GEMM over dh in w13's row order, the separate layout's two GEMMs added by the f32 accumulating
 // epilogue), and the row kernels of src/portable/layout_rows.h (the per-expert column sums behind db13 / db2, the
-// activation rows kernel writing dh over h in place). Without a GPU every test skips.
+// activation rows kernel writing dh over h in place, also as the default options' launch_dswiglu_rows). Without a GPU
+// every test skips.
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
@@ -10,8 +11,10 @@
 #include <cmath>
 #include <numeric>
 #include <string>
+#include <tuple>
 #include <vector>
 
+#include "portable/elementwise.h"
 #include "portable/layout_rows.h"
 #include "path/steps_portable.h"
 #include "layout_cuda_util.h"
@@ -227,80 +230,104 @@ TEST(LayoutKernels, ExpertColumnSums) {
 }
 
 // The activation rows kernel alone, dh written over h in place: ds = <p, a> + <dy, b2[e]>, dh in w13's row order
-// (interleaved pairs or [dg, du]) from the derivative written out in layout_test_util.h, s * a.
+// (interleaved pairs or [dg, du]) from the derivative written out in layout_test_util.h, s * a. SwiGLU with [dg, du]
+// also through launch_dswiglu_rows (the default options' entry: no b2 term).
 TEST(LayoutKernels, ActivationRowsInPlace) {
     SKIP_WITHOUT_CUDA();
     std::mt19937_64 rng(fresh_seed());
     const int64_t E = 3, I = 300, H = 9, topk = 2, num_tokens = 6, rows = 10;
     const std::vector<int> offsets = {0, 4, 4, rows};
-    for (const bool interleaved : {false, true}) {
-        for (const bool clamped : {false, true}) {
-            const LayoutProblem math(1, 1, 1, 1, 1,
-                                     {MEGAMOE_GATE_UP_CONCATENATED, false, false, clamped, false});  // activation()
-            HostTensor h(kBf16, {rows, 2 * I}), p(kF32, {rows, I}), dy(kBf16, {num_tokens, H}), b2(kBf16, {E, H});
-            HostTensor weights(kF32, {num_tokens * topk}), slots(MEGAMOE_DTYPE_I32, {rows});
-            HostTensor offsets_host(MEGAMOE_DTYPE_I32, {E + 1});
-            h.fill_random(rng, 1.0);
-            p.fill_random(rng, 1.0);
-            dy.fill_random(rng, 1.0);
-            b2.fill_random(rng, 1.0);
-            weights.fill_random(rng, 1.0);
-            for (int64_t r = 0; r < rows; ++r) slots.set(r, static_cast<double>((r * 7) % (num_tokens * topk)));
-            for (int64_t e = 0; e <= E; ++e) offsets_host.set(e, offsets[static_cast<size_t>(e)]);
-            DeviceTensor h_dev = upload_view(h.view), p_dev = upload_view(p.view), dy_dev = upload_view(dy.view);
-            DeviceTensor b2_dev = upload_view(b2.view), weights_dev = upload_view(weights.view);
-            DeviceTensor slots_dev = upload_view(slots.view), offsets_dev = upload_view(offsets_host.view);
-            DeviceTensor act_dev(HostTensor(kBf16, {rows, I}).view), ds_dev(HostTensor(kF32, {rows}).view);
-            act_dev.poison();
-            ds_dev.poison();
-            cuda::DActArgs args{};
-            args.dtype = kBf16;
-            args.h = h_dev.view().data;
-            args.dh = h_dev.view().data;
-            args.dh_interleaved = interleaved;
-            args.p = static_cast<const float*>(p_dev.view().data);
-            args.act = act_dev.view().data;
-            args.ds_rows = static_cast<float*>(ds_dev.view().data);
-            args.sorted_slot = static_cast<const int*>(slots_dev.view().data);
-            args.expert_offsets = static_cast<const int*>(offsets_dev.view().data);
-            args.num_experts = E;
-            args.weights = weights_dev.view().data;
-            args.weights_dtype = kF32;
-            args.dy = dy_dev.view().data;
-            args.b2 = b2_dev.view().data;
-            args.topk = topk;
-            args.hidden = H;
-            args.intermediate = I;
-            args.activation = {clamped ? MEGAMOE_ACTIVATION_CLAMPED_SWIGLU : MEGAMOE_ACTIVATION_SWIGLU,
-                               clamped ? static_cast<float>(LayoutProblem::kLimit) : 0.0f,
-                               clamped ? static_cast<float>(LayoutProblem::kAlpha) : 0.0f};
-            args.max_rows = rows;
+    for (const auto& [interleaved, clamped, default_entry] :
+         std::vector<std::tuple<bool, bool, bool>>{{false, false, false},
+                                                   {false, true, false},
+                                                   {true, false, false},
+                                                   {true, true, false},
+                                                   {false, false, true}}) {
+        SCOPED_TRACE(std::string(interleaved ? "interleaved" : "[dg, du]") + (clamped ? ", clamped" : "") +
+                     (default_entry ? ", launch_dswiglu_rows" : ""));
+        const LayoutProblem math(1, 1, 1, 1, 1,
+                                 {MEGAMOE_GATE_UP_CONCATENATED, false, false, clamped, false});  // activation()
+        HostTensor h(kBf16, {rows, 2 * I}), p(kF32, {rows, I}), dy(kBf16, {num_tokens, H}), b2(kBf16, {E, H});
+        HostTensor weights(kF32, {num_tokens * topk}), slots(MEGAMOE_DTYPE_I32, {rows});
+        HostTensor offsets_host(MEGAMOE_DTYPE_I32, {E + 1});
+        h.fill_random(rng, 1.0);
+        p.fill_random(rng, 1.0);
+        dy.fill_random(rng, 1.0);
+        b2.fill_random(rng, 1.0);
+        weights.fill_random(rng, 1.0);
+        for (int64_t r = 0; r < rows; ++r) slots.set(r, static_cast<double>((r * 7) % (num_tokens * topk)));
+        for (int64_t e = 0; e <= E; ++e) offsets_host.set(e, offsets[static_cast<size_t>(e)]);
+        DeviceTensor h_dev = upload_view(h.view), p_dev = upload_view(p.view), dy_dev = upload_view(dy.view);
+        DeviceTensor b2_dev = upload_view(b2.view), weights_dev = upload_view(weights.view);
+        DeviceTensor slots_dev = upload_view(slots.view), offsets_dev = upload_view(offsets_host.view);
+        DeviceTensor act_dev(HostTensor(kBf16, {rows, I}).view), ds_dev(HostTensor(kF32, {rows}).view);
+        act_dev.poison();
+        ds_dev.poison();
+        cuda::DActArgs args{};
+        args.dtype = kBf16;
+        args.h = h_dev.view().data;
+        args.dh = h_dev.view().data;
+        args.dh_interleaved = interleaved;
+        args.p = static_cast<const float*>(p_dev.view().data);
+        args.act = act_dev.view().data;
+        args.ds_rows = static_cast<float*>(ds_dev.view().data);
+        args.sorted_slot = static_cast<const int*>(slots_dev.view().data);
+        args.expert_offsets = static_cast<const int*>(offsets_dev.view().data);
+        args.num_experts = E;
+        args.weights = weights_dev.view().data;
+        args.weights_dtype = kF32;
+        args.dy = dy_dev.view().data;
+        args.b2 = b2_dev.view().data;
+        args.topk = topk;
+        args.hidden = H;
+        args.intermediate = I;
+        args.activation = {clamped ? MEGAMOE_ACTIVATION_CLAMPED_SWIGLU : MEGAMOE_ACTIVATION_SWIGLU,
+                           clamped ? static_cast<float>(LayoutProblem::kLimit) : 0.0f,
+                           clamped ? static_cast<float>(LayoutProblem::kAlpha) : 0.0f};
+        args.max_rows = rows;
+        if (default_entry) {
+            cuda::DSwiGLUArgs swiglu{};
+            swiglu.dtype = args.dtype;
+            swiglu.h = args.h;
+            swiglu.dh = args.dh;
+            swiglu.p = args.p;
+            swiglu.act = args.act;
+            swiglu.ds_rows = args.ds_rows;
+            swiglu.sorted_slot = args.sorted_slot;
+            swiglu.expert_offsets = args.expert_offsets;
+            swiglu.num_experts = args.num_experts;
+            swiglu.weights = args.weights;
+            swiglu.weights_dtype = args.weights_dtype;
+            swiglu.intermediate = args.intermediate;
+            swiglu.max_rows = args.max_rows;
+            ASSERT_EQ(cuda::launch_dswiglu_rows(swiglu, nullptr), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
+        } else {
             ASSERT_EQ(cuda::launch_dact_rows(args, nullptr), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
-            expect_cuda(cudaDeviceSynchronize(), "dact_rows");
-            const HostTensor dh = h_dev.download(), act = act_dev.download(), ds = ds_dev.download();
-            for (int64_t r = 0; r < rows; ++r) {
-                const auto slot = static_cast<int64_t>(slots.get(r));
-                const double s = weights.get(slot);
-                const int64_t e = r < 4 ? 0 : 2;
-                double want_ds = 0.0, ds_scale = 0.0;
-                for (int64_t i = 0; i < I; ++i) {
-                    double a = 0.0, dg = 0.0, du = 0.0;
-                    math.activation(h.get(r * 2 * I + i), h.get(r * 2 * I + I + i), &a, &dg, &du);
-                    const double pi = p.get(r * I + i);
-                    want_ds += pi * a;
-                    ds_scale += std::fabs(pi * a);
-                    const int64_t gate_at = interleaved ? 2 * i : i, up_at = interleaved ? 2 * i + 1 : I + i;
-                    EXPECT_NEAR(dh.get(r * 2 * I + gate_at), s * pi * dg, 1e-2 * (1.0 + std::fabs(s * pi * dg)));
-                    EXPECT_NEAR(dh.get(r * 2 * I + up_at), s * pi * du, 1e-2 * (1.0 + std::fabs(s * pi * du)));
-                    EXPECT_NEAR(act.get(r * I + i), s * a, 1e-2 * (1.0 + std::fabs(s * a)));
-                }
-                for (int64_t col = 0; col < H; ++col) {
-                    const double term = dy.get((slot / topk) * H + col) * b2.get(e * H + col);
-                    want_ds += term;
-                    ds_scale += std::fabs(term);
-                }
-                EXPECT_NEAR(ds.get(r), want_ds, 1e-4 * (1.0 + ds_scale)) << "row " << r;
+        }
+        expect_cuda(cudaDeviceSynchronize(), "dact_rows");
+        const HostTensor dh = h_dev.download(), act = act_dev.download(), ds = ds_dev.download();
+        for (int64_t r = 0; r < rows; ++r) {
+            const auto slot = static_cast<int64_t>(slots.get(r));
+            const double s = weights.get(slot);
+            const int64_t e = r < 4 ? 0 : 2;
+            double want_ds = 0.0, ds_scale = 0.0;
+            for (int64_t i = 0; i < I; ++i) {
+                double a = 0.0, dg = 0.0, du = 0.0;
+                math.activation(h.get(r * 2 * I + i), h.get(r * 2 * I + I + i), &a, &dg, &du);
+                const double pi = p.get(r * I + i);
+                want_ds += pi * a;
+                ds_scale += std::fabs(pi * a);
+                const int64_t gate_at = interleaved ? 2 * i : i, up_at = interleaved ? 2 * i + 1 : I + i;
+                EXPECT_NEAR(dh.get(r * 2 * I + gate_at), s * pi * dg, 1e-2 * (1.0 + std::fabs(s * pi * dg)));
+                EXPECT_NEAR(dh.get(r * 2 * I + up_at), s * pi * du, 1e-2 * (1.0 + std::fabs(s * pi * du)));
+                EXPECT_NEAR(act.get(r * I + i), s * a, 1e-2 * (1.0 + std::fabs(s * a)));
             }
+            for (int64_t col = 0; col < (default_entry ? 0 : H); ++col) {
+                const double term = dy.get((slot / topk) * H + col) * b2.get(e * H + col);
+                want_ds += term;
+                ds_scale += std::fabs(term);
+            }
+            EXPECT_NEAR(ds.get(r), want_ds, 1e-4 * (1.0 + ds_scale)) << "row " << r;
         }
     }
 }

@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "activation.h"
 #include "device/cuda_utils.h"
 #include "sm90/kit/ptx.h"
 
@@ -24,11 +25,9 @@ constexpr int kTmaStoreBoxBytes = kTmaStoreRows * kSwizzleBytes;
 static_assert(kTmaStoreBoxBytes % kSwizzleAtomBytes == 0, "store boxes start on a swizzle atom");
 static_assert(kTmaStoreBuffers >= 2, "a warp stages one chunk while the store of the previous one reads its box");
 
-// silu(x) = x sigmoid(x) with the fast exponential and the fast division (about 2 ulp; for x below about -87
-// exp(-x) is inf and silu gives 0, the limit): the up GEMM's SwiGLU epilogue. dH's backward has its own sigmoid
-// (m_grouped_activation.cuh).
+// silu(x) = x sigmoid(x) in activation.h's FastMath (the up GEMM's SwiGLU epilogue's numerics).
 __device__ __forceinline__ float silu(float value) {
-    return __fdividef(value, 1.0f + __expf(-value));
+    return FastMath::silu(value);
 }
 
 // Turns the 2-column pairs that the 4 lanes of a quad hold for 4 consecutive 8-column fragments (lane q: word f =

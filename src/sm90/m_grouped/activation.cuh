@@ -2,9 +2,9 @@
 // a compile-time parameter of the SwiGLU and dSwiGLU epilogues, so the epilogue's inner loop holds no switch on the
 // kind. Each policy has Params (its runtime values, a base of the epilogue's params: empty for SwiGLU, so the default
 // kernels' argument is unchanged), forward (a = act(g, u)) and backward (a and (dg, du) = da * act'(g, u)).
-//   SwiGLUActivation         the default: the expressions the sm_90a epilogues have always used (the forward's fast
-//                            silu, the backward's IEEE division; see epilogue.cuh's silu)
-//   ClampedSwiGLUActivation  gpt-oss's clamped SwiGLU (limit, alpha), activation.h's one definition
+//   SwiGLUActivation         the default: activation.h's SwiGLU, the forward in FastMath, the backward in FastExpMath
+//   ClampedSwiGLUActivation  gpt-oss's clamped SwiGLU (limit, alpha) in PreciseMath
+// (activation.h says which numerics each user takes and why).
 #pragma once
 
 #include "activation.h"
@@ -16,14 +16,12 @@ struct SwiGLUActivation {
     struct Params {};
     static constexpr bool kClamped = false;
 
-    __device__ __forceinline__ static float forward(const Params&, float gate, float up) { return silu(gate) * up; }
+    __device__ __forceinline__ static float forward(const Params&, float gate, float up) {
+        return SwiGLU<FastMath>::forward(gate, up);
+    }
     __device__ __forceinline__ static void backward(const Params&, float gate, float up, float d_act, float& act,
                                                     float& d_gate, float& d_up) {
-        const float gate_sigmoid = 1.0f / (1.0f + __expf(-gate));
-        const float silu_gate = gate * gate_sigmoid;
-        act = silu_gate * up;
-        d_gate = d_act * up * gate_sigmoid * (1.0f + gate * (1.0f - gate_sigmoid));
-        d_up = d_act * silu_gate;
+        SwiGLU<FastExpMath>::backward(gate, up, d_act, &act, &d_gate, &d_up);
     }
 };
 
