@@ -42,7 +42,7 @@ __device__ __forceinline__ void store_tile(const KernelParams& params, const Til
     static_assert(kNumFrags % kAccumulateBatch == 0 && kNumFrags % kFragsPerChunk == 0, "whole batches and chunks");
     const int quad_lane = AccFragment::quad_lane(lane_idx);
     const int first_row =
-        consumer_idx * Shape::kConsumerRows + kRowBlock * kWgmmaM + AccFragment::row_in_block(warp_idx, lane_idx);
+        consumer_idx * Shape::kConsumerRows + kRowBlock * kWgmmaM + warp_idx * AccFragment::kWarpRows + AccFragment::row_in_warp(lane_idx);
     OutT* out = static_cast<OutT*>(params.out) + static_cast<int64_t>(tile.expert_idx) * params.m * params.n;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -54,7 +54,7 @@ __device__ __forceinline__ void store_tile(const KernelParams& params, const Til
 #pragma unroll
                 for (int batch_idx = 0; batch_idx < kNumFrags / kAccumulateBatch; ++batch_idx) {
                     const int first_frag = batch_idx * kAccumulateBatch;
-                    const int64_t first_col = tile.n_begin + first_frag * 8 + AccFragment::first_col(lane_idx);
+                    const int64_t first_col = tile.n_begin + first_frag * 8 + quad_lane * 2;
                     if (row_valid && tile.n_begin + (first_frag + kAccumulateBatch) * 8 <= params.n) {
                         // The whole batch inside the output (the common case): its loads go out together,
                         // unpredicated (a predicate per load would exhaust the predicate registers and serialize them).
@@ -83,7 +83,7 @@ __device__ __forceinline__ void store_tile(const KernelParams& params, const Til
             } else {
 #pragma unroll
                 for (int frag_idx = 0; frag_idx < kNumFrags; ++frag_idx) {
-                    const int64_t col = tile.n_begin + frag_idx * 8 + AccFragment::first_col(lane_idx);
+                    const int64_t col = tile.n_begin + frag_idx * 8 + quad_lane * 2;
                     const int reg_idx = kFirstReg + AccFragment::reg(frag_idx, half);
                     if (row_valid && col < params.n) store_pair_f32(out_row, col, acc[reg_idx], acc[reg_idx + 1]);
                 }

@@ -22,11 +22,8 @@ struct AccFragment {
     // The lane's position in its quad: its column pair 2 q, 2 q + 1 of every fragment.
     __device__ __forceinline__ static int quad_lane(int lane_idx) { return lane_idx % 4; }
     __device__ __forceinline__ static int first_col(int lane_idx) { return 2 * (lane_idx % 4); }
-    // The thread's first row in its warp's 16 (the second: + kHalfRows), and in the 64-row block.
+    // The thread's first row in its warp's 16 (the second: + kHalfRows); in the 64-row block: warp_idx * kWarpRows on.
     __device__ __forceinline__ static int row_in_warp(int lane_idx) { return lane_idx / 4; }
-    __device__ __forceinline__ static int row_in_block(int warp_idx, int lane_idx) {
-        return warp_idx * kWarpRows + lane_idx / 4;
-    }
 };
 
 }  // namespace megamoe::sm90

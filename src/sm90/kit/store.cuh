@@ -9,6 +9,7 @@
 
 #include <cstdint>
 
+#include "sm90/kit/fragment.cuh"
 #include "activation.h"
 #include "device/cuda_utils.h"
 #include "sm90/kit/ptx.h"
@@ -137,7 +138,7 @@ __device__ __forceinline__ void store_warp_rows_tma_f32(const float (&acc)[kNumR
     constexpr int kFragsPerChunk = kTmaStoreF32Cols / 8;
     static_assert(kFirstReg + kNumChunks * kFragsPerChunk * 4 <= kNumRegs,
                   "the chunks lie inside the accumulator fragments");
-    const int quad_lane = lane_idx % 4;
+    const int quad_lane = AccFragment::quad_lane(lane_idx);
     store_warp_chunks_tma<kNumChunks, kNumBoxes>(
         staging, lane_idx,
         [&](uint32_t box, int chunk) {
@@ -148,7 +149,7 @@ __device__ __forceinline__ void store_warp_rows_tma_f32(const float (&acc)[kNumR
                 const uint32_t in_unit = static_cast<uint32_t>(quad_lane % 2 * 8);
 #pragma unroll
                 for (int half = 0; half < 2; ++half) {
-                    const int row = lane_idx / 4 + half * 8;
+                    const int row = AccFragment::row_in_warp(lane_idx) + half * AccFragment::kHalfRows;
                     st_shared_v2_f32(box + swizzle_128b_offset(row, unit) + in_unit, acc[reg_idx + half * 2],
                                      acc[reg_idx + half * 2 + 1]);
                 }

@@ -4,6 +4,7 @@
 // interleaved layout's row order, which the dX and dW13 GEMMs read as w13 stores its rows).
 #pragma once
 
+#include "sm90/kit/fragment.cuh"
 #include "sm90/m_grouped/epilogue.cuh"
 #include "sm90/m_grouped_gemm_sm90.h"
 
@@ -37,7 +38,7 @@ template <class Params>
 __device__ __forceinline__ RowWeights load_row_weights(const MainloopParams& params, const Params& epilogue,
                                                        const Tile& tile, int row_block, int warp_idx, int lane_idx) {
     RowWeights weights;
-    const int first_row = row_block * kWgmmaM + warp_idx * 16 + lane_idx / 4;
+    const int first_row = row_block * kWgmmaM + warp_idx * AccFragment::kWarpRows + AccFragment::row_in_warp(lane_idx);
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int local_row = first_row + half * 8;
@@ -120,9 +121,9 @@ __device__ __forceinline__ void store_tile_dswiglu(const MainloopParams& params,
     static_assert(Config::kBlockN % kDSwiGLUSubCols == 0, "the tile's columns are whole sub-tiles");
     static_assert(kNumSubTiles % kDSwiGLUBuffers == 0, "sub-tiles take the buffers in turn");
     static_assert(kFirstReg + Config::kBlockRegs <= kNumRegs, "the row block's accumulators are the consumer's");
-    const int quad_lane = lane_idx % 4;
+    const int quad_lane = AccFragment::quad_lane(lane_idx);
     const int warp_first_row = row_block * kWgmmaM + warp_idx * kDSwiGLUSubRows;
-    const int first_row = warp_first_row + lane_idx / 4;  // the lane's accumulator rows: + 0, + 8
+    const int first_row = warp_first_row + AccFragment::row_in_warp(lane_idx);  // the lane's rows: + 0, + 8
     const int64_t first_col = tile.n_tile_idx * Config::kBlockN;
     const int64_t intermediate = params.n;
     T* dh = static_cast<T*>(epilogue.dh);
@@ -178,7 +179,7 @@ __device__ __forceinline__ void store_tile_dswiglu(const MainloopParams& params,
             for (int matrix = 0; matrix < 4; ++matrix) {
                 const int half = matrix % 2;
                 const int frag_idx = sub_tile * 2 * kMatrixBlocks + block * 2 + matrix / 2;
-                const int reg_idx = kFirstReg + frag_idx * 4 + half * 2;
+                const int reg_idx = kFirstReg + AccFragment::reg(frag_idx, half);
                 const float weight = weights.weight[half];
                 float gate[2], up[2], d_gate[2], d_up[2], scaled_act[2];
                 cuda::unpack_pair<T>(gate_regs[block][matrix], gate[0], gate[1]);

@@ -13,6 +13,7 @@
 
 #include <type_traits>
 
+#include "sm90/kit/fragment.cuh"
 #include "device/cuda_utils.h"
 #include "sm90/m_grouped/activation.cuh"
 #include "sm90/m_grouped/scheduler.cuh"
@@ -51,8 +52,8 @@ __device__ __forceinline__ void store_tile(const MainloopParams& params, const T
     constexpr int kNumOutFrags = kSwiGLU ? kNumFrags / 2 : kNumFrags;  // 8-column fragments of the output
     constexpr int kFragsPerChunk = 4;
     static_assert(kNumOutFrags % kFragsPerChunk == 0, "output fragments come in quad-transposed groups of 4");
-    const int quad_lane = lane_idx % 4;
-    const int first_row = row_block * kWgmmaM + warp_idx * 16 + lane_idx / 4;
+    const int quad_lane = AccFragment::quad_lane(lane_idx);
+    const int first_row = row_block * kWgmmaM + warp_idx * AccFragment::kWarpRows + AccFragment::row_in_warp(lane_idx);
     const int64_t first_col = tile.n_tile_idx * kNumOutFrags * 8;
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
@@ -64,7 +65,7 @@ __device__ __forceinline__ void store_tile(const MainloopParams& params, const T
             uint32_t out_words[kFragsPerChunk], gate_words[kFragsPerChunk], up_words[kFragsPerChunk];
 #pragma unroll
             for (int word_idx = 0; word_idx < kFragsPerChunk; ++word_idx) {
-                const int reg_idx = kFirstReg + (group_idx * kFragsPerChunk + word_idx) * 4 + half * 2;
+                const int reg_idx = kFirstReg + AccFragment::reg(group_idx * kFragsPerChunk + word_idx, half);
                 if constexpr (kSwiGLU) {
                     using Act = typename Gated::Activation;
                     static_assert(!Gated::kInterleaved, "interleaved pairs: store_tile_paired");
@@ -142,8 +143,8 @@ __device__ __forceinline__ void store_tile_paired(const MainloopParams& params, 
     constexpr int kChunks = 4;
     static_assert(kFirstReg + Config::kBlockRegs <= kNumRegs, "the row block's accumulators are the consumer's");
     static_assert(kNumFrags % kFragsPerGroup == 0, "paired fragments come in groups of 8");
-    const int quad_lane = lane_idx % 4;
-    const int first_row = row_block * kWgmmaM + warp_idx * 16 + lane_idx / 4;
+    const int quad_lane = AccFragment::quad_lane(lane_idx);
+    const int first_row = row_block * kWgmmaM + warp_idx * AccFragment::kWarpRows + AccFragment::row_in_warp(lane_idx);
     const int64_t first_col = tile.n_tile_idx * (Config::kBlockN / 2);  // output columns
     const int64_t first_b_col = tile.n_tile_idx * Config::kBlockN;      // B tile (and b13) columns
     auto in_order = [](uint32_t(&words)[kChunks]) {
@@ -167,7 +168,7 @@ __device__ __forceinline__ void store_tile_paired(const MainloopParams& params, 
 #pragma unroll
                 for (int item = 0; item < 2; ++item) {
                     const int frag_idx = group_idx * kFragsPerGroup + chunk * 2 + item;
-                    const int reg_idx = kFirstReg + frag_idx * 4 + half * 2;
+                    const int reg_idx = kFirstReg + AccFragment::reg(frag_idx, half);
                     gate[item] = acc[reg_idx];
                     up[item] = acc[reg_idx + 1];
                     if (target.bias != nullptr) {
@@ -216,11 +217,11 @@ __device__ __forceinline__ void add_row_bias(const MainloopParams& params, const
     const T* bias_row = static_cast<const T*>(bias) + tile.expert_idx * params.n;
 #pragma unroll
     for (int frag_idx = 0; frag_idx < kNumFrags; ++frag_idx) {
-        const int64_t col = tile.n_tile_idx * Config::kBlockN + frag_idx * 8 + 2 * (lane_idx % 4);
+        const int64_t col = tile.n_tile_idx * Config::kBlockN + frag_idx * 8 + AccFragment::first_col(lane_idx);
         if (col < params.n) {
             float first, second;
             load_bias_pair(bias_row, col, first, second);
-            const int reg_idx = kFirstReg + frag_idx * 4;
+            const int reg_idx = kFirstReg + AccFragment::reg(frag_idx, 0);
             acc[reg_idx] += first;
             acc[reg_idx + 1] += second;
             acc[reg_idx + 2] += first;

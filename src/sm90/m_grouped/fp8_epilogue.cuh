@@ -11,6 +11,7 @@
 
 #include <cstdint>
 
+#include "sm90/kit/fragment.cuh"
 #include "device/cuda_utils.h"
 #include "device/fp8_math.cuh"
 #include "sm90/m_grouped/epilogue.cuh"
@@ -43,18 +44,19 @@ struct QuantizedSwiGLUEpilogue : NoEpilogueHooks {
         constexpr int kOutFrags = kNumFrags / 2;  // a's 8-column fragments: gate fragment f, up fragment f + kOutFrags
         static_assert(kOutFrags * 8 == kFp8ScaleGroup, "a tile's output columns are one scale group");
         constexpr int kFragsPerChunk = 4;  // a quad transpose: 4 fragments' pairs into 8 columns per lane
-        const int quad_lane = lane_idx % 4;
+        const int quad_lane = AccFragment::quad_lane(lane_idx);
         const int64_t groups_per_row = mainloop.n / kFp8ScaleGroup;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const int local_row = row_block * kWgmmaM + warp_idx * 16 + lane_idx / 4 + half * 8;
+            const int local_row =
+                row_block * kWgmmaM + warp_idx * AccFragment::kWarpRows + AccFragment::row_in_warp(lane_idx) + half * AccFragment::kHalfRows;
             const bool row_valid = local_row < tile.num_rows;
             const int64_t row_idx = tile.row_begin + local_row;
             uint32_t act_words[kOutFrags];  // a's bf16 pairs: the values a is stored as (and the quantizer reads back)
             cuda::PackedGroupStats<T> packed;
 #pragma unroll
             for (int frag_idx = 0; frag_idx < kOutFrags; ++frag_idx) {
-                const int reg_idx = kFirstReg + frag_idx * 4 + half * 2;
+                const int reg_idx = kFirstReg + AccFragment::reg(frag_idx, half);
                 float pair[2];
 #pragma unroll
                 for (int item = 0; item < 2; ++item) {
@@ -91,7 +93,7 @@ struct QuantizedSwiGLUEpilogue : NoEpilogueHooks {
                     uint32_t gate_words[kFragsPerChunk], up_words[kFragsPerChunk];
 #pragma unroll
                     for (int word_idx = 0; word_idx < kFragsPerChunk; ++word_idx) {
-                        const int reg_idx = kFirstReg + (group_idx * kFragsPerChunk + word_idx) * 4 + half * 2;
+                        const int reg_idx = kFirstReg + AccFragment::reg(group_idx * kFragsPerChunk + word_idx, half);
                         gate_words[word_idx] = cuda::pack_pair<T>(acc[reg_idx], acc[reg_idx + 1]);
                         up_words[word_idx] =
                             cuda::pack_pair<T>(acc[reg_idx + kOutFrags * 4], acc[reg_idx + kOutFrags * 4 + 1]);

@@ -7,6 +7,7 @@
 
 #include <cstdint>
 
+#include "sm90/kit/fragment.cuh"
 #include "sm90/kit/arch.h"
 #include "sm90/kit/pipeline.cuh"
 #include "sm90/kit/ptx.h"
@@ -34,7 +35,8 @@ __device__ __forceinline__ Fp8TileScales fp8_tile_scales(const MainloopParams& p
     Fp8TileScales tile_scales;
 #pragma unroll
     for (int half = 0; half < kThreadRows; ++half) {
-        const int local_row = row_block * kWgmmaM + warp_idx * 16 + lane_idx / 4 + half * 8;
+        const int local_row =
+            row_block * kWgmmaM + warp_idx * AccFragment::kWarpRows + AccFragment::row_in_warp(lane_idx) + half * AccFragment::kHalfRows;
         const bool valid = local_row < tile.num_rows;
         const int64_t row_idx = tile.row_begin + (valid ? local_row : 0);
         // A read by TMA holds the sorted rows themselves (and so do its scales), whatever the gather slots still give.
@@ -167,7 +169,7 @@ __device__ __forceinline__ void scale_accumulators(float (&acc)[kNumRegs],
     constexpr int kFragsPerBox = Config::kBBoxRows / 8;
 #pragma unroll
     for (int reg_idx = 0; reg_idx < kNumRegs; ++reg_idx)
-        acc[reg_idx] *= factors[reg_idx % 4 / 2][reg_idx / 4 / kFragsPerBox];
+        acc[reg_idx] *= factors[AccFragment::half_of(reg_idx)][AccFragment::frag_of(reg_idx) / kFragsPerBox];
 }
 
 // The FP8 consumer mainloop (the kernel's Mainloop for Config::kFp8): its rescaled tile, or, for a consumer with no
