@@ -9,8 +9,8 @@
 // typical |want| (K = 208: S ~ 12 |want|), so a wrong scale, K group or row fails (ToleranceRejectsMutants shows it on
 // the host). The relative Frobenius error is printed and held below 1e-2. Ragged routings: one row, empty experts,
 // 1 / 127 / 129 / 300 rows, one expert taking every row, 64 experts, K with a partial last group, N tails, A sorted or
-// gathered by slot (topk 2 and 4, dropped slots), bf16 and f16 out; outputs poisoned (NaN) before every run, two runs
-// bitwise equal, the gated GEMM with h or act NULL. The supported() refusals need an sm_90 device; without one the
+// gathered by slot (topk 2 and 4, dropped slots; the store GEMM refuses a gathered A), bf16 and f16 out; outputs
+// poisoned (NaN) before every run, two runs bitwise equal, the gated GEMM with h or act NULL. The supported() refusals need an sm_90 device; without one the
 // GPU tests skip and RefusesWithoutSm90Device checks that supported() says no. The reference, the bounds, the
 // quantized operands and the ragged cases are fp8_test_util.h's (shared with test_m_grouped_fp8_backward_cuda.cpp).
 #include <cuda_fp16.h>
@@ -105,6 +105,12 @@ void check_case(const Case& c, bool gated, std::mt19937_64& rng) {
                                       static_cast<const float*>(b.scales.view().data)};
     ASSERT_TRUE(sm90::m_grouped_fp8_gemm_sm90_supported(args, scales, gated));
     DeviceTensor out(HostTensor(c.dtype, {rows, n_b}).view), act(HostTensor(c.dtype, {rows, c.inter}).view);
+    if (!gated && args.a_gather_slots != nullptr) {  // the store GEMM reads the sorted rows (by TMA) only
+        EXPECT_EQ(sm90::launch_m_grouped_fp8_gemm_sm90_store(args, scales, out.view().data, n, rows, num_sms, nullptr),
+                  MEGAMOE_STATUS_NOT_SUPPORTED);
+        EXPECT_NE(std::string(megamoe_last_error()).find("unpermuted"), std::string::npos) << megamoe_last_error();
+        return;
+    }
     const auto launch = [&](void* out_ptr, void* act_ptr) {
         return [&, out_ptr, act_ptr] {
             return gated ? sm90::launch_m_grouped_fp8_gemm_sm90_gated(args, scales, out_ptr, act_ptr, num_sms, nullptr)

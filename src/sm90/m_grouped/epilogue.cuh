@@ -20,15 +20,16 @@
 
 namespace megamoe::sm90::m_grouped {
 
-// The gated epilogue's compile-time options: the activation policy (activation.cuh) and how a B tile pairs gate and up
-// (kInterleaved: adjacent accumulator columns 2i, 2i + 1 hold g_i, u_i, as the interleaved layout stores them; else
-// the tile's first half holds the gate rows and its second half the up rows). b13 is a runtime option (its pointer).
-template <class Act, bool kInterleavedPairs>
+// The gated epilogue's compile-time options: the activation policy (m_grouped_activation.cuh), b13 added before it
+// (kBias), and how a B tile pairs gate and up (kInterleaved: adjacent accumulator columns 2i, 2i + 1 hold g_i, u_i, as
+// the interleaved layout stores them; else the tile's first half holds the gate rows and its second half the up rows).
+template <class Act, bool kBiasAdded, bool kInterleavedPairs>
 struct GatedOptions {
     using Activation = Act;
+    static constexpr bool kBias = kBiasAdded;
     static constexpr bool kInterleaved = kInterleavedPairs;
 };
-using SwiGLUOptions = GatedOptions<SwiGLUActivation, false>;
+using SwiGLUOptions = GatedOptions<SwiGLUActivation, false, false>;
 
 // A bias pair (16-bit elements `col`, `col` + 1 of `row`, col even) in f32.
 template <typename T>
@@ -40,7 +41,7 @@ __device__ __forceinline__ void load_bias_pair(const T* row, int64_t col, float&
 // fragment f, columns 8 f + 2 (l % 4) + {0, 1}). Groups of 4 fragments are transposed across each quad, then stored
 // as 16-byte chunks: a warp writes 64 contiguous bytes of each of 8 rows per store.
 // Gated (a GatedOptions, not interleaved): the accumulators are gate / up halves (target.h, when not NULL, gets both,
-// b13 added where target.bias is set, target.out a = act(g, u)); void: target.out gets them in the element type. target: the
+// b13 added when Gated::kBias, target.out a = act(g, u)); void: target.out gets them in the element type. target: the
 // policy's params, read where they are (the kernel's parameter space, so their tests stay warp-uniform): out (row
 // stride ldo, or NULL) and, gated, h ([rows, 2I] by sorted row, or NULL) and the activation's params.
 template <typename T, class Gated, class Config, int kFirstReg, class Target, int kNumRegs>
@@ -72,7 +73,7 @@ __device__ __forceinline__ void store_tile(const MainloopParams& params, const T
                     const int up_reg_idx = reg_idx + kNumFrags / 2 * 4;
                     float gate0 = acc[reg_idx], gate1 = acc[reg_idx + 1];
                     float up0 = acc[up_reg_idx], up1 = acc[up_reg_idx + 1];
-                    if (target.bias != nullptr) {  // b13[e] of the pair's gate and up columns
+                    if constexpr (Gated::kBias) {  // b13[e] of the pair's gate and up columns
                         const int64_t col = first_col + (group_idx * kFragsPerChunk + word_idx) * 8 + 2 * quad_lane;
                         if (row_valid && col < params.n) {
                             const T* bias = static_cast<const T*>(target.bias) + tile.expert_idx * 2 * params.n;
@@ -132,7 +133,7 @@ __device__ __forceinline__ void store_tile_tma(const CUtensorMap* out_map, const
 // fragment and row. A group of 8 fragments covers 32 output columns, 4 chunks of 8; lane q packs the values of
 // fragments 2c, 2c + 1 (elements q and 4 + q of chunk c) into word c, the quad transpose hands lane c chunk c's words
 // (word q: elements q, 4 + q), and two byte permutes per word pair put them in column order. h = [g, u] by sorted
-// row (the canonical order, as saved_h keeps it); b13 (interleaved, as the B tile's columns) added where it is set.
+// row (the canonical order, as saved_h keeps it); b13 (interleaved, as the B tile's columns) added when Gated::kBias.
 template <typename T, class Gated, class Config, int kFirstReg, class Target, int kNumRegs>
 __device__ __forceinline__ void store_tile_paired(const MainloopParams& params, const Target& target, const Tile& tile,
                                                   const float (&acc)[kNumRegs], int row_block, int warp_idx,
@@ -171,7 +172,7 @@ __device__ __forceinline__ void store_tile_paired(const MainloopParams& params, 
                     const int reg_idx = kFirstReg + AccFragment::reg(frag_idx, half);
                     gate[item] = acc[reg_idx];
                     up[item] = acc[reg_idx + 1];
-                    if (target.bias != nullptr) {
+                    if constexpr (Gated::kBias) {
                         const int64_t b_col = first_b_col + frag_idx * 8 + 2 * quad_lane;
                         if (row_valid && b_col < 2 * params.n) {
                             const T* bias = static_cast<const T*>(target.bias) + tile.expert_idx * 2 * params.n;
@@ -255,13 +256,16 @@ struct NoEpilogueHooks {
 };
 
 struct BiasParams {
-    const void* bias;  // [E, n'] in the element type (b13: [E, 2I] arranged as w13's rows; b2: [E, H]), or NULL
+    const void* bias;  // [E, n'] in the element type (b13: [E, 2I] arranged as w13's rows; b2: [E, H])
 };
+struct NoBiasParams {};
+template <bool kBias>
+using BiasParamsOf = std::conditional_t<kBias, BiasParams, NoBiasParams>;
 
 // The up GEMM's epilogue for one GatedOptions (B = w13 read kNK, or kKN when w13 is stored transposed).
 template <class Gated>
 struct GatedEpilogue : NoEpilogueHooks {
-    struct Params : Gated::Activation::Params, BiasParams {
+    struct Params : Gated::Activation::Params, BiasParamsOf<Gated::kBias> {
         void* out;    // a = act(g, u) [rows, I], or NULL
         int64_t ldo;  // I
         void* h;      // h = [g, u] [rows, 2I] by sorted row (saved_h), or NULL
@@ -286,10 +290,10 @@ struct GatedEpilogue : NoEpilogueHooks {
 };
 using SwiGLUEpilogue = GatedEpilogue<SwiGLUOptions>;
 
-// b2[e] added to the accumulators before they are stored where params.bias is set (the down GEMM). A is the sorted
-// rows, by TMA.
-struct StoreEpilogue : NoEpilogueHooks {
-    struct Params : BiasParams {
+// kBias: b2[e] added to the accumulators before they are stored (the down GEMM). A is the sorted rows, by TMA.
+template <bool kBias>
+struct StoreEpilogueOf : NoEpilogueHooks {
+    struct Params : BiasParamsOf<kBias> {
         void* out;  // [rows, n], row stride ldo
         int64_t ldo;
         bool tma_store;  // the output's tensor map made: a warp's rows inside the expert go out by TMA
@@ -309,7 +313,7 @@ struct StoreEpilogue : NoEpilogueHooks {
                                                  const TileState&, uint32_t warp_staging, int row_block, int warp_idx,
                                                  int lane_idx) {
         constexpr int kFirstReg = 0;  // the consumer's one row block
-        if (params.bias != nullptr) add_row_bias<T, Config, kFirstReg>(mainloop, params.bias, tile, acc, lane_idx);
+        if constexpr (kBias) add_row_bias<T, Config, kFirstReg>(mainloop, params.bias, tile, acc, lane_idx);
         // The warp's first row of the tile, warp-uniform to the compiler (taken from lane 0), so the choice between TMA
         // and register stores needs no divergence handling around the register path's shuffles.
         const int warp_first_row = __shfl_sync(0xffffffffu, row_block * kWgmmaM + warp_idx * kTmaStoreRows, 0);
@@ -326,5 +330,6 @@ struct StoreEpilogue : NoEpilogueHooks {
         if (lane_idx == 0) bulk_wait_group<0, false>();  // every TMA store complete before the CTA exits
     }
 };
+using StoreEpilogue = StoreEpilogueOf<false>;
 
 }  // namespace megamoe::sm90::m_grouped

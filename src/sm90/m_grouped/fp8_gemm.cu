@@ -111,7 +111,8 @@ megamoe_status_t launch_m_grouped_fp8_gemm_sm90_store(const cuda::MGroupedGemmAr
                          "m_grouped_fp8_gemm_sm90: out must be 16-byte aligned, ldo % 8 == 0 and ldo >= n");
     }
     if (args.a_gather_slots != nullptr) {
-        return set_error(MEGAMOE_STATUS_INTERNAL_ERROR, "m_grouped_fp8_gemm_sm90: the store GEMM takes A unpermuted");
+        return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
+                         "m_grouped_fp8_gemm_sm90: the store GEMM takes A unpermuted (its sorted rows, by TMA)");
     }
     return launch_store(args, scales, out, ldo, num_out_rows, num_sms, stream);
 }

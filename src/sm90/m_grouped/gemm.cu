@@ -14,11 +14,11 @@ using namespace m_grouped;  // NOLINT(google-build-using-namespace): the kernel,
 
 using cuda::ceil_div;
 
-// The gated (up) epilogue for the call's options: activation Act, b13, interleaved pairs, B kNK or kKN.
-template <class Act, bool kInterleaved>
+// The gated (up) epilogue for the call's options: activation Act, b13 (kBias), interleaved pairs, B kNK or kKN.
+template <class Act, bool kBias, bool kInterleaved>
 megamoe_status_t launch_gated_as(const cuda::MGroupedGemmArgs& args, const GatedArgs& options, void* h, void* act,
                                  int num_sms, cudaStream_t stream) {
-    using Epi = GatedEpilogue<GatedOptions<Act, kInterleaved>>;
+    using Epi = GatedEpilogue<GatedOptions<Act, kBias, kInterleaved>>;
     typename Epi::Params epilogue{};
     epilogue.out = act;
     epilogue.ldo = args.n;
@@ -27,7 +27,7 @@ megamoe_status_t launch_gated_as(const cuda::MGroupedGemmArgs& args, const Gated
         epilogue.limit = options.activation.limit;
         epilogue.alpha = options.activation.alpha;
     }
-    epilogue.bias = options.bias;
+    if constexpr (kBias) epilogue.bias = options.bias;
     if constexpr (!kInterleaved) {  // the separate layout: the up half from w3 (args.b_up)
         if (args.b_up != nullptr) {
             return options.b_layout == BLayout::kNK
@@ -42,8 +42,12 @@ megamoe_status_t launch_gated_as(const cuda::MGroupedGemmArgs& args, const Gated
 template <class Act>
 megamoe_status_t launch_gated(const cuda::MGroupedGemmArgs& args, const GatedArgs& options, void* h, void* act,
                               int num_sms, cudaStream_t stream) {
-    return options.interleaved ? launch_gated_as<Act, true>(args, options, h, act, num_sms, stream)
-                               : launch_gated_as<Act, false>(args, options, h, act, num_sms, stream);
+    if (options.bias != nullptr) {
+        return options.interleaved ? launch_gated_as<Act, true, true>(args, options, h, act, num_sms, stream)
+                                   : launch_gated_as<Act, true, false>(args, options, h, act, num_sms, stream);
+    }
+    return options.interleaved ? launch_gated_as<Act, false, true>(args, options, h, act, num_sms, stream)
+                               : launch_gated_as<Act, false, false>(args, options, h, act, num_sms, stream);
 }
 
 // The dSwiGLU epilogue for activation Act, dh in the interleaved order or [dg, du]; B = w2 read kKN, or kNK when w2
@@ -58,12 +62,13 @@ megamoe_status_t launch_dswiglu(const cuda::MGroupedGemmArgs& args, const DSwiGL
                                              : launch<Epi, BLayout::kNK>(args, params, num_sms, stream);
 }
 
-// The store epilogue (+ b2[e] where bias is given) on B read b_layout.
+// The store epilogue (kBias: + b2[e]) on B read b_layout.
+template <bool kBias>
 megamoe_status_t launch_store(const cuda::MGroupedGemmArgs& args, BLayout b_layout, void* out, int64_t ldo,
                               int64_t num_out_rows, int num_sms, cudaStream_t stream, const void* bias) {
-    using Epi = StoreEpilogue;
+    using Epi = StoreEpilogueOf<kBias>;
     typename Epi::Params params{};
-    params.bias = bias;
+    if constexpr (kBias) params.bias = bias;
     params.out = out;
     params.ldo = ldo;
     CUtensorMap out_map{};
@@ -79,10 +84,12 @@ megamoe_status_t launch_store(const cuda::MGroupedGemmArgs& args, BLayout b_layo
                  : !encode_sorted_a_map<ConfigOf<Epi>>(args, args.a, args.num_a_rows, args.lda, &a_map)) {
         return set_error(MEGAMOE_STATUS_CUDA_ERROR, "m_grouped_gemm_sm90: cuTensorMapEncodeTiled failed for A");
     }
-    if (k_halves) {  // b2 is the down GEMM's, the K halves dX's (launch_m_grouped_gemm_sm90_store checks)
-        return b_layout == BLayout::kNK
-                   ? launch<Epi, BLayout::kNK, BSource::kKHalves>(args, params, num_sms, stream, a_map, out_map)
-                   : launch<Epi, BLayout::kKN, BSource::kKHalves>(args, params, num_sms, stream, a_map, out_map);
+    if constexpr (!kBias) {  // b2 is the down GEMM's, the K halves dX's (launch_m_grouped_gemm_sm90_store checks)
+        if (k_halves) {
+            return b_layout == BLayout::kNK
+                       ? launch<Epi, BLayout::kNK, BSource::kKHalves>(args, params, num_sms, stream, a_map, out_map)
+                       : launch<Epi, BLayout::kKN, BSource::kKHalves>(args, params, num_sms, stream, a_map, out_map);
+        }
     }
     return b_layout == BLayout::kNK ? launch<Epi, BLayout::kNK>(args, params, num_sms, stream, a_map, out_map)
                                     : launch<Epi, BLayout::kKN>(args, params, num_sms, stream, a_map, out_map);
@@ -149,7 +156,8 @@ megamoe_status_t launch_m_grouped_gemm_sm90_store(const cuda::MGroupedGemmArgs& 
         return set_error(MEGAMOE_STATUS_NOT_SUPPORTED,
                          "m_grouped_gemm_sm90: the K halves' w3 must be 16-byte aligned, k / 2 % 8 == 0, no bias");
     }
-    return launch_store(args, b_layout, out, ldo, num_out_rows, num_sms, stream, bias);
+    return bias != nullptr ? launch_store<true>(args, b_layout, out, ldo, num_out_rows, num_sms, stream, bias)
+                           : launch_store<false>(args, b_layout, out, ldo, num_out_rows, num_sms, stream, nullptr);
 }
 
 }  // namespace megamoe::sm90
