@@ -1,13 +1,15 @@
 #!/usr/bin/env bash
-# compute-sanitizer over the CUDA gtests (issue #11: memcheck, racecheck and synccheck clean, or each report
-# explained in docs/DESIGN.md or docs/log/), one tool at a time with its own timeout, the reports under OUT. Inputs:
-# the test binary and library built elsewhere (CARRY, default .carry/: megamoe_tests[.xz], libmegamoe.so[.xz]).
-#   OUT=/tmp/out bash scripts/gpu_sanitize.sh [gtest filter, default the small CUDA and sm_90a suites]
+# compute-sanitizer over the CUDA gtests (memcheck, racecheck, synccheck and initcheck clean: each tool's log ends in
+# its summary, 0 errors / 0 hazards), one tool at a time with its own timeout, the reports under OUT. The default filter
+# runs every kernel family once: the routing and row kernels, the portable GEMMs, the sm_90a M-grouped (16-bit and
+# FP8) and K-grouped GEMMs and the FP8 quantizers. Inputs: the test binary and library built elsewhere (CARRY, default
+# .carry/: megamoe_tests[.xz], libmegamoe.so[.xz]); TOOLS picks the tools.
+#   OUT=/tmp/out bash scripts/gpu_sanitize.sh [gtest filter]
 set -uo pipefail
 cd "$(dirname "$0")/.."
 CARRY=${CARRY:-.carry}
 OUT=${OUT:-/tmp/megamoe-out}
-FILTER=${1:-'Routing.*:Cuda.*:Sm90Forward.RaggedShapesMatchReference:Sm90Backward.RaggedShapesMatchReference:Sm90Backward.KeepHMatchesRecompute:GroupedCuda.*'}
+FILTER=${1:-'Routing.*:Cuda.RaggedShapesMatchReference:LayoutKernels.*:Sm90Forward.RaggedShapesMatchReference:Sm90Backward.WeightGradKernelMatchesReference:Fp8GemmSm90.*:Fp8BackwardSm90.DHiddenMatchesReference:Fp8QuantCuda.*'}
 mkdir -p "$OUT"
 for f in megamoe_tests libmegamoe.so; do
     if [ -f "$CARRY/$f.xz" ]; then xz -dkf "$CARRY/$f.xz"; fi
@@ -15,7 +17,7 @@ done
 chmod +x "$CARRY/megamoe_tests"
 export MEGAMOE_LIBRARY=$PWD/$CARRY/libmegamoe.so
 status=0
-for tool in memcheck synccheck racecheck; do
+for tool in ${TOOLS:-memcheck racecheck synccheck initcheck}; do
     timeout "${SANITIZE_TIMEOUT:-240}" compute-sanitizer --tool "$tool" --error-exitcode 9 --print-limit 20 \
         "$CARRY/megamoe_tests" --gtest_filter="$FILTER" >"$OUT/sanitize-$tool.log" 2>&1
     rc=$?

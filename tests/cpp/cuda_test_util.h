@@ -82,13 +82,18 @@ class DeviceTensor {
     megamoe_tensor_t view_{};
 };
 
+// A workspace of num_bytes, poisoned (every byte 0xFF: NaN in every float type): a kernel reading a byte no step wrote
+// turns an output NaN. compute-sanitizer initcheck cannot be that check here: it reports the rows the GEMMs write by
+// TMA store (cp.async.bulk.tensor) as never written.
 inline DeviceTensor device_workspace(size_t num_bytes) {
     megamoe_tensor_t like{};
     like.dtype = MEGAMOE_DTYPE_I32;  // 4-byte elements
     like.ndim = 1;
     like.shape[0] = static_cast<int64_t>((num_bytes + 3) / 4);
     like.strides[0] = 1;
-    return DeviceTensor(like);
+    DeviceTensor workspace(like);
+    workspace.poison();
+    return workspace;
 }
 
 // Asks `query` (a megamoe_*_workspace_size) for the workspace of `params`, allocates it into `workspace` and points

@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <cmath>
 #include <random>
 #include <string>
 #include <vector>
@@ -59,6 +60,13 @@ LayoutProblem concatenated_twin(const LayoutProblem& separate) {
         }
     }
     return twin;
+}
+
+bool all_finite(const HostTensor& t) {
+    for (int64_t idx = 0; idx < t.size(); ++idx) {
+        if (!std::isfinite(t.get(idx))) return false;
+    }
+    return true;
 }
 
 // Forward (saved_h kept) and keep-h backward of `problem` on the device, every gradient in bf16 (d topk_weights f32),
@@ -169,6 +177,7 @@ TEST(SeparateSm90, MatchesTheConcatenatedLayoutBitwise) {
             const LayoutProblem twin = concatenated_twin(separate);
             const Outputs got = run_on_device(separate);
             const Outputs want = run_on_device(twin);
+            EXPECT_TRUE(all_finite(got.y)) << "y (a NaN: a read of the poisoned workspace)";
             EXPECT_TRUE(same_bytes(got.y, want.y)) << "y";
             EXPECT_TRUE(same_bytes(got.h, want.h)) << "saved_h";
             if (s.intermediate % 64 == 0) {
