@@ -353,7 +353,8 @@ MEGAMOE_API megamoe_status_t megamoe_grouped_backward(const megamoe_grouped_back
  * q = e4m3(v / scale) rounded to nearest even; a block of zeros has scale 1, a block holding a NaN or an infinity a
  * NaN scale and NaN values), written into every tensor of fp8 (shapes above, E, H, I from w13 and w2; H and I
  * multiples of 128). Run it once after each optimizer step; every micro-batch's forward and backward reads the same
- * copies (memory: 2 bytes per weight element, half the bf16 weights' size, plus the scales). Asynchronous on stream. */
+ * copies (memory: 2 bytes per weight element, half the bf16 weights' size, plus the scales). Asynchronous on stream.
+ * Needs a compute capability 9.0 device (MEGAMOE_STATUS_NOT_SUPPORTED elsewhere, as the FP8 path itself). */
 MEGAMOE_API megamoe_status_t megamoe_quantize_experts(const megamoe_tensor_t* w13, const megamoe_tensor_t* w2,
                                                       const megamoe_fp8_experts_t* fp8, void* stream);
 

@@ -1,5 +1,5 @@
-// The 128 x 128 tiles of the FP8 quantizers that store a transposed copy (portable/fp8_quant.cu's weight blocks,
-// fp8_quant_expert_rows.cu's routing tiles x 128 columns): the tile is loaded by 8 warps of 16 rows in 16-byte chunks
+// The 128 x 128 tiles of the FP8 quantizer that stores a transposed copy (portable/fp8_quant.cu's weight blocks): the
+// tile is loaded by 8 warps of 16 rows in 16-byte chunks
 // (ByteTileLoads), its e4m3 bytes go into a byte tile in shared memory with 16-byte chunk c of row r at c ^ (r / 16)
 // (byte_tile_offset: the writes and the transposing reads free of bank conflicts), and each of 256 threads reads back
 // a 16 x 4 block of it and transposes it in registers by byte permutes (read_transposed_block), so that a column's

@@ -1,4 +1,4 @@
-// The fused Hopper (sm_90a) K-grouped GEMM of the weight gradients (k_grouped_gemm_sm90.cu): the same math as the
+// The fused Hopper (sm_90a) K-grouped GEMM of the weight gradients (k_grouped/gemm.cu): the same math as the
 // portable launch_k_grouped_gemm of portable/grouped_gemm.h,
 //     C_e[m, n] = sum over the sorted rows r of expert e of A[a_row(r), m] * B[b_row(r), n],
 // run by a persistent warp-specialized wgmma kernel in clusters of 2 CTAs, in which one CTA owns one output tile and

@@ -1,5 +1,5 @@
-// The blockwise FP8 M-grouped GEMMs on Hopper (sm_90a; m_grouped_fp8_gemm_sm90.cu): the kernel of
-// m_grouped_gemm_sm90.cu with e4m3 operands and the recipe's f32 scales (docs/DESIGN.md, FP8), bf16 / f16 out.
+// The blockwise FP8 M-grouped GEMMs on Hopper (sm_90a; m_grouped/fp8_gemm.cu): the kernel of
+// m_grouped/gemm.cu with e4m3 operands and the recipe's f32 scales (docs/DESIGN.md, FP8), bf16 / f16 out.
 //   acc[r, n] = sum_g sa[a_row(r), g] * sb_e[n / 128, g] * sum_{k in group g} A8[a_row(r), k] * B8_e[n, k]
 // K groups of 128 (the last one may be partial), B_e in 128 x 128 blocks from its row 0, each group's products summed
 // by the FP8 wgmma (whose internal accumulation keeps fewer bits than f32: why the recipe scales at least every 128 K)

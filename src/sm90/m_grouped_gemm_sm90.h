@@ -1,4 +1,4 @@
-// The fused Hopper (sm_90a) M-grouped GEMMs (m_grouped_gemm_sm90.cu): the same math as the portable
+// The fused Hopper (sm_90a) M-grouped GEMMs (m_grouped/gemm.cu): the same math as the portable
 // launch_m_grouped_gemm_* of portable/grouped_gemm.h, run by a persistent warp-specialized wgmma kernel. Forward: B =
 // w13 or w2 read [N, K] (BLayout::kNK), outputs in the element type. Backward: the recomputed up projection (h),
 // dH (B = w2[e] read [K = H, N = I], BLayout::kKN, with the dSwiGLU epilogue) and dX (B = w13[e] read [K = 2I, N = H],

@@ -1,5 +1,5 @@
 // The sm_90a backward (path/cuda_path.cu runs the recomputed up GEMM, dH and dX on the fused wgmma kernels of
-// sm90/m_grouped_gemm_sm90.cu; dH and dX read their weights N-contiguous, BLayout::kKN) on a Hopper GPU:
+// sm90/m_grouped/gemm.cu; dH and dX read their weights N-contiguous, BLayout::kKN) on a Hopper GPU:
 //   - against the CPU reference (the C API on CPU tensors, f64 accumulation) on ragged problems: T = 1, topk = 1,
 //     E = 1, one expert taking every slot, experts with no tokens, dropped slots, N and K tails on every GEMM,
 //     f16; every output and the workspace are poisoned (NaN bytes) before each run, two runs must be bitwise

@@ -1,4 +1,4 @@
-// The fused sm_90a forward (sm90/m_grouped_gemm_sm90.cu, dispatched by path/cuda_path.cu) on a Hopper GPU:
+// The fused sm_90a forward (sm90/m_grouped/gemm.cu, dispatched by path/cuda_path.cu) on a Hopper GPU:
 //   - against the CPU reference (the C API on CPU tensors, f64 accumulation) on ragged problems: T = 1,
 //     topk = 1, E = 1, one expert taking every slot, experts with no tokens, dropped slots, thousands of
 //     experts, T / H / I that are not multiples of 64 or 128 (N and K tails), more tiles than SMs, f16;

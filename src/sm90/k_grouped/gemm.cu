@@ -6,7 +6,7 @@
 //   dW13: A = dh [rows, 2I], B = x gathered [T, H]; dW2: A = dy gathered [T, H], B = s * a [rows, I].
 // The reduction runs over the expert's rows: both operands are MN-major (M or N contiguous) in shared memory.
 //
-// Tiles (the tile table, k_grouped_config.cuh): kBlockM x kBlockN outputs x kBlockK = 64 reduction rows per stage,
+// Tiles (the tile table, k_grouped/config.cuh): kBlockM x kBlockN outputs x kBlockK = 64 reduction rows per stage,
 // 128 x 256 (NarrowATile) or, where B is gathered and A comes by TMA (dW13), 256 x 128 (WideATile): the gathered
 // operand is always the 128-wide one. An operand tile is stored as 64-element blocks of its MN dimension (one 128-byte
 // row per reduction row, 128-byte swizzle), kBlockK rows each (8 KiB), exactly as a TMA box of 64 MN x 64 rows lands.
@@ -394,7 +394,7 @@ __global__ void __launch_bounds__(kOrderThreads)
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Host side: the cluster launch (the tensor maps: k_grouped_host.cuh).
+// Host side: the cluster launch (the tensor maps: k_grouped/host.cuh).
 
 template <class Shape, typename T, typename OutT>
 megamoe_status_t launch_typed(const CUtensorMap& a_map, const CUtensorMap& b_map, const CUtensorMap& out_map,
@@ -481,7 +481,7 @@ megamoe_status_t launch_k_grouped_gemm_sm90(const cuda::KGroupedGemmArgs& args, 
     }
     CUtensorMap out_map{};
     params.tma_store = !f32_out && encode_out_map(args.dtype, out, args.num_experts, args.m, args.n, &out_map);
-    // The gathered operand on the narrow side of the tile (the tile table, k_grouped_config.cuh).
+    // The gathered operand on the narrow side of the tile (the tile table, k_grouped/config.cuh).
     const bool wide_a = params.a.tma && args.b_gather_slots != nullptr;
     return wide_a ? launch_shape<WideATile>(args, params, a_map, b_map, out_map, f32_out, num_sms, stream)
                   : launch_shape<NarrowATile>(args, params, a_map, b_map, out_map, f32_out, num_sms, stream);

@@ -1,11 +1,11 @@
-// Host side of the fused Hopper K-grouped GEMM (k_grouped_gemm_sm90.cu): the tensor maps of its ungathered operands
+// Host side of the fused Hopper K-grouped GEMM (k_grouped/gemm.cu): the tensor maps of its ungathered operands
 // and of its element-type output.
 #pragma once
 
 #include "device/cuda_utils.h"
 #include "sm90/kit/store.cuh"
 #include "sm90/k_grouped/config.cuh"
-#include "sm90/kit/launch.h"
+#include "sm90/kit/tensor_map.h"
 
 namespace megamoe::sm90::k_grouped {
 
@@ -21,19 +21,12 @@ inline bool encode_operand_map(megamoe_dtype_t dtype, const void* data, int64_t 
 // columns x kTmaStoreRows rows of one expert: the epilogue's TMA stores, clipped at M and N.
 inline bool encode_out_map(megamoe_dtype_t dtype, void* out, int64_t num_experts, int64_t m, int64_t n,
                            CUtensorMap* map) {
-    const PFN_cuTensorMapEncodeTiled_v12000 encode = tensor_map_encoder();
-    if (encode == nullptr) return false;
     const cuuint64_t dims[3] = {static_cast<cuuint64_t>(n), static_cast<cuuint64_t>(m),
                                 static_cast<cuuint64_t>(num_experts)};
-    const cuuint64_t strides[2] = {static_cast<cuuint64_t>(n * kElemBytes),
-                                   static_cast<cuuint64_t>(m * n * kElemBytes)};
+    const cuuint64_t byte_strides[2] = {static_cast<cuuint64_t>(n * kElemBytes),
+                                        static_cast<cuuint64_t>(m * n * kElemBytes)};
     const cuuint32_t box[3] = {static_cast<cuuint32_t>(kTmaStoreCols), static_cast<cuuint32_t>(kTmaStoreRows), 1};
-    const cuuint32_t element_strides[3] = {1, 1, 1};
-    const CUtensorMapDataType data_type =
-        dtype == MEGAMOE_DTYPE_BF16 ? CU_TENSOR_MAP_DATA_TYPE_BFLOAT16 : CU_TENSOR_MAP_DATA_TYPE_FLOAT16;
-    return encode(map, data_type, 3, out, dims, strides, box, element_strides, CU_TENSOR_MAP_INTERLEAVE_NONE,
-                  CU_TENSOR_MAP_SWIZZLE_128B, CU_TENSOR_MAP_L2_PROMOTION_NONE,
-                  CU_TENSOR_MAP_FLOAT_OOB_FILL_NONE) == CUDA_SUCCESS;
+    return encode_3d_sw128_map(dtype, out, dims, byte_strides, box, CU_TENSOR_MAP_L2_PROMOTION_NONE, map);
 }
 
 // The operand, by TMA when it is not gathered and its tensor map can be made (else by cp.async, zeroed map).

@@ -1,7 +1,7 @@
-// What both sm_90a kernels (the M-grouped m_grouped_gemm_sm90.cu and the K-grouped k_grouped_gemm_sm90.cu) are built
+// What both sm_90a kernels (the M-grouped m_grouped/gemm.cu and the K-grouped k_grouped/gemm.cu) are built
 // on: the warp-specialized CTA (one producer and two consumer warpgroups, their setmaxnreg budgets), the cluster
 // pair, the element and chunk sizes, the shared-memory budget, and the wgmma instruction from CuTe's selector with
-// its accumulators passed unpacked. Each kernel's own tiles and pipeline: m_grouped_config.cuh, k_grouped_config.cuh.
+// its accumulators passed unpacked. Each kernel's own tiles and pipeline: m_grouped/config.cuh, k_grouped/config.cuh.
 #pragma once
 
 #include <cuda_bf16.h>

@@ -26,11 +26,6 @@ constexpr int kTmaStoreBoxBytes = kTmaStoreRows * kSwizzleBytes;
 static_assert(kTmaStoreBoxBytes % kSwizzleAtomBytes == 0, "store boxes start on a swizzle atom");
 static_assert(kTmaStoreBuffers >= 2, "a warp stages one chunk while the store of the previous one reads its box");
 
-// silu(x) = x sigmoid(x) in activation.h's FastMath (the up GEMM's SwiGLU epilogue's numerics).
-__device__ __forceinline__ float silu(float value) {
-    return FastMath::silu(value);
-}
-
 // Turns the 2-column pairs that the 4 lanes of a quad hold for 4 consecutive 8-column fragments (lane q: word f =
 // columns 8 f + 2 q, + 1) into one 8-column chunk per lane (lane q: columns 8 q .. 8 q + 7): a 4 x 4 transpose
 // across the quad in two butterfly steps, so each lane can store 16 contiguous bytes.

@@ -1,4 +1,4 @@
-// Activation policies of the fused Hopper M-grouped GEMM's epilogues (m_grouped_epilogue.cuh, m_grouped_dswiglu.cuh):
+// Activation policies of the fused Hopper M-grouped GEMM's epilogues (m_grouped/epilogue.cuh, m_grouped/dswiglu.cuh):
 // a compile-time parameter of the SwiGLU and dSwiGLU epilogues, so the epilogue's inner loop holds no switch on the
 // kind. Each policy has Params (its runtime values, a base of the epilogue's params: empty for SwiGLU, so the default
 // kernels' argument is unchanged), forward (a = act(g, u)) and backward (a and (dg, du) = da * act'(g, u)).

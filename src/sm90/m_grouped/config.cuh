@@ -65,7 +65,7 @@ enum class Operands {
     k16Bit,  // bf16 / f16 A and B (the output's type): one set of accumulators, one wgmma batch in flight
     kFp8,    // e4m3 A and B with f32 scales per 128 K (m_grouped_fp8_gemm_sm90.h): one set of accumulators kept in
              // units of the current K group's scales, multiplied by (previous scales / its scales) before a group's
-             // m64 x 256 wgmmas and by the last group's scales at the end (m_grouped_fp8_mainloop.cuh)
+             // m64 x 256 wgmmas and by the last group's scales at the end (m_grouped/fp8_mainloop.cuh)
 };
 
 // The tile configuration of an operand type: 128 x 256 outputs, the two consumer warpgroups on 64 rows each (one m64
@@ -151,7 +151,7 @@ static_assert(num_stages<Cooperative, true>() == 4 && num_stages<Cooperative, fa
 static_assert(smem_bytes<Cooperative, true>() <= kMaxSmemBytes,
               "stages and the staging boxes of TMA stores exceed the shared memory of an SM");
 
-// What the mainloop and the tile schedule read; each epilogue policy (m_grouped_epilogue.cuh) has its own Params.
+// What the mainloop and the tile schedule read; each epilogue policy (m_grouped/epilogue.cuh) has its own Params.
 struct MainloopParams {
     const void* a;  // A rows (the operand type of the configuration: OperandBitsOf), row stride lda elements
     int64_t lda;

@@ -1,6 +1,6 @@
-// The dSwiGLU epilogue of the fused Hopper M-grouped GEMM (m_grouped_gemm_sm90.cu), the backward's dH: reads g, u,
+// The dSwiGLU epilogue of the fused Hopper M-grouped GEMM (m_grouped/gemm.cu), the backward's dH: reads g, u,
 // writes dh, s * a and the tile's partial sums of ds (store_tile_dswiglu), for an activation policy
-// (m_grouped_activation.cuh) and an order of dh: [dg, du] by sorted row, or interleaved (dg_0, du_0, dg_1, ...: the
+// (m_grouped/activation.cuh) and an order of dh: [dg, du] by sorted row, or interleaved (dg_0, du_0, dg_1, ...: the
 // interleaved layout's row order, which the dX and dW13 GEMMs read as w13 stores its rows).
 #pragma once
 
@@ -238,15 +238,13 @@ __device__ __forceinline__ void store_tile_dswiglu(const MainloopParams& params,
     }
 }
 
-// dH's epilogue for an activation policy; kInterleaved: dh in the interleaved order (written elsewhere than h).
+// dH's epilogue for an activation policy; kInterleaved: dh in the interleaved order (written elsewhere than h). Its
+// staging: the sub-tile slots of store_tile_dswiglu.
 template <class Act, bool kInterleaved>
-struct DSwiGLUEpilogueOf : NoEpilogueHooks {
+struct DSwiGLUEpilogueOf
+    : EpiloguePolicy</*kTmaA*/ false, /*kGateUpPairs*/ false, /*kGateUpHalves*/ false, /*kStaging*/ true> {
     using Activation = Act;
     using Params = DSwiGLUParamsOf<Act>;
-    static constexpr bool kTmaA = false;
-    static constexpr bool kGateUpPairs = false;
-    static constexpr bool kGateUpHalves = false;
-    static constexpr bool kStaging = true;  // the sub-tile slots of store_tile_dswiglu
     static constexpr const char* name(BLayout) { return "m_grouped_gemm_sm90[dswiglu]"; }
     struct TileState {
         RowWeights row_weights;

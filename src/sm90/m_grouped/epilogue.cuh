@@ -1,14 +1,14 @@
-// Epilogues of the fused Hopper M-grouped GEMM (m_grouped_gemm_sm90.cu) as policy types, each owning its params, its
+// Epilogues of the fused Hopper M-grouped GEMM (m_grouped/gemm.cu) as policy types, each owning its params, its
 // shared memory (kStaging), what it needs of the mainloop (kTmaA, kGateUpPairs, kGateUpHalves, the producer's per-tile
 // hook), its per-tile state and its store of one 64-row block of the consumer's tile:
 //   GatedEpilogue    (up)   h = [g, u] (+ b13) and / or a = act(g, u) from registers (store_tile, store_tile_paired);
 //                    SwiGLUEpilogue is its default instantiation
 //   StoreEpilogue    (down, dX) the accumulators (+ b2) in the element type, by TMA stores through shared memory where
 //                    a warp's 16 rows lie inside the expert (store_tile_tma), else from registers (store_tile);
-//   DSwiGLUEpilogue  (dH)   m_grouped_dswiglu.cuh.
+//   DSwiGLUEpilogue  (dH)   m_grouped/dswiglu.cuh.
 // The store routines take the tile configuration (Config: its columns), the row block (tile rows [64 row_block,
 // 64 row_block + 64)) and, at compile time, where the block's accumulators start in the consumer's registers
-// (kFirstReg). m_grouped_tile_table.cuh's ConfigOf is the table of the tile configuration each policy runs with.
+// (kFirstReg). m_grouped/tile_table.cuh's ConfigOf is the table of the tile configuration each policy runs with.
 #pragma once
 
 #include <type_traits>
@@ -20,7 +20,7 @@
 
 namespace megamoe::sm90::m_grouped {
 
-// The gated epilogue's compile-time options: the activation policy (m_grouped_activation.cuh), b13 added before it
+// The gated epilogue's compile-time options: the activation policy (m_grouped/activation.cuh), b13 added before it
 // (kBias), and how a B tile pairs gate and up (kInterleaved: adjacent accumulator columns 2i, 2i + 1 hold g_i, u_i, as
 // the interleaved layout stores them; else the tile's first half holds the gate rows and its second half the up rows).
 template <class Act, bool kBiasAdded, bool kInterleavedPairs>
@@ -35,6 +35,43 @@ using SwiGLUOptions = GatedOptions<SwiGLUActivation, false, false>;
 template <typename T>
 __device__ __forceinline__ void load_bias_pair(const T* row, int64_t col, float& first, float& second) {
     cuda::unpack_pair<T>(*reinterpret_cast<const uint32_t*>(row + col), first, second);
+}
+
+// The interleaved epilogue's word order after its quad transpose (word q of lane c: elements q, 4 + q of chunk c) put
+// in column order by two byte permutes per word pair.
+__device__ __forceinline__ void interleaved_in_order(uint32_t (&words)[4]) {
+    const uint32_t w0 = words[0], w1 = words[1], w2 = words[2], w3 = words[3];
+    words[0] = __byte_perm(w0, w1, 0x5410);
+    words[1] = __byte_perm(w2, w3, 0x5410);
+    words[2] = __byte_perm(w0, w1, 0x7632);
+    words[3] = __byte_perm(w2, w3, 0x7632);
+}
+
+// One 8-column chunk of a quad's gated outputs out: a (target.out, when not NULL) and, when kGated and target.h is not
+// NULL, g and u into h = [g, u] (row stride 2 n). Each word set is quad-transposed (then put in column order when
+// kInterleaved) before the stores, which only the lanes whose chunk is `valid` make.
+template <typename T, bool kGated, bool kInterleaved, class Target>
+__device__ __forceinline__ void store_gated_chunk(const Target& target, int64_t n, int64_t row_idx, int64_t col,
+                                                  bool valid, int quad_lane, uint32_t (&out_words)[4],
+                                                  uint32_t (&gate_words)[4], uint32_t (&up_words)[4]) {
+    if (target.out != nullptr) {
+        quad_transpose(out_words, quad_lane);
+        if constexpr (kInterleaved) interleaved_in_order(out_words);
+        if (valid) store_chunk(static_cast<T*>(target.out) + row_idx * target.ldo, col, out_words);
+    }
+    if constexpr (kGated) {
+        if (target.h != nullptr) {
+            quad_transpose(gate_words, quad_lane);
+            quad_transpose(up_words, quad_lane);
+            if constexpr (kInterleaved) {
+                interleaved_in_order(gate_words);
+                interleaved_in_order(up_words);
+            }
+            T* h_row = static_cast<T*>(target.h) + row_idx * 2 * n;
+            if (valid) store_chunk(h_row, col, gate_words);
+            if (valid) store_chunk(h_row + n, col, up_words);
+        }
+    }
 }
 
 // One row block from the wgmma accumulators (lane l of warp w holds rows 16 w + l / 4 (+ 8) of the block and, in
@@ -95,20 +132,8 @@ __device__ __forceinline__ void store_tile(const MainloopParams& params, const T
                 }
             }
             const int64_t col = first_col + (group_idx * kFragsPerChunk + quad_lane) * 8;
-            const bool valid = row_valid && col < params.n;
-            if (target.out != nullptr) {
-                quad_transpose(out_words, quad_lane);
-                if (valid) store_chunk(static_cast<T*>(target.out) + row_idx * target.ldo, col, out_words);
-            }
-            if constexpr (kSwiGLU) {
-                if (target.h != nullptr) {
-                    quad_transpose(gate_words, quad_lane);
-                    quad_transpose(up_words, quad_lane);
-                    T* h_row = static_cast<T*>(target.h) + row_idx * 2 * params.n;
-                    if (valid) store_chunk(h_row, col, gate_words);
-                    if (valid) store_chunk(h_row + params.n, col, up_words);
-                }
-            }
+            store_gated_chunk<T, kSwiGLU, false>(target, params.n, row_idx, col, row_valid && col < params.n, quad_lane,
+                                                 out_words, gate_words, up_words);
         }
     }
 }
@@ -148,13 +173,6 @@ __device__ __forceinline__ void store_tile_paired(const MainloopParams& params, 
     const int first_row = row_block * kWgmmaM + warp_idx * AccFragment::kWarpRows + AccFragment::row_in_warp(lane_idx);
     const int64_t first_col = tile.n_tile_idx * (Config::kBlockN / 2);  // output columns
     const int64_t first_b_col = tile.n_tile_idx * Config::kBlockN;      // B tile (and b13) columns
-    auto in_order = [](uint32_t(&words)[kChunks]) {
-        const uint32_t w0 = words[0], w1 = words[1], w2 = words[2], w3 = words[3];
-        words[0] = __byte_perm(w0, w1, 0x5410);
-        words[1] = __byte_perm(w2, w3, 0x5410);
-        words[2] = __byte_perm(w0, w1, 0x7632);
-        words[3] = __byte_perm(w2, w3, 0x7632);
-    };
 #pragma unroll
     for (int half = 0; half < 2; ++half) {
         const int local_row = first_row + half * 8;
@@ -189,21 +207,8 @@ __device__ __forceinline__ void store_tile_paired(const MainloopParams& params, 
                 up_words[chunk] = cuda::pack_pair<T>(up[0], up[1]);
             }
             const int64_t col = first_col + group_idx * 32 + quad_lane * 8;
-            const bool valid = row_valid && col < params.n;
-            if (target.out != nullptr) {
-                quad_transpose(out_words, quad_lane);
-                in_order(out_words);
-                if (valid) store_chunk(static_cast<T*>(target.out) + row_idx * target.ldo, col, out_words);
-            }
-            if (target.h != nullptr) {
-                quad_transpose(gate_words, quad_lane);
-                quad_transpose(up_words, quad_lane);
-                in_order(gate_words);
-                in_order(up_words);
-                T* h_row = static_cast<T*>(target.h) + row_idx * 2 * params.n;
-                if (valid) store_chunk(h_row, col, gate_words);
-                if (valid) store_chunk(h_row + params.n, col, up_words);
-            }
+            store_gated_chunk<T, true, true>(target, params.n, row_idx, col, row_valid && col < params.n, quad_lane,
+                                             out_words, gate_words, up_words);
         }
     }
 }
@@ -232,18 +237,26 @@ __device__ __forceinline__ void add_row_bias(const MainloopParams& params, const
 }
 
 // ---------------------------------------------------------------------------------------------------
-// The policies. Each has: Params (its part of the kernel's argument); kTmaA (A is the sorted rows themselves, loaded
-// by TMA boxes, else rows gathered by cp.async); kGateUpPairs (a B tile holds gate / up pairs: n counts the pairs,
-// B_e has 2n rows); kGateUpHalves (the pairs as a box of gate rows and a box of the matching up rows, n apart; else the
-// B tile is 2n's rows in storage order, interleaved);
-// kStaging (per-warp shared memory: staging of TMA stores, dSwiGLU's sub-tile slots); TileState with begin_tile (per
-// consumer and tile, before its mainloop: it may issue loads into the warp's staging, free by then);
-// store (one row block); prefetch_maps (thread 0 at start), finish (each consumer thread at the end) and name (the
-// kernel's, in error messages).
+// The policies. Each derives from EpiloguePolicy<kTmaA, kGateUpPairs, kGateUpHalves, kStaging>, what it asks of the
+// kernel: kTmaA (A is the sorted rows themselves, loaded by TMA boxes, else rows gathered by cp.async); kGateUpPairs (a
+// B tile holds gate / up pairs: n counts the pairs, B_e has 2n rows); kGateUpHalves (the pairs as a box of gate rows
+// and a box of the matching up rows, n apart; else the B tile is 2n's rows in storage order, interleaved); kStaging
+// (per-warp shared memory: staging of TMA stores, dSwiGLU's sub-tile slots). Each has Params (its part of the kernel's
+// argument), store (one row block) and name (the kernel's, in error messages); the base's hooks (no per-tile state,
+// no tensor map, nothing at the end) stand unless it has its own: TileState with begin_tile (per consumer and tile,
+// before its mainloop: it may issue loads into the warp's staging, free by then), prefetch_maps (thread 0 at start),
+// finish (each consumer thread at the end).
+struct NoTileState {};
 
-// The hooks of a policy that needs none: no per-tile state, no tensor map, nothing at the end.
-struct NoEpilogueHooks {
-    struct TileState {};
+template <bool kTmaAOperand, bool kGateUpPairTiles, bool kGateUpHalfBoxes, bool kStagingSmem>
+struct EpiloguePolicy {
+    static constexpr bool kTmaA = kTmaAOperand;
+    static constexpr bool kGateUpPairs = kGateUpPairTiles;
+    static constexpr bool kGateUpHalves = kGateUpHalfBoxes;
+    static constexpr bool kStaging = kStagingSmem;
+    static_assert(kGateUpPairs || !kGateUpHalves, "gate / up halves are a layout of gate / up pairs");
+
+    using TileState = NoTileState;
 
     template <class Config, class Params>
     __device__ __forceinline__ static TileState begin_tile(const MainloopParams&, const Params&, const Tile&, int,
@@ -264,21 +277,18 @@ using BiasParamsOf = std::conditional_t<kBias, BiasParams, NoBiasParams>;
 
 // The up GEMM's epilogue for one GatedOptions (B = w13 read kNK, or kKN when w13 is stored transposed).
 template <class Gated>
-struct GatedEpilogue : NoEpilogueHooks {
+struct GatedEpilogue
+    : EpiloguePolicy</*kTmaA*/ false, /*kGateUpPairs*/ true, !Gated::kInterleaved, /*kStaging*/ false> {
     struct Params : Gated::Activation::Params, BiasParamsOf<Gated::kBias> {
         void* out;    // a = act(g, u) [rows, I], or NULL
         int64_t ldo;  // I
         void* h;      // h = [g, u] [rows, 2I] by sorted row (saved_h), or NULL
     };
-    static constexpr bool kTmaA = false;
-    static constexpr bool kGateUpPairs = true;
-    static constexpr bool kGateUpHalves = !Gated::kInterleaved;
-    static constexpr bool kStaging = false;
     static constexpr const char* name(BLayout) { return "m_grouped_gemm_sm90[swiglu]"; }
     template <typename T, class Config, int kNumRegs>
     __device__ __forceinline__ static void store(const CUtensorMap*, const MainloopParams& mainloop,
                                                  const Params& params, const Tile& tile, const float (&acc)[kNumRegs],
-                                                 const TileState&, uint32_t, int row_block, int warp_idx,
+                                                 const NoTileState&, uint32_t, int row_block, int warp_idx,
                                                  int lane_idx) {
         constexpr int kFirstReg = 0;  // the consumer's one row block
         if constexpr (Gated::kInterleaved) {
@@ -292,16 +302,13 @@ using SwiGLUEpilogue = GatedEpilogue<SwiGLUOptions>;
 
 // kBias: b2[e] added to the accumulators before they are stored (the down GEMM). A is the sorted rows, by TMA.
 template <bool kBias>
-struct StoreEpilogueOf : NoEpilogueHooks {
+struct StoreEpilogueOf
+    : EpiloguePolicy</*kTmaA*/ true, /*kGateUpPairs*/ false, /*kGateUpHalves*/ false, /*kStaging*/ true> {
     struct Params : BiasParamsOf<kBias> {
         void* out;  // [rows, n], row stride ldo
         int64_t ldo;
         bool tma_store;  // the output's tensor map made: a warp's rows inside the expert go out by TMA
     };
-    static constexpr bool kTmaA = true;
-    static constexpr bool kGateUpPairs = false;
-    static constexpr bool kGateUpHalves = false;
-    static constexpr bool kStaging = true;
     static constexpr const char* name(BLayout b_layout) {
         return b_layout == BLayout::kNK ? "m_grouped_gemm_sm90[store]" : "m_grouped_gemm_sm90[store, kn]";
     }

@@ -18,7 +18,8 @@
 
 namespace megamoe::sm90::m_grouped {
 
-struct QuantizedSwiGLUEpilogue : NoEpilogueHooks {
+struct QuantizedSwiGLUEpilogue
+    : EpiloguePolicy</*kTmaA*/ false, /*kGateUpPairs*/ true, /*kGateUpHalves*/ true, /*kStaging*/ false> {
     using Activation = SwiGLUActivation;
     struct Params : Activation::Params {
         void* out;          // a [rows, I] in the element type, or NULL
@@ -28,10 +29,6 @@ struct QuantizedSwiGLUEpilogue : NoEpilogueHooks {
         float* act_scales;  // [rows, I / 128]: the scale of row r's group g at act_scales[r * (I / 128) + g]
         bool pow2;          // power-of-two scales
     };
-    static constexpr bool kTmaA = false;
-    static constexpr bool kGateUpPairs = true;
-    static constexpr bool kGateUpHalves = true;
-    static constexpr bool kStaging = false;
     static constexpr const char* name(BLayout) { return "m_grouped_gemm_sm90[swiglu, a quantized]"; }
 
     template <typename T, class Config, int kNumRegs>
@@ -48,8 +45,8 @@ struct QuantizedSwiGLUEpilogue : NoEpilogueHooks {
         const int64_t groups_per_row = mainloop.n / kFp8ScaleGroup;
 #pragma unroll
         for (int half = 0; half < 2; ++half) {
-            const int local_row =
-                row_block * kWgmmaM + warp_idx * AccFragment::kWarpRows + AccFragment::row_in_warp(lane_idx) + half * AccFragment::kHalfRows;
+            const int local_row = row_block * kWgmmaM + warp_idx * AccFragment::kWarpRows +
+                                  AccFragment::row_in_warp(lane_idx) + half * AccFragment::kHalfRows;
             const bool row_valid = local_row < tile.num_rows;
             const int64_t row_idx = tile.row_begin + local_row;
             uint32_t act_words[kOutFrags];  // a's bf16 pairs: the values a is stored as (and the quantizer reads back)

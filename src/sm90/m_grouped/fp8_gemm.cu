@@ -1,6 +1,6 @@
-// The blockwise FP8 launches (m_grouped_fp8_gemm_sm90.h) on the M-grouped kernel of m_grouped_kernel.cuh: the
-// Fp8Cooperative tile (m_grouped_config.cuh: 128 x 256 x 128-byte K blocks, a K group per stage, one set of
-// accumulators in the current group's units: m_grouped_fp8_mainloop.cuh). B kNK, the store, SwiGLU and dSwiGLU
+// The blockwise FP8 launches (m_grouped_fp8_gemm_sm90.h) on the M-grouped kernel of m_grouped/kernel.cuh: the
+// Fp8Cooperative tile (m_grouped/config.cuh: 128 x 256 x 128-byte K blocks, a K group per stage, one set of
+// accumulators in the current group's units: m_grouped/fp8_mainloop.cuh). B kNK, the store, SwiGLU and dSwiGLU
 // epilogues of the 16-bit kernels.
 #include "sm90/m_grouped_fp8_gemm_sm90.h"
 

@@ -1,5 +1,5 @@
 // The 16-bit (bf16 / f16) launches of the fused Hopper M-grouped GEMM (m_grouped_gemm_sm90.h): the epilogue policy
-// and B layout of each call, on the kernel of m_grouped_kernel.cuh (its contract: that file's opening block).
+// and B layout of each call, on the kernel of m_grouped/kernel.cuh (its contract: that file's opening block).
 #include "sm90/m_grouped_gemm_sm90.h"
 
 #include <algorithm>

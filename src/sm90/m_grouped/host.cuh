@@ -1,10 +1,10 @@
-// Host side of the fused Hopper M-grouped GEMM (m_grouped_gemm_sm90.cu): the tensor maps of B (one, or the separate
-// layout's two) and of the K halves' A, the mainloop's params from the GEMM arguments.
+// Host side of the fused Hopper M-grouped GEMM (m_grouped/gemm.cu, fp8_gemm.cu): the tensor maps of B (one, or the
+// separate layout's two) and of the K halves' A, the mainloop's params from the GEMM arguments.
 #pragma once
 
 #include "device/cuda_utils.h"
 #include "device/grouped_gemm_args.h"
-#include "sm90/kit/launch.h"
+#include "sm90/kit/tensor_map.h"
 #include "sm90/m_grouped/config.cuh"
 
 namespace megamoe::sm90::m_grouped {

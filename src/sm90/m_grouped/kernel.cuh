@@ -6,15 +6,15 @@
 //   B_e = b + e * b_expert_stride, either [N, K] K-contiguous (BLayout::kNK: w13[e] [2I, H] for up, w2[e] [H, I]
 //   for down) or [K, N] N-contiguous (BLayout::kKN: w2[e] read as [K = H, N = I] for the backward's dH,
 //   w13[e] read as [K = 2I, N = H] for its dX).
-// Epilogues (policy types, m_grouped_epilogue.cuh, m_grouped_dswiglu.cuh): GatedEpilogue (SwiGLUEpilogue by default)
+// Epilogues (policy types, m_grouped/epilogue.cuh, m_grouped/dswiglu.cuh): GatedEpilogue (SwiGLUEpilogue by default)
 // writes h = [g, u] (+ b13; by sorted row, as saved_h keeps it) and / or a = act(g, u); StoreEpilogueOf writes acc
 // (+ b2) in the element type (bf16 / f16), by TMA stores where it can; DSwiGLUEpilogueOf (the backward's dH, acc = p =
 // W2[e]^T dy) reads the row's g, u, s and writes dh = [dg, du] (or interleaved), s * a and the tile's partial sum of
 // ds = <p, a> (one per row and n-tile, added in n-tile order later: deterministic). The activation is a compile-time
-// policy (m_grouped_activation.cuh). f32 accumulation. No atomics: every output element is written once.
+// policy (m_grouped/activation.cuh). f32 accumulation. No atomics: every output element is written once.
 //
-// Tiles (TileConfig in m_grouped_config.cuh, chosen per epilogue by m_grouped_tile_table.cuh): kBlockM = 128 rows (one
-// M tile of the routing's schedule) x kBlockN columns of B_e (cooperative 256, ping-pong 128) x kBlockK = 64 (one
+// Tiles (TileConfig in m_grouped/config.cuh, chosen per epilogue by m_grouped/tile_table.cuh): kBlockM = 128 rows (one
+// M tile of the routing's schedule) x kBlockN = 256 columns of B_e x kBlockK = 64 (one
 // 128-byte swizzled row of 16-bit elements). For SwiGLU, the kBlockN rows of the B tile are kBlockN / 2 gate rows (TMA
 // box 0) followed by the matching up rows I + n0 + [0, kBlockN / 2) (box 1; kKN, w13 stored transposed: the first half
 // of the 64-column boxes from gate column n0, the second from I + n0): each thread holds g and u of the same outputs,
@@ -40,21 +40,19 @@
 //     wgmma reads through the async proxy; a stage filled by TMA alone needs none). No L2 prefetches (of h for dH's
 //     epilogue, or of gathered rows ahead of their stage).
 //   warpgroups 1, 2, consumers (setmaxnreg up to kConsumerRegs), cooperative: rows [64 (w - 1), 64 w) of every tile
-//     of the CTA; ping-pong: every other tile of the CTA (all 128 rows, two m64 row blocks), the other consumer's
-//     stages skipped and the two mainloops in turn (named barriers), so one consumer's epilogue runs under the
-//     other's mainloop. m64 x kBlockN x k16 wgmmas (both operands from shared memory, K-major); one wgmma batch
+//     of the CTA. m64 x kBlockN x k16 wgmmas (both operands from shared memory, K-major); one wgmma batch
 //     stays in flight, and the stage it read is released when the next batch has been issued: one arrive per warp
 //     on the empty barrier of both CTAs (the next fill lands in both). A consumer whose first row block has no
-//     valid rows skips its wgmmas but keeps the pipeline going (ping-pong's second row block always runs with the
-//     first: no branch inside a batch). The epilogue (per row block) transposes accumulator pairs across each
-//     quad of lanes and stores 16-byte chunks (64 contiguous bytes per row per warp store). dSwiGLU goes through
-//     each warp's 4 KiB of shared memory instead, 16 x 32 sub-tiles: g, u by cp.async (the first sub-tile's issued
-//     when the tile starts, with its rows' weights; then one sub-tile ahead), ldmatrix into the accumulator layout,
-//     dg, du, s a by stmatrix and out by 16-byte loads and global stores; no quad transposes. The store epilogue:
-//     a warp whose 16 rows all lie in the expert stages them 64 columns at a time with stmatrix in one of its two 2 KiB
-//     boxes (128-byte swizzle) and lane 0 stores each box by TMA (2-D map over [num_out_rows, n], clipped at n), so the
-//     warp is back at its MMAs once its last store is issued; a TMA store cannot stop at the expert's end (the rows
-//     after it are the next expert's first tile, another CTA's), so a warp whose rows cross it stores from registers.
+//     valid rows skips its wgmmas but keeps the pipeline going. The epilogue (per row block) transposes accumulator
+//     pairs across each quad of lanes and stores 16-byte chunks (64 contiguous bytes per row per warp store). dSwiGLU
+//     goes through each warp's 4 KiB of shared memory instead, 16 x 32 sub-tiles: g, u by cp.async (the first
+//     sub-tile's issued when the tile starts, with its rows' weights; then one sub-tile ahead), ldmatrix into the
+//     accumulator layout, dg, du, s a by stmatrix and out by 16-byte loads and global stores; no quad transposes. The
+//     store epilogue: a warp whose 16 rows all lie in the expert stages them 64 columns at a time with stmatrix in one
+//     of its two 2 KiB boxes (128-byte swizzle) and lane 0 stores each box by TMA (2-D map over [num_out_rows, n],
+//     clipped at n), so the warp is back at its MMAs once its last store is issued; a TMA store cannot stop at the
+//     expert's end (the rows after it are the next expert's first tile, another CTA's), so a warp whose rows cross it
+//     stores from registers.
 // Tile schedule: cluster tiles t = p * num_n_tiles + n_tile over the pairs p of the routing's device-side M-tile
 // schedule (m_tile_offsets; its total m_tile_offsets[E] is read on the device, the host only knows a bound);
 // cluster c takes t = c, c + num_clusters, ...: the n-tiles of one pair run side by side on neighbouring
@@ -69,13 +67,13 @@
 // Shared memory (SharedStorage, dynamic, 1024-byte aligned): kNumStages x (A tile 16 KiB + B tile kBlockN x 128 B),
 // for the store and dSwiGLU epilogues the per-warp staging (4 KiB per consumer warp, 32 KiB: two TMA store boxes or
 // four sub-tile slots), then the full and empty mbarriers;
-// the stage count is the most that fits 227 KiB (cooperative: 4 stages of 48 KiB; ping-pong: 7 of 32 KiB). What was
+// the stage count is the most that fits 227 KiB (4 stages of 48 KiB). What was
 // measured of these choices (tile shapes, schedules, TMA against cp.async, prefetches): docs/log/.
 // Operands (TileConfig's Operands): 16-bit (bf16 / f16, T) as above, or blockwise FP8 (m_grouped_fp8_gemm_sm90.h,
-// launched by m_grouped_fp8_gemm_sm90.cu): e4m3 A and B, kNK only, a K block of 128 e4m3 (the same 128-byte swizzled
+// launched by m_grouped/fp8_gemm.cu): e4m3 A and B, kNK only, a K block of 128 e4m3 (the same 128-byte swizzled
 // row, so tiles, boxes, the gather and the epilogues are unchanged; T is then the output type) is one scale group;
-// the mainloop (m_grouped_fp8_mainloop.cuh) applies the scales per group: the rescaled 128 x 256 tile (one set of
-// accumulators in the current group's units) or the promoted 128 x 128 tile (a second set per group).
+// the mainloop (m_grouped/fp8_mainloop.cuh) applies the scales per group to the 128 x 256 tile's one set of
+// accumulators, kept in the current group's units (rescaled when the group's scale changes).
 #pragma once
 
 #include "sm90/m_grouped_gemm_sm90.h"
@@ -110,7 +108,8 @@ struct Kernel {
     static constexpr int kNumStages = num_stages<Config, Epi::kStaging>();
     using Pipeline = StagePipeline<kNumStages, kClusterSize>;
     using Loader = StageLoader<Config, Epi, kBLayout, kBSource>;
-    using Mainloop = std::conditional_t<Config::kFp8, Fp8Mainloop<Config, Epi>, WgmmaMainloop<T, Config, Epi, kBLayout>>;
+    using Mainloop =
+        std::conditional_t<Config::kFp8, Fp8Mainloop<Config, Epi>, WgmmaMainloop<T, Config, Epi, kBLayout>>;
     static_assert(!Config::kFp8 || kBLayout == BLayout::kNK, "FP8 wgmma reads B K-major");
 
     // Consumer warpgroup `consumer_idx`: every tile of the CTA, rows [64 consumer_idx, + 64): the mainloop, then the
@@ -193,7 +192,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 }
 
 // ---------------------------------------------------------------------------------------------------
-// Host side (the tensor maps of A and B and the mainloop's params: m_grouped_host.cuh): the launch.
+// Host side (the tensor maps of A and B and the mainloop's params: m_grouped/host.cuh): the launch.
 
 template <typename T, class Epi, BLayout kBLayout, BSource kBSource, class Config>
 megamoe_status_t launch_typed(const cuda::MGroupedGemmArgs& args,

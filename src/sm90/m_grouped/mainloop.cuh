@@ -22,7 +22,7 @@ template <BLayout kBLayout>
 constexpr gmma::Major kBMajor = kBLayout == BLayout::kNK ? gmma::Major::K : gmma::Major::MN;
 
 // acc[kFirstReg, kFirstReg + kBlockRegs) += A (64 x 16) * B (kBlockN x 16)^T, asynchronously: one row block of
-// 16-bit operands (the FP8 ones: m_grouped_fp8_mainloop.cuh's fp8_mma).
+// 16-bit operands (the FP8 ones: m_grouped/fp8_mainloop.cuh's fp8_mma).
 template <typename T, BLayout kBLayout, class Config, int kFirstReg, int kNumRegs>
 __device__ __forceinline__ void wgmma(uint64_t desc_a, uint64_t desc_b, float (&acc)[kNumRegs]) {
     static_assert(!Config::kFp8, "16-bit operands");

@@ -1,4 +1,4 @@
-// The M-grouped kernel's tile table: the tile configuration (m_grouped_config.cuh) each epilogue policy runs with and
+// The M-grouped kernel's tile table: the tile configuration (m_grouped/config.cuh) each epilogue policy runs with and
 // the limit each entry hits. What was measured of other tiles: docs/log/.
 #pragma once
 
