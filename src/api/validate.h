@@ -16,12 +16,6 @@ namespace megamoe {
 // Sorted-row indices are int32 on the device: at most this many rows (T * topk, or R).
 constexpr int64_t kMaxRows = (int64_t{1} << 31) - 1;
 
-#define MEGAMOE_CHECK(expr)                                    \
-    do {                                                       \
-        const megamoe_status_t status_ = (expr);               \
-        if (status_ != MEGAMOE_STATUS_SUCCESS) return status_; \
-    } while (0)
-
 struct Named {
     const char* name;
     const megamoe_tensor_t* tensor;
