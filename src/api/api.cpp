@@ -5,6 +5,7 @@
 // the fused sm_90a kernels would run takes the portable ones (its expert parameters' alignment). Also the version and
 // the ABI guard (megamoe_abi_version, megamoe_struct_size). A CPU-only build (MEGAMOE_WITH_CUDA=0: no nvcc when it
 // was built) has the reference alone and refuses CUDA tensors once they are validated, naming the build.
+#include <iterator>
 #include <string>
 
 #include "common.h"
@@ -151,21 +152,11 @@ const char* megamoe_last_error(void) {
 }
 
 const char* megamoe_status_string(megamoe_status_t status) {
-    switch (status) {
-        case MEGAMOE_STATUS_SUCCESS:
-            return "MEGAMOE_STATUS_SUCCESS";
-        case MEGAMOE_STATUS_INVALID_ARGUMENT:
-            return "MEGAMOE_STATUS_INVALID_ARGUMENT";
-        case MEGAMOE_STATUS_NOT_SUPPORTED:
-            return "MEGAMOE_STATUS_NOT_SUPPORTED";
-        case MEGAMOE_STATUS_WORKSPACE_TOO_SMALL:
-            return "MEGAMOE_STATUS_WORKSPACE_TOO_SMALL";
-        case MEGAMOE_STATUS_CUDA_ERROR:
-            return "MEGAMOE_STATUS_CUDA_ERROR";
-        case MEGAMOE_STATUS_INTERNAL_ERROR:
-            return "MEGAMOE_STATUS_INTERNAL_ERROR";
-    }
-    return "MEGAMOE_STATUS_UNKNOWN";
+    static const char* const kNames[] = {"MEGAMOE_STATUS_SUCCESS",       "MEGAMOE_STATUS_INVALID_ARGUMENT",
+                                         "MEGAMOE_STATUS_NOT_SUPPORTED", "MEGAMOE_STATUS_WORKSPACE_TOO_SMALL",
+                                         "MEGAMOE_STATUS_CUDA_ERROR",    "MEGAMOE_STATUS_INTERNAL_ERROR"};
+    static_assert(std::size(kNames) == MEGAMOE_STATUS_INTERNAL_ERROR + 1, "a name for every status");
+    return megamoe::entry_of(kNames, status, "MEGAMOE_STATUS_UNKNOWN");
 }
 
 int32_t megamoe_version(void) {
@@ -181,41 +172,22 @@ int32_t megamoe_has_cuda(void) {
 }
 
 size_t megamoe_struct_size(megamoe_struct_kind_t kind) {
-    switch (kind) {
-        case MEGAMOE_STRUCT_TENSOR:
-            return sizeof(megamoe_tensor_t);
-        case MEGAMOE_STRUCT_FORWARD_PARAMS:
-            return sizeof(megamoe_forward_params_t);
-        case MEGAMOE_STRUCT_BACKWARD_PARAMS:
-            return sizeof(megamoe_backward_params_t);
-        case MEGAMOE_STRUCT_GROUPED_FORWARD_PARAMS:
-            return sizeof(megamoe_grouped_forward_params_t);
-        case MEGAMOE_STRUCT_GROUPED_BACKWARD_PARAMS:
-            return sizeof(megamoe_grouped_backward_params_t);
-        case MEGAMOE_STRUCT_LAYOUT:
-            return sizeof(megamoe_layout_t);
-        case MEGAMOE_STRUCT_ACTIVATION:
-            return sizeof(megamoe_activation_t);
-        case MEGAMOE_STRUCT_FP8_EXPERTS:
-            return sizeof(megamoe_fp8_experts_t);
-    }
-    return 0;
+    static const size_t kSizes[] = {sizeof(megamoe_tensor_t),
+                                    sizeof(megamoe_forward_params_t),
+                                    sizeof(megamoe_backward_params_t),
+                                    sizeof(megamoe_grouped_forward_params_t),
+                                    sizeof(megamoe_grouped_backward_params_t),
+                                    sizeof(megamoe_layout_t),
+                                    sizeof(megamoe_activation_t),
+                                    sizeof(megamoe_fp8_experts_t)};
+    static_assert(std::size(kSizes) == MEGAMOE_STRUCT_FP8_EXPERTS + 1, "a size for every struct kind");
+    return megamoe::entry_of(kSizes, kind, size_t{0});
 }
 
 const char* megamoe_path_string(megamoe_path_t path) {
-    switch (path) {
-        case MEGAMOE_PATH_REFERENCE:
-            return "reference";
-        case MEGAMOE_PATH_CUDA_PORTABLE:
-            return "cuda";
-        case MEGAMOE_PATH_SM90:
-            return "sm90";
-        case MEGAMOE_PATH_SM90_PORTABLE_WEIGHT_GRADS:
-            return "sm90+cuda-weight-grads";
-        case MEGAMOE_PATH_SM90_FP8:
-            return "sm90-fp8";
-    }
-    return "unknown";
+    static const char* const kNames[] = {"reference", "cuda", "sm90", "sm90+cuda-weight-grads", "sm90-fp8"};
+    static_assert(std::size(kNames) == MEGAMOE_PATH_SM90_FP8 + 1, "a name for every path");
+    return megamoe::entry_of(kNames, path, "unknown");
 }
 
 void megamoe_testing_set_overrides(uint32_t overrides) {

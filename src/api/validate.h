@@ -16,6 +16,14 @@ namespace megamoe {
 // Sorted-row indices are int32 on the device: at most this many rows (T * topk, or R).
 constexpr int64_t kMaxRows = (int64_t{1} << 31) - 1;
 
+// The entry of `table` for an enum `code` (megamoe.h numbers each enum's codes from 0: the table's index), or
+// `unknown` for a code past the table.
+template <typename T, size_t N, typename Code>
+T entry_of(const T (&table)[N], Code code, T unknown) {
+    const auto idx = static_cast<int64_t>(code);
+    return idx >= 0 && idx < static_cast<int64_t>(N) ? table[idx] : unknown;
+}
+
 struct Named {
     const char* name;
     const megamoe_tensor_t* tensor;

@@ -4,6 +4,7 @@
 // the params struct) it rejects.
 #include <cinttypes>
 #include <cmath>
+#include <iterator>
 #include <string>
 
 #include "dtype.h"
@@ -13,15 +14,9 @@ namespace megamoe {
 namespace {
 
 const char* gate_up_name(megamoe_gate_up_t gate_up) {
-    switch (gate_up) {
-        case MEGAMOE_GATE_UP_CONCATENATED:
-            return "concatenated";
-        case MEGAMOE_GATE_UP_INTERLEAVED:
-            return "interleaved";
-        case MEGAMOE_GATE_UP_SEPARATE:
-            return "separate";
-    }
-    return "unknown";
+    static const char* const kNames[] = {"concatenated", "interleaved", "separate"};
+    static_assert(std::size(kNames) == MEGAMOE_GATE_UP_SEPARATE + 1, "a name for every arrangement");
+    return entry_of(kNames, gate_up, "unknown");
 }
 
 megamoe_status_t check_flag(const char* name, int32_t value) {
