@@ -53,7 +53,8 @@ megamoe_status_t check_rows_and_weights(const char* x_name, const char* x_dims, 
 megamoe_status_t check_expert_grads(const ExpertGrads& grads, int32_t accumulate_weight_grads,
                                     const megamoe_tensor_t& x, const char* x_name, const Experts& experts,
                                     const std::vector<Named>& inputs);
-// The expert parameters / gradients, named as in the params structs (for the overlap and pointer checks).
+// The expert parameters / gradients, named as in the params structs (for the overlap and pointer checks); both in
+// the order w13, w3, w2, b13, b2 (a gradient at its parameter's index).
 std::vector<Named> expert_inputs(const Experts& experts);
 std::vector<Named> expert_grad_outputs(const ExpertGrads& grads);
 
