@@ -1,5 +1,5 @@
 // Internal helpers shared by the validator, the CPU reference and the CUDA paths: the problem shape
-// and the thread-local error message behind megamoe_last_error().
+// and the thread-local error message behind megamoe_last_error(), and MEGAMOE_CHECK, which passes a failed status on.
 #pragma once
 
 #include <cstdarg>
@@ -27,5 +27,12 @@ megamoe_status_t set_error(megamoe_status_t status, const char* fmt, ...)
 #endif
     ;
 void clear_error();
+
+// Returns the status of `expr` from the enclosing function unless it is SUCCESS.
+#define MEGAMOE_CHECK(expr)                                                    \
+    do {                                                                       \
+        const megamoe_status_t megamoe_status_ = (expr);                       \
+        if (megamoe_status_ != MEGAMOE_STATUS_SUCCESS) return megamoe_status_; \
+    } while (0)
 
 }  // namespace megamoe

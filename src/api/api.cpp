@@ -5,6 +5,7 @@
 // the fused sm_90a kernels would run takes the portable ones (its expert parameters' alignment). Also the version and
 // the ABI guard (megamoe_abi_version, megamoe_struct_size). A CPU-only build (MEGAMOE_WITH_CUDA=0: no nvcc when it
 // was built) has the reference alone and refuses CUDA tensors once they are validated, naming the build.
+#include <iterator>
 #include <string>
 
 #include "common.h"
@@ -76,20 +77,41 @@ megamoe_status_t validate_for_device(const Params* params, Shape* shape) {
     return MEGAMOE_STATUS_SUCCESS;
 }
 
-// megamoe_*_workspace_size of every entry point: validate, then ask the path the call would take.
+// The answers of the two queries (the workspace size, the path) for the CUDA path and for the CPU reference.
+#if MEGAMOE_WITH_CUDA
 template <typename Params>
-megamoe_status_t query_workspace(const Params* params, size_t* bytes) {
+void answer_on_cuda(const Params& params, const Shape& shape, size_t* bytes) {
+    *bytes = cuda::workspace_size(params, shape);
+}
+template <typename Params>
+void answer_on_cuda(const Params& params, const Shape& shape, megamoe_path_t* path) {
+    *path = cuda::path(params, shape, &g_path_reason);
+}
+#endif
+template <typename Params>
+void answer_on_cpu(const Params& params, const Shape& shape, size_t* bytes) {
+    *bytes = reference::workspace_size(params, shape);
+}
+template <typename Params>
+void answer_on_cpu(const Params&, const Shape&, megamoe_path_t* path) {
+    *path = MEGAMOE_PATH_REFERENCE;
+}
+
+// megamoe_*_workspace_size and megamoe_*_path of every entry point: validate as the call would, then answer for the
+// reference or the CUDA path the call would take. `out_name` names `out` in the message refusing NULL.
+template <typename Params, typename Out>
+megamoe_status_t query(const Params* params, Out* out, const char* out_name) {
     clear_error();
-    if (bytes == nullptr) return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "bytes: NULL");
+    if (out == nullptr) return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "%s: NULL", out_name);
     Shape shape{};
     MEGAMOE_CHECK(validate_for_device(params, &shape));
 #if MEGAMOE_WITH_CUDA
     if (device_of(*params) == MEGAMOE_DEVICE_CUDA) {
-        *bytes = cuda::workspace_size(*params, shape);
+        answer_on_cuda(*params, shape, out);
         return MEGAMOE_STATUS_SUCCESS;
     }
 #endif
-    *bytes = reference::workspace_size(*params, shape);
+    answer_on_cpu(*params, shape, out);
     return MEGAMOE_STATUS_SUCCESS;
 }
 
@@ -113,22 +135,11 @@ megamoe_status_t run_entry(const Params* params) {
     return reference::run(p, shape);
 }
 
-// megamoe_*_path of every entry point: validate as the call would, then the reference or what the CUDA path picks.
+// megamoe_*_path also sets megamoe_path_reason: cleared first, so a refused query leaves it empty.
 template <typename Params>
 megamoe_status_t query_path(const Params* params, megamoe_path_t* path) {
-    clear_error();
     g_path_reason.clear();
-    if (path == nullptr) return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "path: NULL");
-    Shape shape{};
-    MEGAMOE_CHECK(validate_for_device(params, &shape));
-#if MEGAMOE_WITH_CUDA
-    if (device_of(*params) == MEGAMOE_DEVICE_CUDA) {
-        *path = cuda::path(*params, shape, &g_path_reason);
-        return MEGAMOE_STATUS_SUCCESS;
-    }
-#endif
-    *path = MEGAMOE_PATH_REFERENCE;
-    return MEGAMOE_STATUS_SUCCESS;
+    return query(params, path, "path");
 }
 
 }  // namespace
@@ -141,21 +152,11 @@ const char* megamoe_last_error(void) {
 }
 
 const char* megamoe_status_string(megamoe_status_t status) {
-    switch (status) {
-        case MEGAMOE_STATUS_SUCCESS:
-            return "MEGAMOE_STATUS_SUCCESS";
-        case MEGAMOE_STATUS_INVALID_ARGUMENT:
-            return "MEGAMOE_STATUS_INVALID_ARGUMENT";
-        case MEGAMOE_STATUS_NOT_SUPPORTED:
-            return "MEGAMOE_STATUS_NOT_SUPPORTED";
-        case MEGAMOE_STATUS_WORKSPACE_TOO_SMALL:
-            return "MEGAMOE_STATUS_WORKSPACE_TOO_SMALL";
-        case MEGAMOE_STATUS_CUDA_ERROR:
-            return "MEGAMOE_STATUS_CUDA_ERROR";
-        case MEGAMOE_STATUS_INTERNAL_ERROR:
-            return "MEGAMOE_STATUS_INTERNAL_ERROR";
-    }
-    return "MEGAMOE_STATUS_UNKNOWN";
+    static const char* const kNames[] = {"MEGAMOE_STATUS_SUCCESS",       "MEGAMOE_STATUS_INVALID_ARGUMENT",
+                                         "MEGAMOE_STATUS_NOT_SUPPORTED", "MEGAMOE_STATUS_WORKSPACE_TOO_SMALL",
+                                         "MEGAMOE_STATUS_CUDA_ERROR",    "MEGAMOE_STATUS_INTERNAL_ERROR"};
+    static_assert(std::size(kNames) == MEGAMOE_STATUS_INTERNAL_ERROR + 1, "a name for every status");
+    return megamoe::entry_of(kNames, status, "MEGAMOE_STATUS_UNKNOWN");
 }
 
 int32_t megamoe_version(void) {
@@ -171,41 +172,22 @@ int32_t megamoe_has_cuda(void) {
 }
 
 size_t megamoe_struct_size(megamoe_struct_kind_t kind) {
-    switch (kind) {
-        case MEGAMOE_STRUCT_TENSOR:
-            return sizeof(megamoe_tensor_t);
-        case MEGAMOE_STRUCT_FORWARD_PARAMS:
-            return sizeof(megamoe_forward_params_t);
-        case MEGAMOE_STRUCT_BACKWARD_PARAMS:
-            return sizeof(megamoe_backward_params_t);
-        case MEGAMOE_STRUCT_GROUPED_FORWARD_PARAMS:
-            return sizeof(megamoe_grouped_forward_params_t);
-        case MEGAMOE_STRUCT_GROUPED_BACKWARD_PARAMS:
-            return sizeof(megamoe_grouped_backward_params_t);
-        case MEGAMOE_STRUCT_LAYOUT:
-            return sizeof(megamoe_layout_t);
-        case MEGAMOE_STRUCT_ACTIVATION:
-            return sizeof(megamoe_activation_t);
-        case MEGAMOE_STRUCT_FP8_EXPERTS:
-            return sizeof(megamoe_fp8_experts_t);
-    }
-    return 0;
+    static const size_t kSizes[] = {sizeof(megamoe_tensor_t),
+                                    sizeof(megamoe_forward_params_t),
+                                    sizeof(megamoe_backward_params_t),
+                                    sizeof(megamoe_grouped_forward_params_t),
+                                    sizeof(megamoe_grouped_backward_params_t),
+                                    sizeof(megamoe_layout_t),
+                                    sizeof(megamoe_activation_t),
+                                    sizeof(megamoe_fp8_experts_t)};
+    static_assert(std::size(kSizes) == MEGAMOE_STRUCT_FP8_EXPERTS + 1, "a size for every struct kind");
+    return megamoe::entry_of(kSizes, kind, size_t{0});
 }
 
 const char* megamoe_path_string(megamoe_path_t path) {
-    switch (path) {
-        case MEGAMOE_PATH_REFERENCE:
-            return "reference";
-        case MEGAMOE_PATH_CUDA_PORTABLE:
-            return "cuda";
-        case MEGAMOE_PATH_SM90:
-            return "sm90";
-        case MEGAMOE_PATH_SM90_PORTABLE_WEIGHT_GRADS:
-            return "sm90+cuda-weight-grads";
-        case MEGAMOE_PATH_SM90_FP8:
-            return "sm90-fp8";
-    }
-    return "unknown";
+    static const char* const kNames[] = {"reference", "cuda", "sm90", "sm90+cuda-weight-grads", "sm90-fp8"};
+    static_assert(std::size(kNames) == MEGAMOE_PATH_SM90_FP8 + 1, "a name for every path");
+    return megamoe::entry_of(kNames, path, "unknown");
 }
 
 void megamoe_testing_set_overrides(uint32_t overrides) {
@@ -214,39 +196,6 @@ void megamoe_testing_set_overrides(uint32_t overrides) {
 
 uint32_t megamoe_testing_overrides(void) {
     return megamoe::test_overrides().load(std::memory_order_relaxed);
-}
-
-megamoe_status_t megamoe_forward_workspace_size(const megamoe_forward_params_t* params, size_t* bytes) {
-    return megamoe::query_workspace(params, bytes);
-}
-
-megamoe_status_t megamoe_backward_workspace_size(const megamoe_backward_params_t* params, size_t* bytes) {
-    return megamoe::query_workspace(params, bytes);
-}
-
-megamoe_status_t megamoe_grouped_forward_workspace_size(const megamoe_grouped_forward_params_t* params, size_t* bytes) {
-    return megamoe::query_workspace(params, bytes);
-}
-
-megamoe_status_t megamoe_grouped_backward_workspace_size(const megamoe_grouped_backward_params_t* params,
-                                                         size_t* bytes) {
-    return megamoe::query_workspace(params, bytes);
-}
-
-megamoe_status_t megamoe_forward(const megamoe_forward_params_t* params) {
-    return megamoe::run_entry(params);
-}
-
-megamoe_status_t megamoe_backward(const megamoe_backward_params_t* params) {
-    return megamoe::run_entry(params);
-}
-
-megamoe_status_t megamoe_grouped_forward(const megamoe_grouped_forward_params_t* params) {
-    return megamoe::run_entry(params);
-}
-
-megamoe_status_t megamoe_grouped_backward(const megamoe_grouped_backward_params_t* params) {
-    return megamoe::run_entry(params);
 }
 
 megamoe_status_t megamoe_quantize_experts(const megamoe_tensor_t* w13, const megamoe_tensor_t* w2,
@@ -267,20 +216,22 @@ const char* megamoe_path_reason(void) {
     return megamoe::g_path_reason.c_str();
 }
 
-megamoe_status_t megamoe_forward_path(const megamoe_forward_params_t* params, megamoe_path_t* path) {
-    return megamoe::query_path(params, path);
-}
+// The three entry points of one params struct megamoe_<name>_params_t: megamoe_<name>, megamoe_<name>_workspace_size
+// and megamoe_<name>_path (megamoe.h).
+#define MEGAMOE_DEFINE_ENTRY_POINTS(name)                                                                      \
+    megamoe_status_t megamoe_##name(const megamoe_##name##_params_t* params) {                                 \
+        return megamoe::run_entry(params);                                                                     \
+    }                                                                                                          \
+    megamoe_status_t megamoe_##name##_workspace_size(const megamoe_##name##_params_t* params, size_t* bytes) { \
+        return megamoe::query(params, bytes, "bytes");                                                         \
+    }                                                                                                          \
+    megamoe_status_t megamoe_##name##_path(const megamoe_##name##_params_t* params, megamoe_path_t* path) {    \
+        return megamoe::query_path(params, path);                                                              \
+    }
 
-megamoe_status_t megamoe_backward_path(const megamoe_backward_params_t* params, megamoe_path_t* path) {
-    return megamoe::query_path(params, path);
-}
-
-megamoe_status_t megamoe_grouped_forward_path(const megamoe_grouped_forward_params_t* params, megamoe_path_t* path) {
-    return megamoe::query_path(params, path);
-}
-
-megamoe_status_t megamoe_grouped_backward_path(const megamoe_grouped_backward_params_t* params, megamoe_path_t* path) {
-    return megamoe::query_path(params, path);
-}
+MEGAMOE_DEFINE_ENTRY_POINTS(forward)
+MEGAMOE_DEFINE_ENTRY_POINTS(backward)
+MEGAMOE_DEFINE_ENTRY_POINTS(grouped_forward)
+MEGAMOE_DEFINE_ENTRY_POINTS(grouped_backward)
 
 }  // extern "C"

@@ -16,11 +16,13 @@ namespace megamoe {
 // Sorted-row indices are int32 on the device: at most this many rows (T * topk, or R).
 constexpr int64_t kMaxRows = (int64_t{1} << 31) - 1;
 
-#define MEGAMOE_CHECK(expr)                                    \
-    do {                                                       \
-        const megamoe_status_t status_ = (expr);               \
-        if (status_ != MEGAMOE_STATUS_SUCCESS) return status_; \
-    } while (0)
+// The entry of `table` for an enum `code` (megamoe.h numbers each enum's codes from 0: the table's index), or
+// `unknown` for a code past the table.
+template <typename T, size_t N, typename Code>
+T entry_of(const T (&table)[N], Code code, T unknown) {
+    const auto idx = static_cast<int64_t>(code);
+    return idx >= 0 && idx < static_cast<int64_t>(N) ? table[idx] : unknown;
+}
 
 struct Named {
     const char* name;
@@ -51,7 +53,8 @@ megamoe_status_t check_rows_and_weights(const char* x_name, const char* x_dims, 
 megamoe_status_t check_expert_grads(const ExpertGrads& grads, int32_t accumulate_weight_grads,
                                     const megamoe_tensor_t& x, const char* x_name, const Experts& experts,
                                     const std::vector<Named>& inputs);
-// The expert parameters / gradients, named as in the params structs (for the overlap and pointer checks).
+// The expert parameters / gradients, named as in the params structs (for the overlap and pointer checks); both in
+// the order w13, w3, w2, b13, b2 (a gradient at its parameter's index).
 std::vector<Named> expert_inputs(const Experts& experts);
 std::vector<Named> expert_grad_outputs(const ExpertGrads& grads);
 

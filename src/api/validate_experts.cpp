@@ -4,6 +4,7 @@
 // the params struct) it rejects.
 #include <cinttypes>
 #include <cmath>
+#include <iterator>
 #include <string>
 
 #include "dtype.h"
@@ -13,15 +14,9 @@ namespace megamoe {
 namespace {
 
 const char* gate_up_name(megamoe_gate_up_t gate_up) {
-    switch (gate_up) {
-        case MEGAMOE_GATE_UP_CONCATENATED:
-            return "concatenated";
-        case MEGAMOE_GATE_UP_INTERLEAVED:
-            return "interleaved";
-        case MEGAMOE_GATE_UP_SEPARATE:
-            return "separate";
-    }
-    return "unknown";
+    static const char* const kNames[] = {"concatenated", "interleaved", "separate"};
+    static_assert(std::size(kNames) == MEGAMOE_GATE_UP_SEPARATE + 1, "a name for every arrangement");
+    return entry_of(kNames, gate_up, "unknown");
 }
 
 megamoe_status_t check_flag(const char* name, int32_t value) {
@@ -204,34 +199,24 @@ megamoe_status_t check_expert_grads(const ExpertGrads& grads, int32_t accumulate
                                     const megamoe_tensor_t& x, const char* x_name, const Experts& experts,
                                     const std::vector<Named>& inputs) {
     MEGAMOE_CHECK(check_flag("accumulate_weight_grads", accumulate_weight_grads));
-    const struct {
-        const char* name;
-        const megamoe_tensor_t* grad;
-        const char* param_name;
-        const megamoe_tensor_t* param;
-        const char* rule;
-    } pairs[] = {
-        {"dw13", grads.dw13, "w13", experts.w13, "the dtype of w13 or f32"},
-        {"dw3", grads.dw3, "w3", experts.w3, "the dtype of w3 or f32"},
-        {"dw2", grads.dw2, "w2", experts.w2, "the dtype of w2 or f32"},
-        {"db13", grads.db13, "b13", experts.b13, "the dtype of b13 or f32"},
-        {"db2", grads.db2, "b2", experts.b2, "the dtype of b2 or f32"},
-    };
-    for (const auto& pair : pairs) {
-        if (!is_present(*pair.grad)) continue;
-        const megamoe_tensor_t& param = *pair.param;
-        if (!is_present(param)) {
+    const std::vector<Named> params = expert_inputs(experts), param_grads = expert_grad_outputs(grads);
+    for (size_t idx = 0; idx < param_grads.size(); ++idx) {  // both in the order w13, w3, w2, b13, b2
+        const Named &grad = param_grads[idx], &param = params[idx];
+        if (!is_present(*grad.tensor)) continue;
+        if (!is_present(*param.tensor)) {
             return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT, "%s: given, but %s is absent (no %s, no gradient of it)",
-                             pair.name, pair.param_name, pair.param_name);
+                             grad.name, param.name, param.name);
         }
-        const std::vector<int64_t> param_shape(param.shape, param.shape + param.ndim);
-        const std::string dims = std::string("as ") + pair.param_name + " " + shape_string(param);
-        MEGAMOE_CHECK(check_output(pair.name, *pair.grad, x, x_name, param.ndim, dims.c_str(), param_shape, param.dtype,
-                                   MEGAMOE_DTYPE_F32, pair.rule, inputs));
-        if (grads.accumulate && pair.grad->dtype != MEGAMOE_DTYPE_F32) {
+        const megamoe_tensor_t& param_tensor = *param.tensor;
+        const std::vector<int64_t> param_shape(param_tensor.shape, param_tensor.shape + param_tensor.ndim);
+        const std::string dims = std::string("as ") + param.name + " " + shape_string(param_tensor);
+        const std::string rule = std::string("the dtype of ") + param.name + " or f32";
+        MEGAMOE_CHECK(check_output(grad.name, *grad.tensor, x, x_name, param_tensor.ndim, dims.c_str(), param_shape,
+                                   param_tensor.dtype, MEGAMOE_DTYPE_F32, rule.c_str(), inputs));
+        if (grads.accumulate && grad.tensor->dtype != MEGAMOE_DTYPE_F32) {
             return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT,
-                             "%s: accumulate_weight_grads = 1 adds into an f32 buffer, got dtype %s", pair.name,
-                             dtype_name(pair.grad->dtype));
+                             "%s: accumulate_weight_grads = 1 adds into an f32 buffer, got dtype %s", grad.name,
+                             dtype_name(grad.tensor->dtype));
         }
     }
     return MEGAMOE_STATUS_SUCCESS;

@@ -45,11 +45,8 @@ inline megamoe_status_t check_cuda(cudaError_t err, const char* what) {
     return MEGAMOE_STATUS_SUCCESS;
 }
 
-#define MEGAMOE_CUDA_RETURN_IF_ERROR(expr)                                     \
-    do {                                                                       \
-        const megamoe_status_t megamoe_status_ = (expr);                       \
-        if (megamoe_status_ != MEGAMOE_STATUS_SUCCESS) return megamoe_status_; \
-    } while (0)
+// The CUDA code's name of MEGAMOE_CHECK (common.h).
+#define MEGAMOE_CUDA_RETURN_IF_ERROR(expr) MEGAMOE_CHECK(expr)
 
 // Makes `device_index` current for the guard's lifetime; the caller's device comes back after.
 class DeviceGuard {

@@ -21,17 +21,15 @@ int64_t groups(int64_t cols) {
     return ceil_div(cols, int64_t{kFp8GroupSize});
 }
 
-// `rows` rows of `in` (the call's element type, row stride out.cols) into `out`, the recipe's amax / 448 scales.
+// `rows` rows of `in` (the call's element type, contiguous) into `out`, the recipe's amax / 448 scales (pow2 false).
 megamoe_status_t quantize_rows(const Call& call, const void* in, int64_t rows, const Fp8Rows& out) {
     QuantizeGroupsArgs args{};
     args.in = in;
     args.in_dtype = call.dtype;
     args.rows = rows;
-    args.cols = out.cols;
-    args.in_row_stride = out.cols;
+    args.cols = args.in_row_stride = out.cols;
     args.q = out.q;
     args.scales = out.scales;
-    args.pow2 = false;
     return launch_quantize_groups(args, call.stream);
 }
 

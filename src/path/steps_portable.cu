@@ -13,11 +13,10 @@ namespace megamoe::cuda {
 namespace {
 
 // What both row kernels of the activation's backward read and write: h and p in, dh, s * a and ds out.
-template <class RowArgs>
-RowArgs activation_rows_args(const BackwardStep& step) {
+DSwiGLUArgs activation_rows_args(const BackwardStep& step) {
     const BackwardCall& call = step.call;
     const BackwardWorkspace& workspace = step.workspace;
-    RowArgs args{};
+    DSwiGLUArgs args{};
     args.dtype = call.dtype;
     args.h = workspace.h;
     args.dh = workspace.dh;
@@ -37,8 +36,9 @@ RowArgs activation_rows_args(const BackwardStep& step) {
 // dh (the layout's row order), s * a and ds per row from h and p.
 megamoe_status_t launch_d_act(const BackwardStep& step) {
     const BackwardCall& call = step.call;
-    if (call.default_experts) return launch_dswiglu_rows(activation_rows_args<DSwiGLUArgs>(step), call.stream);
-    DActArgs dact = activation_rows_args<DActArgs>(step);
+    if (call.default_experts) return launch_dswiglu_rows(activation_rows_args(step), call.stream);
+    DActArgs dact{};
+    static_cast<DSwiGLUArgs&>(dact) = activation_rows_args(step);
     dact.dh_interleaved = is_interleaved(call);
     dact.dy = call.dy;
     dact.b2 = call.b2;

@@ -206,23 +206,9 @@ megamoe_status_t launch_gather_sum(const GatherSumArgs& args, cudaStream_t strea
 }
 
 megamoe_status_t launch_dswiglu_rows(const DSwiGLUArgs& args, cudaStream_t stream) {
-    DActArgs dact{};
-    dact.dtype = args.dtype;
-    dact.h = args.h;
-    dact.dh = args.dh;
-    dact.dh_interleaved = false;
-    dact.p = args.p;
-    dact.act = args.act;
-    dact.ds_rows = args.ds_rows;
-    dact.sorted_slot = args.sorted_slot;
-    dact.expert_offsets = args.expert_offsets;
-    dact.num_experts = args.num_experts;
-    dact.weights = args.weights;
-    dact.weights_dtype = args.weights_dtype;
-    dact.b2 = nullptr;
-    dact.intermediate = args.intermediate;
+    DActArgs dact{};  // the default options: dh as [dg, du], no b2
+    static_cast<DSwiGLUArgs&>(dact) = args;
     dact.activation = {MEGAMOE_ACTIVATION_SWIGLU, 0.0f, 0.0f};
-    dact.max_rows = args.max_rows;
     return launch_dact_rows(dact, stream);
 }
 

@@ -43,7 +43,7 @@ struct DSwiGLUArgs {
     const void* h;              // [rows, 2I]: [g, u] by sorted row
     void* dh;                   // [rows, 2I] out: [dg, du] by sorted row (may be h itself)
     const float* p;             // [rows, I]
-    void* act;                  // [rows, I] out: s * silu(g) * u
+    void* act;                  // [rows, I] out: s * a (SwiGLU: s * silu(g) * u)
     float* ds_rows;             // [rows] out
     const int* sorted_slot;     // [S], or NULL: slot r for row r
     const int* expert_offsets;  // [E + 1]; rows = expert_offsets[E]

@@ -410,6 +410,22 @@ megamoe_status_t check_quantize_launch(const char* kernel_name) {
     return MEGAMOE_STATUS_SUCCESS;
 }
 
+// launch(ElementTag<T>{}) with T the C++ type of a quantizer's input dtype: bf16, f16, else f32.
+template <class Launch>
+void with_input_type(megamoe_dtype_t dtype, Launch&& launch) {
+    switch (dtype) {
+        case MEGAMOE_DTYPE_BF16:
+            launch(ElementTag<__nv_bfloat16>{});
+            break;
+        case MEGAMOE_DTYPE_F16:
+            launch(ElementTag<__half>{});
+            break;
+        default:
+            launch(ElementTag<float>{});
+            break;
+    }
+}
+
 }  // namespace
 
 megamoe_status_t launch_quantize_groups(const QuantizeGroupsArgs& args, cudaStream_t stream) {
@@ -422,27 +438,17 @@ megamoe_status_t launch_quantize_groups(const QuantizeGroupsArgs& args, cudaStre
     const int64_t warps_per_block = kQuantThreads / kWarpSize;  // a row (the row path) or a group each
     if (quantize_groups_by_rows(args)) {
         const dim3 grid(static_cast<unsigned>(std::min(ceil_div(args.rows, warps_per_block), kMaxQuantBlocks)));
-        if (args.in_dtype == MEGAMOE_DTYPE_BF16) {
-            quantize_groups_row_kernel<__nv_bfloat16><<<grid, kQuantThreads, 0, stream>>>(args);
-        } else {
-            quantize_groups_row_kernel<__half><<<grid, kQuantThreads, 0, stream>>>(args);
-        }
+        with_element_type(args.in_dtype, [&](auto tag) {
+            quantize_groups_row_kernel<typename decltype(tag)::Type><<<grid, kQuantThreads, 0, stream>>>(args);
+        });
         return check_quantize_launch("quantize_groups_row_kernel");
     }
     if (quantize_groups_vectorizable(args)) {
         const dim3 grid(
             static_cast<unsigned>(std::min(ceil_div(num_groups, warps_per_block * kGroupsPerWarp), kMaxQuantBlocks)));
-        switch (args.in_dtype) {
-            case MEGAMOE_DTYPE_BF16:
-                quantize_groups_vector_kernel<__nv_bfloat16><<<grid, kQuantThreads, 0, stream>>>(args);
-                break;
-            case MEGAMOE_DTYPE_F16:
-                quantize_groups_vector_kernel<__half><<<grid, kQuantThreads, 0, stream>>>(args);
-                break;
-            default:
-                quantize_groups_vector_kernel<float><<<grid, kQuantThreads, 0, stream>>>(args);
-                break;
-        }
+        with_input_type(args.in_dtype, [&](auto tag) {
+            quantize_groups_vector_kernel<typename decltype(tag)::Type><<<grid, kQuantThreads, 0, stream>>>(args);
+        });
         return check_quantize_launch("quantize_groups_vector_kernel");
     }
     const dim3 grid(static_cast<unsigned>(std::min(ceil_div(num_groups, warps_per_block), kMaxQuantBlocks)));
@@ -468,17 +474,9 @@ megamoe_status_t launch_quantize_blocks(const QuantizeBlocksArgs& args, cudaStre
     const int64_t whole_blocks = args.num_experts * n_whole * k_whole;
     if (whole_blocks > 0) {
         const dim3 grid(static_cast<unsigned>(whole_blocks));
-        switch (args.in_dtype) {
-            case MEGAMOE_DTYPE_BF16:
-                quantize_blocks_vector_kernel<__nv_bfloat16><<<grid, kQuantThreads, 0, stream>>>(args);
-                break;
-            case MEGAMOE_DTYPE_F16:
-                quantize_blocks_vector_kernel<__half><<<grid, kQuantThreads, 0, stream>>>(args);
-                break;
-            default:
-                quantize_blocks_vector_kernel<float><<<grid, kQuantThreads, 0, stream>>>(args);
-                break;
-        }
+        with_input_type(args.in_dtype, [&](auto tag) {
+            quantize_blocks_vector_kernel<typename decltype(tag)::Type><<<grid, kQuantThreads, 0, stream>>>(args);
+        });
         MEGAMOE_CUDA_RETURN_IF_ERROR(check_quantize_launch("quantize_blocks_vector_kernel"));
     }
     const int64_t edge_blocks = num_blocks - whole_blocks;  // block_coords' edges_only order

@@ -15,29 +15,18 @@
 
 #include "activation.h"
 #include "common.h"
+#include "portable/elementwise.h"
 
 namespace megamoe::cuda {
 
-struct DActArgs {
-    megamoe_dtype_t dtype;      // element type of h, dh, act, dy and b2
-    const void* h;              // [rows, 2I]: [g, u] by sorted row
-    void* dh;                   // [rows, 2I] out (may be h itself)
-    bool dh_interleaved;        // dh in interleaved order (the interleaved layout's rows)
-    const float* p;             // [rows, I]
-    void* act;                  // [rows, I] out: s * a
-    float* ds_rows;             // [rows] out
-    const int* sorted_slot;     // [S], or NULL: slot r for row r
-    const int* expert_offsets;  // [E + 1]; rows = expert_offsets[E]
-    int64_t num_experts;
-    const void* weights;  // [T * topk], or NULL: 1
-    megamoe_dtype_t weights_dtype;
-    const void* dy;  // [T, H]: row of slot / topk (read only with b2)
-    const void* b2;  // [E, H], or NULL: no bias of the down projection
+// DSwiGLUArgs (its dtype also that of dy and b2) and the expert options: the order of dh, b2, the activation.
+struct DActArgs : DSwiGLUArgs {
+    bool dh_interleaved;  // dh in interleaved order (the interleaved layout's rows), else [dg, du]
+    const void* dy;       // [T, H]: row of slot / topk (read only with b2)
+    const void* b2;       // [E, H], or NULL: no bias of the down projection
     int64_t topk;
     int64_t hidden;
-    int64_t intermediate;
     Activation<float> activation;
-    int64_t max_rows;  // host bound on rows (S)
 };
 megamoe_status_t launch_dact_rows(const DActArgs& args, cudaStream_t stream);
 

@@ -72,7 +72,7 @@ __device__ T block_exclusive_scan(T value, T* warp_totals, T& total) {
     return warp_offset + inclusive - value;
 }
 
-// The expert of a slot for sorting: its id when in [0, E), else -1 (dropped or invalid).
+// The id of a slot as stored (int32 or int64).
 __device__ __forceinline__ int64_t load_id(const void* topk_ids, bool ids_are_int64, int64_t slot_idx) {
     return ids_are_int64 ? static_cast<const int64_t*>(topk_ids)[slot_idx]
                          : static_cast<int64_t>(static_cast<const int32_t*>(topk_ids)[slot_idx]);
@@ -88,29 +88,50 @@ struct ChunkArgs {
     int64_t chunk_slots;
 };
 
-__global__ void __launch_bounds__(kChunkThreads) count_kernel(const ChunkArgs args, int* counts, int* token_invalid) {
+// One lane's slot at one step of walk_chunk.
+struct ChunkSlot {
+    int64_t chunk_idx;
+    int64_t slot_idx;
+    bool in_chunk;    // below the chunk's end (else a lane without a slot at the chunk's last step)
+    bool invalid_id;  // its id is outside [-1, E): its token is flagged
+    int expert_idx;   // the expert it is sorted under: its id when in [0, E), else -1 (no slot, dropped or invalid)
+};
+
+// The walk of passes 1 and 4, one and the same so that both group the slots alike: warp w takes chunk w (none past
+// the last chunk) and walks its slots in order, 32 consecutive slots a step, lane l slot step_begin + l; every lane
+// calls step(slot) at every step, those without a slot included (the warp-wide intrinsics need the whole warp).
+template <class Step>
+__device__ __forceinline__ void walk_chunk(const ChunkArgs& args, Step&& step) {
     const int64_t chunk_idx = (static_cast<int64_t>(blockIdx.x) * kChunkThreads + threadIdx.x) / kWarpSize;
     const int lane_idx = threadIdx.x % kWarpSize;
     if (chunk_idx >= args.num_chunks) return;
     const int64_t slot_begin = chunk_idx * args.chunk_slots;
     const int64_t slot_end = min(slot_begin + args.chunk_slots, args.num_slots);
     for (int64_t step_begin = slot_begin; step_begin < slot_end; step_begin += kWarpSize) {
-        const int64_t slot_idx = step_begin + lane_idx;
-        int expert_idx = -1;
-        if (slot_idx < slot_end) {
-            const int64_t id = load_id(args.topk_ids, args.ids_are_int64, slot_idx);
+        ChunkSlot slot{chunk_idx, step_begin + lane_idx, false, false, -1};
+        slot.in_chunk = slot.slot_idx < slot_end;
+        if (slot.in_chunk) {
+            const int64_t id = load_id(args.topk_ids, args.ids_are_int64, slot.slot_idx);
             if (id >= 0 && id < args.num_experts) {
-                expert_idx = static_cast<int>(id);
-            } else if (id != -1) {
-                token_invalid[slot_idx / args.topk] = 1;
+                slot.expert_idx = static_cast<int>(id);
+            } else {
+                slot.invalid_id = id != -1;
             }
         }
-        const unsigned group_mask = __match_any_sync(kFullMask, expert_idx);
-        const bool is_leader = lane_idx == __ffs(group_mask) - 1;
-        if (expert_idx >= 0 && is_leader) {
-            atomicAdd(&counts[expert_idx * args.num_chunks + chunk_idx], __popc(group_mask));
-        }
+        step(slot);
     }
+}
+
+__global__ void __launch_bounds__(kChunkThreads) count_kernel(const ChunkArgs args, int* counts, int* token_invalid) {
+    const int lane_idx = threadIdx.x % kWarpSize;
+    walk_chunk(args, [&](const ChunkSlot& slot) {
+        if (slot.invalid_id) token_invalid[slot.slot_idx / args.topk] = 1;
+        const unsigned group_mask = __match_any_sync(kFullMask, slot.expert_idx);
+        const bool is_leader = lane_idx == __ffs(group_mask) - 1;
+        if (slot.expert_idx >= 0 && is_leader) {
+            atomicAdd(&counts[slot.expert_idx * args.num_chunks + slot.chunk_idx], __popc(group_mask));
+        }
+    });
 }
 
 // Pass 2a: the sum of each kScanTile-entry tile of the count matrix.
@@ -228,32 +249,23 @@ __global__ void __launch_bounds__(kChunkThreads)
 // Pass 4: rows for every slot. counts[e][chunk] holds the chunk's next free row of expert e.
 __global__ void __launch_bounds__(kChunkThreads)
     scatter_kernel(const ChunkArgs args, int* counts, int* sorted_slot, int* slot_to_row) {
-    const int64_t chunk_idx = (static_cast<int64_t>(blockIdx.x) * kChunkThreads + threadIdx.x) / kWarpSize;
     const int lane_idx = threadIdx.x % kWarpSize;
-    if (chunk_idx >= args.num_chunks) return;
     const unsigned lanes_before = (1u << lane_idx) - 1u;
-    const int64_t slot_begin = chunk_idx * args.chunk_slots;
-    const int64_t slot_end = min(slot_begin + args.chunk_slots, args.num_slots);
-    for (int64_t step_begin = slot_begin; step_begin < slot_end; step_begin += kWarpSize) {
-        const int64_t slot_idx = step_begin + lane_idx;
-        int expert_idx = -1;
-        if (slot_idx < slot_end) {
-            const int64_t id = load_id(args.topk_ids, args.ids_are_int64, slot_idx);
-            if (id >= 0 && id < args.num_experts) expert_idx = static_cast<int>(id);
-        }
+    walk_chunk(args, [&](const ChunkSlot& slot) {
+        const int expert_idx = slot.expert_idx;
         const unsigned group_mask = __match_any_sync(kFullMask, expert_idx);
-        int* cursor = expert_idx >= 0 ? &counts[expert_idx * args.num_chunks + chunk_idx] : nullptr;
+        int* cursor = expert_idx >= 0 ? &counts[expert_idx * args.num_chunks + slot.chunk_idx] : nullptr;
         if (expert_idx >= 0) {
             const int row_idx = *cursor + __popc(group_mask & lanes_before);
-            sorted_slot[row_idx] = static_cast<int>(slot_idx);
-            slot_to_row[slot_idx] = row_idx;
-        } else if (slot_idx < slot_end) {
-            slot_to_row[slot_idx] = -1;
+            sorted_slot[row_idx] = static_cast<int>(slot.slot_idx);
+            slot_to_row[slot.slot_idx] = row_idx;
+        } else if (slot.in_chunk) {
+            slot_to_row[slot.slot_idx] = -1;
         }
         __syncwarp();  // every lane has read its cursor before the leader moves it
         if (expert_idx >= 0 && lane_idx == __ffs(group_mask) - 1) *cursor += __popc(group_mask);
         __syncwarp();  // the moved cursor is visible to the next step
-    }
+    });
 }
 
 }  // namespace

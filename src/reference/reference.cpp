@@ -280,19 +280,6 @@ megamoe_status_t with_accum(megamoe_accum_t accum, Fn&& fn) {
 
 }  // namespace
 
-size_t workspace_size(const megamoe_forward_params_t&, const Shape&) {
-    return 0;
-}
-size_t workspace_size(const megamoe_backward_params_t&, const Shape&) {
-    return 0;
-}
-size_t workspace_size(const megamoe_grouped_forward_params_t&, const Shape&) {
-    return 0;
-}
-size_t workspace_size(const megamoe_grouped_backward_params_t&, const Shape&) {
-    return 0;
-}
-
 megamoe_status_t run(const megamoe_forward_params_t& p, const Shape& shape) {
     return with_accum(p.accum, [&](auto acc) {
         using Acc = decltype(acc);

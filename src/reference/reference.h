@@ -13,10 +13,11 @@
 
 namespace megamoe::reference {
 
-size_t workspace_size(const megamoe_forward_params_t& params, const Shape& shape);
-size_t workspace_size(const megamoe_backward_params_t& params, const Shape& shape);
-size_t workspace_size(const megamoe_grouped_forward_params_t& params, const Shape& shape);
-size_t workspace_size(const megamoe_grouped_backward_params_t& params, const Shape& shape);
+// The reference needs no workspace: 0 bytes for every params struct.
+template <typename Params>
+constexpr size_t workspace_size(const Params&, const Shape&) {
+    return 0;
+}
 
 megamoe_status_t run(const megamoe_forward_params_t& params, const Shape& shape);
 megamoe_status_t run(const megamoe_backward_params_t& params, const Shape& shape);
