@@ -25,17 +25,22 @@ def registry(model):
     return importlib.import_module(f"torchtitan.models.{MODELS[model][0]}").model_registry
 
 
-def model_config(model, converters=None, layers=None):
-    """The model config from torchtitan's registry (converters applied by the registry), cut to its first layers,
-    every attention the CPU-capable SDPA."""
+def model_spec(model, converters=None, layers=None):
+    """torchtitan's ModelSpec from its registry (converters applied by the registry), the model config cut to its
+    first layers, every attention the CPU-capable SDPA."""
     from torchtitan.models.common.attention import ScaledDotProductAttention
 
     _, flavor, default_layers = MODELS[model]
-    config = registry(model)(flavor, converters=converters).model
-    config.layers = config.layers[:layers or default_layers]
-    for layer in config.layers:
+    spec = registry(model)(flavor, converters=converters)
+    spec.model.layers = spec.model.layers[:layers or default_layers]
+    for layer in spec.model.layers:
         layer.attention.inner_attention = ScaledDotProductAttention.Config()
-    return config
+    return spec
+
+
+def model_config(model, converters=None, layers=None):
+    """The model config of model_spec(...)."""
+    return model_spec(model, converters, layers).model
 
 
 def moe_layers(module):

@@ -28,14 +28,15 @@ As torchtitan's experts do, the computation runs in bf16 (x and the weights cast
 read through .to_local()) and returns x's dtype. Refused, with the reason, when converting: a tree without routed
 experts, experts of another kind (torchtitan's float8 / MXFP8 / fused-SwiGLU experts, or any unknown subclass), a
 precision other than "bf16" / "fp8", "fp8" on gpt-oss's interleaved layout or with dimensions that are not multiples
-of 128. At run time gpt-oss experts with tensor-parallel-sharded weights raise NotImplementedError (torchtitan scales
-their down bias per TP rank in the forward only).
+of 128. gpt-oss experts sharded by tensor parallelism get 1/TP of their down bias on each rank in the forward (the
+partial outputs are summed) and its whole gradient, as torchtitan's do.
 """
 
 import logging
 from dataclasses import dataclass, fields
 from typing import Literal
 
+import torch
 from torch.distributed.tensor import DTensor
 from torchtitan.config.override import override
 from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
@@ -58,6 +59,26 @@ GPT_OSS_ALPHA = 1.702  # torchtitan's gpt-oss SwiGLU slope (its swiglu()'s defau
 def _local(param):
     """The rank's part of a parameter (torchtitan's experts compute on local tensors), as a plain tensor."""
     return param.to_local() if isinstance(param, DTensor) else param
+
+
+def _tensor_parallel_degree(param):
+    """The size of the "tp" dimension of a DTensor parameter's mesh (1: none, or a plain tensor), as torchtitan's
+    gpt-oss experts read it."""
+    names = (param.device_mesh.mesh_dim_names or ()) if isinstance(param, DTensor) else ()
+    return param.device_mesh.size(names.index("tp")) if "tp" in names else 1
+
+
+class _DividedInForward(torch.autograd.Function):
+    """bias / degree in the forward, the gradient passed back unchanged: under expert TP every rank's partial output
+    carries 1/degree of gpt-oss's down bias (they are summed), while each rank's bias gradient is the whole one."""
+
+    @staticmethod
+    def forward(ctx, bias, degree):
+        return bias / degree
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
 
 
 def _dispatches_locally(dispatcher):
@@ -141,15 +162,11 @@ class MegamoeGptOssGroupedExperts(_MegamoeExperts, GptOssGroupedExperts):
         self.recompute = config.recompute
 
     def _megamoe_weights(self):
-        weight = self.mlp1_weight_EGD
-        if isinstance(weight, DTensor) and "tp" in (weight.device_mesh.mesh_dim_names or ()):
-            if weight.device_mesh.size(weight.device_mesh.mesh_dim_names.index("tp")) > 1:
-                raise NotImplementedError(
-                    "MegamoeGptOssGroupedExperts: gpt-oss experts with tensor-parallel-sharded weights are not "
-                    "supported (torchtitan divides their down bias by the TP degree in the forward only); use "
-                    "expert parallelism or no expert TP for gpt-oss with megamoe")
         w13, b13, w2, b2 = (_local(p).bfloat16() for p in (self.mlp1_weight_EGD, self.mlp1_bias_EG,
                                                             self.mlp2_weight_EDF, self.mlp2_bias_ED))
+        tp = _tensor_parallel_degree(self.mlp1_weight_EGD)
+        if tp > 1:  # each TP rank's partial output gets 1/tp of the down bias, its gradient whole (as torchtitan)
+            b2 = _DividedInForward.apply(b2, tp)
         return w13, w2, {"b13": b13, "b2": b2, "layout": INTERLEAVED,
                          "activation": clamped_swiglu(self.swiglu_limit, GPT_OSS_ALPHA)}
 
