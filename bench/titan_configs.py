@@ -15,11 +15,13 @@ functions (the converter in the model registry's converters list); torchtitan's 
 import time
 from dataclasses import dataclass
 
-from titan_data import SyntheticTextLoader, SyntheticTokenizer, install_datasets_stand_in
+from titan_data import SyntheticBatches, install_datasets_stand_in
 
 install_datasets_stand_in()  # before torchtitan's trainer module is imported (it imports `datasets`)
 
+from torchtitan.components.dataloader import BaseDataLoader  # noqa: E402
 from torchtitan.components.metrics import MetricsProcessor  # noqa: E402
+from torchtitan.components.tokenizer import BaseTokenizer  # noqa: E402
 from torchtitan.models.common.config_utils import decoder_vocab_size  # noqa: E402
 from torchtitan.models.deepseek_v3 import config_registry as deepseek_v3_registry  # noqa: E402
 from torchtitan.models.deepseek_v3 import model_registry as deepseek_v3_models  # noqa: E402
@@ -28,6 +30,49 @@ from torchtitan.models.qwen3 import model_registry as qwen3_models  # noqa: E402
 
 WARMUP_STEPS = 20
 DATA_SEED = 0
+
+
+class SyntheticTokenizer(BaseTokenizer):
+    """A vocabulary size and nothing else: the synthetic dataloader makes the token ids."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseTokenizer.Config):
+        vocab_size: int = 2048
+
+    def __init__(self, config, tokenizer_path=None, **kwargs):
+        super().__init__()
+        self.vocab_size = config.vocab_size
+
+    def encode(self, *args, **kwargs):
+        raise NotImplementedError("SyntheticTokenizer encodes no text: the synthetic dataloader makes the token ids")
+
+    def decode(self, *args, **kwargs):
+        raise NotImplementedError("SyntheticTokenizer decodes no ids")
+
+    def get_vocab_size(self):
+        return self.vocab_size
+
+
+class SyntheticTextLoader(BaseDataLoader):
+    """titan_data.SyntheticBatches as a torchtitan 0.3 dataloader."""
+
+    @dataclass(kw_only=True, slots=True)
+    class Config(BaseDataLoader.Config):
+        dataset: str = "synthetic"
+        vocab_size: int = 2048
+        seed: int = 0
+
+    def __init__(self, config, *, dp_world_size=1, dp_rank=0, tokenizer=None, seq_len, local_batch_size, **kwargs):
+        self.batches = SyntheticBatches(config.vocab_size, config.seed, dp_rank, seq_len, local_batch_size)
+
+    def __iter__(self):
+        return iter(self.batches)
+
+    def state_dict(self):
+        return self.batches.state_dict()
+
+    def load_state_dict(self, state_dict):
+        self.batches.load_state_dict(state_dict)
 
 
 class RecordingMetrics(MetricsProcessor):

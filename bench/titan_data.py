@@ -1,28 +1,23 @@
-"""Synthetic data for torchtitan's trainer on a machine without network or tokenizer files: torchtitan components
-(a tokenizer and a dataloader config, used through torchtitan's Trainer.Config as its own are) that need no file.
+"""Synthetic data for torchtitan's trainer on a machine without network or tokenizer files (no torchtitan import
+here: titan_configs.py wraps it for torchtitan 0.3, titan_legacy.py for 0.2).
 
-SyntheticTokenizer: a vocabulary of `vocab_size` ids and nothing else (the trainer builds a tokenizer and hands it to
-the dataloader; this one encodes nothing). SyntheticTextLoader: packed documents (64 to 1024 tokens) of a fixed
-random Markov chain over the vocabulary (each token has four successors, drawn with probabilities 0.4 / 0.3 / 0.2 /
-0.1: a model can learn it, so the loss falls from ln(vocab) towards the chain's entropy, about 1.28 nats), yielded as
-torchtitan's text dataloader yields them: ({"input": [B, L], "positions": [B, L]}, labels [B, L]), positions
-restarting at each document, labels the next token within the document. The same seed gives the same stream to every
-run (each data-parallel rank its own).
+SyntheticBatches: packed documents (64 to 1024 tokens) of a fixed random Markov chain over the vocabulary (each
+token has four successors, drawn with probabilities 0.4 / 0.3 / 0.2 / 0.1: a model can learn it, so the loss falls
+from ln(vocab) towards the chain's entropy, about 1.28 nats), yielded as torchtitan's text dataloader yields them:
+({"input": [B, L], "positions": [B, L]}, labels [B, L]), positions restarting at each document, labels the next token
+within the document. The same seed gives the same stream to every run (each data-parallel rank its own).
 
-install_datasets_stand_in(): torchtitan's trainer module imports Hugging Face `datasets` at module level for its HF
-dataloaders (torchtitan/components/validate.py -> hf_datasets/text_datasets.py). Where that package is not installed
-(the GPU machine: no network, and its pyarrow dependency alone is larger than everything carried there), this
-registers a module under that name whose entry points raise; the runs use SyntheticTextLoader, never those loaders.
+install_datasets_stand_in(): torchtitan's trainer imports Hugging Face `datasets` at module level for its HF
+dataloaders (0.3: components/validate.py -> hf_datasets/text_datasets.py; 0.2 likewise). Where that package is not
+installed, this registers a module under that name whose entry points raise; the runs use the synthetic data, never
+those loaders.
 """
 
 import importlib.util
 import sys
 import types
-from dataclasses import dataclass
 
 import torch
-from torchtitan.components.dataloader import BaseDataLoader
-from torchtitan.components.tokenizer import BaseTokenizer
 
 SUCCESSORS = 4
 SUCCESSOR_PROBABILITIES = (0.4, 0.3, 0.2, 0.1)
@@ -38,7 +33,7 @@ def install_datasets_stand_in():
 
     def unavailable(*args, **kwargs):
         raise RuntimeError("Hugging Face `datasets` is not installed here: torchtitan's HF dataloaders cannot run "
-                           "(the synthetic dataloader of bench/titan_data.py needs none)")
+                           "(bench/titan_data.py's synthetic data needs none)")
 
     package = types.ModuleType("datasets")
     package.__doc__ = "Stand-in for the absent Hugging Face datasets package (bench/titan_data.py)."
@@ -66,40 +61,15 @@ def markov_chains(vocab_size, seed, chains=CHAINS, length=DOCUMENT_LENGTHS[1] + 
     return tokens
 
 
-class SyntheticTokenizer(BaseTokenizer):
-    """A vocabulary size and nothing else: the synthetic dataloader makes token ids itself."""
+class SyntheticBatches:
+    """The batches of one data-parallel rank: rows of seq_len tokens packed from documents of markov_chains(vocab,
+    seed), positions restarting at each document, labels the next token within the document. Iterating yields
+    ({"input": [B, L], "positions": [B, L]}, labels [B, L]) without end; state_dict / load_state_dict resume it."""
 
-    @dataclass(kw_only=True, slots=True)
-    class Config(BaseTokenizer.Config):
-        vocab_size: int = 2048
-
-    def __init__(self, config, tokenizer_path=None, **kwargs):
-        super().__init__()
-        self.vocab_size = config.vocab_size
-
-    def encode(self, *args, **kwargs):
-        raise NotImplementedError("SyntheticTokenizer encodes no text: SyntheticTextLoader makes the token ids")
-
-    def decode(self, *args, **kwargs):
-        raise NotImplementedError("SyntheticTokenizer decodes no ids")
-
-    def get_vocab_size(self):
-        return self.vocab_size
-
-
-class SyntheticTextLoader(BaseDataLoader):
-    """Packed Markov-chain documents as torchtitan's text dataloader yields its batches (module docstring)."""
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(BaseDataLoader.Config):
-        dataset: str = "synthetic"
-        vocab_size: int = 2048
-        seed: int = 0
-
-    def __init__(self, config, *, dp_world_size=1, dp_rank=0, tokenizer=None, seq_len, local_batch_size, **kwargs):
-        self.seq_len, self.batch_size = seq_len, local_batch_size
-        self.chains = markov_chains(config.vocab_size, config.seed)
-        self.gen = torch.Generator().manual_seed(config.seed * 1000003 + dp_rank)
+    def __init__(self, vocab_size, seed, dp_rank, seq_len, batch_size):
+        self.seq_len, self.batch_size = seq_len, batch_size
+        self.chains = markov_chains(vocab_size, seed)
+        self.gen = torch.Generator().manual_seed(seed * 1000003 + dp_rank)
         self.batches = 0
 
     def _row(self):

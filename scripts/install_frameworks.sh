@@ -16,7 +16,7 @@ DEST=.frameworks
 TORCHTITAN_PINNED=0.3.0
 TORCHTITAN_PREVIOUS=0.2.2
 TORCHTITAN_DEPS=(spmd_types==0.2.3 tyro docstring-parser typeguard)
-# and torchtitan 0.3's trainer module (tests/python/test_torchtitan_trainer.py, test_torchtitan_parallel.py; its
+# and torchtitan's trainer module (tests/python/test_torchtitan_trainer.py, test_torchtitan_parallel.py; its
 # `datasets` import gets bench/titan_data.py's stand-in where that package is absent):
 TORCHTITAN_TRAINER_DEPS=(torchdata==0.11.0 tensorboard==2.21.0 protobuf==7.36.2 absl-py==2.5.1)
 # megatron-core 0.16.1: the newest pip installs on Python 3.11 (0.17 and later declare Requires-Python >= 3.12; their
@@ -67,7 +67,7 @@ mkdir -p "$DEST"
 printf 'package\trole\tversion\tstatus\n' >"$DEST/manifest.tsv"
 
 install pinned torchtitan "$TORCHTITAN_PINNED" "${TORCHTITAN_DEPS[@]}" "${TORCHTITAN_TRAINER_DEPS[@]}"
-install previous torchtitan "$TORCHTITAN_PREVIOUS" "${TORCHTITAN_DEPS[@]}"
+install previous torchtitan "$TORCHTITAN_PREVIOUS" "${TORCHTITAN_DEPS[@]}" "${TORCHTITAN_TRAINER_DEPS[@]}"
 wheel=$(newest torchtitan)
 if [ -z "$wheel" ]; then
     record torchtitan newest - "pip could not download the newest torchtitan"

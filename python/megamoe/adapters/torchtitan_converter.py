@@ -38,11 +38,17 @@ from typing import Literal
 
 import torch
 from torch.distributed.tensor import DTensor
-from torchtitan.config.override import override
-from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
-from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
-from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
-from torchtitan.protocols.model import ModelConfigConverter
+
+try:
+    from torchtitan.config.override import override
+    from torchtitan.models.common.moe import GroupedExperts, RoutedExperts
+    from torchtitan.models.common.token_dispatcher import AllToAllTokenDispatcher, LocalTokenDispatcher
+    from torchtitan.models.gpt_oss.moe import GptOssGroupedExperts
+    from torchtitan.protocols.model import ModelConfigConverter
+except ImportError as error:
+    raise ImportError("megamoe.adapters.torchtitan_converter is for torchtitan 0.3 (model-config converters); "
+                      "torchtitan 0.2 converts built models by name: use megamoe.adapters.torchtitan_module_converter "
+                      f"({error})") from error
 
 from ..grouped import grouped_moe
 from ..layouts import INTERLEAVED, SEPARATE, clamped_swiglu
