@@ -4,7 +4,7 @@
 Each is torchtitan 0.3.0's own config of that name (its model registry flavour, optimizer, schedule, batch, sequence
 length, activation checkpointing, compile and parallelism settings) with only these changes: the tokenizer and the
 dataloader are bench/titan_data.py's synthetic ones (no network, no tokenizer files), metrics are logged every step
-(RecordingMetrics keeps them), checkpointing is off, the seed is fixed (every run starts from the same weights), and the
+(bench/titan_train.py keeps them), checkpointing is off, the seed is fixed (every run starts from the same weights), and the
 warmup is at most WARMUP_STEPS (the 30B / 16B configs
 warm up over 600 steps; a 200-step run would otherwise never reach the set learning rate). megamoe is switched on from
 the command line (--override.imports megamoe.adapters.torchtitan_converter.megamoe_experts) or by the *_megamoe
@@ -12,7 +12,6 @@ functions (the converter in the model registry's converters list); torchtitan's 
 (its Float8GroupedExpertsConverter, which needs torchao and an SM89+ GPU when the function runs).
 """
 
-import time
 from dataclasses import dataclass
 
 from titan_data import SyntheticBatches, install_datasets_stand_in
@@ -75,30 +74,6 @@ class SyntheticTextLoader(BaseDataLoader):
         self.batches.load_state_dict(state_dict)
 
 
-class RecordingMetrics(MetricsProcessor):
-    """torchtitan's MetricsProcessor that also keeps each logged step: loss, grad norm, the wall time at logging,
-    torchtitan's throughput and memory metrics (`records`)."""
-
-    @dataclass(kw_only=True, slots=True)
-    class Config(MetricsProcessor.Config):
-        log_freq: int = 1
-
-    def __init__(self, config, **kwargs):
-        super().__init__(config, **kwargs)
-        self.records = []
-        inner = self.logger
-
-        class Keep:
-            def log(_self, metrics, step):
-                self.records.append({"step": step, "time": time.perf_counter(), **metrics})
-                inner.log(metrics, step)
-
-            def close(_self):
-                inner.close()
-
-        self.logger = Keep()
-
-
 def synthetic(config, seed=DATA_SEED):
     """torchtitan's Trainer.Config with the synthetic tokenizer and data, per-step metrics, no checkpoints and at
     most WARMUP_STEPS of warmup."""
@@ -106,7 +81,7 @@ def synthetic(config, seed=DATA_SEED):
     config.tokenizer = SyntheticTokenizer.Config(vocab_size=vocab)
     config.dataloader = SyntheticTextLoader.Config(vocab_size=vocab, seed=seed)
     config.hf_assets_path = ""
-    config.metrics = RecordingMetrics.Config(log_freq=1)
+    config.metrics = MetricsProcessor.Config(log_freq=1)
     config.checkpoint.enable = False
     config.debug.seed = seed  # the same initial weights in every run (torchtitan draws a seed per run otherwise)
     config.lr_scheduler.warmup_steps = min(config.lr_scheduler.warmup_steps, WARMUP_STEPS)
