@@ -285,6 +285,8 @@ def main(argv=None):
             first_step_done = first_step_done or time.perf_counter()
             if args.seconds and time.perf_counter() - first_step_done > args.seconds:
                 break
+    except KeyboardInterrupt:  # scripts/gpu_torchtitan.sh's time limit: the steps done so far stand
+        result["error"] = "stopped by the time limit (SIGINT) after the steps recorded"
     except Exception as error:  # recorded with the steps done so far, then raised
         result["error"] = f"{type(error).__name__}: {error}"
         raise
