@@ -12,15 +12,18 @@ import pytest
 import torch
 
 from framework_cases import load_release, other_releases, run_release, FRAMEWORKS
-from titan_models import MODELS, build, model_config, moe_layers, random_state, run, tokens_and_dout
 
 VERSION = load_release("torchtitan", "torchtitan")
+from titan_models import (MODELS, build, model_config, moe_layers, random_state, run, skip_unless_importable,  # noqa: E402
+                          tokens_and_dout)
+
 try:
     from torchtitan.protocols.model import ModelConfigConverter  # noqa: F401  (0.3: model-config converters)
 except ImportError:
     pytest.skip(f"torchtitan {VERSION} has no model-config converter protocol (torchtitan.protocols.model."
                 "ModelConfigConverter, from 0.3.0); its converters rewrite built nn.Modules, registered by name",
                 allow_module_level=True)
+skip_unless_importable(VERSION)
 
 from megamoe.adapters import torchtitan_converter as converter  # noqa: E402 (after torchtitan is on sys.path)
 from megamoe.adapters.torchtitan_converter import MegamoeConverter  # noqa: E402

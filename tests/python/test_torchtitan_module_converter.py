@@ -22,6 +22,11 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
 from titan_data import install_datasets_stand_in  # noqa: E402
 
 install_datasets_stand_in()  # torchtitan 0.2's train specs import its HF dataloaders, which import `datasets`
+if importlib.util.find_spec("torchtitan.protocols.model_converter") is not None:
+    try:
+        import torchtitan.protocols.train_spec  # noqa: F401
+    except ImportError as error:
+        pytest.skip(f"torchtitan {VERSION} does not import here: {error}", allow_module_level=True)
 MODULE_CONVERTERS = importlib.util.find_spec("torchtitan.protocols.model_converter") is not None
 needs_module_converters = pytest.mark.skipif(
     not MODULE_CONVERTERS, reason=f"torchtitan {VERSION} converts model configs (0.3: megamoe.adapters."

@@ -32,22 +32,31 @@ TORCHTITAN_KINDS = {"0.3.0": {"RoutedExperts/GroupedExperts": 2}, "0.2.2": {"MoE
 LOSS_AGREEMENT = 2e-3  # relative: the experts compute in bf16 either way (rounding, not a different model)
 
 
-def release_folder(version):
+def release_environment(version):
+    """The subprocesses' environment for this release (its folder and this process's megamoe on PYTHONPATH); skips
+    where it is not installed or its trainer does not import with this torch (0.3.0 needs torch >= 2.12)."""
+    import megamoe
+
     folder = FRAMEWORKS / f"torchtitan-{version}"
     if not (folder / ".complete").exists():
         pytest.skip(f"torchtitan {version} is not installed (scripts/install_frameworks.sh)")
-    if not (folder / "torchdata").exists():
-        pytest.skip(f"torchtitan {version}'s trainer dependencies are not installed with it (scripts/"
-                    "install_frameworks.sh installs torchdata and tensorboard there)")
-    return folder
+    paths = [str(Path(megamoe.__file__).resolve().parents[1]), str(folder), os.environ.get("PYTHONPATH", "")]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
+    probe = subprocess.run([sys.executable, "-c", "import sys; sys.path.insert(0, sys.argv[1]); import titan_data; "
+                            "titan_data.install_datasets_stand_in(); import torchtitan.train, torchtitan.trainer"
+                            if version.startswith("0.3") else "import sys; sys.path.insert(0, sys.argv[1]); "
+                            "import titan_data; titan_data.install_datasets_stand_in(); import torchtitan.train",
+                            str(REPO / "bench")], env=env, capture_output=True, text=True, timeout=300)
+    if probe.returncode != 0:
+        pytest.skip(f"torchtitan {version}'s trainer does not import here: {probe.stderr.strip().splitlines()[-1]}")
+    return env
 
 
 @pytest.fixture(scope="module", params=list(RUNS))
 def runs(request, tmp_path_factory):
     version = request.param
+    env = release_environment(version)
     folder = tmp_path_factory.mktemp(f"titan-{version}")
-    paths = [str(REPO / "python"), str(release_folder(version)), os.environ.get("PYTHONPATH", "")]
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(paths)}
     results = {}
     for name, experts in RUNS[version].items():
         out = folder / f"{name}.json"

@@ -8,16 +8,36 @@ without attention masks (causal SDPA). framework_cases.float64_shim keeps torcht
 rounding, so both models compute in float64 with their own operations."""
 
 import importlib
+import sys
+from pathlib import Path
 
+import pytest
 import torch
 
 from framework_cases import float64_shim
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+from titan_data import install_datasets_stand_in  # noqa: E402
+
+install_datasets_stand_in()  # torchtitan's trainer module (its model configs import it) imports `datasets`
 
 MODELS = {  # name: (torchtitan module, flavor, layers kept: MoE layers included)
     "qwen3": ("qwen3", "debugmodel_moe", 2),
     "deepseek_v3": ("deepseek_v3", "debugmodel", 2),  # layer 0 is dense, layer 1 MoE (2 shared experts)
     "gpt_oss": ("gpt_oss", "debugmodel", 2),
 }
+
+
+def skip_unless_importable(version, modules=("torchtitan.trainer", "torchtitan.models.qwen3",
+                                            "torchtitan.models.deepseek_v3", "torchtitan.models.gpt_oss")):
+    """Skip the calling test module where this torchtitan release does not import with this torch (0.3.0 needs
+    torch >= 2.12) or lacks its trainer's dependencies."""
+    for module in modules:
+        try:
+            importlib.import_module(module)
+        except ImportError as error:
+            pytest.skip(f"torchtitan {version} does not import here (torch {torch.__version__}): {error}",
+                        allow_module_level=True)
 
 
 def registry(model):
