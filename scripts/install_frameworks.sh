@@ -16,6 +16,9 @@ DEST=.frameworks
 TORCHTITAN_PINNED=0.3.0
 TORCHTITAN_PREVIOUS=0.2.2
 TORCHTITAN_DEPS=(spmd_types==0.2.3 tyro docstring-parser typeguard)
+# and torchtitan's trainer module (tests/python/test_torchtitan_trainer.py, test_torchtitan_parallel.py; its
+# `datasets` import gets bench/titan_data.py's stand-in where that package is absent):
+TORCHTITAN_TRAINER_DEPS=(torchdata==0.11.0 tensorboard==2.21.0 protobuf==7.36.2 absl-py==2.5.1)
 # megatron-core 0.16.1: the newest pip installs on Python 3.11 (0.17 and later declare Requires-Python >= 3.12; their
 # MoE code is pure Python, so the newest is unpacked from its wheel where this Python is older than it declares).
 MEGATRON_PINNED=0.16.1
@@ -28,13 +31,13 @@ record() { printf '%s\t%s\t%s\t%s\n' "$@" >>"$DEST/manifest.tsv"; }  # package r
 into() {
     local folder=$1 log
     shift
-    [ -f "$folder/.complete" ] && return 0
+    [ -f "$folder/.complete" ] && [ "$(cat "$folder/.complete")" = "$*" ] && return 0  # complete, same specs
     rm -rf "$folder"
     if ! log=$(quiet_pip install --no-deps --target "$folder" "$@" 2>&1); then
         why="pip could not install it: $(grep -m1 ERROR <<<"$log" || tail -1 <<<"$log")"
         return 1
     fi
-    touch "$folder/.complete"
+    echo "$*" >"$folder/.complete"
 }
 
 # install ROLE PACKAGE VERSION [DEPS...]: the release and DEPS into $DEST/PACKAGE-VERSION, recorded.
@@ -63,8 +66,8 @@ rm -rf "$DEST/manifest.tsv"
 mkdir -p "$DEST"
 printf 'package\trole\tversion\tstatus\n' >"$DEST/manifest.tsv"
 
-install pinned torchtitan "$TORCHTITAN_PINNED" "${TORCHTITAN_DEPS[@]}"
-install previous torchtitan "$TORCHTITAN_PREVIOUS" "${TORCHTITAN_DEPS[@]}"
+install pinned torchtitan "$TORCHTITAN_PINNED" "${TORCHTITAN_DEPS[@]}" "${TORCHTITAN_TRAINER_DEPS[@]}"
+install previous torchtitan "$TORCHTITAN_PREVIOUS" "${TORCHTITAN_DEPS[@]}" "${TORCHTITAN_TRAINER_DEPS[@]}"
 wheel=$(newest torchtitan)
 if [ -z "$wheel" ]; then
     record torchtitan newest - "pip could not download the newest torchtitan"
@@ -88,7 +91,7 @@ else
     # compiled module, megatron/core/datasets/helpers_cpp, is for the datasets and is not imported by the tests).
     folder="$DEST/megatron-core-$version"
     rm -rf "$folder"
-    if "$PYTHON" -m zipfile -e "$wheel" "$folder" && touch "$folder/.complete"; then
+    if "$PYTHON" -m zipfile -e "$wheel" "$folder" && echo "megatron-core==$version" >"$folder/.complete"; then
         record megatron-core newest "$version" "ok"
     else
         record megatron-core newest "$version" "$why; could not unpack $(basename "$wheel") either"

@@ -95,9 +95,10 @@ def _grouped_mm_float64(grouped_mm):
         if a.dtype != torch.float64:
             return grouped_mm(a, b, *args, offs=offs, **kwargs)
         ends = offs.tolist()
-        starts = [0] + ends[:-1]
-        rows = [a[start:end] @ b[group] for group, (start, end) in enumerate(zip(starts, ends))]
-        return torch.cat(rows + [a.new_zeros(a.shape[0] - ends[-1], b.shape[-1])])  # [R, N]
+        sizes = [end - start for start, end in zip([0] + ends[:-1], ends)] + [a.shape[0] - ends[-1]]
+        groups = a.split(sizes)  # split / unbind: their backwards are one cat / stack (not a zeros per group)
+        rows = [rows @ weight for rows, weight in zip(groups, b.unbind(0))]
+        return torch.cat(rows + [a.new_zeros(sizes[-1], b.shape[-1])])  # [R, N]
 
     return call
 
