@@ -1,7 +1,7 @@
 """megamoe benchmark: megamoe.moe side by side with its peers (SonicMoE, the torch `_grouped_mm` path under
 torch.compile and eager) and a dense bf16 GEMM of the same FLOPs, on the reference shapes of DESIGN.md §4, measured as
 DESIGN.md §5 says: every implementation checked against an fp32 reference before it is timed, then each pass timed per
-call, back to back and as a CUDA-graph replay, with its activation memory. On an sm_90+ GPU also FP8 (issue #20):
+call, back to back and as a CUDA-graph replay, with its activation memory. On an sm_90+ GPU also FP8:
 megamoe.moe(precision="fp8") with its cached weight copies (megamoe-fp8) and with the weights quantized in every call
 (megamoe-fp8+wq), beside torchao's rowwise FP8 grouped GEMMs in the torch path (the peer torchao-fp8), each held to
 impls.FP8_TOLERANCE against the fp32 reference.

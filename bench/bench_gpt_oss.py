@@ -1,4 +1,4 @@
-"""A gpt-oss-shaped experts layer (issue #12's bar): Hugging Face's GptOssExperts (interleaved gate / up stored
+"""A gpt-oss-shaped experts layer: Hugging Face's GptOssExperts (interleaved gate / up stored
 transposed, biases, clamped SwiGLU) run by megamoe (`experts_implementation="megamoe"`, the weights read in place)
 and by HF's "grouped_mm", each checked in bf16 against HF's "eager" experts in fp32 on the same weights, then timed
 (forward, and forward + backward of x, the routing weights and every expert parameter), same inputs, same run.

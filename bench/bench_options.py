@@ -1,4 +1,4 @@
-"""What each expert option costs on megamoe's path (issue #12: "the cost of the options on sm_90a"): the same layer at
+"""What each expert option costs on megamoe's path (the cost of the options on sm_90a): the same layer at
 a reference shape in every weight layout (the same values stored as each layout stores them,
 megamoe.arrange_weights), with gpt-oss's clamped SwiGLU and with biases, forward and forward + backward timed per
 call beside the default (concatenated w13, SwiGLU, no biases), same inputs, same run. Each layout-only option's y must

@@ -1,4 +1,4 @@
-"""Small batches at a reference shape's experts (issue #19; default qwen3-30b-a3b's H, I, E, topk at T = 1, 8, 64,
+"""Small batches at a reference shape's experts (default qwen3-30b-a3b's H, I, E, topk at T = 1, 8, 64,
 512): megamoe and the torch `_grouped_mm` path (bench/torch_moe_baseline.py), forward and forward + backward, per call
 (CUDA events around one call, the GPU idle before it) and as a CUDA-graph replay, beside the weight-read floor: the
 bytes the pass must move over the device-to-device copy bandwidth measured in the same run. The forward reads w13 and

@@ -270,7 +270,7 @@ def fp8_note(results):
                                      if info is None else f"missing ({info['missing']})" if "missing" in info
                                      else info["about"]))
     tolerance = _num(results, "settings", "fp8_tolerance")
-    return ("FP8 (issue #20), each checked against the fp32 reference within a relative error of"
+    return ("FP8, each checked against the fp32 reference within a relative error of"
             f" {_f(tolerance, 'g')} instead of the bf16 rule: " + "; ".join(parts) + ".")
 
 

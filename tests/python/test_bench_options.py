@@ -1,5 +1,5 @@
 """bench/bench_options.py's flow on the CPU (tiny shape): every expert option runs, layout-only options give the
-default's y, and that check can fail. The GPU run is the benchmark (issue #12: the cost of each option on sm_90a)."""
+default's y, and that check can fail. The GPU run is the benchmark (the cost of each option on sm_90a)."""
 import glob
 import json
 import os

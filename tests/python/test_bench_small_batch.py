@@ -1,6 +1,6 @@
 """bench/bench_small_batch.py's flow on the CPU (tiny shape): every batch size runs megamoe and the torch path, each
 checked against the fp32 reference before it is timed, with the weight-read floor; and the check can fail. The GPU
-run is the benchmark (issue #19: small batches at qwen3-30b-a3b's experts)."""
+run is the benchmark (small batches at qwen3-30b-a3b's experts)."""
 import glob
 import json
 import os

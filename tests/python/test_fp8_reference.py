@@ -1,4 +1,4 @@
-"""The CPU reference of the blockwise FP8 recipe (megamoe.fp8_reference, issue #20): the quantization rules (scale =
+"""The CPU reference of the blockwise FP8 recipe (megamoe.fp8_reference): the quantization rules (scale =
 amax / 448, each value multiplied by the factor 448 / amax, or 1 / scale for power-of-two scales) checked
 against loops written out element by element, the edge cases the module defines (zero groups, the E4M3 limit, NaN
 and infinities, partial groups, power-of-two scales), and the recipe's GEMM against float64 on the dequantized
