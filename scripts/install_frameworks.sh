@@ -15,7 +15,8 @@ DEST=.frameworks
 # torchtitan/models/moe/moe.py (MoE.experts a GroupedExperts of w1 / w2 / w3). Their MoE modules import these:
 TORCHTITAN_PINNED=0.3.0
 TORCHTITAN_PREVIOUS=0.2.2
-TORCHTITAN_DEPS=(spmd_types==0.2.3 tyro docstring-parser typeguard)
+# (tokenizers: torchtitan's package itself imports it; transformers brings it where installed, a bare venv has none)
+TORCHTITAN_DEPS=(spmd_types==0.2.3 tyro docstring-parser typeguard tokenizers==0.23.3)
 # and torchtitan's trainer module (tests/python/test_torchtitan_trainer.py, test_torchtitan_parallel.py; its
 # `datasets` import gets bench/titan_data.py's stand-in where that package is absent):
 TORCHTITAN_TRAINER_DEPS=(torchdata==0.11.0 tensorboard==2.21.0 protobuf==7.36.2 absl-py==2.5.1)

@@ -40,4 +40,13 @@ def raise_in_graph(error, like=None):
     `like` (a placeholder [0] where `like` is no tensor) for the trace."""
     like = like.detach() if isinstance(like, torch.Tensor) else torch.empty(0)
     message = str(error.args[0]) if error.args else ""
-    return argument_error(like, type(error).__name__, message)
+    return argument_error(like, _kind_of(error), message)
+
+
+def _kind_of(error):
+    """The name of error's type among ARGUMENT_ERRORS, by isinstance: Dynamo before torch 2.12 cannot trace a type's
+    __name__."""
+    for kind, error_type in _ERROR_TYPES.items():
+        if isinstance(error, error_type):
+            return kind
+    return "ValueError"
