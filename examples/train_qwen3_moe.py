@@ -36,7 +36,10 @@ def parse_args(argv=None):
     p.add_argument("--steps", type=int, default=20, help="optimizer steps")
     p.add_argument("--warmup", type=int, default=3, help="steps left out of the timing")
     p.add_argument("--seq", type=int, default=None, help="sequence length (default 4096; 64 with --tiny)")
-    p.add_argument("--batch", type=int, default=None, help="sequences per step (default 4; 2 with --tiny)")
+    p.add_argument("--batch", type=int, default=None, help="sequences per micro-batch (default 4; 2 with --tiny)")
+    p.add_argument("--micro-batches", type=int, default=1,
+                   help="forward / backward passes per optimizer step (gradient accumulation: each micro-batch's "
+                        "loss / micro-batches; tokens per step = micro-batches x batch x seq)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--weight-decay", type=float, default=0.1)
     p.add_argument("--clip", type=float, default=1.0, help="gradient-norm clip (0: off)")
@@ -59,6 +62,8 @@ def parse_args(argv=None):
     args.batch = args.batch or (2 if args.tiny else 4)
     args.device = args.device or ("cuda" if torch.cuda.is_available() else "cpu")
     args.warmup = min(args.warmup, max(args.steps - 1, 0))
+    if args.micro_batches < 1:
+        p.error(f"--micro-batches must be >= 1, got {args.micro_batches}")
     if args.loss == "auto":
         args.loss = "compiled" if args.device.startswith("cuda") else "hf"
     return args
@@ -169,15 +174,21 @@ def make_optimizer(model, args, device):
     return torch.optim.AdamW(groups, lr=args.lr, betas=(0.9, 0.95), fused=device.type == "cuda")
 
 
-def train_step(model, optimizer, compute_loss, input_ids, clip):
-    """One optimizer step on input_ids [batch, seq]; returns the loss (a Python float: waits for the step)."""
-    loss = compute_loss(model, input_ids)
-    loss.backward()
+def train_step(model, optimizer, compute_loss, micro_batches, clip):
+    """One optimizer step over micro_batches [micro-batches, batch, seq]: the gradients of every micro-batch's loss /
+    micro-batches accumulated, then the clip and AdamW. Returns the mean of the micro-batches' losses (a Python
+    float: waits for the step)."""
+    num_micro_batches = micro_batches.shape[0]
+    total_loss = 0.0
+    for input_ids in micro_batches:  # [batch, seq]
+        loss = compute_loss(model, input_ids) / num_micro_batches
+        loss.backward()
+        total_loss = total_loss + loss.detach()
     if clip > 0:
         torch.nn.utils.clip_grad_norm_(model.parameters(), clip)
     optimizer.step()
     optimizer.zero_grad(set_to_none=True)
-    return loss.item()
+    return float(total_loss)
 
 
 def train(model, data, args, device):
@@ -187,7 +198,7 @@ def train(model, data, args, device):
     losses, times = [], []
     steps, bar = progress(args.steps)
     for step in steps:
-        input_ids = data[step].to(device, non_blocking=True)  # [batch, seq]
+        input_ids = data[step].to(device, non_blocking=True)  # [micro-batches, batch, seq]
         synchronize(device)
         start = time.perf_counter()
         loss_value = train_step(model, optimizer, compute_loss, input_ids, args.clip)
@@ -214,16 +225,18 @@ def main(argv=None):
     cfg = model_config(args.layers, args.tiny)
     model = build_model(cfg, args, dtype)
     total, active = param_counts(model, cfg)
-    tokens_per_step = args.batch * args.seq
+    tokens_per_step = args.micro_batches * args.batch * args.seq
     print(
         f"Qwen3-MoE{' (tiny)' if args.tiny else '-30B-A3B shapes'}: {cfg.num_hidden_layers} layers, hidden "
         f"{cfg.hidden_size}, experts {cfg.num_experts} x top-{cfg.num_experts_per_tok} of intermediate "
         f"{cfg.moe_intermediate_size}, vocab {cfg.vocab_size}; {total / 1e6:,.1f} M parameters ({active / 1e6:,.1f} M "
         f"active); experts_implementation={model.config._experts_implementation}, attn={args.attn_impl}, "
-        f"loss={args.loss}{', compiled layers' if args.compile_layers else ''}, {args.dtype}, batch {args.batch} x seq {args.seq} = {tokens_per_step} tokens/step on {device}",
+        f"loss={args.loss}{', compiled layers' if args.compile_layers else ''}, {args.dtype}, {args.micro_batches} micro-batch(es) x batch {args.batch} x seq {args.seq} = {tokens_per_step} "
+        f"tokens/step, AdamW{' (fused)' if device.type == 'cuda' else ''} on {device}",
         flush=True,
     )
-    data = synthetic_batches(cfg.vocab_size, args.steps, args.batch, args.seq, args.seed)
+    data = synthetic_batches(cfg.vocab_size, args.steps * args.micro_batches, args.batch, args.seq, args.seed)
+    data = data.view(args.steps, args.micro_batches, args.batch, args.seq)
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats(device)
     losses, times = train(model, data, args, device)

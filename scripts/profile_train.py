@@ -103,7 +103,9 @@ def profile_impl(impl, args):
     device = torch.device("cuda")
     cfg = example.model_config(targs.layers, False)
     model = example.build_model(cfg, targs, torch.bfloat16)
-    data = example.synthetic_batches(cfg.vocab_size, args.warmup + args.steps + 1, targs.batch, targs.seq, 0)
+    num_steps, num_micro = args.warmup + args.steps + 1, targs.micro_batches
+    data = example.synthetic_batches(cfg.vocab_size, num_steps * num_micro, targs.batch, targs.seq, 0)
+    data = data.view(num_steps, num_micro, targs.batch, targs.seq)  # --micro-batches among the example's args
     optimizer = example.make_optimizer(model, targs, device)
     compute_loss = example.loss_function(targs.loss)
 

@@ -321,6 +321,28 @@ def test_example_script_smoke(tmp_path):
     assert done.returncode == 0 and png.stat().st_size > 0, done.stdout + done.stderr
 
 
+def test_example_micro_batches_accumulate_the_joined_batch():
+    """--micro-batches: one step over 2 micro-batches of 2 sequences gives the loss and the update of one step over
+    the 4 sequences joined (fp64 weights; the model's loss is computed in f32, hence the tolerances). SGD with lr 1 makes
+    the update the gradient itself, so a wrong accumulation (no division by the count, a micro-batch dropped) fails."""
+    example = load_example()
+    cfg = tiny_config()
+    ids = example.synthetic_batches(cfg.vocab_size, 2, batch=2, seq=16, seed=3)  # [2 micro-batches, 2, 16]
+    compute_loss = example.loss_function("hf")
+    initial = [p.detach().clone() for p in make_model(cfg, torch.float64, experts="eager").parameters()]
+    results = []
+    for micro_batches in (ids, ids.reshape(1, 4, 16)):
+        model = make_model(cfg, torch.float64, experts="eager").train()
+        optimizer = torch.optim.SGD(model.parameters(), lr=1.0)
+        loss = example.train_step(model, optimizer, compute_loss, micro_batches, clip=0.0)
+        results.append((loss, [p.detach() - start for p, start in zip(model.parameters(), initial)]))
+    (loss_micro, update_micro), (loss_joined, update_joined) = results
+    assert loss_micro == pytest.approx(loss_joined, rel=1e-6)
+    for got, want in zip(update_micro, update_joined):
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-9)
+    assert sum(float(u.abs().sum()) for u in update_joined) > 1e-3, "the step must move the weights"
+
+
 def test_example_loss_matches_model_loss():
     """The example's --loss compiled function is the model's own loss (next-token cross-entropy, mean over the
     predicted positions) on the same logits: checked eagerly in fp64 (torch.compile only fuses its kernels)."""
