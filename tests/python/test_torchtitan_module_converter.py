@@ -19,6 +19,7 @@ from framework_cases import float64_shim, load_release, other_releases, run_rele
 
 VERSION = load_release("torchtitan", "torchtitan")
 sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "bench"))
+import titan_models  # noqa: E402
 from titan_data import install_datasets_stand_in  # noqa: E402
 
 install_datasets_stand_in()  # torchtitan 0.2's train specs import its HF dataloaders, which import `datasets`
@@ -75,18 +76,9 @@ def pair(name, gen, converter="megamoe"):
 
 
 def run(module, tokens, dout):
-    outputs = {}
-    hooks = [layer.moe.register_forward_hook(lambda _m, _a, out, name=name: outputs.__setitem__(f"moe.{name}", out))
-             for name, layer in module.layers.items() if getattr(layer, "moe_enabled", False)]
-    try:
-        with float64_shim():
-            out = module(tokens)
-            out.backward(dout)
-    finally:
-        for hook in hooks:
-            hook.remove()
-    grads = {name: p.grad for name, p in module.named_parameters() if p.grad is not None}
-    return {"out": out.detach(), **{k: v.detach() for k, v in outputs.items()}, **grads}
+    """titan_models.run with each MoE layer's whole output hooked (0.2's MoE modules, as the converter swaps them)."""
+    moe = {name: layer.moe for name, layer in module.layers.items() if getattr(layer, "moe_enabled", False)}
+    return titan_models.run(module, tokens, dout, hooked=moe)
 
 
 def inputs(module, gen):

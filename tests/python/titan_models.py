@@ -94,12 +94,14 @@ def build(config, state=None, dtype=torch.float64):
     return module
 
 
-def run(module, tokens, dout):
-    """{"out": logits, "moe.<layer>": that layer's routed-experts output, each parameter: its gradient} of
-    <dout, module(tokens)>, in float64 through float64_shim."""
+def run(module, tokens, dout, hooked=None):
+    """{"out": logits, "moe.<layer>": that layer's output of `hooked` ({layer name: submodule}; default its
+    routed experts, moe_layers), each parameter: its gradient} of <dout, module(tokens)>, in float64 through
+    float64_shim."""
     outputs = {}
-    hooks = [experts.register_forward_hook(lambda _m, _a, out, name=name: outputs.__setitem__(f"moe.{name}", out))
-             for name, experts in moe_layers(module).items()]
+    hooked = moe_layers(module) if hooked is None else hooked
+    hooks = [sub.register_forward_hook(lambda _m, _a, out, name=name: outputs.__setitem__(f"moe.{name}", out))
+             for name, sub in hooked.items()]
     module.zero_grad(set_to_none=True)
     try:
         with float64_shim():
