@@ -14,7 +14,7 @@ functions (the converter in the model registry's converters list); torchtitan's 
 
 from dataclasses import dataclass
 
-from titan_data import SyntheticBatches, install_datasets_stand_in
+from titan_data import SyntheticBatches, VocabularyOnlyTokenizer, install_datasets_stand_in
 
 install_datasets_stand_in()  # before torchtitan's trainer module is imported (it imports `datasets`)
 
@@ -31,8 +31,8 @@ WARMUP_STEPS = 20
 DATA_SEED = 0
 
 
-class SyntheticTokenizer(BaseTokenizer):
-    """A vocabulary size and nothing else: the synthetic dataloader makes the token ids."""
+class SyntheticTokenizer(VocabularyOnlyTokenizer, BaseTokenizer):
+    """A vocabulary size and nothing else (titan_data.VocabularyOnlyTokenizer)."""
 
     @dataclass(kw_only=True, slots=True)
     class Config(BaseTokenizer.Config):
@@ -41,15 +41,6 @@ class SyntheticTokenizer(BaseTokenizer):
     def __init__(self, config, tokenizer_path=None, **kwargs):
         super().__init__()
         self.vocab_size = config.vocab_size
-
-    def encode(self, *args, **kwargs):
-        raise NotImplementedError("SyntheticTokenizer encodes no text: the synthetic dataloader makes the token ids")
-
-    def decode(self, *args, **kwargs):
-        raise NotImplementedError("SyntheticTokenizer decodes no ids")
-
-    def get_vocab_size(self):
-        return self.vocab_size
 
 
 class SyntheticTextLoader(BaseDataLoader):

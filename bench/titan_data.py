@@ -61,6 +61,21 @@ def markov_chains(vocab_size, seed, chains=CHAINS, length=DOCUMENT_LENGTHS[1] + 
     return tokens
 
 
+class VocabularyOnlyTokenizer:
+    """What a torchtitan tokenizer does here (mixed into each release's BaseTokenizer: titan_configs.py for 0.3,
+    titan_legacy.py for 0.2): a vocabulary size (self.vocab_size) and nothing else; the synthetic dataloader makes
+    the token ids."""
+
+    def encode(self, *args, **kwargs):
+        raise NotImplementedError("SyntheticTokenizer encodes no text: the synthetic dataloader makes the token ids")
+
+    def decode(self, *args, **kwargs):
+        raise NotImplementedError("SyntheticTokenizer decodes no ids")
+
+    def get_vocab_size(self):
+        return self.vocab_size
+
+
 class SyntheticBatches:
     """The batches of one data-parallel rank: rows of seq_len tokens packed from documents of markov_chains(vocab,
     seed), positions restarting at each document, labels the next token within the document. Iterating yields

@@ -11,7 +11,7 @@ caps it, activation checkpointing, compile components), as torchtitan 0.2 comman
 import copy
 from dataclasses import replace
 
-from titan_data import SyntheticBatches, install_datasets_stand_in
+from titan_data import SyntheticBatches, VocabularyOnlyTokenizer, install_datasets_stand_in
 
 install_datasets_stand_in()
 
@@ -41,21 +41,12 @@ TRAINING = {  # torchtitan 0.3.0's settings of these configs
 }
 
 
-class SyntheticTokenizer(BaseTokenizer):
-    """A vocabulary size and nothing else: the synthetic dataloader makes the token ids."""
+class SyntheticTokenizer(VocabularyOnlyTokenizer, BaseTokenizer):
+    """A vocabulary size and nothing else (titan_data.VocabularyOnlyTokenizer)."""
 
     def __init__(self, vocab_size):
         super().__init__()
         self.vocab_size = vocab_size
-
-    def encode(self, *args, **kwargs):
-        raise NotImplementedError("SyntheticTokenizer encodes no text: the synthetic dataloader makes the token ids")
-
-    def decode(self, *args, **kwargs):
-        raise NotImplementedError("SyntheticTokenizer decodes no ids")
-
-    def get_vocab_size(self):
-        return self.vocab_size
 
 
 class SyntheticLoader(BaseDataLoader):
