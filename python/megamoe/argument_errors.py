@@ -2,8 +2,9 @@
 
 Eagerly, megamoe's Python-side checks raise at once. While Dynamo traces a function, a raise in them would end the
 trace with Dynamo's "Unsupported: Observed exception" (under fullgraph=True), which `except ValueError` does not
-catch. So the entry points (megamoe.moe, megamoe.grouped_moe, the modules' forwards) catch their checks' errors while
-tracing (Dynamo traces try / except) and return raise_in_graph(error, like): the output of the custom op
+catch. So the entry points (megamoe.moe, megamoe.grouped_moe, the modules' forwards) catch their checks' errors (Dynamo
+traces try / except) and return raise_argument_error(error, like): eagerly it raises the error again, at once;
+while tracing it returns the output of the custom op
 megamoe::argument_error, whose fake kernel gives a tensor shaped as `like` (the trace goes on) and whose real kernel
 raises the error, of its type and with its message, when the compiled graph runs, where the eager call would have
 raised. The library's own checks need none of this: they run inside the ops, when the graph runs.
@@ -11,9 +12,7 @@ raised. The library's own checks need none of this: they run inside the ops, whe
     try:
         arguments = checked(...)                  # megamoe's checks: TypeError / ValueError / NotImplementedError
     except ARGUMENT_ERRORS as error:
-        if not torch.compiler.is_compiling():
-            raise                                 # eager: the error itself, here and now
-        return raise_in_graph(error, x)           # traced: raised by the compiled graph
+        return raise_argument_error(error, x)     # eager: raised here and now; traced: by the compiled graph
 """
 
 import torch
@@ -34,10 +33,12 @@ def _(like, kind, message):
     return torch.empty_like(like)
 
 
-def raise_in_graph(error, like=None):
-    """What an entry point returns for an argument error caught while torch.compile traces it: the output of
-    megamoe::argument_error, which raises `error` (its type, its message) when the graph runs; a tensor shaped as
-    `like` (a placeholder [0] where `like` is no tensor) for the trace."""
+def raise_argument_error(error, like=None):
+    """What an entry point does with an argument error it caught: eagerly, raises it again; while torch.compile traces
+    it, returns the output of megamoe::argument_error, which raises `error` (its type, its message) when the graph
+    runs: a tensor shaped as `like` (a placeholder [0] where `like` is no tensor) for the trace."""
+    if not torch.compiler.is_compiling():
+        raise error
     like = like.detach() if isinstance(like, torch.Tensor) else torch.empty(0)
     message = str(error.args[0]) if error.args else ""
     return argument_error(like, _kind_of(error), message)

@@ -13,7 +13,7 @@ layer.
 
 import torch
 
-from .argument_errors import ARGUMENT_ERRORS, raise_in_graph
+from .argument_errors import ARGUMENT_ERRORS, raise_argument_error
 from .dtensor import expert_shard_local, refuse_dtensor_activations, same_sharding
 from .op_family import OPTIONAL_TENSOR, Arg, EntryPoint, OpFamily, gradients, tensor_args
 
@@ -81,9 +81,7 @@ def grouped_moe(x_sorted, tokens_per_expert, w13, w2, scores=None, recompute=Fal
                                          dict(w3=w3, b13=b13, b2=b2))
         call = OPS.forward_call(inputs, experts, recompute, layout, activation, main_grads, precision, fp8_experts)
     except ARGUMENT_ERRORS as error:
-        if not torch.compiler.is_compiling():
-            raise
-        return raise_in_graph(error, x_sorted)  # torch.compile: raised by the graph (argument_errors.py)
+        return raise_argument_error(error, x_sorted)  # eager: raised now; traced: by the graph (argument_errors.py)
     return OPS.forward(call)
 
 

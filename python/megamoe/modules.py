@@ -18,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from ._lib import precision_code
-from .argument_errors import ARGUMENT_ERRORS, raise_in_graph
+from .argument_errors import ARGUMENT_ERRORS, raise_argument_error
 from .ops import moe
 
 
@@ -132,9 +132,7 @@ class MoEExperts(nn.Module):
             check_rows("x", x, self.hidden, "MoEExperts")
             check_routing(x, topk_ids, topk_weights)
         except ARGUMENT_ERRORS as error:
-            if not torch.compiler.is_compiling():
-                raise
-            return raise_in_graph(error, x)  # torch.compile: raised by the graph (argument_errors.py)
+            return raise_argument_error(error, x)  # eager: raised now; traced: by the graph (argument_errors.py)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.hidden)  # [T, H]
         ids = topk_ids.reshape(-1, topk_ids.shape[-1])  # [T, topk] (T = 0 too)
@@ -227,10 +225,9 @@ class MoEBlock(nn.Module):
         try:
             check_rows("x", x, self.hidden, "MoEBlock")  # before any reshape
         except ARGUMENT_ERRORS as error:
-            if not torch.compiler.is_compiling():
-                raise
+            output = raise_argument_error(error, x)  # eager: raised now; traced: by the graph (argument_errors.py)
             placeholder = torch.empty(0) if not isinstance(x, torch.Tensor) else x.new_empty(0)
-            return MoEBlockOutput(raise_in_graph(error, x), placeholder)  # raised by the graph (argument_errors.py)
+            return MoEBlockOutput(output, placeholder)
         lead = x.shape[:-1]
         x2 = x.reshape(-1, self.hidden)  # [T, H]
         logits = self.router_logits(x2)  # [T, E]

@@ -13,7 +13,7 @@ arguments of the ops that the forward saves for its backward.
 
 import torch
 
-from .argument_errors import ARGUMENT_ERRORS, raise_in_graph
+from .argument_errors import ARGUMENT_ERRORS, raise_argument_error
 from .dtensor import refuse_dtensor_activations, replicated_local
 from .op_family import EntryPoint, OpFamily, gradients, tensor_args
 
@@ -108,9 +108,7 @@ def moe(x, topk_ids, topk_weights, w13, w2, recompute=False, *, w3=None, b13=Non
                                               dict(w3=w3, b13=b13, b2=b2))
         call = OPS.forward_call(inputs, experts, recompute, layout, activation, main_grads, precision, fp8_experts)
     except ARGUMENT_ERRORS as error:
-        if not torch.compiler.is_compiling():
-            raise
-        return raise_in_graph(error, x)  # torch.compile: raised by the graph, as it is here (argument_errors.py)
+        return raise_argument_error(error, x)  # eager: raised now; traced: by the graph (argument_errors.py)
     return OPS.forward(call)
 
 
