@@ -101,6 +101,13 @@ class _MegamoeExperts:
     precision: str
     recompute: bool
 
+    def __init__(self, config):
+        """torchtitan's experts built from `config` (the subclass's Config: torchtitan's fields and precision,
+        recompute)."""
+        super().__init__(config)
+        self.precision = config.precision
+        self.recompute = config.recompute
+
     def _call_options(self):
         w13, w2, options = self._megamoe_weights()
         return w13, w2, {**options, "recompute": self.recompute, "precision": self.precision}
@@ -136,11 +143,6 @@ class MegamoeGroupedExperts(_MegamoeExperts, GroupedExperts):
         recompute: bool = False
         """Keep only the inputs for the backward (megamoe's recompute mode) instead of h = [g, u]."""
 
-    def __init__(self, config: Config):
-        super().__init__(config)
-        self.precision = config.precision
-        self.recompute = config.recompute
-
     def _megamoe_weights(self):
         w1, w2, w3 = (_local(p).bfloat16() for p in (self.w1_EFD, self.w2_EDF, self.w3_EFD))
         return w1, w2, {"w3": w3, "layout": SEPARATE}
@@ -161,11 +163,6 @@ class MegamoeGptOssGroupedExperts(_MegamoeExperts, GptOssGroupedExperts):
 
         recompute: bool = False
         """Keep only the inputs for the backward (megamoe's recompute mode) instead of h = [g, u]."""
-
-    def __init__(self, config: Config):
-        super().__init__(config)
-        self.precision = config.precision
-        self.recompute = config.recompute
 
     def _megamoe_weights(self):
         w13, b13, w2, b2 = (_local(p).bfloat16() for p in (self.mlp1_weight_EGD, self.mlp1_bias_EG,
