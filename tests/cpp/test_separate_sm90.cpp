@@ -123,7 +123,6 @@ Outputs run_on_device(const LayoutProblem& problem) {
     megamoe_path_t path = MEGAMOE_PATH_REFERENCE;
     EXPECT_EQ(megamoe_backward_path(&p, &path), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
     EXPECT_EQ(path, MEGAMOE_PATH_SM90) << megamoe_path_reason();
-    workspace.poison();
     EXPECT_EQ(megamoe_backward(&p), MEGAMOE_STATUS_SUCCESS) << megamoe_last_error();
     expect_cuda(cudaDeviceSynchronize(), "backward");
     for (size_t idx = 0; idx < hosts.size(); ++idx) {
