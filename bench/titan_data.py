@@ -5,7 +5,10 @@ SyntheticBatches: packed documents (64 to 1024 tokens) of a fixed random Markov 
 token has four successors, drawn with probabilities 0.4 / 0.3 / 0.2 / 0.1: a model can learn it, so the loss falls
 from ln(vocab) towards the chain's entropy, about 1.28 nats), yielded as torchtitan's text dataloader yields them:
 ({"input": [B, L], "positions": [B, L]}, labels [B, L]), positions restarting at each document, labels the next token
-within the document. The same seed gives the same stream to every run (each data-parallel rank its own).
+within the document. The same seed gives the same stream to every run (each data-parallel rank its own). With an
+eos_id (the last id of the vocabulary, kept out of the chain), each document's last input is that token, its label
+ignored (the token before it keeps its successor in the chain as its label): for models whose attention masks
+documents at EOS tokens (torchtitan 0.2's DeepSeek-V3 flavours with flex attention, `block_causal`).
 
 install_datasets_stand_in(): torchtitan's trainer imports Hugging Face `datasets` at module level for its HF
 dataloaders (0.3: components/validate.py -> hf_datasets/text_datasets.py; 0.2 likewise). Where that package is not
@@ -23,6 +26,7 @@ SUCCESSORS = 4
 SUCCESSOR_PROBABILITIES = (0.4, 0.3, 0.2, 0.1)
 DOCUMENT_LENGTHS = (64, 1024)  # the shortest and the longest document, in tokens
 CHAINS = 1024  # distinct documents drawn per seed (each row picks documents from them, with random offsets)
+IGNORE_INDEX = -100  # torchtitan's cross-entropy ignore index: the label of a document's closing EOS token
 
 
 def install_datasets_stand_in():
@@ -79,11 +83,14 @@ class VocabularyOnlyTokenizer:
 class SyntheticBatches:
     """The batches of one data-parallel rank: rows of seq_len tokens packed from documents of markov_chains(vocab,
     seed), positions restarting at each document, labels the next token within the document. Iterating yields
-    ({"input": [B, L], "positions": [B, L]}, labels [B, L]) without end; state_dict / load_state_dict resume it."""
+    ({"input": [B, L], "positions": [B, L]}, labels [B, L]) without end; state_dict / load_state_dict resume it.
+    eos_id (None, or vocab_size - 1): each document's last input token is eos_id, its label IGNORE_INDEX."""
 
-    def __init__(self, vocab_size, seed, dp_rank, seq_len, batch_size):
-        self.seq_len, self.batch_size = seq_len, batch_size
-        self.chains = markov_chains(vocab_size, seed)
+    def __init__(self, vocab_size, seed, dp_rank, seq_len, batch_size, eos_id=None):
+        if eos_id is not None and eos_id != vocab_size - 1:
+            raise ValueError(f"eos_id must be the vocabulary's last id ({vocab_size - 1}), got {eos_id}")
+        self.seq_len, self.batch_size, self.eos_id = seq_len, batch_size, eos_id
+        self.chains = markov_chains(vocab_size if eos_id is None else vocab_size - 1, seed)
         self.gen = torch.Generator().manual_seed(seed * 1000003 + dp_rank)
         self.batches = 0
 
@@ -97,8 +104,12 @@ class SyntheticBatches:
             chain = int(torch.randint(self.chains.shape[0], (1,), generator=self.gen))
             start = int(torch.randint(self.chains.shape[1] - length, (1,), generator=self.gen))
             document = self.chains[chain, start:start + length + 1]
-            inputs.append(document[:-1])
-            labels.append(document[1:])
+            if self.eos_id is None:
+                inputs.append(document[:-1])
+                labels.append(document[1:])
+            else:  # every token's label its successor in the chain; the EOS closing the document has none
+                inputs.append(torch.cat([document[:length - 1], torch.tensor([self.eos_id])]))
+                labels.append(torch.cat([document[1:length], torch.tensor([IGNORE_INDEX])]))
             positions.append(torch.arange(length))
             filled += length
         return torch.cat(inputs), torch.cat(positions), torch.cat(labels)

@@ -42,11 +42,12 @@ TRAINING = {  # torchtitan 0.3.0's settings of these configs
 
 
 class SyntheticTokenizer(VocabularyOnlyTokenizer, BaseTokenizer):
-    """A vocabulary size and nothing else (titan_data.VocabularyOnlyTokenizer)."""
+    """A vocabulary size (titan_data.VocabularyOnlyTokenizer) and, for a model that masks attention at EOS tokens, the
+    vocabulary's last id as its EOS."""
 
-    def __init__(self, vocab_size):
+    def __init__(self, vocab_size, eos_id=None):
         super().__init__()
-        self.vocab_size = vocab_size
+        self.vocab_size, self.eos_id = vocab_size, eos_id
 
 
 class SyntheticLoader(BaseDataLoader):
@@ -65,18 +66,21 @@ class SyntheticLoader(BaseDataLoader):
         self.batches.load_state_dict(state_dict)
 
 
-def _vocab_size(job_config):
-    return get_train_spec(job_config.model.name).model_args[job_config.model.flavor].vocab_size
+def _model_args(job_config):
+    return get_train_spec(job_config.model.name).model_args[job_config.model.flavor]
 
 
 def build_tokenizer(job_config):
-    return SyntheticTokenizer(_vocab_size(job_config))
+    """DeepSeek-V3's flavours with flex attention mask documents at EOS tokens (`block_causal`): those get one."""
+    args = _model_args(job_config)
+    block_causal = getattr(args, "attn_mask_type", "causal") == "block_causal"
+    return SyntheticTokenizer(args.vocab_size, args.vocab_size - 1 if block_causal else None)
 
 
 def build_dataloader(dp_world_size, dp_rank, tokenizer, job_config, **kwargs):
     training = job_config.training
-    return SyntheticLoader(SyntheticBatches(_vocab_size(job_config), DATA_SEED, dp_rank, training.seq_len,
-                                            training.local_batch_size))
+    return SyntheticLoader(SyntheticBatches(_model_args(job_config).vocab_size, DATA_SEED, dp_rank, training.seq_len,
+                                            training.local_batch_size, eos_id=tokenizer.eos_id))
 
 
 def _register():

@@ -3,10 +3,13 @@
     python bench/titan_report.py RUNS_DIR --json results.json --table table.txt [--plot losses.png]
 
 Per run: torchtitan release, experts (what the model actually holds), compile, steps done, tokens/s (tokens per step
-over the median step time, the first steps left out), peak active memory (torchtitan's metric), the MoE layers' share
+over the median step time, the first steps left out), peak active memory (torchtitan's metric, the whole step's), the
+peak allocated before the optimizer step (forward and backward; bench/titan_train.py), the MoE layers' share
 of a step (bench/titan_train.py's estimate), and the loss agreement with the run of torchtitan's own experts of the
 same model and compile setting: the mean and the largest relative difference of the per-step losses over the steps
-both ran, and the mean loss of the last 20 of those steps for each. A run that failed or was skipped shows why.
+both ran, and the mean loss of the last 20 of those steps for each. A run named `<baseline run>-repeat` (torchtitan's
+own experts again, same seed and data) is compared with that baseline the same way: torchtitan's run-to-run spread,
+against which the other runs' loss differences read. A run that failed or was skipped shows why.
 """
 
 import argparse
@@ -16,6 +19,7 @@ import os
 import statistics
 
 BASELINE = "torchtitan"
+REPEAT = "-repeat"  # suffix of a baseline run's repeat
 LAST = 20
 
 
@@ -40,10 +44,11 @@ def agreement(run, baseline):
 
 
 def baseline_of(name, run, runs):
-    """The run of torchtitan's experts with this run's model and compile setting."""
+    """The run of torchtitan's experts with this run's model and compile setting (not a repeat)."""
     for other_name, other in runs.items():
         if (other.get("experts_asked") == BASELINE and other.get("model") == run.get("model")
-                and other.get("compile") == run.get("compile") and other_name != name):
+                and other.get("compile") == run.get("compile") and other_name != name
+                and not other_name.endswith(REPEAT)):
             return other_name, other
     return None, None
 
@@ -56,8 +61,9 @@ def rows(runs):
                "experts": ",".join(run.get("experts", {})) or run.get("experts_asked", "?"),
                "compile": run.get("compile"), "steps": run.get("steps_done", 0),
                "tokens_per_s": run.get("tokens_per_s"), "peak_active_gib": run.get("peak_active_gib"),
+               "peak_before_optimizer_gib": run.get("peak_before_optimizer_gib"),
                "moe_share": share.get("share"), "error": run.get("error") or share.get("error")}
-        if run.get("experts_asked") != BASELINE:
+        if run.get("experts_asked") != BASELINE or name.endswith(REPEAT):
             base_name, base = baseline_of(name, run, runs)
             if base is not None:
                 row["baseline"] = base_name
@@ -75,13 +81,14 @@ def text(table):
         return form.format(value) if isinstance(value, (int, float)) else "-"
 
     lines = [f"{'run':<26} {'titan':>6} {'compile':>7} {'steps':>5} {'tok/s':>9} {'x base':>6} {'peak GiB':>8} "
-             f"{'MoE %':>6} {'loss d mean/max':>16} {'last-20 loss':>15}"]
+             f"{'fb GiB':>7} {'MoE %':>6} {'loss d mean/max':>16} {'last-20 loss':>15}"]
     for row in table:
         agree = row.get("agreement") or {}
         losses = (f"{agree['last_mean']:.4f}/{agree['baseline_last_mean']:.4f}" if agree else "-")
         lines.append(f"{row['run']:<26} {row['torchtitan']:>6} {str(bool(row['compile'])):>7} {row['steps']:>5} "
                      f"{number(row['tokens_per_s'], '{:.0f}'):>9} {number(row.get('speedup'), '{:.3f}'):>6} "
                      f"{number(row['peak_active_gib'], '{:.2f}'):>8} "
+                     f"{number(row['peak_before_optimizer_gib'], '{:.2f}'):>7} "
                      f"{number(row['moe_share'] and 100 * row['moe_share'], '{:.1f}'):>6} "
                      f"{(number(agree.get('mean_rel_diff'), '{:.2e}') + '/' + number(agree.get('max_rel_diff'), '{:.1e}')) if agree else '-':>16} "
                      f"{losses:>15}")
@@ -96,7 +103,9 @@ def plot(runs, path):
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    models = sorted({run.get("model") for run in runs.values()})
+    models = sorted({run.get("model") for run in runs.values() if run.get("losses")})  # a panel per model that ran
+    if not models:
+        return
     figure, axes = plt.subplots(1, len(models), figsize=(7 * len(models), 4), squeeze=False)
     for axis, model in zip(axes[0], models):
         for name, run in runs.items():

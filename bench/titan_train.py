@@ -1,5 +1,8 @@
 """Steps of torchtitan's own trainer, one run per process, written to a JSON file: the per-step loss, the step times,
-tokens/s, peak memory, and (with --experts-share) the routed experts' share of a step.
+tokens/s, peak memory, and (with --experts-share) the routed experts' share of a step. Peak memory twice: torchtitan's
+own metric (the whole step's) and, on CUDA, the largest allocation reached before the optimizer step (the forward and
+backward beside the weights, gradients and optimizer state: where an experts implementation's activations show when
+the optimizer step sets the whole step's peak).
 
     python bench/titan_train.py --model qwen3_30b_a3b --experts megamoe --layers 4 --steps 200 --seconds 120 \
         --json run.json [--compile] [-- more torchtitan arguments]
@@ -166,6 +169,26 @@ def recorded_metrics(trainer):
     return records
 
 
+class PeakBeforeOptimizer:
+    """The CUDA allocator's peak from the start of each step to its first optimizer step (a global optimizer step
+    pre-hook; torchtitan's optimizers are torch.optim ones): start() before a step, `peaks` (bytes) one per step."""
+
+    def __init__(self):
+        from torch.optim.optimizer import register_optimizer_step_pre_hook
+
+        self.peaks, self.armed = [], False
+        self.handle = register_optimizer_step_pre_hook(self._before_step)
+
+    def start(self):
+        torch.cuda.reset_peak_memory_stats()
+        self.armed = True
+
+    def _before_step(self, optimizer, args, kwargs):
+        if self.armed:
+            self.peaks.append(torch.cuda.max_memory_allocated())
+            self.armed = False
+
+
 def routed_experts_kinds(model):
     """{the class names of each MoE layer's routed experts (0.3: RoutedExperts / its inner experts; 0.2: MoE / its
     experts): count}: what the converter swapped."""
@@ -276,11 +299,14 @@ def main(argv=None):
               "build_s": time.perf_counter() - started}
     tokens_per_step = config.training.local_batch_size * config.training.seq_len
     data_iterator = trainer.batch_generator(trainer.dataloader)
+    before_optimizer = PeakBeforeOptimizer() if args.device == "cuda" else None
     first_step_done = None
     try:
         for step in range(1, args.steps + 1):
             trainer.step = step
             trainer.gc_handler.run(step)
+            if before_optimizer is not None:
+                before_optimizer.start()
             trainer.train_step(data_iterator)
             first_step_done = first_step_done or time.perf_counter()
             if args.seconds and time.perf_counter() - first_step_done > args.seconds:
@@ -301,6 +327,8 @@ def main(argv=None):
             "tokens_per_step": tokens_per_step, **summarize(records, tokens_per_step)})
         if args.device == "cuda":
             result["peak_allocated_gib"] = torch.cuda.max_memory_allocated() / 2**30
+            peaks = before_optimizer.peaks[WARMUP_STEPS_EXCLUDED:] or before_optimizer.peaks
+            result["peak_before_optimizer_gib"] = max(peaks) / 2**30 if peaks else None
         with open(args.json, "w") as out:
             json.dump(result, out, indent=1)
     if args.experts_share and "step_median_s" in result:

@@ -11,11 +11,14 @@ too. Each line: `digest <case> <what> <output> <sha256 prefix>`.
     MEGAMOE_LIBRARY=.carry/lib-base.so PYTHONPATH=python:bench:scripts python3 scripts/ab_libs.py --name base \\
         --shapes qwen3-30b-a3b,deepseek-v3 --rounds 1 > base.log
     python3 scripts/ab_libs.py --compare base.log main.log     # every digest equal, or the ones that differ
+    python3 scripts/ab_libs.py --timings base-r*.log main-r*.log  # medians over the rounds, the first build as base
 """
 import argparse
 import hashlib
 import math
 import os
+import re
+import statistics
 import sys
 
 import torch
@@ -139,6 +142,46 @@ def compare(logs):
     return status
 
 
+ROUND_LINE = re.compile(r"== (\S+) (\S+) round \d+: fwd\+bwd ([\d.]+) .*forward ([\d.]+), backward ([\d.]+), "
+                        r"CUDA-graph ([\d.]+), back to back ([\d.]+)")
+KERNEL_LINE = re.compile(r"\s+kernel (\S+) (\S+) (\S+) ([\d.]+) ms")
+ROUND_FIELDS = ("forward", "fwd+bwd", "CUDA graph", "back to back")
+
+
+def timing_table(logs):
+    """Markdown table of the median per build over the rounds in `logs` (the first build named is the base): per
+    shape, forward, fwd+bwd (per call), CUDA-graph replay and back to back, then the sum of the GEMM kernels' medians;
+    each build's median and base / build (above 1: the build is faster)."""
+    rounds, kernels, builds = {}, {}, []
+    for log in logs:
+        with open(log) as f:
+            for line in f:
+                if m := ROUND_LINE.match(line):
+                    shape, build = m.group(1), m.group(2)
+                    both, fwd, _, graph, b2b = (float(v) for v in m.groups()[2:])
+                    rounds.setdefault((shape, build), []).append((fwd, both, graph, b2b))
+                    builds += [build] if build not in builds else []
+                elif m := KERNEL_LINE.match(line):
+                    shape, build, kernel, ms = m.groups()
+                    kernels.setdefault((shape, build), {}).setdefault(kernel, []).append(float(ms))
+    if len(builds) < 2:
+        return "fewer than two builds in these logs"
+    base = builds[0]
+    lines = [f"| shape | what | {' | '.join(builds)} | {' | '.join(f'{base} / {b}' for b in builds[1:])} | rounds |",
+             "|---|---|" + "---|" * (2 * len(builds))]
+    for shape in dict.fromkeys(s for s, _ in rounds):
+        if any((shape, b) not in rounds for b in builds):
+            continue
+        table = {b: [statistics.median(column) for column in zip(*rounds[(shape, b)])] for b in builds}
+        gemm_sums = {b: sum(statistics.median(v) for v in kernels.get((shape, b), {}).values()) for b in builds}
+        for i, what in enumerate(ROUND_FIELDS + ("GEMM kernels (sum of medians)",)):
+            value = (lambda b: table[b][i]) if i < len(ROUND_FIELDS) else (lambda b: gemm_sums[b])  # noqa: E731
+            ratios = " | ".join(f"{value(base) / value(b):.3f}" if value(b) else "-" for b in builds[1:])
+            lines.append(f"| {shape} | {what} | {' | '.join(f'{value(b):.3f}' for b in builds)} | {ratios} | "
+                         f"{'/'.join(str(len(rounds[(shape, b)])) for b in builds)} |")
+    return "\n".join(lines)
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--name", default="main")
@@ -148,9 +191,13 @@ def main():
     p.add_argument("--round-offset", type=int, default=0)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--compare", nargs="+", metavar="LOG", help="compare the digests of two or more logs")
+    p.add_argument("--timings", nargs="+", metavar="LOG", help="median table of the timing rounds in these logs")
     args = p.parse_args()
     if args.compare:
         sys.exit(compare(args.compare))
+    if args.timings:
+        print(timing_table(args.timings))
+        return
     import megamoe
     import workloads
 

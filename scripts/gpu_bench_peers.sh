@@ -6,6 +6,7 @@
 #   .peers/torchao: scripts/pack_torchao.sh (the torchao 0.18.0 wheel of the FP8 peer torchao-fp8; without it its
 #   rows say why).
 # Results go to OUT, rewritten after every case (a run cut short keeps the cases done); bench.log has it all.
+# BENCH_SCRIPT runs another script with the same peers installed (scripts/profile_peer_kernels.py: kernel by kernel).
 #   MEGAMOE_COMMIT=<sha> OUT=/tmp/out bash scripts/gpu_bench_peers.sh [bench.py arguments]
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -41,5 +42,5 @@ if [ ${#torchao_wheels[@]} -gt 0 ]; then
     fi
 fi
 nvidia-smi -L 2>/dev/null || echo "nvidia-smi: not found" >&2
-timeout "${BENCH_TIMEOUT:-560}" python3 bench/bench.py --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
+timeout "${BENCH_TIMEOUT:-560}" python3 "${BENCH_SCRIPT:-bench/bench.py}" --out "$OUT" "$@" 2>&1 | tee "$OUT/bench.log"
 exit "${PIPESTATUS[0]}"

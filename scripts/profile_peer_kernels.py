@@ -1,27 +1,34 @@
-"""Per-kernel GPU times of megamoe and SonicMoE side by side (torch.profiler), on the same inputs in one process:
-one forward (no grad) and one forward+backward of each, rounds alternated between the two so that the machine's drift
-shows as spread. Each kernel of a pass is listed in launch order with its median time over the profiled runs, the
-grouped GEMMs labelled (megamoe by launch order, SonicMoE's QuACK kernels by class: GemmGated = up, Gemm, GemmDGated
-= dH), with TFLOP/s where the label's FLOPs are known; then each pass's sum of kernels and its CUDA-event median.
-Each implementation's y and gradients are checked against megamoe's before anything is timed.
+"""Per-kernel GPU times of megamoe, SonicMoE and the compiled torch `_grouped_mm` path side by side (torch.profiler),
+on the same inputs in one process: one forward (no grad) and one forward+backward of each, rounds alternated between
+them so that the machine's drift shows as spread. Each kernel of a pass is listed in launch order with its median time
+over the profiled runs, the GEMMs labelled (megamoe's grouped GEMMs by launch order, SonicMoE's QuACK kernels by class:
+GemmGated = up, Gemm, GemmDGated = dH; the torch path's grouped and dense GEMM kernels as "gemm"), with TFLOP/s where
+the label's FLOPs are known; then each pass's sum of kernels and its CUDA-event median. At the end, a table per shape
+and pass: the medians over the rounds of the event time, the kernels' sum, the GEMM kernels' sum and the rest (gathers,
+activations, sorts, copies, reductions), so that a gap reads as GEMMs or glue. Each implementation's y and gradients
+are checked against megamoe's before anything is timed.
 
     MEGAMOE_LIBRARY=build/libmegamoe.so PYTHONPATH=python:bench python3 scripts/profile_peer_kernels.py \
-        [--shapes qwen3-30b-a3b,qwen3-235b-a22b,deepseek-v3] [--rounds 2] [--runs 5] [--out DIR]
+        [--shapes qwen3-30b-a3b,qwen3-235b-a22b,mixtral-8x7b,deepseek-v3] [--impls megamoe,sonicmoe,torch_compiled] \
+        [--rounds 2] [--runs 5] [--out DIR]
 
 SonicMoE needs `import sonicmoe` (scripts/gpu_bench_peers.sh installs the carried bundle); its QuACK GEMMs run with
-their default configs (bench/peers.py) and compile on first use, outside the timed runs.
+their default configs (bench/peers.py) and compile on first use, outside the timed runs, as torch.compile does.
+A peer that is missing or fails its check is left out, saying why.
 """
 import argparse
 import json
 import math
 import pathlib
+import re
+import statistics
 
 import torch
 
 import megamoe
 import workloads
 from impls import Impl
-from peers import SonicMoEPeer
+from peers import SonicMoEPeer, TorchCompiledPeer
 from profile_backward import kernel_times
 from timing import cuda_time, rel_diff
 
@@ -41,8 +48,30 @@ def label_rows(impl_name, pass_name, rows):
             gemm_idx += 1
         elif impl_name == "sonicmoe" and "Gemm" in name:
             label = "GemmDGated" if "DGated" in name else "GemmGated" if "Gated" in name else "Gemm"
+        elif impl_name == "torch_compiled" and TORCH_GEMM.search(name):
+            label = "gemm"
         labelled.append((label, units, name, ms))
     return labelled
+
+
+TORCH_GEMM = re.compile(r"grouped|gemm|Gemm|nvjet|sm90_xmma|cutlass")  # the torch path's GEMM kernels (cuBLAS, CUTLASS)
+
+
+def summary(results):
+    """Markdown table: per shape, pass and implementation, the medians over the rounds of the event time, the sum of
+    kernels, the sum of the labelled GEMM kernels and the rest."""
+    groups = {}
+    for r in results:
+        gemm = sum(k["ms"] for k in r["kernels"] if k["label"])
+        total = sum(k["ms"] for k in r["kernels"])
+        groups.setdefault((r["shape"], r["pass"], r["impl"]), []).append((r["event_ms"], total, gemm, total - gemm))
+    lines = ["| shape | pass | implementation | event ms | kernels ms | GEMM kernels ms | other kernels ms | rounds |",
+             "|---|---|---|---|---|---|---|---|"]
+    for (shape, pass_name, impl), rows in groups.items():
+        medians = [statistics.median(column) for column in zip(*rows)]
+        lines.append(f"| {shape} | {pass_name} | {impl} | " + " | ".join(f"{v:.3f}" for v in medians)
+                     + f" | {len(rows)} |")
+    return "\n".join(lines)
 
 
 def check(reference, candidate):
@@ -52,26 +81,35 @@ def check(reference, candidate):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--shapes", default="qwen3-30b-a3b,qwen3-235b-a22b,deepseek-v3")
+    p.add_argument("--shapes", default="qwen3-30b-a3b,qwen3-235b-a22b,mixtral-8x7b,deepseek-v3")
+    p.add_argument("--impls", default="megamoe,sonicmoe,torch_compiled", help="megamoe and the peers to run beside it")
     p.add_argument("--routing", default="balanced")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--out", default=None, help="directory for peer_kernels.json")
     args = p.parse_args()
-    peer = SonicMoEPeer()
-    print(f"SonicMoE: {peer.about or peer.missing}")
+    wanted = args.impls.split(",")
+    peers = [cls() for cls in (SonicMoEPeer, TorchCompiledPeer) if cls.name in wanted]
+    for peer in peers:
+        print(f"{peer.name}: {peer.about or peer.missing}")
+    peers = [peer for peer in peers if not peer.missing]
     results = []
     for shape in args.shapes.split(","):
         T, H, I, E, topk = workloads.SHAPES[shape]
         unit = 1.0 * T * topk * H * I
         case = workloads.make_case(shape, (T, H, I, E, topk), args.routing, "cuda")
-        impls = [Impl("megamoe", megamoe.moe)] + ([peer.for_case(case)] if peer.api else [])
-        steps = {(impl.name, pass_name): impl.step(case, pass_name) for impl in impls for pass_name in ("fwd", "fwdbwd")}
-        reference = None
-        for impl in impls:  # compiles SonicMoE's kernels; checks every output against megamoe's
-            outputs = steps[(impl.name, "fwdbwd")]()
-            with torch.no_grad():
-                y = impl(case)
+        impls = [Impl("megamoe", megamoe.moe)] + [peer.for_case(case) for peer in peers]
+        steps = {(impl.name, pass_name): impl.step(case, pass_name)
+                 for impl in impls for pass_name in ("fwd", "fwdbwd")}
+        reference, checked = None, []
+        for impl in impls:  # compiles the peers' kernels; checks every output against megamoe's
+            try:
+                outputs = steps[(impl.name, "fwdbwd")]()
+                with torch.no_grad():
+                    y = impl(case)
+            except Exception as ex:  # noqa: BLE001 - a peer that fails to run is left out, saying why
+                print(f"{shape} {impl.name}: left out, it failed: {type(ex).__name__}: {str(ex)[:200]}")
+                continue
             grads = [*outputs[:2], *impl.weight_grads(outputs[2], outputs[3], torch.arange(E, device="cuda"))]
             got = [y, *grads]
             if reference is None:
@@ -79,7 +117,10 @@ def main():
             else:
                 print(f"{shape} {impl.name}: largest relative error against megamoe over y, dx, ds, dw13, dw2 = "
                       f"{check(reference, got):.2e}")
-        del reference, outputs, grads, got, y
+            checked.append(impl)
+            del outputs, grads, got, y
+        impls = checked
+        del reference
         for round_idx in range(args.rounds):
             for impl in impls:
                 for pass_name in ("fwd", "fwdbwd"):
@@ -98,9 +139,12 @@ def main():
             impl.close()
         del case, impls, steps
         torch.cuda.empty_cache()
+    table = summary(results)
+    print("\n" + table)
     if args.out:
         pathlib.Path(args.out).mkdir(parents=True, exist_ok=True)
         (pathlib.Path(args.out) / "peer_kernels.json").write_text(json.dumps(results, indent=1))
+        (pathlib.Path(args.out) / "peer_kernels.md").write_text(table + "\n")
 
 
 if __name__ == "__main__":

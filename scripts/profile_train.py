@@ -2,10 +2,17 @@
 time per step grouped by category (experts, router, attention, dense GEMMs, loss, optimizer, ...), the top kernels,
 and the step's wall time against the kernels' sum (the rest is the GPU waiting on the host). --attribute also
 profiles one step with the host side and charges each kernel to the op that launched it and the Python line (or
-autograd node) behind it, to tell which code a copy or an elementwise kernel belongs to.
+autograd node) behind it, to tell which code a copy or an elementwise kernel belongs to. --by-module profiles one step
+more and charges each kernel to the part of the model that ran it, forward and backward apart (MODULE_PARTS: the
+embedding, attention, the router, the routed experts, the norms, the LM head, the decoder layers' residual adds; the
+optimizer; the rest, the loss included, outside the model), the FP8 weight quantization apart wherever it runs: the
+step's breakdown beside the experts' share. A backward kernel is charged through its autograd node to the forward op
+that made the node (the profiler's sequence numbers); eager layers only (a compiled layer's kernels are charged to the
+layer's first part).
 
     MEGAMOE_LIBRARY=build/libmegamoe.so PYTHONPATH=python python3 scripts/profile_train.py \
-        [--impls megamoe,grouped_mm] [--layers 8] [--warmup 3] [--steps 2] [--top 25] [--attribute] [--routing-stats] \
+        [--impls megamoe,grouped_mm] [--layers 8] [--warmup 3] [--steps 2] [--top 25] [--attribute] [--by-module] \
+        [--routing-stats] \
         [--example-args '--loss compiled --compile-layers']
 """
 import argparse
@@ -23,6 +30,7 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 import train_qwen3_moe as example  # noqa: E402
 
 CATEGORIES = (  # (category, regex on the kernel name), first match wins
+    ("weight quant", r"quantize_blocks"),  # megamoe FP8's weight copies (128 x 128 blocks), once per optimizer step
     ("megamoe", r"megamoe|m_grouped|k_grouped|gather_sum|combine|routing|count_kernel|scatter_kernel"),
     ("optimizer", r"multi_tensor|fused_adam|FusedAdam|_fused_adamw|adam"),
     ("attention", r"flash|fmha|attention|sdpa|cutlass::.*Fmha|pytorch_flash"),
@@ -50,31 +58,124 @@ def short_name(name):
     return (name[:cut] if cut > 0 else name.split("(")[0])[:90]
 
 
+def self_and_parents(evt):
+    """A profiler event, then the CPU ops around it, innermost first."""
+    while evt is not None:
+        yield evt
+        evt = evt.cpu_parent
+
+
 def launch_site(evt):
     """The autograd node or the first Python frame outside torch behind a CPU op, e.g. 'modeling_x.py(120): fwd'."""
-    node = evt
-    while node is not None:
+    for node in self_and_parents(evt):
         if node.name.startswith("autograd::engine::evaluate_function"):
             return node.name.split(": ", 1)[-1]
         if node.stack:
             frames = [f for f in node.stack if "/torch/" not in f] or node.stack
             return os.path.basename(frames[0])
-        node = node.cpu_parent
     return "?"
+
+
+def profile_step(step, step_idx, with_stack=False):
+    """The profiler's events of one step, the host side included."""
+    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=with_stack) as prof:
+        step(step_idx)
+        torch.cuda.synchronize()
+    return prof.events()
 
 
 def attribute(step, step_idx, top):
     """Profile one step with the host side; print kernel ms per (op, launch site), largest first."""
-    with profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA], with_stack=True) as prof:
-        step(step_idx)
-        torch.cuda.synchronize()
     by_site = collections.Counter()
-    for evt in prof.events():
+    for evt in profile_step(step, step_idx, with_stack=True):
         if evt.kernels:
             by_site[(evt.name, launch_site(evt))] += sum(k.duration for k in evt.kernels) / 1000.0
     print(f"  by launch site ({sum(by_site.values()):.1f} ms of kernels):")
     for (op, site), ms in by_site.most_common(top):
         print(f"  {ms:8.2f}  {op:28s} {site[:110]}")
+
+
+MODULE_PARTS = (  # (part, regex on a module's qualified name), first match wins; the innermost matched module counts
+    ("experts", r"\.mlp\.experts$"),
+    ("router", r"\.mlp(\.gate)?$"),  # the gate, and the MoE block's own ops: softmax, top-k, the weights' norm
+    ("attention", r"\.self_attn$"),
+    ("norms", r"norm$"),
+    ("embedding", r"embed_tokens$"),
+    ("LM head", r"^lm_head$"),
+    ("decoder layers, other", r"\.layers\.\d+$"),  # the residual adds
+)
+SCOPE = "module::"  # the profiler scopes the hooks open: SCOPE + part
+OPTIMIZER_SCOPE = "Optimizer."  # torch.optim's own profiler scopes: Optimizer.step#AdamW.step, Optimizer.zero_grad#...
+OUTSIDE = "outside the model (loss, clip, ...)"
+
+
+def scope_modules(model):
+    """Open a profiler scope (record_function) named SCOPE + part around the forward of each module of MODULE_PARTS;
+    returns the hook handles (remove them when done)."""
+    handles = []
+    for name, module in model.named_modules():
+        part = next((part for part, pattern in MODULE_PARTS if re.search(pattern, name)), None)
+        if part is None:
+            continue
+        open_scopes = []
+
+        def enter(_module, _inputs, part=part, open_scopes=open_scopes):
+            scope = torch.autograd.profiler.record_function(SCOPE + part)
+            scope.__enter__()
+            open_scopes.append(scope)
+
+        def leave(_module, _inputs, _output, open_scopes=open_scopes):
+            open_scopes.pop().__exit__(None, None, None)
+
+        handles += [module.register_forward_pre_hook(enter), module.register_forward_hook(leave)]
+    return handles
+
+
+def part_of_events(events):
+    """{event id: (part, pass)} for the events of one profiled step, pass "fwd", "bwd" or "" (optimizer, outside):
+    the innermost SCOPE ancestor of a forward op; for a backward op, that of the forward op whose sequence number its
+    autograd node (autograd::engine::evaluate_function) carries; the optimizer's own scope; else OUTSIDE."""
+    def innermost_part(chain):
+        return next((a.name[len(SCOPE):] for a in chain if a.name.startswith(SCOPE)), None)
+
+    forward_part = {}  # sequence number of a forward op -> its part
+    for evt in events:
+        if evt.sequence_nr is not None and evt.sequence_nr >= 0 and not evt.name.startswith("autograd::engine"):
+            part = innermost_part(self_and_parents(evt))
+            if part is not None:
+                forward_part.setdefault(evt.sequence_nr, part)
+    parts = {}
+    for evt in events:
+        chain = list(self_and_parents(evt))
+        node = next((a for a in chain if a.name.startswith("autograd::engine::evaluate_function")), None)
+        if node is not None:
+            parts[evt.id] = (forward_part.get(node.sequence_nr, OUTSIDE), "bwd")
+        elif any(a.name.startswith(OPTIMIZER_SCOPE) for a in chain):
+            parts[evt.id] = ("optimizer", "")
+        else:
+            part = innermost_part(chain)
+            parts[evt.id] = (part, "fwd") if part is not None else (OUTSIDE, "")
+    return parts
+
+
+def by_module(model, step, step_idx):
+    """Profile one step with the host side; print kernel ms per part of the model, forward and backward apart."""
+    handles = scope_modules(model)
+    try:
+        events = profile_step(step, step_idx)
+    finally:
+        for handle in handles:
+            handle.remove()
+    parts = part_of_events(events)
+    ms = collections.Counter()
+    for evt in events:
+        for kernel in evt.kernels:
+            key = ("weight quant", "") if category(kernel.name) == "weight quant" else parts[evt.id]
+            ms[key] += kernel.duration / 1000.0
+    total = sum(ms.values())
+    print(f"  by part of the model ({total:.1f} ms of kernels in one step):")
+    for (part, pass_name), part_ms in ms.most_common():
+        print(f"  {part_ms:8.2f} ms  {100 * part_ms / total:5.1f}%  {part} {pass_name}".rstrip())
 
 
 def routing_stats(model, cfg, step, step_idx):
@@ -145,6 +246,8 @@ def profile_impl(impl, args):
         print(f"  {ms:8.2f}  x{counts[key]:<4d} [{category(key)}] {short_name(key)}")
     if args.attribute:
         attribute(step, args.warmup + args.steps, 2 * args.top)
+    if args.by_module:
+        by_module(model, step, args.warmup + args.steps)
     del model, optimizer
     torch.cuda.empty_cache()
     torch.cuda.reset_peak_memory_stats()
@@ -159,6 +262,7 @@ def main():
     p.add_argument("--top", type=int, default=25)
     p.add_argument("--example-args", default="", help="more train_qwen3_moe.py flags, e.g. '--compile-layers'")
     p.add_argument("--attribute", action="store_true", help="also charge kernels to ops and Python lines")
+    p.add_argument("--by-module", action="store_true", help="also charge kernels to parts of the model, fwd / bwd")
     p.add_argument("--routing-stats", action="store_true", help="print how evenly each layer's router spreads tokens")
     args = p.parse_args()
     for impl in args.impls.split(","):
