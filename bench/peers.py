@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from impls import FP8_TOLERANCE, CompiledTorchPath, Impl, fp8_device_missing
 from timing import short
 
-PEERS = ("sonicmoe", "torch_compiled", "torchao-fp8")
+PEERS = ("sonicmoe", "torch_compiled", "torchao-fp8", "deepgemm-fp8")
 QUACK_GEMMS = ("gemm", "gemm_gated", "gemm_dgated")  # quack.gemm_interface names sonicmoe.functional imports
 MUST_PATCH = ("sonicmoe.functional.forward.gemm", "sonicmoe.functional.forward.gemm_gated",
               "sonicmoe.functional.backward.gemm", "sonicmoe.functional.backward.gemm_dgated")
@@ -267,7 +267,8 @@ class TorchaoFp8Peer:
         return self.impl
 
 
-FACTORIES = {"sonicmoe": SonicMoEPeer, "torch_compiled": TorchCompiledPeer, "torchao-fp8": TorchaoFp8Peer}
+FACTORIES = {"sonicmoe": SonicMoEPeer, "torch_compiled": TorchCompiledPeer, "torchao-fp8": TorchaoFp8Peer,
+             "deepgemm-fp8": lambda: importlib.import_module("peer_deepgemm").DeepGemmFp8Peer()}  # imports peers
 
 
 def load_peers(names):
