@@ -1,13 +1,14 @@
-"""megamoe benchmark: megamoe.moe side by side with its peers (SonicMoE, the torch `_grouped_mm` path under
-torch.compile and eager) and a dense bf16 GEMM of the same FLOPs, on the reference shapes of DESIGN.md §4, measured as
-DESIGN.md §5 says: every implementation checked against an fp32 reference before it is timed, then each pass timed per
-call, back to back and as a CUDA-graph replay, with its activation memory. On an sm_90+ GPU also FP8:
+"""megamoe benchmark: megamoe.moe side by side with its peers (SonicMoE with QuACK's default GEMM configs and with
+its autotuned ones, the torch `_grouped_mm` path under torch.compile and eager) and a dense bf16 GEMM of the same
+FLOPs, on the reference shapes of DESIGN.md §4, measured as DESIGN.md §5 says: every implementation checked against an
+fp32 reference before it is timed, then each pass timed per call, back to back and as a CUDA-graph replay, with its
+activation memory. On an sm_90+ GPU also FP8:
 megamoe.moe(precision="fp8") with its cached weight copies (megamoe-fp8) and with the weights quantized in every call
 (megamoe-fp8+wq), beside torchao's rowwise FP8 grouped GEMMs in the torch path (the peer torchao-fp8), each held to
 impls.FP8_TOLERANCE against the fp32 reference.
 
     python bench/bench.py [--shapes qwen3-30b-a3b,...] [--routing balanced,skewed] [--passes fwd,fwdbwd]
-                          [--peers sonicmoe,torch_compiled,torchao-fp8 | --no-peers] [--no-fp8]
+                          [--peers sonicmoe,sonicmoe-tuned,torch_compiled,torchao-fp8 | --no-peers] [--no-fp8]
                           [--timings per_call,back_to_back,graph]
                           [--iters N] [--warmup N] [--quick] [--stop-after SECONDS] [--out DIR]
 
@@ -144,7 +145,9 @@ def check_case(case, case_impls, passes, n_tokens, res):
     setting the tolerance (reference.compare): megamoe into res["check"][pass] with its bitwise repeatability, the
     others into res["check"]["impls"][name][pass]. Returns {pass: names that may be timed there}: nothing if megamoe
     failed (the peers are then not checked either: their first calls compile for minutes); a peer that failed or
-    raised (res["peer_errors"]) is left out of that pass."""
+    raised (res["peer_errors"]) is left out of that pass. The check calls run the full case (its forward, and in
+    fwd+bwd its backward): they are every implementation's first calls of the shape, so what they compile (and, for
+    sonicmoe-tuned, QuACK's autotuning of each forward and backward GEMM) happens here, before anything is timed."""
     tokens, experts = workloads.check_subsets(case.ids, case.dims[3], n_tokens)
     check = res["check"] = {"tokens": int(tokens.numel()), "experts": experts, "bitwise_repeatable": {}, "impls": {}}
     ref = reference_outputs(case, tokens, experts, torch.float32, backward="fwdbwd" in passes)
@@ -179,7 +182,9 @@ def check_impl(impl, case, tokens, experts, p, want, floor, res):
     OURS propagate (the case fails, nothing is timed)."""
     t0 = time.perf_counter()
     if impl.name in peers.PEERS:
-        log(f"  check {p}/{impl.name} (a peer's first call of a shape compiles its kernels: minutes) ...")
+        also = peers.FIRST_CALL.get(impl.name)
+        log(f"  check {p}/{impl.name} (a peer's first call of a shape compiles its kernels"
+            + (f", and {also}" if also else "") + ": minutes) ...")
     try:
         mine = path_outputs(impl, case, tokens, experts, p == "fwdbwd")
         if impl.name == "megamoe":

@@ -4,7 +4,11 @@ torch.compile, and torchao's FP8 grouped GEMM in that path (when `import torchao
 
 SonicMoE is called as ../shared/tools/peers/README.md says: moe_general_routing_inputs with token-major flat slot
 lists, w1 [2I, H, E] (gate / up rows interleaved, stride order (2, 0, 1)) and w2 [H, I, E], its own weight leaves
-built once per case, QuACK's default GEMM configs (tuned=False: no autotuning).
+built once per case. Two peers run it: `sonicmoe` with QuACK's default GEMM configs (tuned=False: no autotuning) and
+`sonicmoe-tuned` with QuACK's autotuned GEMMs (tuned=True, SonicMoE's own default: each GEMM shape is autotuned on
+its first call, minutes, and the choice cached under QUACK_CACHE_DIR). sonicmoe's modules call the GEMMs by the
+names they imported from quack.gemm_interface (GemmBinding), so each variant binds its set of functions into those
+modules right before each of its calls (SonicMoE._moe; the invariant is stated there).
 
 torchao-fp8 is the torch `_grouped_mm` path of torch_moe_baseline.py with both grouped GEMMs replaced by torchao
 0.18's differentiable rowwise FP8 grouped GEMM, `_to_fp8_rowwise_then_scaled_grouped_mm` (e4m3, power-of-two scales,
@@ -15,6 +19,7 @@ so the routing permutation pads each expert's rows to a multiple of 16 with zero
 import functools
 import importlib.metadata
 import inspect
+import os
 import sys
 from types import SimpleNamespace
 
@@ -24,7 +29,7 @@ import torch.nn.functional as F
 from impls import FP8_TOLERANCE, CompiledTorchPath, Impl, fp8_device_missing
 from timing import short
 
-PEERS = ("sonicmoe", "torch_compiled", "torchao-fp8", "deepgemm-fp8")
+PEERS = ("sonicmoe", "sonicmoe-tuned", "torch_compiled", "torchao-fp8", "deepgemm-fp8")
 QUACK_GEMMS = ("gemm", "gemm_gated", "gemm_dgated")  # quack.gemm_interface names sonicmoe.functional imports
 MUST_PATCH = ("sonicmoe.functional.forward.gemm", "sonicmoe.functional.forward.gemm_gated",
               "sonicmoe.functional.backward.gemm", "sonicmoe.functional.backward.gemm_dgated")
@@ -34,17 +39,32 @@ class PeerMissing(Exception):
     """A peer that cannot run here; the message says why."""
 
 
-def use_default_gemm_configs(gemm_interface, modules):
-    """Rebinds every QUACK_GEMMS name that a module in `modules` imported from gemm_interface to the same function
-    with tuned=False (QuACK's default config, no autotuning); returns the 'module.name's rebound."""
-    rebound = []
-    for name in QUACK_GEMMS:
-        original = getattr(gemm_interface, name)
-        for mod in modules:
-            if getattr(mod, name, None) is original:
-                setattr(mod, name, functools.partial(original, tuned=False))
-                rebound.append(f"{mod.__name__}.{name}")
-    return rebound
+def _binds(fn, original):
+    """Whether fn is `original` or our tuned=False partial of it (what a variant binds)."""
+    return fn is original or (isinstance(fn, functools.partial) and fn.func is original and not fn.args
+                              and fn.keywords == {"tuned": False})
+
+
+class GemmBinding:
+    """The QUACK_GEMMS names that sonicmoe's modules imported from quack.gemm_interface (`slots`: (module, name)),
+    and the functions one variant binds there (`functions`: name -> QuACK's own function, tuned=True by default, or a
+    tuned=False partial of it). Calling it binds them: sonicmoe's forward and backward look these names up as module
+    globals when they run, so whatever is bound then is what runs."""
+
+    def __init__(self, gemm_interface, modules, tuned):
+        self.tuned, self.slots, self.functions = tuned, [], {}
+        for name in QUACK_GEMMS:
+            original = getattr(gemm_interface, name)
+            self.functions[name] = original if tuned else functools.partial(original, tuned=False)
+            self.slots += [(mod, name) for mod in modules if _binds(getattr(mod, name, None), original)]
+
+    def names(self):
+        """'module.name' of every slot."""
+        return [f"{mod.__name__}.{name}" for mod, name in self.slots]
+
+    def __call__(self):
+        for mod, name in self.slots:
+            setattr(mod, name, self.functions[name])
 
 
 def _version(dist):
@@ -54,9 +74,15 @@ def _version(dist):
         return "unknown"
 
 
-def load_sonicmoe():
-    """SimpleNamespace(moe, swiglu, stream, about) for SonicMoE with QuACK autotuning off; PeerMissing if it cannot
-    be imported or its GEMMs cannot be switched to the default configs."""
+def quack_cache_dir():
+    """Where QuACK keeps its autotuning results: $QUACK_CACHE_DIR, else its default (~/.quack/cache)."""
+    return os.environ.get("QUACK_CACHE_DIR", "").strip() or os.path.join(os.path.expanduser("~"), ".quack", "cache")
+
+
+def load_sonicmoe(tuned=False):
+    """SimpleNamespace(moe, swiglu, stream, bind, about) for SonicMoE with QuACK's default GEMM configs (tuned=False:
+    no autotuning) or its autotuned ones (tuned=True); bind() puts that choice into sonicmoe's modules (done here once,
+    and by SonicMoE before each call). PeerMissing if it cannot be imported or its GEMM names cannot be found."""
     try:
         from sonicmoe import moe_general_routing_inputs
         from sonicmoe.enums import ActivationType
@@ -66,15 +92,24 @@ def load_sonicmoe():
     except Exception as ex:  # noqa: BLE001 - any failure to import is a reason, not a crash
         raise PeerMissing(f"import failed: {short(ex)}") from ex
     modules = [m for n, m in list(sys.modules.items()) if n == "sonicmoe" or n.startswith("sonicmoe.")]
-    rebound = use_default_gemm_configs(gemm_interface, modules)
-    left = [n for n in MUST_PATCH if n not in rebound]
+    bind = GemmBinding(gemm_interface, modules, tuned)
+    left = [n for n in MUST_PATCH if n not in bind.names()]
     if left:
-        raise PeerMissing(f"cannot switch off QuACK autotuning: {', '.join(left)} not imported from"
-                          " quack.gemm_interface (another sonic-moe version?)")
+        what = "use QuACK's autotuned GEMMs" if tuned else "switch off QuACK autotuning"
+        raise PeerMissing(f"cannot {what}: {', '.join(left)} not imported from quack.gemm_interface (another"
+                          " sonic-moe version?)")
+    bind()
     about = (f"sonic-moe {_version('sonic-moe')} on quack-kernels {_version('quack-kernels')}, nvidia-cutlass-dsl"
-             f" {_version('nvidia-cutlass-dsl')}; QuACK default GEMM configs (tuned=False, no autotuning)")
+             f" {_version('nvidia-cutlass-dsl')}; " +
+             (f"QuACK's autotuned GEMM configs (tuned=True, SonicMoE's default: each GEMM shape autotuned on its first"
+              f" call, before timing; cached under QUACK_CACHE_DIR={quack_cache_dir()})" if tuned else
+              "QuACK default GEMM configs (tuned=False, no autotuning)"))
     return SimpleNamespace(moe=moe_general_routing_inputs, swiglu=ActivationType.SWIGLU,
-                           stream=lambda: torch.cuda.current_stream().cuda_stream, about=about)
+                           stream=lambda: torch.cuda.current_stream().cuda_stream, bind=bind, about=about)
+
+
+def load_sonicmoe_tuned():
+    return load_sonicmoe(tuned=True)
 
 
 def flat_routing(ids):
@@ -106,10 +141,10 @@ def deinterleave_gate_up(dw1, experts):
 
 class SonicMoE(Impl):
     """SonicMoE on one case: its weight leaves w1 [2I, H, E] (a copy) and w2 [H, I, E] (a view of the case's w2),
-    made once; the routing lists made once per topk_ids tensor."""
+    made once; the routing lists made once per topk_ids tensor. `name` is the peer's (sonicmoe or sonicmoe-tuned)."""
 
-    def __init__(self, api, case):
-        super().__init__("sonicmoe", self._moe)
+    def __init__(self, api, case, name="sonicmoe"):
+        super().__init__(name, self._moe)
         self.api, self.w13, self.w2 = api, case.w13, case.w2
         with torch.no_grad():
             self.w1_sonic = interleave_gate_up(case.w13.detach()).requires_grad_()  # [2I, H, E]
@@ -117,6 +152,13 @@ class SonicMoE(Impl):
         self.ids, self.routing = None, None
 
     def _moe(self, x, ids, topk_weights, w13, w2):
+        """One call, with this variant's GEMMs bound into sonicmoe's modules first (api.bind). That covers its
+        backward too, because every caller runs a call's backward before any other implementation's next call:
+        bench.py and the profile scripts run each step to its end (a fwd+bwd step is the forward then
+        torch.autograd.grad, whose backward runs while the calling thread waits; reference.path_outputs calls
+        y.backward at once), and a CUDA-graph capture runs this Python once, inside the capture, with this binding,
+        after which a replay launches the captured kernels without Python. Holding a graph across another variant's
+        call and running its backward later would break this."""
         if w13 is not self.w13 or w2 is not self.w2:
             raise ValueError("this SonicMoE wrapper holds the weights of another case")
         if ids is not self.ids:
@@ -125,6 +167,9 @@ class SonicMoE(Impl):
         scores = topk_weights.reshape(-1).float()  # [T*k] f32: its gradient is d topk_weights
         if slots is not None:
             scores = scores[slots]  # [S]
+        bind = getattr(self.api, "bind", None)
+        if bind is not None:
+            bind()
         y, _ = self.api.moe(x, scores, tokens, experts, self.w1_sonic, None, self.w2_sonic, None, w2.shape[0],
                             self.api.stream(), self.api.swiglu, not torch.is_grad_enabled())
         return y  # [T, H]
@@ -140,6 +185,7 @@ class SonicMoE(Impl):
 
 
 class SonicMoEPeer:
+    """SonicMoE with QuACK's default GEMM configs (tuned=False)."""
     name = "sonicmoe"
 
     def __init__(self, loader=load_sonicmoe):
@@ -153,7 +199,21 @@ class SonicMoEPeer:
         return self.api.about if self.api else None
 
     def for_case(self, case):
-        return SonicMoE(self.api, case)
+        return SonicMoE(self.api, case, self.name)
+
+
+class SonicMoETunedPeer(SonicMoEPeer):
+    """SonicMoE as its users run it: QuACK's autotuned GEMMs (tuned=True). The bench's check calls of a shape (the full
+    case, forward and, for fwd+bwd, backward) autotune every GEMM before anything is timed."""
+    name = "sonicmoe-tuned"
+
+    def __init__(self, loader=load_sonicmoe_tuned):
+        super().__init__(loader)
+
+
+# What a peer's first call of a shape does beyond compiling (bench.py logs it before the check that makes that call).
+FIRST_CALL = {"sonicmoe-tuned": "QuACK autotunes each of its GEMMs (the forward's; in fwd+bwd the backward's too)"
+                                " unless QUACK_CACHE_DIR holds that shape's tuning"}
 
 
 class TorchCompiledPeer:
@@ -267,7 +327,8 @@ class TorchaoFp8Peer:
         return self.impl
 
 
-FACTORIES = {"sonicmoe": SonicMoEPeer, "torch_compiled": TorchCompiledPeer, "torchao-fp8": TorchaoFp8Peer,
+FACTORIES = {"sonicmoe": SonicMoEPeer, "sonicmoe-tuned": SonicMoETunedPeer, "torch_compiled": TorchCompiledPeer,
+             "torchao-fp8": TorchaoFp8Peer,
              "deepgemm-fp8": lambda: importlib.import_module("peer_deepgemm").DeepGemmFp8Peer()}  # imports peers
 
 

@@ -1,9 +1,10 @@
 """Regenerates the README's "## Results" block (between <!-- results:begin --> and <!-- results:end -->) from
 bench/results/: for balanced routing a table of times per call (a row per shape and pass: the shape's T, H, I, E and
-topk, then megamoe and each peer in a column of its own, one number per cell) and one of activation memory, the FP8
-table where the run measured FP8 (megamoe FP8 beside megamoe bf16, SonicMoE and torchao FP8), a sentence on skewed
-routing, the bench plot, the tables of shapes that run lacks from the newest earlier runs holding them (with their
-commits; not without --bench given), and optionally an end-to-end training-step paragraph from two
+topk, then megamoe and each peer in a column of its own, one number per cell; megamoe's speed-up over SonicMoE is over
+the faster of its default and autotuned variants where the run had both, named in the cell) and one of activation
+memory, the FP8 table where the run measured FP8 (megamoe FP8 beside megamoe bf16, SonicMoE and torchao FP8), a
+sentence on skewed routing, the bench plot, the tables of shapes that run lacks from the newest earlier runs holding
+them (with their commits; not without --bench given), and optionally an end-to-end training-step paragraph from two
 `examples/train_qwen3_moe.py --log-json` logs.
 
     python bench/readme_results.py                      # newest bench JSON and training logs in bench/results/
@@ -37,6 +38,18 @@ SIZES = ("T", "H", "I", "E", "topk")
 TIME_HEADER = ("shape", *SIZES, "pass", *(f"{label} ms" for _, label in README_IMPLS), "dense GEMM ms",
                "megamoe speed-up over SonicMoE", "megamoe TFLOP/s", "megamoe % of dense")
 MEMORY_HEADER = ("shape", *(f"{label} GiB" for _, label in README_IMPLS))
+# A run with SonicMoE's autotuned variant (report.sonicmoe_tuned_run) has a column for it beside the default one, and
+# megamoe's speed-up is over the faster of the two, named in the cell ("1.02x (tuned)").
+README_IMPLS_TUNED = (*README_IMPLS[:3], ("sonicmoe-tuned", "SonicMoE tuned"), *README_IMPLS[3:])
+TIME_HEADER_TUNED = ("shape", *SIZES, "pass", *(f"{label} ms" for _, label in README_IMPLS_TUNED), "dense GEMM ms",
+                     "megamoe speed-up over SonicMoE (the faster of default / tuned)", "megamoe TFLOP/s",
+                     "megamoe % of dense")
+MEMORY_HEADER_TUNED = ("shape", *(f"{label} GiB" for _, label in README_IMPLS_TUNED))
+
+
+def readme_impls(results):
+    """The implementations of the README's tables for this run: README_IMPLS_TUNED where it had sonicmoe-tuned."""
+    return README_IMPLS_TUNED if report.sonicmoe_tuned_run(results) else README_IMPLS
 
 
 def _balanced(results):
@@ -44,9 +57,12 @@ def _balanced(results):
 
 
 def time_rows(results):
-    """A row per balanced case and measured pass (the cases derive()d): the shape, its sizes, each implementation's
-    ms per call, the dense GEMM's (the forward's FLOPs: on the fwd row), megamoe's speed-up over SonicMoE, its TFLOP/s
-    and its percentage of the dense GEMM's rate (fwd+bwd: against 3x the dense time)."""
+    """A row per balanced case and measured pass (the cases derive()d), the columns of TIME_HEADER (TIME_HEADER_TUNED
+    where the run had sonicmoe-tuned): the shape, its sizes, each implementation's ms per call, the dense GEMM's (the
+    forward's FLOPs: on the fwd row), megamoe's speed-up over SonicMoE (over the faster of its two variants, named,
+    where the run had both), its TFLOP/s and its percentage of the dense GEMM's rate (fwd+bwd: against 3x the dense
+    time)."""
+    impls, tuned = readme_impls(results), report.sonicmoe_tuned_run(results)
     rows = []
     for case in _balanced(results):
         sizes = [report._f(case.get(size), "d") for size in SIZES]
@@ -54,9 +70,9 @@ def time_rows(results):
             if p not in case:
                 continue
             rows.append([case["shape"], *sizes, label,
-                         *(report._ms(report._num(case, p, name, "ms")) for name, _ in README_IMPLS),
+                         *(report._ms(report._num(case, p, name, "ms")) for name, _ in impls),
                          report._ms(report._num(case, "dense", "ms")) if p == "fwd" else "—",
-                         report._x(report._num(case, p, "sonicmoe", "megamoe_speedup")),
+                         report.vs_sonicmoe(case, p, named=tuned),
                          report._rate(report._num(case, p, "megamoe", "tflops")),
                          report._f(report._num(case, p, "megamoe", "pct_dense"), ".0f")])
     return rows
@@ -65,18 +81,19 @@ def time_rows(results):
 def memory_rows(results):
     """A row per balanced case with a fwd+bwd pass: each implementation's activation memory in GiB."""
     return [[case["shape"], *(report._f(report._num(case, "fwdbwd", name, "activation_gib"), ".2f")
-                              for name, _ in README_IMPLS)]
+                              for name, _ in readme_impls(results))]
             for case in _balanced(results) if "fwdbwd" in case]
 
 
 def result_tables(results):
     """Lines: the times table, then the activation-memory table where the run measured memory (the cases
     derive()d)."""
-    lines = report.markdown_rows(TIME_HEADER, time_rows(results))
+    tuned = report.sonicmoe_tuned_run(results)
+    lines = report.markdown_rows(TIME_HEADER_TUNED if tuned else TIME_HEADER, time_rows(results))
     memory = memory_rows(results)
     if any(cell != "—" for row in memory for cell in row[1:]):
         lines += ["", "Activation memory of a fwd+bwd (extra peak memory minus its gradient outputs):", "",
-                  *report.markdown_rows(MEMORY_HEADER, memory)]
+                  *report.markdown_rows(MEMORY_HEADER_TUNED if tuned else MEMORY_HEADER, memory)]
     return lines
 
 
@@ -219,7 +236,10 @@ def kernel_section(results, bench_path, readme_dir):
              " size H, expert intermediate size I, E experts, topk experts per token. \"torch eager\" / \"torch"
              " compiled\" are the `_grouped_mm` path of `bench/torch_moe_baseline.py` without / with `torch.compile`;"
              " \"dense GEMM\" is a bf16 GEMM of the forward's FLOPs (megamoe's % of dense for fwd+bwd is against 3x"
-             " its time).", "", *result_tables(results), "", "Peers: " + report.peers_note(results)]
+             " its time)." + (" \"SonicMoE\" runs QuACK's default GEMM configs, \"SonicMoE tuned\" its autotuned"
+                              " ones (SonicMoE's own default, autotuned before timing); megamoe's speed-up is over the"
+                              " faster of the two, named in the cell." if report.sonicmoe_tuned_run(results) else ""),
+             "", *result_tables(results), "", "Peers: " + report.peers_note(results)]
     if report.fp8_measured(results):
         lines += ["", "FP8 beside bf16 (balanced routing, per call; speed-up = megamoe bf16's ms / the row's ms; error ="
                   " the largest relative error against the fp32 reference over the checked tensors):", "",

@@ -11,9 +11,14 @@ import sys
 
 PASSES = (("fwd", "fwd"), ("fwdbwd", "fwd+bwd"))
 IMPLS = (("megamoe", "megamoe"), ("megamoe_recompute", "megamoe recompute"), ("megamoe-fp8", "megamoe FP8"),
-         ("megamoe-fp8+wq", "megamoe FP8 + weight quant."), ("sonicmoe", "SonicMoE"), ("torchao-fp8", "torchao FP8"),
-         ("torch_compiled", "torch compiled"), ("torch", "torch eager"))
-PEERS = {"sonicmoe": "SonicMoE", "torch_compiled": "torch compiled"}  # the bf16 peers (peers_note)
+         ("megamoe-fp8+wq", "megamoe FP8 + weight quant."), ("sonicmoe", "SonicMoE"),
+         ("sonicmoe-tuned", "SonicMoE tuned"), ("torchao-fp8", "torchao FP8"), ("torch_compiled", "torch compiled"),
+         ("torch", "torch eager"))
+# the bf16 peers (peers_note; SonicMoE tuned only where the run describes it: runs before it lack it)
+PEERS = {"sonicmoe": "SonicMoE", "sonicmoe-tuned": "SonicMoE tuned", "torch_compiled": "torch compiled"}
+# SonicMoE's two variants: QuACK's default GEMM configs and its autotuned ones. megamoe's speed-up over SonicMoE is
+# over the faster of those timed (per pass and timing), named by these words where the run had sonicmoe-tuned.
+SONIC = {"sonicmoe": "default", "sonicmoe-tuned": "tuned"}
 # The FP8 implementations (fp8_rows, fp8_note): megamoe's FP8 variants (described in results["fp8"]) and torchao's
 # (a peer, in results["peers"]).
 FP8 = {"megamoe-fp8": "megamoe FP8", "megamoe-fp8+wq": "megamoe FP8 + weight quant.", "torchao-fp8": "torchao FP8"}
@@ -41,9 +46,28 @@ def _ratio(a, b, scale=1.0):
     return scale * a / b if a and b else None
 
 
+def faster_sonicmoe(case, p, prefix=""):
+    """(name, ms) of the faster of SonicMoE's variants (SONIC) timed in pass p and timing `prefix`, or (None, None)."""
+    timed = [(ms, name) for name in SONIC for ms in [_num(case, p, name, prefix + "ms")] if ms]
+    if not timed:
+        return None, None
+    ms, name = min(timed)
+    return name, ms
+
+
+def speedup_over_sonicmoe(case, p, prefix=""):
+    """(megamoe's speed-up over the faster SonicMoE variant: its ms / megamoe's, that variant's name), or (None,
+    None)."""
+    name, ms = faster_sonicmoe(case, p, prefix)
+    speedup = _ratio(ms, _num(case, p, "megamoe", prefix + "ms"))
+    return (speedup, name) if speedup is not None else (None, None)
+
+
 def derive(case):
     """Adds, in place, to each timed cell: TFLOP/s and % of the dense GEMM's rate per timing, megamoe's speed-up over
-    it per timing (its ms / megamoe's ms) and its activation GiB (extra peak minus the gradient outputs' bytes)."""
+    it per timing (its ms / megamoe's ms) and its activation GiB (extra peak minus the gradient outputs' bytes); and
+    to the case, per pass, megamoe's speed-up over the faster SonicMoE variant per timing and which one that was
+    (case["megamoe_vs_sonicmoe"][pass]: speedup, against; b2b_ and graph_ ones likewise)."""
     flop = {"fwd": _num(case, "flops_fwd"), "fwdbwd": _num(case, "flops_fwdbwd")}
     dense = case.get("dense") if isinstance(case.get("dense"), dict) else {}
     for prefix, _ in MODES:
@@ -63,6 +87,15 @@ def derive(case):
                     cell[prefix + "megamoe_speedup"] = _ratio(ms, _num(cells, "megamoe", prefix + "ms"))
             peak = _num(cell, "peak_extra_gib")
             cell["activation_gib"] = None if peak is None or grads is None else peak - grads
+        versus = {}
+        for prefix, _ in MODES:
+            speedup, name = speedup_over_sonicmoe(case, p, prefix)
+            if speedup is not None:
+                versus.update({prefix + "speedup": speedup, prefix + "against": name})
+        if versus:
+            case.setdefault("megamoe_vs_sonicmoe", {})[p] = versus
+        elif isinstance(case.get("megamoe_vs_sonicmoe"), dict):
+            case["megamoe_vs_sonicmoe"].pop(p, None)
     return case
 
 
@@ -177,6 +210,31 @@ def table_rows(results):
 SUMMARY_HEADER = ("shape", "megamoe ms fwd / fwd+bwd (activation GiB)", "megamoe recompute fwd+bwd ms (GiB)",
                   "SonicMoE", "torch compiled", "torch eager", "dense GEMM fwd ms", "megamoe vs SonicMoE fwd / fwd+bwd",
                   "megamoe TFLOP/s fwd / fwd+bwd (% dense)")
+VS_BEST = "megamoe vs SonicMoE (the faster of default / tuned) fwd / fwd+bwd"
+
+
+def sonicmoe_tuned_run(results):
+    """Whether the run had SonicMoE's autotuned variant (described, timed, checked or errored): its tables then show
+    both variants and name the one each speed-up is against."""
+    return "sonicmoe-tuned" in results.get("peers", {}) or any(
+        "sonicmoe-tuned" in _cells(case, p) or _check_of(case, "sonicmoe-tuned", p)
+        or _errors_of(case, "sonicmoe-tuned", p) for case in results["cases"] for p, _ in PASSES)
+
+
+def summary_header(results):
+    """SUMMARY_HEADER, with a SonicMoE tuned column and VS_BEST where the run had sonicmoe-tuned."""
+    if not sonicmoe_tuned_run(results):
+        return SUMMARY_HEADER
+    head = list(SUMMARY_HEADER)
+    head[head.index("SonicMoE"):head.index("SonicMoE") + 1] = ["SonicMoE", "SonicMoE tuned"]
+    head[head.index("megamoe vs SonicMoE fwd / fwd+bwd")] = VS_BEST
+    return tuple(head)
+
+
+def vs_sonicmoe(case, p, prefix="", named=True):
+    """'1.02x (tuned)': megamoe's speed-up over the faster SonicMoE variant, named (named=False: the number alone)."""
+    speedup, name = speedup_over_sonicmoe(case, p, prefix)
+    return _x(speedup) + (f" ({SONIC[name]})" if named and name else "")
 
 
 def _ms_cell(case, name, prefix, passes=("fwd", "fwdbwd")):
@@ -194,14 +252,16 @@ def _pair(vals, fmt):
 
 
 def summary_rows(results, prefix="", routing=None):
-    """One row per case (of `routing`, or all, labelled 'shape (routing)' when they differ): each implementation's
-    ms fwd / fwd+bwd with its activation GiB, megamoe's speed-up over SonicMoE and its TFLOP/s, in one timing (the
-    cases derive()d)."""
+    """One row per case (of `routing`, or all, labelled 'shape (routing)' when they differ), the columns of
+    summary_header(results): each implementation's ms fwd / fwd+bwd with its activation GiB, megamoe's speed-up over
+    SonicMoE (over the faster of its default and tuned variants, named, where the run had the tuned one) and its
+    TFLOP/s, in one timing (the cases derive()d)."""
     cases = [c for c in results["cases"] if routing is None or c.get("routing") == routing]
     label_routing = len({c.get("routing") for c in cases}) > 1
+    tuned = sonicmoe_tuned_run(results)
     rows = []
     for case in cases:
-        speedups = [_num(case, p, "sonicmoe", prefix + "megamoe_speedup") for p, _ in PASSES]
+        speedups = [vs_sonicmoe(case, p, prefix, named=tuned) for p, _ in PASSES]
         tflops = [_num(case, p, "megamoe", prefix + "tflops") for p, _ in PASSES]
         pcts = [_num(case, p, "megamoe", prefix + "pct_dense") for p, _ in PASSES]
         rate = _pair(tflops, _rate)
@@ -209,9 +269,11 @@ def summary_rows(results, prefix="", routing=None):
             rate += " (" + " / ".join(_f(v, ".0f") + ("%" if v is not None else "") for v in pcts) + ")"
         rows.append([case["shape"] + (f" ({case['routing']})" if label_routing else ""),
                      _ms_cell(case, "megamoe", prefix), _ms_cell(case, "megamoe_recompute", prefix, ("fwdbwd",)),
-                     _ms_cell(case, "sonicmoe", prefix), _ms_cell(case, "torch_compiled", prefix),
-                     _ms_cell(case, "torch", prefix), _ms(_num(case, "dense", prefix + "ms")),
-                     _pair(speedups, _x), rate])
+                     _ms_cell(case, "sonicmoe", prefix),
+                     *([_ms_cell(case, "sonicmoe-tuned", prefix)] if tuned else []),
+                     _ms_cell(case, "torch_compiled", prefix), _ms_cell(case, "torch", prefix),
+                     _ms(_num(case, "dense", prefix + "ms")),
+                     "—" if all(v == "—" for v in speedups) else " / ".join(speedups), rate])
     return rows
 
 
@@ -222,6 +284,8 @@ def peers_note(results):
     parts = []
     for name, label in PEERS.items():
         info = results["peers"].get(name)
+        if info is None and name == "sonicmoe-tuned":
+            continue  # a run before it, or without it: nothing to say
         parts.append(f"{label}: " + ("not run (--peers)" if info is None else
                                      f"missing ({info['missing']})" if "missing" in info else info["about"]))
     return "; ".join(parts) + "."
@@ -229,7 +293,8 @@ def peers_note(results):
 
 FP8_HEADER = ("shape", "implementation", "ms fwd / fwd+bwd", "speed-up over megamoe bf16 fwd / fwd+bwd",
               "activation GiB", "max rel err vs fp32 fwd / fwd+bwd")
-FP8_ROWS = (("megamoe", "megamoe bf16"), *FP8.items(), ("sonicmoe", "SonicMoE (bf16)"))
+FP8_ROWS = (("megamoe", "megamoe bf16"), *FP8.items(), ("sonicmoe", "SonicMoE (bf16)"),
+            ("sonicmoe-tuned", "SonicMoE tuned (bf16)"))
 
 
 def fp8_measured(results):
@@ -291,7 +356,7 @@ def text_table(results):
     """Every number, then the per-call summary (what the README shows) and the FP8 one, where FP8 was measured."""
     fp8 = ["", "FP8, per call:"] + _text_rows(FP8_HEADER, fp8_rows(results)) if fp8_measured(results) else []
     return "\n".join(_text_rows(HEADER, table_rows(results)) + ["", "per call:"]
-                     + _text_rows(SUMMARY_HEADER, summary_rows(results)) + [peers_note(results)] + fp8
+                     + _text_rows(summary_header(results), summary_rows(results)) + [peers_note(results)] + fp8
                      + ([fp8_note(results)] if fp8_note(results) else []))
 
 
@@ -306,7 +371,7 @@ def markdown(results, png_name):
     for prefix, label in MODES:
         rows = summary_rows(results, prefix)
         if any(c != "—" for r in rows for c in r[1:]):
-            summaries += [f"## {label[0].upper() + label[1:]}", "", *markdown_rows(SUMMARY_HEADER, rows), ""]
+            summaries += [f"## {label[0].upper() + label[1:]}", "", *markdown_rows(summary_header(results), rows), ""]
     if fp8_measured(results):
         summaries += ["## FP8 (per call)", "", *markdown_rows(FP8_HEADER, fp8_rows(results)), ""]
     return "\n".join([
@@ -334,7 +399,10 @@ def markdown(results, png_name):
         " torch_moe_baseline.py (argsort + `torch._grouped_mm` + autograd), without / with torch.compile. Dense"
         " ceiling = bf16 GEMM [T·topk, H] x [H, 3I] of the forward's FLOPs in the same run, in each timing; the"
         " fwd+bwd ceiling ms is 3x its time; % dense compares rates within one timing. megamoe speed-up = that"
-        " implementation's ms / megamoe's ms.",
+        " implementation's ms / megamoe's ms." + (" megamoe vs SonicMoE: over the faster of SonicMoE's two variants"
+        " in that pass and timing, named in the cell: default = QuACK's default GEMM configs (`sonicmoe`), tuned ="
+        " its autotuned ones (`sonicmoe-tuned`, SonicMoE's own default; autotuned before timing)."
+        if sonicmoe_tuned_run(results) else ""),
         "- megamoe runs fwd+bwd in its default memory mode (keep h = [g, u] from the forward); megamoe recompute is"
         " the same pass with recompute=True (only the inputs kept, h recomputed in the backward).",
         "- extra peak GiB = torch.cuda.max_memory_allocated during one pass above the allocation before it"
@@ -352,7 +420,8 @@ def markdown(results, png_name):
 
 
 PLOT_SERIES = (("megamoe", "megamoe", "tab:green"), ("megamoe-fp8", "megamoe FP8", "tab:olive"),
-               ("sonicmoe", "SonicMoE", "tab:red"), ("torchao-fp8", "torchao FP8", "tab:purple"),
+               ("sonicmoe", "SonicMoE", "tab:red"), ("sonicmoe-tuned", "SonicMoE tuned", "tab:pink"),
+               ("torchao-fp8", "torchao FP8", "tab:purple"),
                ("torch_compiled", "torch compiled", "tab:orange"), ("torch", "torch eager", "tab:blue"),
                ("dense", "dense bf16 GEMM (ceiling)", "tab:gray"))
 

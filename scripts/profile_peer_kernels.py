@@ -12,8 +12,10 @@ are checked against megamoe's before anything is timed.
         [--shapes qwen3-30b-a3b,qwen3-235b-a22b,mixtral-8x7b,deepseek-v3] [--impls megamoe,sonicmoe,torch_compiled] \
         [--rounds 2] [--runs 5] [--out DIR]
 
-SonicMoE needs `import sonicmoe` (scripts/gpu_bench_peers.sh installs the carried bundle); its QuACK GEMMs run with
-their default configs (bench/peers.py) and compile on first use, outside the timed runs, as torch.compile does.
+SonicMoE needs `import sonicmoe` (scripts/gpu_bench_peers.sh installs the carried bundle); `sonicmoe` runs its QuACK
+GEMMs with their default configs, `sonicmoe-tuned` (in --impls) with QuACK's autotuned ones (bench/peers.py: each
+variant binds its GEMMs before each call, so both run in one process); they compile (and the tuned one autotunes, for
+minutes unless QUACK_CACHE_DIR holds the shape's tuning) on first use, in the check, outside the timed runs.
 A peer that is missing or fails its check is left out, saying why.
 """
 import argparse
@@ -28,7 +30,7 @@ import torch
 import megamoe
 import workloads
 from impls import Impl
-from peers import SonicMoEPeer, TorchCompiledPeer
+from peers import SonicMoEPeer, SonicMoETunedPeer, TorchCompiledPeer
 from profile_backward import kernel_times
 from timing import cuda_time, rel_diff
 
@@ -46,7 +48,7 @@ def label_rows(impl_name, pass_name, rows):
         if impl_name == "megamoe" and "grouped_gemm" in name and gemm_idx < len(megamoe_labels):
             label, units = megamoe_labels[gemm_idx]
             gemm_idx += 1
-        elif impl_name == "sonicmoe" and "Gemm" in name:
+        elif impl_name.startswith("sonicmoe") and "Gemm" in name:
             label = "GemmDGated" if "DGated" in name else "GemmGated" if "Gated" in name else "Gemm"
         elif impl_name == "torch_compiled" and TORCH_GEMM.search(name):
             label = "gemm"
@@ -82,14 +84,15 @@ def check(reference, candidate):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shapes", default="qwen3-30b-a3b,qwen3-235b-a22b,mixtral-8x7b,deepseek-v3")
-    p.add_argument("--impls", default="megamoe,sonicmoe,torch_compiled", help="megamoe and the peers to run beside it")
+    p.add_argument("--impls", default="megamoe,sonicmoe,torch_compiled",
+                   help="megamoe and the peers to run beside it (of sonicmoe, sonicmoe-tuned, torch_compiled)")
     p.add_argument("--routing", default="balanced")
     p.add_argument("--rounds", type=int, default=2)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--out", default=None, help="directory for peer_kernels.json")
     args = p.parse_args()
     wanted = args.impls.split(",")
-    peers = [cls() for cls in (SonicMoEPeer, TorchCompiledPeer) if cls.name in wanted]
+    peers = [cls() for cls in (SonicMoEPeer, SonicMoETunedPeer, TorchCompiledPeer) if cls.name in wanted]
     for peer in peers:
         print(f"{peer.name}: {peer.about or peer.missing}")
     peers = [peer for peer in peers if not peer.missing]

@@ -65,18 +65,19 @@ class Searchsorted:
 
 
 def install_stand_ins():
-    """load_sonicmoe (which rebinds the GEMM names to tuned=False partials), then our GEMMs behind those partials."""
+    """load_sonicmoe (its binding: tuned=False partials of QuACK's GEMMs), then our GEMMs in their place in that
+    binding, which the wrapper binds into sonicmoe's modules before each call."""
     api = peers.load_sonicmoe()
     import sonicmoe.functional.backward as backward
     import sonicmoe.functional.forward as forward
     import sonicmoe.functional.triton_kernels as triton_kernels
     import triton.runtime.autotuner as autotuner
-    for mod in (forward, backward):
-        for name, stand_in in (("gemm", gemm), ("gemm_gated", gemm_gated), ("gemm_dgated", gemm_dgated)):
-            bound = getattr(mod, name, None)
-            if bound is not None:
-                assert isinstance(bound, functools.partial) and bound.keywords == {"tuned": False}, bound
-                setattr(mod, name, functools.partial(stand_in, **bound.keywords))
+    for name, stand_in in (("gemm", gemm), ("gemm_gated", gemm_gated), ("gemm_dgated", gemm_dgated)):
+        bound = api.bind.functions[name]
+        assert isinstance(bound, functools.partial) and bound.keywords == {"tuned": False}, bound
+        api.bind.functions[name] = functools.partial(stand_in, **bound.keywords)
+    api.bind()
+    assert forward.gemm_gated.func is gemm_gated and backward.gemm_dgated.func is gemm_dgated
     triton_kernels._token_offset_searchsorted_kernel = Searchsorted()
     prune = autotuner.Autotuner.prune_configs
     autotuner.Autotuner.prune_configs = lambda self, kwargs: prune(self, kwargs)[:1]  # no benchmarking here
