@@ -22,13 +22,8 @@
 
 #include <cmath>
 
+#include "host_device.h"
 #include "megamoe/megamoe.h"
-
-#if defined(__CUDACC__)
-#define MEGAMOE_HOST_DEVICE __host__ __device__ __forceinline__
-#else
-#define MEGAMOE_HOST_DEVICE inline
-#endif
 
 namespace megamoe {
 

@@ -34,10 +34,11 @@ constexpr int kFp8ScaleGroup = 128;  // K elements per scale of the blockwise FP
 // kKN: boxes of 64 N columns (one 128-byte swizzled row) x kBlockK rows of K.
 constexpr int kKNBoxCols = kSwizzleBytes / kElemBytes;
 constexpr int kKNBoxBytes = kKNBoxCols * kBlockK * kElemBytes;
-// Per consumer warp, 4 KiB of staging: the store epilogue's 2 TMA store boxes of 16 rows x 128 bytes (kit/store.cuh),
-// or the dSwiGLU epilogue's 4 sub-tile slots of 16 rows x 64 bytes (dswiglu.cuh).
-constexpr int kWarpStagingBytes = kTmaStoreBuffers * kTmaStoreBoxBytes;
-constexpr int kStagingBytes = kNumConsumers * kWarpsPerWarpgroup * kWarpStagingBytes;
+// Per consumer warp, the store epilogue's staging: 2 TMA store boxes of 16 rows x 128 bytes (kit/store.cuh), 4 KiB.
+// (The dSwiGLU epilogue's sub-tile slots: dswiglu.cuh.) An epilogue policy names its bytes per warp
+// (kWarpStagingBytes), and the shared storage holds that for each of the kNumConsumerWarps.
+constexpr int kStoreWarpStagingBytes = kTmaStoreBuffers * kTmaStoreBoxBytes;
+constexpr int kNumConsumerWarps = kNumConsumers * kWarpsPerWarpgroup;
 
 static_assert(kBlockK * kElemBytes == kSwizzleBytes, "a K block is one 128-byte swizzled row");
 static_assert(kBlockM == cuda::kGemmBlockM, "the routing's M tile is one CTA's rows");
@@ -106,49 +107,50 @@ struct TileConfig {
 };
 
 // Shared memory of one CTA (the dynamic allocation, aligned to 1024 bytes by the kernel): the pipeline's stages, for
-// the store and dSwiGLU epilogues the per-warp staging (TMA store boxes, sub-tile slots), then the stages' full and
-// empty barriers. The stage count is what the shared-memory budget holds (at most kMaxStages): its sizeof plus the
-// alignment slack is the launch's request.
+// the store and dSwiGLU epilogues the per-warp staging (kWarpStagingBytes per consumer warp: TMA store boxes, sub-tile
+// slots), then the stages' full and empty barriers. The stage count is what the shared-memory budget holds (at most
+// kMaxStages): its sizeof plus the alignment slack is the launch's request.
 struct NoStaging {};
-struct StoreStaging {
-    alignas(kSwizzleAtomBytes) uint8_t boxes[kStagingBytes];
+template <int kWarpStagingBytes>
+struct WarpStaging {
+    alignas(kSwizzleAtomBytes) uint8_t boxes[kNumConsumerWarps * kWarpStagingBytes];
 };
 
-template <int kNumStages, int kStageBBytes, bool kStaging>
+template <int kNumStages, int kStageBBytes, int kWarpStagingBytes>
 struct SharedStorageOf {
     alignas(kSwizzleAtomBytes) uint8_t a[kNumStages][kATileBytes];
     alignas(kSwizzleAtomBytes) uint8_t b[kNumStages][kStageBBytes];
-    std::conditional_t<kStaging, StoreStaging, NoStaging> staging;
+    std::conditional_t<(kWarpStagingBytes > 0), WarpStaging<kWarpStagingBytes>, NoStaging> staging;
     uint64_t full[kNumStages];
     uint64_t empty[kNumStages];
 };
 
-// kStaging: the epilogue has per-warp staging in shared memory (the epilogue policy's kStaging).
-template <class Config, bool kStaging>
+// kWarpStagingBytes: the epilogue's shared memory per consumer warp (the epilogue policy's; 0: none).
+template <class Config, int kWarpStagingBytes>
 struct StorageFor {
     template <int kNumStages>
-    using Of = SharedStorageOf<kNumStages, Config::kBTileBytes, kStaging>;
+    using Of = SharedStorageOf<kNumStages, Config::kBTileBytes, kWarpStagingBytes>;
 };
 
 // The most stages the shared-memory budget holds (kit/smem.h's rule, at most kMaxStages).
-template <class Config, bool kStaging>
+template <class Config, int kWarpStagingBytes>
 constexpr int num_stages() {
-    return fit_stages<StorageFor<Config, kStaging>::template Of, kMaxStages>();
+    return fit_stages<StorageFor<Config, kWarpStagingBytes>::template Of, kMaxStages>();
 }
 
-template <class Config, bool kStaging>
-using SharedStorage = SharedStorageOf<num_stages<Config, kStaging>(), Config::kBTileBytes, kStaging>;
+template <class Config, int kWarpStagingBytes>
+using SharedStorage = SharedStorageOf<num_stages<Config, kWarpStagingBytes>(), Config::kBTileBytes, kWarpStagingBytes>;
 
-template <class Config, bool kStaging>
+template <class Config, int kWarpStagingBytes>
 constexpr int smem_bytes() {
-    return smem_bytes_of<SharedStorage<Config, kStaging>>();
+    return smem_bytes_of<SharedStorage<Config, kWarpStagingBytes>>();
 }
 
 using Cooperative = TileConfig<Operands::k16Bit>;
 using Fp8Cooperative = TileConfig<Operands::kFp8>;
-static_assert(num_stages<Cooperative, true>() == 4 && num_stages<Cooperative, false>() == 4,
-              "the 128 x 256 tile: 4 stages of 48 KiB (with staging: + 32 KiB)");
-static_assert(smem_bytes<Cooperative, true>() <= kMaxSmemBytes,
+static_assert(num_stages<Cooperative, kStoreWarpStagingBytes>() == 4 && num_stages<Cooperative, 0>() == 4,
+              "the 128 x 256 tile: 4 stages of 48 KiB (with the store staging: + 32 KiB)");
+static_assert(smem_bytes<Cooperative, kStoreWarpStagingBytes>() <= kMaxSmemBytes,
               "stages and the staging boxes of TMA stores exceed the shared memory of an SM");
 
 // What the mainloop and the tile schedule read; each epilogue policy (m_grouped/epilogue.cuh) has its own Params.
@@ -164,6 +166,7 @@ struct MainloopParams {
     const int* m_tile_offsets;      // [E + 1]
     int64_t num_experts;
     int64_t num_n_tiles;
+    int pair_block;  // pairs of M tiles per block of the tile order (m_grouped/tile_order.h)
 };
 
 // The FP8 operands' scales (Operands::kFp8; m_grouped_fp8_gemm_sm90.h's Fp8BlockScales), after the other

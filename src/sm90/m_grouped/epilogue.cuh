@@ -1,6 +1,6 @@
 // Epilogues of the fused Hopper M-grouped GEMM (m_grouped/gemm.cu) as policy types, each owning its params, its
-// shared memory (kStaging), what it needs of the mainloop (kTmaA, kGateUpPairs, kGateUpHalves, the producer's per-tile
-// hook), its per-tile state and its store of one 64-row block of the consumer's tile:
+// shared memory (kWarpStagingBytes), what it needs of the mainloop (kTmaA, kGateUpPairs, kGateUpHalves, the producer's
+// per-tile hook), its per-tile state and its store of one 64-row block of the consumer's tile:
 //   GatedEpilogue    (up)   h = [g, u] (+ b13) and / or a = act(g, u) from registers (store_tile, store_tile_paired);
 //                    SwiGLUEpilogue is its default instantiation
 //   StoreEpilogue    (down, dX) the accumulators (+ b2) in the element type, by TMA stores through shared memory where
@@ -237,23 +237,25 @@ __device__ __forceinline__ void add_row_bias(const MainloopParams& params, const
 }
 
 // ---------------------------------------------------------------------------------------------------
-// The policies. Each derives from EpiloguePolicy<kTmaA, kGateUpPairs, kGateUpHalves, kStaging>, what it asks of the
+// The policies. Each derives from EpiloguePolicy<kTmaA, kGateUpPairs, kGateUpHalves, kWarpStagingBytes>, what it asks
+// of the
 // kernel: kTmaA (A is the sorted rows themselves, loaded by TMA boxes, else rows gathered by cp.async); kGateUpPairs (a
 // B tile holds gate / up pairs: n counts the pairs, B_e has 2n rows); kGateUpHalves (the pairs as a box of gate rows
-// and a box of the matching up rows, n apart; else the B tile is 2n's rows in storage order, interleaved); kStaging
-// (per-warp shared memory: staging of TMA stores, dSwiGLU's sub-tile slots). Each has Params (its part of the kernel's
-// argument), store (one row block) and name (the kernel's, in error messages); the base's hooks (no per-tile state,
-// no tensor map, nothing at the end) stand unless it has its own: TileState with begin_tile (per consumer and tile,
-// before its mainloop: it may issue loads into the warp's staging, free by then), prefetch_maps (thread 0 at start),
-// finish (each consumer thread at the end).
+// and a box of the matching up rows, n apart; else the B tile is 2n's rows in storage order, interleaved);
+// kWarpStagingBytes (per-warp shared memory, 0 for none: staging of TMA stores, dSwiGLU's sub-tile slots). Each has
+// Params (its part of the kernel's argument), store (one row block) and name (the kernel's, in error messages); the
+// base's hooks (no per-tile state, no tensor map, nothing at the end) stand unless it has its own: TileState with
+// begin_tile (per consumer and tile, before its mainloop: it may issue loads into the warp's staging, free by then),
+// prefetch_maps (thread 0 at start), finish (each consumer thread at the end).
 struct NoTileState {};
 
-template <bool kTmaAOperand, bool kGateUpPairTiles, bool kGateUpHalfBoxes, bool kStagingSmem>
+template <bool kTmaAOperand, bool kGateUpPairTiles, bool kGateUpHalfBoxes, int kWarpStagingSmemBytes>
 struct EpiloguePolicy {
     static constexpr bool kTmaA = kTmaAOperand;
     static constexpr bool kGateUpPairs = kGateUpPairTiles;
     static constexpr bool kGateUpHalves = kGateUpHalfBoxes;
-    static constexpr bool kStaging = kStagingSmem;
+    static constexpr int kWarpStagingBytes = kWarpStagingSmemBytes;
+    static constexpr bool kStaging = kWarpStagingBytes > 0;
     static_assert(kGateUpPairs || !kGateUpHalves, "gate / up halves are a layout of gate / up pairs");
 
     using TileState = NoTileState;
@@ -278,7 +280,7 @@ using BiasParamsOf = std::conditional_t<kBias, BiasParams, NoBiasParams>;
 // The up GEMM's epilogue for one GatedOptions (B = w13 read kNK, or kKN when w13 is stored transposed).
 template <class Gated>
 struct GatedEpilogue
-    : EpiloguePolicy</*kTmaA*/ false, /*kGateUpPairs*/ true, !Gated::kInterleaved, /*kStaging*/ false> {
+    : EpiloguePolicy</*kTmaA*/ false, /*kGateUpPairs*/ true, !Gated::kInterleaved, /*kWarpStagingBytes*/ 0> {
     struct Params : Gated::Activation::Params, BiasParamsOf<Gated::kBias> {
         void* out;    // a = act(g, u) [rows, I], or NULL
         int64_t ldo;  // I
@@ -303,7 +305,7 @@ using SwiGLUEpilogue = GatedEpilogue<SwiGLUOptions>;
 // kBias: b2[e] added to the accumulators before they are stored (the down GEMM). A is the sorted rows, by TMA.
 template <bool kBias>
 struct StoreEpilogueOf
-    : EpiloguePolicy</*kTmaA*/ true, /*kGateUpPairs*/ false, /*kGateUpHalves*/ false, /*kStaging*/ true> {
+    : EpiloguePolicy</*kTmaA*/ true, /*kGateUpPairs*/ false, /*kGateUpHalves*/ false, kStoreWarpStagingBytes> {
     struct Params : BiasParamsOf<kBias> {
         void* out;  // [rows, n], row stride ldo
         int64_t ldo;

@@ -19,7 +19,7 @@
 namespace megamoe::sm90::m_grouped {
 
 struct QuantizedSwiGLUEpilogue
-    : EpiloguePolicy</*kTmaA*/ false, /*kGateUpPairs*/ true, /*kGateUpHalves*/ true, /*kStaging*/ false> {
+    : EpiloguePolicy</*kTmaA*/ false, /*kGateUpPairs*/ true, /*kGateUpHalves*/ true, /*kWarpStagingBytes*/ 0> {
     using Activation = SwiGLUActivation;
     struct Params : Activation::Params {
         void* out;          // a [rows, I] in the element type, or NULL

@@ -53,10 +53,11 @@
 //     clipped at n), so the warp is back at its MMAs once its last store is issued; a TMA store cannot stop at the
 //     expert's end (the rows after it are the next expert's first tile, another CTA's), so a warp whose rows cross it
 //     stores from registers.
-// Tile schedule: cluster tiles t = p * num_n_tiles + n_tile over the pairs p of the routing's device-side M-tile
-// schedule (m_tile_offsets; its total m_tile_offsets[E] is read on the device, the host only knows a bound);
-// cluster c takes t = c, c + num_clusters, ...: the n-tiles of one pair run side by side on neighbouring
-// clusters (A read once from DRAM, then from L2), the M tiles of one expert follow each other (B_e stays in L2).
+// Tile schedule: cluster tiles t over the pairs p of the routing's device-side M-tile schedule (m_tile_offsets; its
+// total m_tile_offsets[E] is read on the device, the host only knows a bound) and the n-tiles, in blocks of
+// pair_block pairs (m_grouped/tile_order.h; pair_block 1: t = p * num_n_tiles + n_tile); cluster c takes
+// t = c, c + num_clusters, ...: tiles that share A rows or B tiles run side by side on neighbouring clusters (read
+// once from DRAM, then from L2), the M tiles of one expert follow each other.
 // Every tile has the same K, so the static stride stays balanced whatever the routing (hot or empty experts
 // only change the number of m-tiles). Producer and consumers walk the same tile sequence; stage and phase run on
 // across tiles, so the producer prefetches the next tile while the consumers run the epilogue.
@@ -104,8 +105,8 @@ using cuda::ceil_div;
 // The kernel's parts for one epilogue policy, B layout, B source and tile configuration.
 template <typename T, class Epi, BLayout kBLayout, BSource kBSource, class Config>
 struct Kernel {
-    using Storage = SharedStorage<Config, Epi::kStaging>;
-    static constexpr int kNumStages = num_stages<Config, Epi::kStaging>();
+    using Storage = SharedStorage<Config, Epi::kWarpStagingBytes>;
+    static constexpr int kNumStages = num_stages<Config, Epi::kWarpStagingBytes>();
     using Pipeline = StagePipeline<kNumStages, kClusterSize>;
     using Loader = StageLoader<Config, Epi, kBLayout, kBSource>;
     using Mainloop =
@@ -123,8 +124,9 @@ struct Kernel {
         const int warp_idx = (thread_idx % kWarpgroupThreads) / kWarpSize;
         uint32_t warp_staging = 0;  // the warp's staging (TMA store boxes, dSwiGLU's sub-tile slots)
         if constexpr (Epi::kStaging) {
-            warp_staging = shared_address(smem.staging.boxes) +
-                           static_cast<uint32_t>((consumer_idx * kWarpsPerWarpgroup + warp_idx) * kWarpStagingBytes);
+            warp_staging =
+                shared_address(smem.staging.boxes) +
+                static_cast<uint32_t>((consumer_idx * kWarpsPerWarpgroup + warp_idx) * Epi::kWarpStagingBytes);
         }
         const int row_block = consumer_idx;  // the consumer's 64-row block of a tile
         typename Pipeline::State state;
@@ -209,8 +211,9 @@ megamoe_status_t launch_typed(const cuda::MGroupedGemmArgs& args,
     const int64_t max_tiles = ceil_div(args.max_m_tiles, kClusterSize) * params.mainloop.num_n_tiles;  // cluster tiles
     const int64_t max_clusters = std::min<int64_t>(std::max(num_sms, kClusterSize) / kClusterSize, max_tiles);
     return launch_cluster_kernel<kClusterSize>(m_grouped_gemm_sm90_kernel<T, Epi, kBLayout, kBSource, Config>,
-                                               Epi::name(kBLayout), kNumThreads, smem_bytes<Config, Epi::kStaging>(),
-                                               max_clusters, stream, a_map, b_map, out_map, params, b_second_map);
+                                               Epi::name(kBLayout), kNumThreads,
+                                               smem_bytes<Config, Epi::kWarpStagingBytes>(), max_clusters, stream,
+                                               a_map, b_map, out_map, params, b_second_map);
 }
 
 // `a_map`: A's tensor map where Epi::kTmaA (kBSource::kKHalves: encode_a_halves_map's); `out_map`: the store
@@ -226,6 +229,7 @@ megamoe_status_t launch_on(const cuda::MGroupedGemmArgs& args, const typename Ep
     constexpr bool kUpHalf = kBSource == BSource::kUpHalf;
     KernelParams<typename Epi::Params, ScaleParamsOf<Config>> params{make_mainloop_params(args), epilogue, scales};
     params.mainloop.num_n_tiles = ceil_div(args.n, kPairs ? Config::kBlockN / 2 : Config::kBlockN);
+    params.mainloop.pair_block = pair_block_for(int64_t{kClusterSize} * kBlockM, args.k, Config::kOperandBytes);
     params.mainloop.second_box_row_offset = kUpHalf ? 0 : Epi::kGateUpHalves ? args.n : Config::kBBoxRows;
     if (kBSource == BSource::kKHalves) params.mainloop.k = args.k / 2;
     if (args.max_m_tiles == 0 || params.mainloop.num_n_tiles == 0) return MEGAMOE_STATUS_SUCCESS;

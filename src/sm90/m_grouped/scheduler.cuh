@@ -1,16 +1,18 @@
-// The M-grouped tile order behind the kit's tile-scheduler interface (kit/tile_scheduler.h): cluster tiles
-// t = p * num_n_tiles + n over the pairs p of M tiles (2p, 2p + 1) of the routing's device-side M-tile schedule
-// (m_tile_offsets; its total is read on the device, the host only knows a bound) and the n-tiles n; cluster c takes
-// t = c, c + num_clusters, ... (the static stride): the n-tiles of one pair run side by side on neighbouring clusters
-// (A read once from DRAM, then from L2), the M tiles of one expert follow each other (B_e stays in L2). Every tile has
-// the same K, so the stride stays balanced whatever the routing (hot or empty experts only change the number of
-// M tiles). Each CTA of the pair runs one of the two M tiles; both decode both, so they agree on whether B is shared.
+// The M-grouped tile order behind the kit's tile-scheduler interface (kit/tile_scheduler.h): cluster tiles t over the
+// pairs p of M tiles (2p, 2p + 1) of the routing's device-side M-tile schedule (m_tile_offsets; its total is read on
+// the device, the host only knows a bound) and the n-tiles n, in blocks of pair_block pairs (m_grouped/tile_order.h:
+// pair_block 1 is t = p * num_n_tiles + n); cluster c takes t = c, c + num_clusters, ... (the static stride): the
+// tiles that run side by side on neighbouring clusters share A rows or B tiles in L2, the M tiles of one expert follow
+// each other. Every tile has the same K, so the stride stays balanced whatever the routing (hot or empty experts only
+// change the number of M tiles). Each CTA of the pair runs one of the two M tiles; both decode both, so they agree on
+// whether B is shared.
 #pragma once
 
 #include <cstdint>
 
 #include "sm90/kit/tile_scheduler.h"
 #include "sm90/m_grouped/config.cuh"
+#include "sm90/m_grouped/tile_order.h"
 
 namespace megamoe::sm90::m_grouped {
 
@@ -25,15 +27,19 @@ struct Tile {
 // Cluster tile `tile_idx` = (pair of M tiles 2p, 2p + 1 of the routing's schedule, n-tile) as seen by CTA
 // `cta_rank`, which runs M tile 2p + cta_rank. Both CTAs decode both M tiles, so they agree on shared_b.
 __device__ __forceinline__ Tile decode_tile(const MainloopParams& params, int64_t tile_idx, int num_m_tiles,
-                                            uint32_t cta_rank) {
-    const auto first_m_tile = static_cast<int>(tile_idx / params.num_n_tiles) * kClusterSize;
+                                            int num_pairs, uint32_t cta_rank) {
+    const TileCoords coords =
+        kPairBlockABytes == 0  // the plain order (pair_block 1) without the block arithmetic
+            ? TileCoords{static_cast<int>(tile_idx / params.num_n_tiles), tile_idx % params.num_n_tiles}
+            : tile_coords(tile_idx, params.num_n_tiles, num_pairs, params.pair_block);
+    const int first_m_tile = coords.pair_idx * kClusterSize;
     const int m_tile_idx = first_m_tile + static_cast<int>(cta_rank);
     const int first_expert = cuda::expert_of_m_tile(params.m_tile_offsets, params.num_experts, first_m_tile);
     const bool pair_complete = first_m_tile + 1 < num_m_tiles;
     const int second_expert =
         pair_complete ? cuda::expert_of_m_tile(params.m_tile_offsets, params.num_experts, first_m_tile + 1) : -1;
     Tile tile;
-    tile.n_tile_idx = tile_idx % params.num_n_tiles;
+    tile.n_tile_idx = coords.n_tile_idx;
     tile.shared_b = first_expert == second_expert;
     tile.expert_idx = cta_rank == 0 || !pair_complete ? first_expert : second_expert;
     tile.num_rows = 0;
@@ -49,16 +55,18 @@ __device__ __forceinline__ Tile decode_tile(const MainloopParams& params, int64_
 struct Scheduler {
     using Tile = m_grouped::Tile;
     const MainloopParams& params;
-    int num_m_tiles;     // m_tile_offsets[E], read on the device
-    int64_t num_tiles;   // cluster tiles
+    int num_m_tiles;    // m_tile_offsets[E], read on the device
+    int num_pairs;      // pairs of M tiles: ceil(num_m_tiles / kClusterSize)
+    int64_t num_tiles;  // cluster tiles: num_pairs * num_n_tiles
     uint32_t cta_rank;
-    int64_t next_idx;    // the CTA's next cluster tile
-    int64_t stride;      // clusters of the grid
+    int64_t next_idx;  // the CTA's next cluster tile
+    int64_t stride;    // clusters of the grid
 
     __device__ __forceinline__ Scheduler(const MainloopParams& params_, int num_m_tiles_, int64_t num_tiles_,
                                          uint32_t cta_rank_)
         : params(params_),
           num_m_tiles(num_m_tiles_),
+          num_pairs((num_m_tiles_ + kClusterSize - 1) / kClusterSize),
           num_tiles(num_tiles_),
           cta_rank(cta_rank_),
           next_idx(blockIdx.x / kClusterSize),
@@ -67,7 +75,7 @@ struct Scheduler {
     // The CTA's next tile; false past its last one.
     __device__ __forceinline__ bool next(Tile& tile, int /*lane_idx*/) {
         if (next_idx >= num_tiles) return false;
-        tile = decode_tile(params, next_idx, num_m_tiles, cta_rank);
+        tile = decode_tile(params, next_idx, num_m_tiles, num_pairs, cta_rank);
         next_idx += stride;
         return true;
     }

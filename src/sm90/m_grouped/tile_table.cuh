@@ -16,7 +16,9 @@ namespace megamoe::sm90::m_grouped {
 template <class Epilogue>
 using ConfigOf = Cooperative;
 
-static_assert(num_stages<ConfigOf<DSwiGLUEpilogue>, true>() == num_stages<ConfigOf<DSwiGLUEpilogue>, false>(),
-              "dSwiGLU's sub-tile slots fit beside the pipeline stages without costing one");
+static_assert(num_stages<ConfigOf<DSwiGLUEpilogueOf<SwiGLUActivation, false, 2>>,
+                         DSwiGLUEpilogueOf<SwiGLUActivation, false, 2>::kWarpStagingBytes>() ==
+                  num_stages<ConfigOf<DSwiGLUEpilogue>, 0>(),
+              "dSwiGLU's two buffers of sub-tile slots fit beside the pipeline stages without costing one");
 
 }  // namespace megamoe::sm90::m_grouped
