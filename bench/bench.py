@@ -63,7 +63,9 @@ def parse_args(argv=None):
     p.add_argument("--routing", default="balanced", help="comma-separated: balanced, skewed")
     p.add_argument("--passes", default="fwd,fwdbwd", help="comma-separated: fwd, fwdbwd")
     p.add_argument("--skip-fwdbwd", action="store_true", help="forward only (same as --passes fwd)")
-    p.add_argument("--peers", default=",".join(peers.PEERS), help="comma-separated: " + ", ".join(peers.PEERS))
+    p.add_argument("--peers", default=",".join(peers.DEFAULT_PEERS),
+                   help="comma-separated: " + ", ".join(peers.PEERS) + " (default: all but sonicmoe-tuned, which"
+                        " autotunes QuACK's GEMMs for minutes a shape)")
     p.add_argument("--no-peers", action="store_true", help="megamoe, the eager torch path and dense only")
     p.add_argument("--no-fp8", action="store_true", help="without megamoe's FP8 variants (" + ", ".join(FP8) + ")")
     p.add_argument("--timings", default=",".join(timing.TIMINGS),

@@ -30,6 +30,9 @@ from impls import FP8_TOLERANCE, CompiledTorchPath, Impl, fp8_device_missing
 from timing import short
 
 PEERS = ("sonicmoe", "sonicmoe-tuned", "torch_compiled", "torchao-fp8", "deepgemm-fp8")
+# The peers a run takes unless told (--peers): all but sonicmoe-tuned, whose first call of a shape autotunes every GEMM
+# for minutes (with a carried QUACK_CACHE_DIR: scripts/quack_cache.sh, docs/benchmark.md).
+DEFAULT_PEERS = tuple(name for name in PEERS if name != "sonicmoe-tuned")
 QUACK_GEMMS = ("gemm", "gemm_gated", "gemm_dgated")  # quack.gemm_interface names sonicmoe.functional imports
 MUST_PATCH = ("sonicmoe.functional.forward.gemm", "sonicmoe.functional.forward.gemm_gated",
               "sonicmoe.functional.backward.gemm", "sonicmoe.functional.backward.gemm_dgated")
