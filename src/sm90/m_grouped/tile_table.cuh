@@ -20,5 +20,8 @@ static_assert(num_stages<ConfigOf<DSwiGLUEpilogueOf<SwiGLUActivation, false, 2>>
                          DSwiGLUEpilogueOf<SwiGLUActivation, false, 2>::kWarpStagingBytes>() ==
                   num_stages<ConfigOf<DSwiGLUEpilogue>, 0>(),
               "dSwiGLU's two buffers of sub-tile slots fit beside the pipeline stages without costing one");
+static_assert(num_stages<ConfigOf<DSwiGLUEpilogue>, DSwiGLUEpilogue::kWarpStagingBytes>() >= 3 &&
+                  smem_bytes<ConfigOf<DSwiGLUEpilogue>, DSwiGLUEpilogue::kWarpStagingBytes>() <= kMaxSmemBytes,
+              "dSwiGLU's buffers (MEGAMOE_DSWIGLU_BUFFERS) leave at least 3 pipeline stages in the shared memory");
 
 }  // namespace megamoe::sm90::m_grouped
