@@ -150,8 +150,9 @@ ROUND_FIELDS = ("forward", "fwd+bwd", "CUDA graph", "back to back")
 
 def timing_table(logs):
     """Markdown table of the median per build over the rounds in `logs` (the first build named is the base): per
-    shape, forward, fwd+bwd (per call), CUDA-graph replay and back to back, then the sum of the GEMM kernels' medians;
-    each build's median and base / build (above 1: the build is faster)."""
+    shape, forward, fwd+bwd (per call), CUDA-graph replay and back to back, the sum of the GEMM kernels' medians, then
+    each GEMM kernel's median (`kernel <name>`, in the order the logs name them); each build's median and base / build
+    (above 1: the build is faster)."""
     rounds, kernels, builds = {}, {}, []
     for log in logs:
         with open(log) as f:
@@ -174,11 +175,15 @@ def timing_table(logs):
             continue
         table = {b: [statistics.median(column) for column in zip(*rounds[(shape, b)])] for b in builds}
         gemm_sums = {b: sum(statistics.median(v) for v in kernels.get((shape, b), {}).values()) for b in builds}
-        for i, what in enumerate(ROUND_FIELDS + ("GEMM kernels (sum of medians)",)):
-            value = (lambda b: table[b][i]) if i < len(ROUND_FIELDS) else (lambda b: gemm_sums[b])  # noqa: E731
-            ratios = " | ".join(f"{value(base) / value(b):.3f}" if value(b) else "-" for b in builds[1:])
-            lines.append(f"| {shape} | {what} | {' | '.join(f'{value(b):.3f}' for b in builds)} | {ratios} | "
-                         f"{'/'.join(str(len(rounds[(shape, b)])) for b in builds)} |")
+        counts = "/".join(str(len(rounds[(shape, b)])) for b in builds)
+        rows = [(what, [table[b][i] for b in builds]) for i, what in enumerate(ROUND_FIELDS)]
+        rows.append(("GEMM kernels (sum of medians)", [gemm_sums[b] for b in builds]))
+        for kernel in dict.fromkeys(k for b in builds for k in kernels.get((shape, b), {})):
+            medians = [kernels.get((shape, b), {}).get(kernel) for b in builds]
+            rows.append((f"kernel {kernel}", [statistics.median(v) if v else 0.0 for v in medians]))
+        for what, values in rows:
+            ratios = " | ".join(f"{values[0] / v:.3f}" if v else "-" for v in values[1:])
+            lines.append(f"| {shape} | {what} | {' | '.join(f'{v:.3f}' for v in values)} | {ratios} | {counts} |")
     return "\n".join(lines)
 
 

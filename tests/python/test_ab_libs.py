@@ -39,4 +39,20 @@ def test_timing_table_takes_medians_per_build(tmp_path):
     assert rows["fwd+bwd"] == "| shape-a | fwd+bwd | 11.000 | 12.000 | 0.917 | 3/3 |"  # medians 11 and 12
     assert "| 3.000 | 2.000 | 1.500 |" in rows["forward"]
     assert "| 2.000 | 4.000 | 0.500 |" in rows["GEMM kernels (sum of medians)"]
+    assert "| 2.000 | 4.000 | 0.500 |" in rows["kernel up"]
     assert ab_libs.timing_table(logs[:1]) == "fewer than two builds in these logs"
+
+
+def test_timing_table_has_a_row_per_kernel_and_a_column_per_build(tmp_path):
+    logs = []
+    for build, ms in (("main", {"up": 2.0, "dH": 1.0}), ("dh4", {"up": 2.0, "dH": 0.8}), ("pb8", {"up": 1.6, "dH": 1.0})):
+        for r in (1, 2):
+            lines = [round_line(build, r, 10.0, 3.0, 9.0, 9.5)]
+            lines += [f"  kernel shape-a {build} {k} {v + 0.1 * r:.3f} ms 500 TFLOP/s" for k, v in ms.items()]
+            logs.append(write(tmp_path / f"{build}-r{r}.log", lines))
+    table = ab_libs.timing_table(logs).splitlines()
+    assert table[0] == "| shape | what | main | dh4 | pb8 | main / dh4 | main / pb8 | rounds |"
+    rows = {line.split(" | ")[1]: line for line in table[2:]}
+    assert rows["kernel dH"] == "| shape-a | kernel dH | 1.150 | 0.950 | 1.150 | 1.211 | 1.000 | 2/2/2 |"
+    assert rows["kernel up"] == "| shape-a | kernel up | 2.150 | 2.150 | 1.750 | 1.000 | 1.229 | 2/2/2 |"
+    assert list(rows)[-2:] == ["kernel up", "kernel dH"]
