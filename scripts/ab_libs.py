@@ -1,7 +1,8 @@
 """One build of the library (MEGAMOE_LIBRARY) on fixed inputs, for comparing builds side by side: every output's digest
 (bitwise comparison across builds and machines without moving tensors) and, with --rounds, the per-call, back-to-back
-and CUDA-graph times with every kernel's median (torch.profiler). Inputs are seeded (workloads.make_case: the same
-bytes in every process), so two builds' digests are equal exactly when their outputs are bitwise equal.
+and CUDA-graph times with every kernel's median (torch.profiler) and the host's enqueue time of a call. Inputs are
+seeded (workloads.make_case: the same bytes in every process), so two builds' digests are equal exactly when their
+outputs are bitwise equal.
 
 Digests cover y, dx, d topk_weights, dw13 and dw2 of the reference shapes (--shapes) in keep-h mode, bf16 and (on a
 Hopper GPU) FP8, and of a ragged set (T = 1, topk = 1, one expert taking every slot, empty experts, dropped slots,
@@ -20,6 +21,7 @@ import os
 import re
 import statistics
 import sys
+import time
 
 import torch
 
@@ -91,6 +93,20 @@ def ragged_digests(megamoe, make_problem, sm90):
             print_digests(name, "fp8-keep-h", outputs(megamoe, inputs, dy, True, "fp8"))
 
 
+def host_ms(fn, runs):
+    """Median host time of one call of fn() with the GPU idle before it: what the library and the Python around it
+    take to enqueue the work (no synchronization inside). A per-call time above the CUDA graph's is this time where the
+    GPU waits for it."""
+    times = []
+    for _ in range(runs):
+        torch.cuda.synchronize()
+        start = time.perf_counter()
+        fn()
+        times.append((time.perf_counter() - start) * 1e3)
+    torch.cuda.synchronize()
+    return statistics.median(times)
+
+
 def timings(megamoe, workloads, shapes, name, round_idx, runs):
     from profile_backward import GEMM_LABELS, backward_kernels, pass_times
     from timing import CudaTimer, back_to_back, graph_replay
@@ -110,6 +126,8 @@ def timings(megamoe, workloads, shapes, name, round_idx, runs):
             print(f"\n== {shape} {name} round {round_idx}: fwd+bwd {both:.3f} ms ({18 * unit / both / 1e9:.0f} "
                   f"TFLOP/s), forward {fwd:.3f}, backward {bwd:.3f}, CUDA-graph {graph_ms:.3f}, back to back "
                   f"{b2b_ms:.3f}", flush=True)
+            print(f"  host {shape} {name} fwd+bwd {host_ms(step, runs):.3f} ms forward {host_ms(forward, runs):.3f} ms",
+                  flush=True)
             rows = backward_kernels(forward, runs, [("up", 4.0), ("down", 2.0)])
             rows += backward_kernels(backward, runs, GEMM_LABELS)
             for label, ms, kname in rows:
@@ -145,15 +163,17 @@ def compare(logs):
 ROUND_LINE = re.compile(r"== (\S+) (\S+) round \d+: fwd\+bwd ([\d.]+) .*forward ([\d.]+), backward ([\d.]+), "
                         r"CUDA-graph ([\d.]+), back to back ([\d.]+)")
 KERNEL_LINE = re.compile(r"\s+kernel (\S+) (\S+) (\S+) ([\d.]+) ms")
+HOST_LINE = re.compile(r"\s+host (\S+) (\S+) fwd\+bwd ([\d.]+) ms forward ([\d.]+) ms")
 ROUND_FIELDS = ("forward", "fwd+bwd", "CUDA graph", "back to back")
 
 
 def timing_table(logs):
     """Markdown table of the median per build over the rounds in `logs` (the first build named is the base): per
     shape, forward, fwd+bwd (per call), CUDA-graph replay and back to back, the sum of the GEMM kernels' medians, then
-    each GEMM kernel's median (`kernel <name>`, in the order the logs name them); each build's median and base / build
-    (above 1: the build is faster)."""
-    rounds, kernels, builds = {}, {}, []
+    each GEMM kernel's median (`kernel <name>`, in the order the logs name them) and the host's enqueue time of a
+    call (`host fwd+bwd`, `host forward`, where the logs have it); each build's median and base / build (above 1: the
+    build is faster)."""
+    rounds, kernels, hosts, builds = {}, {}, {}, []
     for log in logs:
         with open(log) as f:
             for line in f:
@@ -165,6 +185,11 @@ def timing_table(logs):
                 elif m := KERNEL_LINE.match(line):
                     shape, build, kernel, ms = m.groups()
                     kernels.setdefault((shape, build), {}).setdefault(kernel, []).append(float(ms))
+                elif m := HOST_LINE.match(line):
+                    shape, build, step_ms, forward_ms = m.groups()
+                    host = hosts.setdefault((shape, build), {})
+                    host.setdefault("host fwd+bwd", []).append(float(step_ms))
+                    host.setdefault("host forward", []).append(float(forward_ms))
     if len(builds) < 2:
         return "fewer than two builds in these logs"
     base = builds[0]
@@ -181,6 +206,8 @@ def timing_table(logs):
         for kernel in dict.fromkeys(k for b in builds for k in kernels.get((shape, b), {})):
             medians = [kernels.get((shape, b), {}).get(kernel) for b in builds]
             rows.append((f"kernel {kernel}", [statistics.median(v) if v else 0.0 for v in medians]))
+        for what in dict.fromkeys(k for b in builds for k in hosts.get((shape, b), {})):
+            rows.append((what, [statistics.median(hosts.get((shape, b), {}).get(what) or [0.0]) for b in builds]))
         for what, values in rows:
             ratios = " | ".join(f"{values[0] / v:.3f}" if v else "-" for v in values[1:])
             lines.append(f"| {shape} | {what} | {' | '.join(f'{v:.3f}' for v in values)} | {ratios} | {counts} |")

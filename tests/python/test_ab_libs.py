@@ -49,10 +49,12 @@ def test_timing_table_has_a_row_per_kernel_and_a_column_per_build(tmp_path):
         for r in (1, 2):
             lines = [round_line(build, r, 10.0, 3.0, 9.0, 9.5)]
             lines += [f"  kernel shape-a {build} {k} {v + 0.1 * r:.3f} ms 500 TFLOP/s" for k, v in ms.items()]
+            lines += [f"  host shape-a {build} fwd+bwd {0.5 + 0.1 * r:.3f} ms forward {0.2:.3f} ms"]
             logs.append(write(tmp_path / f"{build}-r{r}.log", lines))
     table = ab_libs.timing_table(logs).splitlines()
     assert table[0] == "| shape | what | main | dh4 | pb8 | main / dh4 | main / pb8 | rounds |"
     rows = {line.split(" | ")[1]: line for line in table[2:]}
     assert rows["kernel dH"] == "| shape-a | kernel dH | 1.150 | 0.950 | 1.150 | 1.211 | 1.000 | 2/2/2 |"
     assert rows["kernel up"] == "| shape-a | kernel up | 2.150 | 2.150 | 1.750 | 1.000 | 1.229 | 2/2/2 |"
-    assert list(rows)[-2:] == ["kernel up", "kernel dH"]
+    assert list(rows)[-4:] == ["kernel up", "kernel dH", "host fwd+bwd", "host forward"]
+    assert rows["host fwd+bwd"] == "| shape-a | host fwd+bwd | 0.650 | 0.650 | 0.650 | 1.000 | 1.000 | 2/2/2 |"
