@@ -45,7 +45,8 @@ def test_timing_table_takes_medians_per_build(tmp_path):
 
 def test_timing_table_has_a_row_per_kernel_and_a_column_per_build(tmp_path):
     logs = []
-    for build, ms in (("main", {"up": 2.0, "dH": 1.0}), ("dh4", {"up": 2.0, "dH": 0.8}), ("pb8", {"up": 1.6, "dH": 1.0})):
+    builds = (("main", {"up": 2.0, "dH": 1.0}), ("dh4", {"up": 2.0, "dH": 0.8}), ("pb8", {"up": 1.6, "dH": 1.0}))
+    for build, ms in builds:
         for r in (1, 2):
             lines = [round_line(build, r, 10.0, 3.0, 9.0, 9.5)]
             lines += [f"  kernel shape-a {build} {k} {v + 0.1 * r:.3f} ms 500 TFLOP/s" for k, v in ms.items()]
