@@ -126,14 +126,14 @@ __device__ __forceinline__ void load_dswiglu_sub_tile(const MainloopParams& para
 // W2[e]^T dy of the tile's I columns, `staging` the warp's kBuffers buffers (shared address). Sub-tiles of 32 columns:
 // g, u come by 16-byte cp.async into a buffer (zero fill for rows past the tile's end and columns past I), sub-tile
 // s + kBuffers - 1's issued (into the buffer sub-tile s - 1 freed) before s is read, and ldmatrix reads them straight
-// into the accumulator layout; then ds += p a,
-// da = s p, dg = da u sigmoid(g) (1 + g (1 - sigmoid(g))), du = da silu(g) (the activation policy), and dg, du, s a go
-// back by stmatrix into the buffer and out by 16-byte loads from it and stores to global memory (interleaved dh: each
-// lane's (dg, du) pairs stored from registers, 8 bytes per fragment). No quad transposes. dh may be h itself (in
-// place): a sub-tile's g, u have landed before its dh is stored, and sub-tiles touch disjoint columns. Each lane
-// sums its p a of each row in column order; the quad's partial sums (a fixed shuffle order) give the row's sum over
-// the tile's columns. Columns past I hold p = 0 (B zero-filled) and read no h. kPreloaded: the first kBuffers - 1
-// sub-tiles' loads were issued when the tile started (begin_tile), so their latency hides under the mainloop.
+// into the accumulator layout; then ds += p a, da = s p, dg = da u sigmoid(g) (1 + g (1 - sigmoid(g))), du = da
+// silu(g) (the activation policy), and dg, du, s a go back by stmatrix into the buffer and out by 16-byte loads from
+// it and stores to global memory (interleaved dh: each lane's (dg, du) pairs stored from registers, 8 bytes per
+// fragment). No quad transposes. dh may be h itself (in place): a sub-tile's g, u have landed before its dh is
+// stored, and sub-tiles touch disjoint columns. Each lane sums its p a of each row in column order; the quad's
+// partial sums (a fixed shuffle order) give the row's sum over the tile's columns. Columns past I hold p = 0 (B
+// zero-filled) and read no h. kPreloaded: the first kBuffers - 1 sub-tiles' loads were issued when the tile started
+// (begin_tile), so their latency hides under the mainloop.
 template <typename T, class Act, bool kInterleaved, class Config, int kBuffers, int kFirstReg, bool kPreloaded,
           int kNumRegs>
 __device__ __forceinline__ void store_tile_dswiglu(const MainloopParams& params, const DSwiGLUParamsOf<Act>& epilogue,
