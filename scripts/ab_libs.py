@@ -137,8 +137,9 @@ def timings(megamoe, workloads, shapes, name, round_idx, runs):
         torch.cuda.empty_cache()
 
 
-def compare(logs):
-    """Every digest of the first log against the others'; returns the process status (0: all equal)."""
+def compare(logs, common=False):
+    """Every digest of the first log against the others' (common: only the digests both logs have, the count of the
+    others said); returns the process status (0: all equal)."""
     tables = []
     for log in logs:
         table = {}
@@ -150,9 +151,10 @@ def compare(logs):
         tables.append(table)
     status = 0
     for log, table in zip(logs[1:], tables[1:]):
-        keys = sorted(set(tables[0]) | set(table))
+        keys = sorted(set(tables[0]) & set(table) if common else set(tables[0]) | set(table))
         differ = [k for k in keys if tables[0].get(k) != table.get(k)]
-        print(f"{logs[0]} against {log}: {len(keys) - len(differ)} of {len(keys)} digests equal")
+        left_out = f" ({len(set(tables[0]) ^ set(table))} in one log only, not compared)" if common else ""
+        print(f"{logs[0]} against {log}: {len(keys) - len(differ)} of {len(keys)} digests equal{left_out}")
         for case, what, output in differ:
             print(f"  DIFFER {case} {what} {output}: {tables[0].get((case, what, output))} against "
                   f"{table.get((case, what, output))}")
@@ -223,10 +225,11 @@ def main():
     p.add_argument("--round-offset", type=int, default=0)
     p.add_argument("--runs", type=int, default=5)
     p.add_argument("--compare", nargs="+", metavar="LOG", help="compare the digests of two or more logs")
+    p.add_argument("--common", action="store_true", help="with --compare: only the digests both logs have")
     p.add_argument("--timings", nargs="+", metavar="LOG", help="median table of the timing rounds in these logs")
     args = p.parse_args()
     if args.compare:
-        sys.exit(compare(args.compare))
+        sys.exit(compare(args.compare, args.common))
     if args.timings:
         print(timing_table(args.timings))
         return

@@ -5,7 +5,10 @@
 # process per build, so the machine's drift shows as spread, not as a difference). The digests of every build are
 # compared with the first one's. Logs to OUT (NAME-digests.log, NAME-rROUND.log); a summary on stdout, ending in the
 # table of medians over the rounds (ab_libs.py --timings). RUNS: timed calls per number in each round (default 5);
-# DIGESTS=none: timings only.
+# DIGESTS=none: timings only; DIGEST_NAMES="NAME ...": digests of those builds only; DIGEST_BASE=LOG: a digests log
+# committed from an earlier run (digests are the same on every machine) that the builds' digests are compared with
+# first, e.g. the 58e7f51 build's, so that build's digests need not be run again; DIGEST_COMMON=1: only the digests
+# both logs have are compared (a log of other shapes).
 #   OUT=/tmp/out SHAPES=qwen3-30b-a3b,deepseek-v3 ROUNDS=2 bash scripts/gpu_ab_libs.sh base main
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -22,13 +25,16 @@ done
 export PYTHONUNBUFFERED=1 PYTHONPATH=$PWD/python:$PWD/bench:$PWD/scripts
 status=0
 logs=()
+[ -n "${DIGEST_BASE:-}" ] && logs+=("$DIGEST_BASE")
 if [ "${DIGESTS:-all}" != none ]; then
-    for name in "$@"; do
+    for name in ${DIGEST_NAMES:-$@}; do
         MEGAMOE_LIBRARY=$PWD/$CARRY/lib-$name.so timeout "${DIGEST_TIMEOUT:-200}" python3 scripts/ab_libs.py \
             --name "$name" --shapes "$SHAPES" >"$OUT/$name-digests.log" 2>&1 || status=1
         logs+=("$OUT/$name-digests.log")
     done
-    python3 scripts/ab_libs.py --compare "${logs[@]}" || status=1
+    if [ ${#logs[@]} -ge 2 ]; then
+        python3 scripts/ab_libs.py --compare "${logs[@]}" ${DIGEST_COMMON:+--common} || status=1
+    fi
 fi
 rounds=()
 names=("$@")

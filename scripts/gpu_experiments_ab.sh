@@ -9,7 +9,8 @@
 # Inputs: CARRY (default .carry/) with lib-NAME.so.xz for main and every variant and megamoe_tests-both.xz, from
 #   bash scripts/pack_ab_libs.sh main=. dh4=.,-DMEGAMOE_DSWIGLU_BUFFERS=4 pb8=.,-DMEGAMOE_M_PAIR_BLOCK_MIB=8 \
 #       both=.,-DMEGAMOE_DSWIGLU_BUFFERS=4,-DMEGAMOE_M_PAIR_BLOCK_MIB=8        # with TESTS=both
-# Logs under OUT; a summary on stdout.
+# MAIN_DIGESTS=LOG: main's digests from an earlier call (gpu_ab_libs.sh's main-digests.log, carried back): compared
+# with both's, so main's are not run again. Logs under OUT; a summary on stdout.
 #   OUT=/tmp/out bash scripts/gpu_experiments_ab.sh [VARIANT ...]      (default: dh4 pb8 both)
 set -uo pipefail
 cd "$(dirname "$0")/.."
@@ -23,8 +24,13 @@ mkdir -p "$OUT"
 status=0
 start=$SECONDS
 echo "== bitwise: main and both at $DIGEST_SHAPES and the ragged set"
-OUT=$OUT/digests SHAPES=$DIGEST_SHAPES ROUNDS=0 DIGEST_TIMEOUT=${DIGEST_TIMEOUT:-150} \
-    bash scripts/gpu_ab_libs.sh main both || status=1
+if [ -n "${MAIN_DIGESTS:-}" ]; then
+    OUT=$OUT/digests SHAPES=$DIGEST_SHAPES ROUNDS=0 DIGEST_TIMEOUT=${DIGEST_TIMEOUT:-150} DIGEST_BASE=$MAIN_DIGESTS \
+        DIGEST_NAMES=both DIGEST_COMMON=1 bash scripts/gpu_ab_libs.sh main both || status=1
+else
+    OUT=$OUT/digests SHAPES=$DIGEST_SHAPES ROUNDS=0 DIGEST_TIMEOUT=${DIGEST_TIMEOUT:-150} \
+        bash scripts/gpu_ab_libs.sh main both || status=1
+fi
 echo "== sanitizers on both's test binary ($((SECONDS - start)) s)"
 OUT=$OUT/sanitize BUILD=both TOOLS=${TOOLS:-racecheck} SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-120} \
     bash scripts/gpu_sanitize.sh 'Sm90Backward.*:Sm90Forward.RaggedShapesMatchReference:Fp8BackwardSm90.DHiddenMatchesReference:Fp8GemmSm90.*:SeparateSm90.*' ||

@@ -25,6 +25,10 @@ def test_compare_names_the_digests_that_differ(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "2 of 2 digests equal" in out and "1 of 2 digests equal" in out
     assert "DIFFER c1 bf16 dx: bbbb against cccc" in out
+    fewer = write(tmp_path / "fewer.log", ["digest c1 bf16 y aaaa"])
+    assert ab_libs.compare([base, fewer]) == 1  # a digest one log lacks differs
+    assert ab_libs.compare([base, fewer], common=True) == 0
+    assert "1 of 1 digests equal (1 in one log only, not compared)" in capsys.readouterr().out
 
 
 def test_timing_table_takes_medians_per_build(tmp_path):
