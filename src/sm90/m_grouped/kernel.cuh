@@ -175,8 +175,7 @@ __global__ void __launch_bounds__(kNumThreads, 1)
 
     const MainloopParams& mainloop = params.mainloop;
     const int num_m_tiles = mainloop.m_tile_offsets[mainloop.num_experts];
-    const int64_t num_tiles = ceil_div(num_m_tiles, kClusterSize) * mainloop.num_n_tiles;  // cluster tiles
-    const Scheduler scheduler(mainloop, num_m_tiles, num_tiles, cta_rank);
+    const Scheduler scheduler(mainloop, num_m_tiles, cta_rank);
     const int num_k_maps = kBSource == BSource::kKHalves ? 2 : 1;  // K halves: the K blocks of each map in turn
     const auto num_k_blocks = static_cast<int>(num_k_maps * ceil_div(mainloop.k, Config::kBlockK));
     const int warpgroup_idx = __shfl_sync(0xffffffffu, thread_idx / kWarpgroupThreads, 0);

@@ -62,12 +62,11 @@ struct Scheduler {
     int64_t next_idx;  // the CTA's next cluster tile
     int64_t stride;    // clusters of the grid
 
-    __device__ __forceinline__ Scheduler(const MainloopParams& params_, int num_m_tiles_, int64_t num_tiles_,
-                                         uint32_t cta_rank_)
+    __device__ __forceinline__ Scheduler(const MainloopParams& params_, int num_m_tiles_, uint32_t cta_rank_)
         : params(params_),
           num_m_tiles(num_m_tiles_),
           num_pairs((num_m_tiles_ + kClusterSize - 1) / kClusterSize),
-          num_tiles(num_tiles_),
+          num_tiles(num_pairs * params_.num_n_tiles),
           cta_rank(cta_rank_),
           next_idx(blockIdx.x / kClusterSize),
           stride(gridDim.x / kClusterSize) {}

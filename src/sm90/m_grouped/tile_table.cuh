@@ -16,8 +16,7 @@ namespace megamoe::sm90::m_grouped {
 template <class Epilogue>
 using ConfigOf = Cooperative;
 
-static_assert(num_stages<ConfigOf<DSwiGLUEpilogueOf<SwiGLUActivation, false, 2>>,
-                         DSwiGLUEpilogueOf<SwiGLUActivation, false, 2>::kWarpStagingBytes>() ==
+static_assert(num_stages<ConfigOf<DSwiGLUEpilogue>, kDSwiGLUWarpStagingBytes<2>>() ==
                   num_stages<ConfigOf<DSwiGLUEpilogue>, 0>(),
               "dSwiGLU's two buffers of sub-tile slots fit beside the pipeline stages without costing one");
 static_assert(num_stages<ConfigOf<DSwiGLUEpilogue>, DSwiGLUEpilogue::kWarpStagingBytes>() >= 3 &&
