@@ -20,16 +20,14 @@ The K-grouped API takes the group sizes as a host list, so every layer call read
 The DeepGEMM build that loads with torch 2.11 + CUDA 13 is sgl-deep-gemm 0.1.5.post1 (docs/log/
 2026-12-06-deepgemm-peer.md says why that one); scripts/pack_deepgemm.sh carries it, its apache-tvm-ffi and torchao.
 """
-import functools
 import importlib
 import os
 from types import SimpleNamespace
 
 import torch
-import torch.nn.functional as F
 
-from impls import FP8_TOLERANCE, Impl, fp8_device_missing
-from peers import PeerMissing, _version, padded_routing
+from impls import fp8_device_missing
+from peers import PaddedFp8Peer, PeerMissing, _version, moe_grouped_padded
 from timing import short
 
 NAME = "deepgemm-fp8"
@@ -129,36 +127,16 @@ def shape_missing(H, I):
 
 
 def moe_deepgemm(x, ids, w, w13, w2, mm, align=BLOCK):
-    """torch_moe_baseline.moe_grouped with each expert's rows padded to `align` (peers.padded_routing: zero rows read
-    from a zero row appended to x, an embedding with padding_idx so their gradient is dropped) and its two
-    torch._grouped_mm calls replaced by mm(A [M, K], B_t [E, K, N], offs). The rows past the last group (the routing's
-    bound on M) are in no group: the GEMMs leave them out and nothing reads them back."""
-    T, H = x.shape
-    E = w13.shape[0]
-    I = w2.shape[2]
-    order, pos, src, offs = padded_routing(ids, E, align)
-    xs = F.embedding(src, torch.cat([x, x.new_zeros(1, H)]), padding_idx=T)  # [M, H]
-    h = mm(xs, w13.transpose(1, 2), offs)  # [M, 2I]
-    a = F.silu(h[:, :I]) * h[:, I:]  # [M, I]
-    o = mm(a, w2.transpose(1, 2), offs)[pos]  # [S, H] in sorted order
-    ws = w.flatten()[order].unsqueeze(1).to(o.dtype)  # [S, 1]
-    return torch.zeros_like(x).index_add(0, order // ids.shape[1], o * ws)  # [T, H]
+    """peers.moe_grouped_padded with each expert's rows padded to DeepGEMM's `align` (BLOCK) and mm the blockwise
+    grouped GEMM."""
+    return moe_grouped_padded(x, ids, w, w13, w2, mm, align)
 
 
-class DeepGemmFp8Peer:
-    name = NAME
+class DeepGemmFp8Peer(PaddedFp8Peer):
+    name, align = NAME, BLOCK
 
     def __init__(self, loader=load_deepgemm_fp8):
-        try:
-            self.api, self.missing = loader(), None
-        except PeerMissing as ex:
-            self.api, self.missing = None, str(ex)
-        self.impl = self.api and Impl(self.name, functools.partial(moe_deepgemm, mm=self.api.mm),
-                                      tolerance=FP8_TOLERANCE)
-
-    @property
-    def about(self):
-        return self.api.about if self.api else None
+        super().__init__(loader)
 
     def for_case(self, case):
         why = shape_missing(case.w2.shape[1], case.w2.shape[2])

@@ -294,14 +294,15 @@ def padded_routing(ids, E, align=GROUP_ALIGN):
     return order, pos, src, ends.to(torch.int32)
 
 
-def moe_grouped_padded(x, ids, w, w13, w2, mm):
-    """torch_moe_baseline.moe_grouped with each expert's rows padded (padded_routing) and its two torch._grouped_mm
-    calls replaced by mm(A, B_t, offs): the padding rows read a zero row appended to x (an embedding with
-    padding_idx, so their gradient is dropped rather than summed into one row)."""
+def moe_grouped_padded(x, ids, w, w13, w2, mm, align=GROUP_ALIGN):
+    """torch_moe_baseline.moe_grouped with each expert's rows padded to `align` (padded_routing) and its two
+    torch._grouped_mm calls replaced by mm(A [M, K], B_t [E, K, N], offs): the padding rows read a zero row appended
+    to x (an embedding with padding_idx, so their gradient is dropped rather than summed into one row). The rows past
+    the last group (the routing's bound on M) are in no group: the GEMMs leave them out and nothing reads them back."""
     T, H = x.shape
     E = w13.shape[0]
     I = w2.shape[2]
-    order, pos, src, offs = padded_routing(ids, E)
+    order, pos, src, offs = padded_routing(ids, E, align)
     xs = F.embedding(src, torch.cat([x, x.new_zeros(1, H)]), padding_idx=T)  # [M, H]
     h = mm(xs, w13.transpose(1, 2), offs)  # [M, 2I]
     g, u = h[:, :I], h[:, I:]
@@ -311,16 +312,18 @@ def moe_grouped_padded(x, ids, w, w13, w2, mm):
     return torch.zeros_like(x).index_add(0, order // ids.shape[1], o * ws)  # [T, H]
 
 
-class TorchaoFp8Peer:
-    name = "torchao-fp8"
+class PaddedFp8Peer:
+    """An FP8 peer that is the torch path with both grouped GEMMs replaced by its loader's mm on expert rows padded to
+    `align` (moe_grouped_padded), checked against FP8_TOLERANCE; `missing` says why its loader could not load."""
+    name, align = None, GROUP_ALIGN
 
-    def __init__(self, loader=load_torchao_fp8):
+    def __init__(self, loader):
         try:
             self.api, self.missing = loader(), None
         except PeerMissing as ex:
             self.api, self.missing = None, str(ex)
-        self.impl = self.api and Impl(self.name, functools.partial(moe_grouped_padded, mm=self.api.mm),
-                                      tolerance=FP8_TOLERANCE)
+        self.impl = self.api and Impl(self.name, functools.partial(moe_grouped_padded, mm=self.api.mm,
+                                                                   align=self.align), tolerance=FP8_TOLERANCE)
 
     @property
     def about(self):
@@ -328,6 +331,13 @@ class TorchaoFp8Peer:
 
     def for_case(self, case):
         return self.impl
+
+
+class TorchaoFp8Peer(PaddedFp8Peer):
+    name = "torchao-fp8"
+
+    def __init__(self, loader=load_torchao_fp8):
+        super().__init__(loader)
 
 
 FACTORIES = {"sonicmoe": SonicMoEPeer, "sonicmoe-tuned": SonicMoETunedPeer, "torch_compiled": TorchCompiledPeer,

@@ -24,13 +24,8 @@ mkdir -p "$OUT"
 status=0
 start=$SECONDS
 echo "== bitwise: main and both at $DIGEST_SHAPES and the ragged set"
-if [ -n "${MAIN_DIGESTS:-}" ]; then
-    OUT=$OUT/digests SHAPES=$DIGEST_SHAPES ROUNDS=0 DIGEST_TIMEOUT=${DIGEST_TIMEOUT:-150} DIGEST_BASE=$MAIN_DIGESTS \
-        DIGEST_NAMES=both DIGEST_COMMON=1 bash scripts/gpu_ab_libs.sh main both || status=1
-else
-    OUT=$OUT/digests SHAPES=$DIGEST_SHAPES ROUNDS=0 DIGEST_TIMEOUT=${DIGEST_TIMEOUT:-150} \
-        bash scripts/gpu_ab_libs.sh main both || status=1
-fi
+OUT=$OUT/digests SHAPES=$DIGEST_SHAPES ROUNDS=0 DIGEST_TIMEOUT=${DIGEST_TIMEOUT:-150} DIGEST_BASE=${MAIN_DIGESTS:-} \
+    DIGEST_NAMES=${MAIN_DIGESTS:+both} DIGEST_COMMON=${MAIN_DIGESTS:+1} bash scripts/gpu_ab_libs.sh main both || status=1
 echo "== sanitizers on both's test binary ($((SECONDS - start)) s)"
 OUT=$OUT/sanitize BUILD=both TOOLS=${TOOLS:-racecheck} SANITIZE_TIMEOUT=${SANITIZE_TIMEOUT:-120} \
     bash scripts/gpu_sanitize.sh 'Sm90Backward.*:Sm90Forward.RaggedShapesMatchReference:Fp8BackwardSm90.DHiddenMatchesReference:Fp8GemmSm90.*:SeparateSm90.*' ||
