@@ -97,6 +97,14 @@ def cut_layers(spec_name, flavor, layers):
     get_train_spec(spec_name).model_args[flavor].n_layers = layers
 
 
+def use_sdpa_attention(spec_name, flavor):
+    """torchtitan's causal SDPA attention in place of the flavour's flex attention (DeepSeek-V3): no inductor autotuning
+    of flex attention's kernels at start-up (minutes on an H100); every experts implementation of a comparison runs
+    with the same attention."""
+    args = get_train_spec(spec_name).model_args[flavor]
+    args.attn_type, args.attn_mask_type = "sdpa", "causal"
+
+
 def use_expert_loop(spec_name, flavor):
     """torchtitan 0.2's per-expert loop for its own experts (its grouped-mm path pads rows with a Triton kernel: on
     the CPU, this one)."""

@@ -16,7 +16,8 @@ converters list instead of the command line), torchao-fp8 (torchtitan's float8 g
 --compile: torchtitan's compile of the model and the loss. --layers keeps the model's first N layers. The loop is
 torchtitan's train() less checkpointing, validation and profiling: its train_step per step (forward / backward,
 gradient clipping, optimizer and LR steps, metrics), stopped at --steps, or once --seconds have passed after the first
-step (the steps done are in the JSON).
+step (the steps done are in the JSON). --attention sdpa: torchtitan's causal SDPA attention in place of a flavour's
+flex attention (DeepSeek-V3), which inductor autotunes for minutes at start-up; the comparison's runs share it.
 
 --device cpu runs it on the CPU for a dry run: torchtitan picks CUDA when no accelerator is present and reads the
 CUDA memory statistics (cpu_device_plumbing() points its device globals at the CPU, with no memory statistics), and
@@ -132,7 +133,7 @@ def build_trainer(args, titan_args):
             model.layers = model.layers[:args.layers]
             if getattr(model, "mtp_layers", None):
                 model.mtp_layers = []
-        if args.device == "cpu":  # flex attention has no CPU backward: torchtitan's SDPA attention (causal)
+        if args.device == "cpu" or args.attention == "sdpa":  # flex attention has no CPU backward: SDPA (causal)
             from torchtitan.models.common.attention import ScaledDotProductAttention
 
             for layer in model.layers:
@@ -146,6 +147,8 @@ def build_trainer(args, titan_args):
     config = ConfigManager().parse_args([*line, "--training.steps", str(args.steps), *titan_args])
     if args.layers:
         titan_legacy.cut_layers(config.model.name, config.model.flavor, args.layers)
+    if args.attention == "sdpa":
+        titan_legacy.use_sdpa_attention(config.model.name, config.model.flavor)
     if args.device == "cpu":
         titan_legacy.use_expert_loop(config.model.name, config.model.flavor)
     return config, Trainer(config)
@@ -272,6 +275,8 @@ def main(argv=None):
     parser.add_argument("--steps", type=int, default=200)
     parser.add_argument("--seconds", type=float, default=0, help="stop after this long past the first step (0: no)")
     parser.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    parser.add_argument("--attention", choices=["model", "sdpa"], default="model",
+                        help="sdpa: torchtitan's causal SDPA attention in place of the model's flex attention")
     parser.add_argument("--experts-share", action="store_true", help="estimate the routed experts' share")
     parser.add_argument("--json", required=True, help="where the run's results go")
     args = parser.parse_args(ours)
@@ -288,7 +293,7 @@ def main(argv=None):
     records = recorded_metrics(trainer)
     import torchtitan
 
-    result = {"model": args.model, "experts_asked": args.experts, "layers": args.layers,
+    result = {"model": args.model, "experts_asked": args.experts, "layers": args.layers, "attention": args.attention,
               "titan_command_line": titan_command_line(args)[0] + titan_args, "device": args.device,
               "gpu": torch.cuda.get_device_name() if args.device == "cuda" else "cpu", "torch": torch.__version__,
               "torchtitan": getattr(torchtitan, "__version__", "?"),

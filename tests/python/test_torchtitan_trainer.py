@@ -86,3 +86,19 @@ def test_trainer_steps_run_and_losses_agree(runs):
         assert result["steps_done"] == STEPS, name
         for step, (loss, want) in enumerate(zip(result["losses"], reference), 1):
             assert abs(loss - want) <= LOSS_AGREEMENT * abs(want), f"{name} step {step}: {loss} against {want}"
+
+
+def test_sdpa_attention_replaces_deepseek_v3_flex_attention_in_the_synthetic_spec_only():
+    """bench/titan_train.py --attention sdpa (scripts/gpu_torchtitan.sh's DeepSeek-V3 runs): torchtitan 0.2's
+    DeepSeek-V3 16B flavour of the synthetic train spec gets causal SDPA attention (its tokenizer then has no EOS);
+    torchtitan's own train spec keeps its flex attention."""
+    env = release_environment("0.2.2")
+    probe = ("import sys; sys.path.insert(0, sys.argv[1]); import titan_legacy as t; "
+             "from torchtitan.protocols.train_spec import get_train_spec as g; "
+             "t.use_sdpa_attention('deepseek_v3_synthetic', '16B'); "
+             "a = g('deepseek_v3_synthetic').model_args['16B']; b = g('deepseek_v3').model_args['16B']; "
+             "print(a.attn_type, a.attn_mask_type, b.attn_type, b.attn_mask_type)")
+    run = subprocess.run([sys.executable, "-c", probe, str(REPO / "bench")], env=env, capture_output=True, text=True,
+                         timeout=300)
+    assert run.returncode == 0, run.stderr[-4000:]
+    assert run.stdout.split() == ["sdpa", "causal", "flex", "block_causal"]
