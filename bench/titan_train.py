@@ -252,6 +252,19 @@ def experts_share(trainer, step_seconds, repeats=10):
             "share": layer_seconds * len(blocks) / step_seconds}
 
 
+def activation_checkpointing(config):
+    """The run's activation checkpointing: "none", "full", "selective", ... (0.2: a mode string; 0.3: a policy's
+    config object, or None)."""
+    policy = config.activation_checkpoint
+    if policy is None:
+        return "none"
+    mode = getattr(policy, "mode", None)
+    if isinstance(mode, str):
+        return mode
+    name = type(policy).__qualname__.split(".")[0]  # FullAC.Config, SelectiveAC.Config, MemoryBudgetAC.Config
+    return {"FullAC": "full", "SelectiveAC": "selective", "MemoryBudgetAC": "memory_budget"}.get(name, name)
+
+
 def summarize(records, tokens_per_step):
     """Timing of the logged steps: the step time is the wall time between consecutive steps' metrics (each step's
     logging reads its loss: the step has finished), the first WARMUP_STEPS_EXCLUDED left out."""
@@ -300,6 +313,7 @@ def main(argv=None):
               "experts": routed_experts_kinds(trainer.model_parts[0]),
               "local_batch_size": config.training.local_batch_size, "seq_len": config.training.seq_len,
               "compile": config.compile.enable and "model" in config.compile.components,
+              "activation_checkpoint": activation_checkpointing(config),
               "cuda_graphs": not getattr(config.training, "disable_cuda_graphs", True), "steps_planned": args.steps,
               "build_s": time.perf_counter() - started}
     tokens_per_step = config.training.local_batch_size * config.training.seq_len

@@ -74,7 +74,9 @@ tail -n 4 "$LOGS/parity.log"
 cp "$LOGS/parity.log" "$OUT/parity.log"
 
 # name, model, experts, compile (0/1), cap (seconds of steps), torchtitan arguments. DeepSeek-V3: local batch 2 (its
-# config's 4 x 4096 tokens does not leave room for 4 layers' optimizer state beside its activations on 80 GB).
+# config's 4 x 4096 tokens does not leave room for 4 layers' optimizer state beside its activations on 80 GB). The
+# -noac runs: no activation checkpointing (Qwen3's config checkpoints every block, so the AdamW step, the same for
+# every experts implementation, sets the step's peak; without it the experts' activations do).
 RUN_TABLE="
 qwen3-torchtitan          qwen3_30b_a3b   torchtitan  0 50
 qwen3-megamoe             qwen3_30b_a3b   megamoe     0 50
@@ -86,6 +88,8 @@ qwen3-megamoe-fp8-compile qwen3_30b_a3b   megamoe-fp8 1 12
 dsv3-torchtitan           deepseek_v3_16b torchtitan  0 40 --training.local_batch_size 2
 dsv3-megamoe              deepseek_v3_16b megamoe     0 40 --training.local_batch_size 2
 qwen3-torchtitan-repeat   qwen3_30b_a3b   torchtitan  0 50
+qwen3-torchtitan-noac     qwen3_30b_a3b   torchtitan  0 20 --activation_checkpoint.mode none
+qwen3-megamoe-noac        qwen3_30b_a3b   megamoe     0 20 --activation_checkpoint.mode none
 "
 STARTUP_EAGER=60     # seconds: imports, the model's build and initialisation, the first steps
 STARTUP_COMPILE=150  # and torch.compile of the blocks and the loss

@@ -42,9 +42,9 @@ def test_eos_must_be_the_last_id():
         titan_data.SyntheticBatches(100, 0, 0, 64, 1, eos_id=5)
 
 
-def run(experts, losses, tokens_per_s, compile_=False):
+def run(experts, losses, tokens_per_s, compile_=False, ac="full"):
     return {"model": "m", "experts_asked": experts, "compile": compile_, "losses": losses, "steps_done": len(losses),
-            "tokens_per_s": tokens_per_s, "peak_active_gib": 10.0}
+            "tokens_per_s": tokens_per_s, "peak_active_gib": 10.0, "activation_checkpoint": ac}
 
 
 def test_rows_compare_with_the_baseline_and_a_repeat_with_it_too():
@@ -60,6 +60,17 @@ def test_rows_compare_with_the_baseline_and_a_repeat_with_it_too():
     assert rows["m-torchtitan-repeat"]["baseline"] == "m-torchtitan"
     assert rows["m-torchtitan-repeat"]["agreement"]["max_rel_diff"] == pytest.approx(0.1)
     assert "baseline" not in rows["m-torchtitan"] and "baseline" not in rows["m-torchtitan-compile"]
+
+
+def test_rows_compare_with_the_baseline_of_the_same_activation_checkpointing():
+    runs = {"m-torchtitan": run("torchtitan", [4.0, 2.0], 100.0),
+            "m-torchtitan-noac": run("torchtitan", [4.0, 2.0], 120.0, ac="none"),
+            "m-megamoe-noac": run("megamoe", [4.0, 2.0], 180.0, ac="none"),
+            "m-megamoe": run("megamoe", [4.0, 2.0], 150.0)}
+    rows = {row["run"]: row for row in titan_report.rows(runs)}
+    assert rows["m-megamoe-noac"]["baseline"] == "m-torchtitan-noac"
+    assert rows["m-megamoe-noac"]["speedup"] == pytest.approx(1.5)
+    assert rows["m-megamoe"]["baseline"] == "m-torchtitan"
 
 
 def test_peak_before_optimizer_reads_once_per_step_before_the_first_optimizer_step(monkeypatch):

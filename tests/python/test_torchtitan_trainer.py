@@ -76,6 +76,7 @@ def test_each_run_has_the_experts_it_asked_for(runs):
         assert result["torchtitan"] == version, name
         want = TORCHTITAN_KINDS[version] if name == "torchtitan" else MEGAMOE_KINDS[version]
         assert result["experts"] == want, name
+        assert result["activation_checkpoint"] == "selective", name  # the debug model's config
 
 
 def test_trainer_steps_run_and_losses_agree(runs):
