@@ -43,13 +43,23 @@ def agreement(run, baseline):
             "last_mean": statistics.fmean(ours[tail]), "baseline_last_mean": statistics.fmean(theirs[tail])}
 
 
+def activation_checkpoint_of(run):
+    """The run's activation checkpointing: as recorded, else the last --activation_checkpoint.mode of its torchtitan
+    command line (JSONs written before bench/titan_train.py recorded it), else None."""
+    if run.get("activation_checkpoint"):
+        return run["activation_checkpoint"]
+    line = run.get("titan_command_line") or []
+    modes = [line[i + 1] for i, arg in enumerate(line[:-1]) if arg == "--activation_checkpoint.mode"]
+    return modes[-1] if modes else None
+
+
 def baseline_of(name, run, runs):
     """The run of torchtitan's experts with this run's model, compile setting and activation checkpointing (not a
     repeat)."""
     for other_name, other in runs.items():
         if (other.get("experts_asked") == BASELINE and other.get("model") == run.get("model")
                 and other.get("compile") == run.get("compile")
-                and other.get("activation_checkpoint") == run.get("activation_checkpoint") and other_name != name
+                and activation_checkpoint_of(other) == activation_checkpoint_of(run) and other_name != name
                 and not other_name.endswith(REPEAT)):
             return other_name, other
     return None, None

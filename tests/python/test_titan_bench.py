@@ -90,3 +90,11 @@ def test_peak_before_optimizer_reads_once_per_step_before_the_first_optimizer_st
     finally:
         peak.handle.remove()
     assert peak.peaks == [100, 200]
+
+
+def test_activation_checkpointing_of_a_run_that_did_not_record_it_comes_from_its_command_line():
+    recorded = {"activation_checkpoint": "none", "titan_command_line": ["--activation_checkpoint.mode", "full"]}
+    older = {"titan_command_line": ["--activation_checkpoint.mode", "full", "--activation_checkpoint.mode", "none"]}
+    assert titan_report.activation_checkpoint_of(recorded) == "none"
+    assert titan_report.activation_checkpoint_of(older) == "none"
+    assert titan_report.activation_checkpoint_of({"titan_command_line": ["--compile.enable"]}) is None
