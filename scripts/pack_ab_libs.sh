@@ -2,9 +2,9 @@
 # Builds the libraries a side-by-side device call compares (scripts/gpu_ab_libs.sh) and packs each xz'd into CARRY
 # (default .carry/, git-ignored) as lib-NAME.so.xz. Each argument is NAME=REV[,CMAKE_ARG...]: REV a commit (built in
 # a git worktree under BUILD_ROOT) or "." (this working tree, in build-NAME/), the CMake arguments added to the
-# configure (e.g. -DMEGAMOE_DSWIGLU_BUFFERS=4). TESTS="NAME ..." also packs those builds' GoogleTest binary as
+# configure (e.g. -DMEGAMOE_M_PAIR_BLOCK_MIB=8). TESTS="NAME ..." also packs those builds' GoogleTest binary as
 # megamoe_tests-NAME.xz (for compute-sanitizer). Builds run one after another (about 6-15 minutes each on 2 cores).
-#   bash scripts/pack_ab_libs.sh base=58e7f51 main=. dh4=.,-DMEGAMOE_DSWIGLU_BUFFERS=4
+#   bash scripts/pack_ab_libs.sh base=58e7f51 main=. pb8=.,-DMEGAMOE_M_PAIR_BLOCK_MIB=8
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CARRY=${CARRY:-.carry}

@@ -54,43 +54,23 @@ __device__ __forceinline__ RowWeights load_row_weights(const MainloopParams& par
 // The dSwiGLU epilogue's shared memory, per consumer warp (the policy's kWarpStagingBytes): slots of one sub-tile
 // matrix, the warp's kDSwiGLUSubRows accumulator rows of the row block x kDSwiGLUSubCols 16-bit columns, 64-byte rows
 // in the 64-byte swizzle (swizzle_64b_offset: TMA's SWIZZLE_64B of a 16 x 32 box). Slots 2 b and 2 b + 1 (buffer b)
-// hold g and u of the sub-tiles with sub-tile index % kBuffers == b, so the next kBuffers - 1 sub-tiles' g, u are in
-// flight while the current one is computed; the current buffer then takes its outputs dg, du, then s * a.
-// kDSwiGLUBuffers, the buffers per warp: 2 (4 KiB a warp, the store epilogue's staging: 4 pipeline stages), or more
-// g, u in flight at the cost of a stage (MEGAMOE_DSWIGLU_BUFFERS, a build option under measurement: 4 buffers are
-// 8 KiB a warp, 3 stages).
-#ifndef MEGAMOE_DSWIGLU_BUFFERS
-#define MEGAMOE_DSWIGLU_BUFFERS 2
-#endif
-constexpr int kDSwiGLUBuffers = MEGAMOE_DSWIGLU_BUFFERS;
+// hold g and u of the sub-tiles with sub-tile index % 2 == b, so the next sub-tile's g, u are in flight while the
+// current one is computed; the current buffer then takes its outputs dg, du, then s * a. Two buffers are 4 KiB a
+// warp, the store epilogue's staging, so dH keeps the 4 pipeline stages (four buffers, three sub-tiles in flight for
+// a stage, measured 9-11 % slower: docs/log/2026-12-06-dswiglu-buffers.md).
+constexpr int kDSwiGLUBuffers = 2;
 constexpr int kDSwiGLUSubRows = kWgmmaM / kWarpsPerWarpgroup;            // 16: a warp's rows of a row block
 constexpr int kDSwiGLUSubCols = kSwizzle64RowBytes / kElemBytes;         // 32
 constexpr int kDSwiGLUSlotBytes = kDSwiGLUSubRows * kSwizzle64RowBytes;  // 1 KiB
 constexpr int kDSwiGLUChunksPerRow = kSwizzle64RowBytes / 16;            // 16-byte chunks per sub-tile row
 constexpr int kDSwiGLURowsPerPass = kWarpSize / kDSwiGLUChunksPerRow;    // a warp's 16-byte accesses: rows per pass
 constexpr int kDSwiGLUPasses = kDSwiGLUSubRows / kDSwiGLURowsPerPass;
-// A warp's staging for kBuffers buffers of g, u slots.
-template <int kBuffers>
-constexpr int kDSwiGLUWarpStagingBytes = kBuffers * 2 * kDSwiGLUSlotBytes;
-static_assert(kDSwiGLUBuffers >= 2, "one buffer computed while the next one's g, u are in flight");
-static_assert(kDSwiGLUWarpStagingBytes<2> == kStoreWarpStagingBytes,
+constexpr int kDSwiGLUWarpStagingBytes = kDSwiGLUBuffers * 2 * kDSwiGLUSlotBytes;  // g, u slots per buffer
+static_assert(kDSwiGLUWarpStagingBytes == kStoreWarpStagingBytes,
               "two buffers are the store epilogue's staging: the same stage count");
 static_assert(kDSwiGLUSlotBytes % 512 == 0, "slots start on a 64-byte swizzle atom (8 rows of 64 bytes)");
 static_assert(kDSwiGLUPasses * kDSwiGLURowsPerPass == kDSwiGLUSubRows, "a warp copies a slot in whole passes");
 static_assert(kDSwiGLUSubCols % 16 == 0, "a sub-tile is whole 16 x 16 ldmatrix / stmatrix x4 blocks");
-
-// Waits until at most `num_pending` (at most kMax, a run-time value that unrolling makes constant) of the thread's
-// committed cp.async groups are still in flight.
-template <int kMax>
-__device__ __forceinline__ void cp_async_wait_pending(int num_pending) {
-    if constexpr (kMax == 0) {
-        cuda::cp_async_wait<0>();
-    } else if (num_pending >= kMax) {
-        cuda::cp_async_wait<kMax>();
-    } else {
-        cp_async_wait_pending<kMax - 1>(num_pending);
-    }
-}
 
 // The lane's 16-byte chunks of a sub-tile slot as a warp copies it (cp.async in, ld.shared out): pass p, row
 // 8 p + l / 4 of the warp's 16, chunk l % 4 (a quad: one row's 64 bytes).
@@ -99,13 +79,13 @@ __device__ __forceinline__ int dswiglu_copy_row(int pass, int lane_idx) {
 }
 
 // g, u of sub-tile `sub_tile` (tile columns [32 s, 32 s + 32)) of the warp's 16 rows from tile row warp_first_row on
-// into buffer s % kBuffers of its slots at `staging`, by 16-byte cp.async (zero fill for rows past the tile's end and
-// columns past I: I % 8 == 0, so a chunk is all in or all out), as one cp.async group of the thread.
-template <class Config, int kBuffers>
+// into buffer s % 2 of its slots at `staging`, by 16-byte cp.async (zero fill for rows past the tile's end and columns
+// past I: I % 8 == 0, so a chunk is all in or all out), as one cp.async group of the thread.
+template <class Config>
 __device__ __forceinline__ void load_dswiglu_sub_tile(const MainloopParams& params, const void* h, const Tile& tile,
                                                       uint32_t staging, int warp_first_row, int sub_tile,
                                                       int lane_idx) {
-    const int buffer = sub_tile % kBuffers;
+    const int buffer = sub_tile % kDSwiGLUBuffers;
     const int chunk = lane_idx % kDSwiGLUChunksPerRow;
     const int64_t col = tile.n_tile_idx * Config::kBlockN + sub_tile * kDSwiGLUSubCols + chunk * 8;
     const auto* h_elems = static_cast<const uint16_t*>(h);
@@ -123,19 +103,17 @@ __device__ __forceinline__ void load_dswiglu_sub_tile(const MainloopParams& para
 }
 
 // dSwiGLU epilogue of one consumer warp's 16 rows of a row block (rows and fragments as in store_tile): acc = p =
-// W2[e]^T dy of the tile's I columns, `staging` the warp's kBuffers buffers (shared address). Sub-tiles of 32 columns:
-// g, u come by 16-byte cp.async into a buffer (zero fill for rows past the tile's end and columns past I), sub-tile
-// s + kBuffers - 1's issued (into the buffer sub-tile s - 1 freed) before s is read, and ldmatrix reads them straight
-// into the accumulator layout; then ds += p a, da = s p, dg = da u sigmoid(g) (1 + g (1 - sigmoid(g))), du = da
-// silu(g) (the activation policy), and dg, du, s a go back by stmatrix into the buffer and out by 16-byte loads from
-// it and stores to global memory (interleaved dh: each lane's (dg, du) pairs stored from registers, 8 bytes per
-// fragment). No quad transposes. dh may be h itself (in place): a sub-tile's g, u have landed before its dh is
-// stored, and sub-tiles touch disjoint columns. Each lane sums its p a of each row in column order; the quad's
-// partial sums (a fixed shuffle order) give the row's sum over the tile's columns. Columns past I hold p = 0 (B
-// zero-filled) and read no h. kPreloaded: the first kBuffers - 1 sub-tiles' loads were issued when the tile started
-// (begin_tile), so their latency hides under the mainloop.
-template <typename T, class Act, bool kInterleaved, class Config, int kBuffers, int kFirstReg, bool kPreloaded,
-          int kNumRegs>
+// W2[e]^T dy of the tile's I columns, `staging` the warp's slots (shared address). Sub-tiles of 32 columns: g, u come
+// by 16-byte cp.async into a buffer (zero fill for rows past the tile's end and columns past I), the next sub-tile's
+// issued before the current one is read, and ldmatrix reads them straight into the accumulator layout; then ds += p a,
+// da = s p, dg = da u sigmoid(g) (1 + g (1 - sigmoid(g))), du = da silu(g) (the activation policy), and dg, du, s a go
+// back by stmatrix into the buffer and out by 16-byte loads from it and stores to global memory (interleaved dh: each
+// lane's (dg, du) pairs stored from registers, 8 bytes per fragment). No quad transposes. dh may be h itself (in
+// place): a sub-tile's g, u have landed before its dh is stored, and sub-tiles touch disjoint columns. Each lane sums
+// its p a of each row in column order; the quad's partial sums (a fixed shuffle order) give the row's sum over the
+// tile's columns. Columns past I hold p = 0 (B zero-filled) and read no h. kFirstLoaded: the first sub-tile's loads
+// were issued when the tile started (begin_tile), so their latency hides under the mainloop.
+template <typename T, class Act, bool kInterleaved, class Config, int kFirstReg, bool kFirstLoaded, int kNumRegs>
 __device__ __forceinline__ void store_tile_dswiglu(const MainloopParams& params, const DSwiGLUParamsOf<Act>& epilogue,
                                                    const Tile& tile, const float (&acc)[kNumRegs],
                                                    const RowWeights& weights, uint32_t staging, int row_block,
@@ -143,7 +121,7 @@ __device__ __forceinline__ void store_tile_dswiglu(const MainloopParams& params,
     constexpr int kNumSubTiles = Config::kBlockN / kDSwiGLUSubCols;
     constexpr int kMatrixBlocks = kDSwiGLUSubCols / 16;  // 16 x 16 blocks (one x4 each) per sub-tile
     static_assert(Config::kBlockN % kDSwiGLUSubCols == 0, "the tile's columns are whole sub-tiles");
-    static_assert(kBuffers >= 2 && kBuffers <= kNumSubTiles, "sub-tiles take the buffers in turn");
+    static_assert(kNumSubTiles % kDSwiGLUBuffers == 0, "sub-tiles take the buffers in turn");
     static_assert(kFirstReg + Config::kBlockRegs <= kNumRegs, "the row block's accumulators are the consumer's");
     const int quad_lane = AccFragment::quad_lane(lane_idx);
     const int warp_first_row = row_block * kWgmmaM + warp_idx * kDSwiGLUSubRows;
@@ -163,7 +141,7 @@ __device__ __forceinline__ void store_tile_dswiglu(const MainloopParams& params,
     const int matrix_row = lane_idx / 8 % 2 * 8 + lane_idx % 8;
     auto matrix_offset = [&](int block) { return swizzle_64b_offset(matrix_row, block * 2 + lane_idx / 16); };
     auto load_sub_tile = [&](int sub_tile) {
-        load_dswiglu_sub_tile<Config, kBuffers>(params, epilogue.h, tile, staging, warp_first_row, sub_tile, lane_idx);
+        load_dswiglu_sub_tile<Config>(params, epilogue.h, tile, staging, warp_first_row, sub_tile, lane_idx);
     };
     // 16-byte chunks, masked.
     auto store_slot = [&](uint32_t slot_addr, T* out, int64_t row_stride, int sub_tile) {
@@ -178,18 +156,17 @@ __device__ __forceinline__ void store_tile_dswiglu(const MainloopParams& params,
             }
         }
     };
-    constexpr int kAhead = kBuffers - 1;  // sub-tiles in flight beyond the current one
     float ds[2] = {0.0f, 0.0f};
-    if constexpr (!kPreloaded) {
-#pragma unroll
-        for (int sub_tile = 0; sub_tile < kAhead; ++sub_tile) load_sub_tile(sub_tile);
-    }
+    if constexpr (!kFirstLoaded) load_sub_tile(0);
 #pragma unroll
     for (int sub_tile = 0; sub_tile < kNumSubTiles; ++sub_tile) {
-        const int buffer = sub_tile % kBuffers;
-        // Buffer (s + kAhead) % kBuffers is sub-tile s - 1's, whose outputs were read out at its end.
-        if (sub_tile + kAhead < kNumSubTiles) load_sub_tile(sub_tile + kAhead);
-        cp_async_wait_pending<kAhead>(min(kAhead, kNumSubTiles - 1 - sub_tile));
+        const int buffer = sub_tile % kDSwiGLUBuffers;
+        if (sub_tile + 1 < kNumSubTiles) {  // the other buffer: its previous outputs were read out last sub-tile
+            load_sub_tile(sub_tile + 1);
+            cuda::cp_async_wait<1>();
+        } else {
+            cuda::cp_async_wait<0>();
+        }
         __syncwarp();  // every lane's copies of this sub-tile have landed
         uint32_t gate_regs[kMatrixBlocks][4], up_regs[kMatrixBlocks][4];
 #pragma unroll
@@ -264,10 +241,10 @@ __device__ __forceinline__ void store_tile_dswiglu(const MainloopParams& params,
 }
 
 // dH's epilogue for an activation policy; kInterleaved: dh in the interleaved order (written elsewhere than h). Its
-// staging: the kBuffers buffers of sub-tile slots of store_tile_dswiglu.
-template <class Act, bool kInterleaved, int kBuffers = kDSwiGLUBuffers>
-struct DSwiGLUEpilogueOf : EpiloguePolicy</*kTmaA*/ false, /*kGateUpPairs*/ false, /*kGateUpHalves*/ false,
-                                          kDSwiGLUWarpStagingBytes<kBuffers>> {
+// staging: the sub-tile slots of store_tile_dswiglu.
+template <class Act, bool kInterleaved>
+struct DSwiGLUEpilogueOf
+    : EpiloguePolicy</*kTmaA*/ false, /*kGateUpPairs*/ false, /*kGateUpHalves*/ false, kDSwiGLUWarpStagingBytes> {
     using Activation = Act;
     using Params = DSwiGLUParamsOf<Act>;
     static constexpr const char* name(BLayout) { return "m_grouped_gemm_sm90[dswiglu]"; }
@@ -275,20 +252,16 @@ struct DSwiGLUEpilogueOf : EpiloguePolicy</*kTmaA*/ false, /*kGateUpPairs*/ fals
         RowWeights row_weights;
     };
 
-    // The rows' weights, and the g, u loads of the row block's first kBuffers - 1 sub-tiles into the warp's slots
-    // (free: the previous tile's epilogue has read them out), so their latency hides under the mainloop.
+    // The rows' weights, and the g, u loads of the row block's first sub-tile into the warp's slots (free: the
+    // previous tile's epilogue has read them out), so their latency hides under the mainloop.
     template <class Config>
     __device__ __forceinline__ static TileState begin_tile(const MainloopParams& mainloop, const Params& params,
                                                            const Tile& tile, int row_block, uint32_t warp_staging,
                                                            int warp_idx, int lane_idx) {
         TileState state{};
         state.row_weights = load_row_weights(mainloop, params, tile, row_block, warp_idx, lane_idx);
-#pragma unroll
-        for (int sub_tile = 0; sub_tile < kBuffers - 1; ++sub_tile) {
-            load_dswiglu_sub_tile<Config, kBuffers>(mainloop, params.h, tile, warp_staging,
-                                                    row_block * kWgmmaM + warp_idx * kDSwiGLUSubRows, sub_tile,
-                                                    lane_idx);
-        }
+        load_dswiglu_sub_tile<Config>(mainloop, params.h, tile, warp_staging,
+                                      row_block * kWgmmaM + warp_idx * kDSwiGLUSubRows, 0, lane_idx);
         return state;
     }
     template <typename T, class Config, int kNumRegs>
@@ -296,8 +269,8 @@ struct DSwiGLUEpilogueOf : EpiloguePolicy</*kTmaA*/ false, /*kGateUpPairs*/ fals
                                                  const Params& params, const Tile& tile, const float (&acc)[kNumRegs],
                                                  const TileState& state, uint32_t warp_staging, int row_block,
                                                  int warp_idx, int lane_idx) {
-        store_tile_dswiglu<T, Act, kInterleaved, Config, kBuffers, 0, true>(
-            mainloop, params, tile, acc, state.row_weights, warp_staging, row_block, warp_idx, lane_idx);
+        store_tile_dswiglu<T, Act, kInterleaved, Config, 0, true>(mainloop, params, tile, acc, state.row_weights,
+                                                                  warp_staging, row_block, warp_idx, lane_idx);
     }
 };
 using DSwiGLUEpilogue = DSwiGLUEpilogueOf<SwiGLUActivation, false>;

@@ -16,11 +16,8 @@ namespace megamoe::sm90::m_grouped {
 template <class Epilogue>
 using ConfigOf = Cooperative;
 
-static_assert(num_stages<ConfigOf<DSwiGLUEpilogue>, kDSwiGLUWarpStagingBytes<2>>() ==
+static_assert(num_stages<ConfigOf<DSwiGLUEpilogue>, DSwiGLUEpilogue::kWarpStagingBytes>() ==
                   num_stages<ConfigOf<DSwiGLUEpilogue>, 0>(),
               "dSwiGLU's two buffers of sub-tile slots fit beside the pipeline stages without costing one");
-static_assert(num_stages<ConfigOf<DSwiGLUEpilogue>, DSwiGLUEpilogue::kWarpStagingBytes>() >= 3 &&
-                  smem_bytes<ConfigOf<DSwiGLUEpilogue>, DSwiGLUEpilogue::kWarpStagingBytes>() <= kMaxSmemBytes,
-              "dSwiGLU's buffers (MEGAMOE_DSWIGLU_BUFFERS) leave at least 3 pipeline stages in the shared memory");
 
 }  // namespace megamoe::sm90::m_grouped
