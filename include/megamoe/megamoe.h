@@ -187,10 +187,15 @@ typedef enum {
 
 /* The expert weights in blockwise FP8 and their transposed copies (the data gradients' GEMMs read both operands
  * K-major), e4m3 contiguous, one f32 scale per 128 x 128 block (a square block's transpose keeps its scale, so the
- * copies share the scales). megamoe_quantize_experts writes all six from w13 and w2. What each call reads: the forward
- * w13, w13_scales, w2, w2_scales; the backward w2_t and w2_scales, w13_t (when dx is wanted), w13 (when saved_h is
- * absent: h recomputed) and w13_scales with either. Absent in DEFAULT precision; in FP8_BLOCKWISE the ones a call does
- * not read may be absent (a given one is still checked). The scales' extents round up (ceil(n / 128)). */
+ * copies share the scales). megamoe_quantize_experts writes w13, w2, the scales and the transposed copies it is given.
+ * What each call reads: the forward w13, w13_scales, w2, w2_scales; the backward w2_t and w2_scales, w13_t (when dx is
+ * wanted), w13 (when saved_h is absent: h recomputed) and w13_scales with either. Absent in DEFAULT precision; in
+ * FP8_BLOCKWISE the ones a call does not read may be absent (a given one is still checked). The transposed copies
+ * may be absent from a backward that reads them (one byte per weight element held between calls instead of two): the
+ * backward then needs w2 (for w2_t) and w13 (for w13_t, when dx is wanted) and transposes them, bytes only, into its
+ * workspace before the GEMM that reads each (one buffer, w2_t then w13_t: E * 2I * H bytes where w13_t is made, else
+ * E * I * H, counted by megamoe_backward_workspace_size only where a copy is made), the same bytes as the given
+ * copies: the same gradients, bit for bit. The scales' extents round up (ceil(n / 128)). */
 typedef struct {
     megamoe_tensor_t w13;         // [E, 2I, H] e4m3
     megamoe_tensor_t w13_t;       // [E, H, 2I] e4m3, the transpose of w13
@@ -352,8 +357,9 @@ MEGAMOE_API megamoe_status_t megamoe_grouped_backward(const megamoe_grouped_back
  * python's megamoe.fp8 does), each in 128 x 128 blocks (amax in f32, scale = amax / 448,
  * q = e4m3(v / scale) rounded to nearest even; a block of zeros has scale 1, a block holding a NaN or an infinity a
  * NaN scale and NaN values), written into every tensor of fp8 (shapes above, E, H, I from w13 and w2; H and I
- * multiples of 128). Run it once after each optimizer step; every micro-batch's forward and backward reads the same
- * copies (memory: 2 bytes per weight element, half the bf16 weights' size, plus the scales). Asynchronous on stream.
+ * multiples of 128) but the transposed copies w13_t / w2_t left absent, which are not written. Run it once after each
+ * optimizer step; every micro-batch's forward and backward reads the same copies (memory: 2 bytes per weight element
+ * with the transposed copies, the bf16 weights' size, 1 byte without them, plus the scales). Asynchronous on stream.
  * Needs a compute capability 9.0 device (MEGAMOE_STATUS_NOT_SUPPORTED elsewhere, as the FP8 path itself). */
 MEGAMOE_API megamoe_status_t megamoe_quantize_experts(const megamoe_tensor_t* w13, const megamoe_tensor_t* w2,
                                                       const megamoe_fp8_experts_t* fp8, void* stream);

@@ -66,8 +66,9 @@ struct Fp8Reads {
     bool w2 = false;
     bool w2_t = false;
 };
-// The precision code; in FP8_BLOCKWISE the FP8 weights `reads` names present (the others may be absent), each shaped,
-// typed and on x's device; in DEFAULT none of them given (validate_fp8.cpp). After check_rows_and_weights (shape
+// The precision code; in FP8_BLOCKWISE the FP8 weights `reads` names present (the others may be absent; a transposed
+// copy it names may be absent too, and then the weight it is made from must be present), each given one shaped, typed
+// and on x's device; in DEFAULT none of them given (validate_fp8.cpp). After check_rows_and_weights (shape
 // filled), before the overlap checks that read the FP8 tensors.
 megamoe_status_t check_precision(const char* x_name, const megamoe_tensor_t& x, const Experts& experts,
                                  const Shape& shape, const Fp8Reads& reads);
@@ -78,7 +79,7 @@ megamoe_status_t check_precision_supported(const char* x_name, const megamoe_ten
 // The FP8 weights, named as in the params structs (for the overlap and pointer checks).
 std::vector<Named> fp8_inputs(const Experts& experts);
 // megamoe_quantize_experts' arguments: w13 [E, 2I, H] and w2 [E, H, I] (bf16, f16 or f32, CUDA), every tensor of fp8
-// present in its shape, disjoint, device memory. Fills shape's num_experts, hidden and intermediate.
+// present in its shape but the transposed copies (absent: not written), disjoint, device memory. Fills shape's num_experts, hidden and intermediate.
 megamoe_status_t check_quantize_experts(const megamoe_tensor_t* w13, const megamoe_tensor_t* w2,
                                         const megamoe_fp8_experts_t* fp8, Shape* shape);
 

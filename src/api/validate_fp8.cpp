@@ -1,5 +1,6 @@
 // Checks of the precision and the FP8 expert weights (validate.h's check_precision): the precision code, the
-// megamoe_fp8_experts_t tensors a call reads (shapes, e4m3 / f32, x's device), absent ones in DEFAULT precision, and
+// megamoe_fp8_experts_t tensors a call reads (shapes, e4m3 / f32, x's device; a backward's absent transposed copy makes
+// the weight it is transposed from required), absent ones in DEFAULT precision, and
 // what the FP8 kernels run (CUDA, SwiGLU, no biases, not the interleaved layout, H and I multiples of 128: else
 // NOT_SUPPORTED, never a silent 16-bit run). The FP8 weights are in the default layout whatever the 16-bit weights'
 // (those give the shapes and the weight gradients' arrangement). The device's compute capability is the CUDA path's
@@ -25,29 +26,67 @@ struct Fp8Tensor {
     const char* dims;
     std::vector<int64_t> shape;
     megamoe_dtype_t dtype;
-    bool read;  // the call reads it: required
+    bool read;           // the call reads it: required
+    const char* absent;  // read because this transposed copy is absent (the backward makes it from this one), or NULL
 };
 
-std::vector<Fp8Tensor> fp8_tensors(const Experts& experts, const Shape& shape, const Fp8Reads& reads) {
+// What a call needs of the FP8 weights: `reads`, but a transposed copy a backward reads may be absent, and then the
+// weight it is made from is needed instead (megamoe.h: the backward transposes it into its workspace).
+struct Fp8Needs {
+    Fp8Reads reads;
+    bool w13_for_w13_t = false;  // fp8.w13_t read but absent: fp8.w13 transposed
+    bool w2_for_w2_t = false;    // fp8.w2_t read but absent: fp8.w2 transposed
+};
+
+Fp8Needs fp8_needs(const megamoe_fp8_experts_t& fp8, const Fp8Reads& reads) {
+    Fp8Needs needs{reads};
+    if (reads.w13_t && !is_present(fp8.w13_t)) {
+        needs.reads.w13_t = false;
+        needs.w13_for_w13_t = true;
+    }
+    if (reads.w2_t && !is_present(fp8.w2_t)) {
+        needs.reads.w2_t = false;
+        needs.w2_for_w2_t = true;
+    }
+    return needs;
+}
+
+std::vector<Fp8Tensor> fp8_tensors(const Experts& experts, const Shape& shape, const Fp8Needs& needs) {
     const megamoe_fp8_experts_t& fp8 = *experts.fp8;
     const int64_t E = shape.num_experts, H = shape.hidden, I = shape.intermediate;
+    const Fp8Reads& reads = needs.reads;
+    const bool w13 = reads.w13 || needs.w13_for_w13_t, w2 = reads.w2 || needs.w2_for_w2_t;
     return {
-        {"fp8.w13", &fp8.w13, "[E, 2I, H]", {E, 2 * I, H}, MEGAMOE_DTYPE_E4M3, reads.w13},
-        {"fp8.w13_t", &fp8.w13_t, "[E, H, 2I]", {E, H, 2 * I}, MEGAMOE_DTYPE_E4M3, reads.w13_t},
+        {"fp8.w13",
+         &fp8.w13,
+         "[E, 2I, H]",
+         {E, 2 * I, H},
+         MEGAMOE_DTYPE_E4M3,
+         w13,
+         !reads.w13 && needs.w13_for_w13_t ? "fp8.w13_t" : nullptr},
+        {"fp8.w13_t", &fp8.w13_t, "[E, H, 2I]", {E, H, 2 * I}, MEGAMOE_DTYPE_E4M3, reads.w13_t, nullptr},
         {"fp8.w13_scales",
          &fp8.w13_scales,
          "[E, 2I / 128, H / 128]",
          {E, blocks(2 * I), blocks(H)},
          MEGAMOE_DTYPE_F32,
-         reads.w13 || reads.w13_t},
-        {"fp8.w2", &fp8.w2, "[E, H, I]", {E, H, I}, MEGAMOE_DTYPE_E4M3, reads.w2},
-        {"fp8.w2_t", &fp8.w2_t, "[E, I, H]", {E, I, H}, MEGAMOE_DTYPE_E4M3, reads.w2_t},
+         w13 || reads.w13_t,
+         nullptr},
+        {"fp8.w2",
+         &fp8.w2,
+         "[E, H, I]",
+         {E, H, I},
+         MEGAMOE_DTYPE_E4M3,
+         w2,
+         !reads.w2 && needs.w2_for_w2_t ? "fp8.w2_t" : nullptr},
+        {"fp8.w2_t", &fp8.w2_t, "[E, I, H]", {E, I, H}, MEGAMOE_DTYPE_E4M3, reads.w2_t, nullptr},
         {"fp8.w2_scales",
          &fp8.w2_scales,
          "[E, H / 128, I / 128]",
          {E, blocks(H), blocks(I)},
          MEGAMOE_DTYPE_F32,
-         reads.w2 || reads.w2_t},
+         w2 || reads.w2_t,
+         nullptr},
     };
 }
 
@@ -93,7 +132,7 @@ megamoe_status_t check_precision(const char* x_name, const megamoe_tensor_t& x, 
                          "precision: unknown precision code %d (0 DEFAULT, 1 FP8_BLOCKWISE)",
                          static_cast<int>(experts.precision));
     }
-    const std::vector<Fp8Tensor> tensors = fp8_tensors(experts, shape, reads);
+    const std::vector<Fp8Tensor> tensors = fp8_tensors(experts, shape, fp8_needs(*experts.fp8, reads));
     if (!experts.fp8_blockwise()) {
         for (const Fp8Tensor& t : tensors) {
             if (is_present(*t.tensor)) {
@@ -108,6 +147,13 @@ megamoe_status_t check_precision(const char* x_name, const megamoe_tensor_t& x, 
     for (const Fp8Tensor& t : tensors) {
         if (!is_present(*t.tensor)) {
             if (!t.read) continue;
+            if (t.absent != nullptr) {
+                return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT,
+                                 "%s: required by precision FP8_BLOCKWISE for this call: %s is absent, and the "
+                                 "backward makes it by transposing %s in its workspace (megamoe_quantize_experts "
+                                 "writes both)",
+                                 t.name, t.absent, t.name);
+            }
             return set_error(MEGAMOE_STATUS_INVALID_ARGUMENT,
                              "%s: required by precision FP8_BLOCKWISE for this call (megamoe_quantize_experts writes "
                              "it)",
@@ -163,13 +209,15 @@ megamoe_status_t check_quantize_experts(const megamoe_tensor_t* w13, const megam
                          "w13: the FP8 layer needs H and I multiples of 128 (the scale blocks), got H = %lld, I = %lld",
                          static_cast<long long>(shape->hidden), static_cast<long long>(shape->intermediate));
     }
-    Fp8Reads all;
-    all.w13 = all.w13_t = all.w2 = all.w2_t = true;
+    Fp8Needs all;
+    all.reads.w13 = all.reads.w13_t = all.reads.w2 = all.reads.w2_t = true;
     std::vector<Named> inputs = {{"w13", w13}, {"w2", w2}};
     std::vector<Named> outputs;
     Experts experts{};
     experts.fp8 = fp8;
     for (const Fp8Tensor& t : fp8_tensors(experts, *shape, all)) {
+        const bool transposed_copy = t.tensor == &fp8->w13_t || t.tensor == &fp8->w2_t;
+        if (transposed_copy && !is_present(*t.tensor)) continue;  // written where given
         const std::string dims = std::string(t.dims) + " (E, H from w13, I from w2)";
         const char* rule = t.dtype == MEGAMOE_DTYPE_E4M3 ? "must be e4m3 (MEGAMOE_DTYPE_E4M3)" : "must be f32";
         MEGAMOE_CHECK(

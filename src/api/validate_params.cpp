@@ -101,8 +101,8 @@ std::vector<Named> with_experts(std::vector<Named> named, const Experts& experts
     return named;
 }
 
-// The FP8 weights a backward reads: the transposed copies of the data gradients (w13_t only when dx is wanted) and
-// w13 itself when h is recomputed.
+// The FP8 weights a backward reads: the transposed copies of the data gradients (w13_t only when dx is wanted; either
+// may be absent, the backward then transposes w2 / w13: check_precision) and w13 itself when h is recomputed.
 Fp8Reads backward_fp8_reads(const megamoe_tensor_t& dx, const megamoe_tensor_t& saved_h) {
     Fp8Reads reads;
     reads.w2_t = true;

@@ -39,7 +39,7 @@ megamoe_path_t path(const megamoe_grouped_backward_params_t& params, const Shape
 megamoe_status_t check_fp8_device(int device_index);
 
 // megamoe_quantize_experts on validated arguments (shape: E, H, I): w13 and w2 in 128 x 128 blocks with their
-// transposes, on the stream.
+// transposes where fp8 gives them, on the stream.
 megamoe_status_t quantize_experts(const megamoe_tensor_t& w13, const megamoe_tensor_t& w2,
                                   const megamoe_fp8_experts_t& fp8, const Shape& shape, void* stream);
 

@@ -101,7 +101,20 @@ void BackwardWorkspace::carve_fp8_operands(WorkspaceCarver& carver, const Backwa
 }
 
 void BackwardWorkspace::carve_fp8(WorkspaceCarver& carver, const BackwardCall& call) {
-    if (call.saved_h == nullptr) x_fp8 = Fp8Rows::carve(carver, call.shape.num_tokens, call.shape.hidden);
+    const Shape& shape = call.shape;
+    if (call.saved_h == nullptr) x_fp8 = Fp8Rows::carve(carver, shape.num_tokens, shape.hidden);
+    const int64_t w2_bytes = fp8_transposes_w2(call) ? shape.num_experts * shape.intermediate * shape.hidden : 0;
+    const int64_t w13_bytes = fp8_transposes_w13(call) ? shape.num_experts * 2 * shape.intermediate * shape.hidden : 0;
+    const int64_t bytes = std::max(w2_bytes, w13_bytes);
+    fp8_weight_t = bytes > 0 ? carver.take<uint8_t>(bytes) : nullptr;
+}
+
+bool fp8_transposes_w2(const BackwardCall& call) {
+    return call.fp8 != nullptr && !is_present(call.fp8->w2_t);
+}
+
+bool fp8_transposes_w13(const BackwardCall& call) {
+    return call.fp8 != nullptr && call.dx.data != nullptr && !is_present(call.fp8->w13_t);
 }
 
 ForwardPlan ForwardPlan::make(const ForwardCall& call) {

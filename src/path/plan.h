@@ -43,7 +43,7 @@ struct ForwardWorkspace {
 
 // The backward's buffers, in carve order: routing, h (recompute mode), dh (sm_90a with interleaved dh), act, the ds
 // partial sums, p / q in f32 (portable), the K-grouped schedule (sm_90a); FP8: dy and dh quantized (in the workspace or
-// in the dw13 output), then x quantized (recompute mode).
+// in the dw13 output), then x quantized (recompute mode), then the transposed weights the caller left absent.
 struct BackwardWorkspace {
     RoutingBuffers routing;
     uint16_t* h;      // [S, 2I] element type: [g, u], then [dg, du]; keep-h mode: saved_h itself (not carved)
@@ -65,6 +65,10 @@ struct BackwardWorkspace {
     Fp8Rows dy_fp8;
     Fp8Rows dh_fp8;
     Fp8Rows x_fp8;
+    // FP8_BLOCKWISE with fp8.w2_t absent, or fp8.w13_t absent and dx wanted: one e4m3 buffer, sized for the larger of
+    // the two it holds, that the dH step fills with w2_t [E, I, H] (fp8.w2 transposed) before its GEMM and the dX step
+    // then with w13_t [E, H, 2I] (fp8.w13 transposed); NULL when the caller gives both (fp8_transposes_w2 / _w13).
+    uint8_t* fp8_weight_t = nullptr;
 
     // sm90_layout: the layout of the sm_90a backends (act [S, max(I, H)] holding q later, the K-grouped schedule; no
     // f32 p / q). act_scratch: there, the dw13 output when it can hold act, else NULL (carved). dh_apart: dh gets its
@@ -76,6 +80,11 @@ struct BackwardWorkspace {
     // The other FP8 buffers of an FP8_BLOCKWISE call, after the rest.
     void carve_fp8(WorkspaceCarver& carver, const BackwardCall& call);
 };
+
+// Whether an FP8_BLOCKWISE backward makes its transposed weights itself (megamoe.h's megamoe_fp8_experts_t): w2_t for
+// dH when fp8.w2_t is absent, w13_t for dX when dx is wanted and fp8.w13_t is absent.
+bool fp8_transposes_w2(const BackwardCall& call);
+bool fp8_transposes_w13(const BackwardCall& call);
 
 // The forward's plan. The forward's workspace is the same on every backend (both kernel sets write the same buffers).
 struct ForwardPlan {

@@ -1,9 +1,11 @@
 // The C API of precision FP8_BLOCKWISE without a GPU (megamoe.h: megamoe_precision_t, megamoe_fp8_experts_t,
 // megamoe_quantize_experts), on CPU tensors: validation runs before the device check, so
 //   - each FP8 tensor a call reads (forward: fp8.w13, fp8.w13_scales, fp8.w2, fp8.w2_scales; backward: fp8.w2_t,
-//     fp8.w2_scales, fp8.w13_scales, fp8.w13_t when dx is wanted, fp8.w13 when saved_h is absent) absent, misshapen,
-//     of the wrong dtype or rank, or on another device is INVALID_ARGUMENT naming it, from the call, the workspace
-//     size query and the path query alike; those it does not read may be absent;
+//     fp8.w2_scales, fp8.w13_scales, fp8.w13_t when dx is wanted, fp8.w13 when saved_h is absent) misshapen, of the
+//     wrong dtype or rank, or on another device is INVALID_ARGUMENT naming it, from the call, the workspace size query
+//     and the path query alike, and so is each it needs absent; those it does not read may be absent, and so may the
+//     backward's transposed copies, whose absence makes the weight they are transposed from needed (fp8.w2 for
+//     fp8.w2_t, fp8.w13 for fp8.w13_t with dx): its absence too is INVALID_ARGUMENT naming both;
 //   - an unknown precision code is INVALID_ARGUMENT naming `precision`; FP8 tensors given with precision DEFAULT are
 //     INVALID_ARGUMENT naming them (fp8.*);
 //   - a valid FP8 call on CPU tensors is NOT_SUPPORTED with a message naming FP8 (the same call in DEFAULT runs);
@@ -193,6 +195,13 @@ bool reads(Entry entry, const std::string& name, bool with_h, bool with_dx) {
     return name != "fp8.w2";
 }
 
+// Whether the call needs `name` when every other FP8 tensor is given: what it reads, but a backward's transposed copies
+// (the backward makes them from fp8.w2 / fp8.w13, given).
+bool needs(Entry entry, const std::string& name, bool with_h, bool with_dx) {
+    if (is_backward(entry) && (name == "fp8.w2_t" || name == "fp8.w13_t")) return false;
+    return reads(entry, name, with_h, with_dx);
+}
+
 // megamoe.h lists fp8.w13_scales for every backward; the library asks for it only where fp8.w13 or fp8.w13_t is read
 // (a backward with saved_h and without dx reads neither): that corner's absent scales are left unasserted.
 bool scales_corner(Entry entry, const std::string& name, bool with_h, bool with_dx) {
@@ -216,9 +225,9 @@ TEST(Fp8LayerApi, AbiVersionStructSizeAndPathName) {
     static_assert(MEGAMOE_PRECISION_DEFAULT == 0 && MEGAMOE_PRECISION_FP8_BLOCKWISE == 1, "zero is the default");
 }
 
-// Each FP8 tensor a call reads: absent, misshapen, of another dtype or rank, on another device: INVALID_ARGUMENT naming
-// it; one the call does not read may be absent (then the CPU call is NOT_SUPPORTED). Every entry point, with and
-// without saved_h and dx.
+// Each FP8 tensor a call reads: misshapen, of another dtype or rank, on another device: INVALID_ARGUMENT naming it;
+// absent: the same where the call needs it, else (one it does not read, a backward's transposed copy) the CPU call is
+// NOT_SUPPORTED. Every entry point, with and without saved_h and dx.
 TEST(Fp8LayerApi, ChecksTheFp8TensorsEachCallReads) {
     CpuLayer layer;
     for (const Entry entry : kEntries) {
@@ -233,12 +242,13 @@ TEST(Fp8LayerApi, ChecksTheFp8TensorsEachCallReads) {
                     options.with_dx = with_dx;
                     options.fp8 = [&](megamoe_fp8_experts_t& f) { fp8_field(f, name) = megamoe_tensor_t{}; };
                     const bool read = reads(entry, name, with_h, with_dx);
-                    if (read && !scales_corner(entry, name, with_h, with_dx)) {
+                    const bool needed = needs(entry, name, with_h, with_dx);
+                    if (needed && !scales_corner(entry, name, with_h, with_dx)) {
                         expect_outcome(attempt(layer, entry, options), MEGAMOE_STATUS_INVALID_ARGUMENT, name,
                                        what + " absent");
-                    } else if (!read) {
+                    } else if (!needed) {
                         expect_outcome(attempt(layer, entry, options), MEGAMOE_STATUS_NOT_SUPPORTED, "FP8",
-                                       what + " absent (not read)");
+                                       what + " absent (not needed)");
                     }
                     if (!read) continue;
                     const bool scales = name.find("scales") != std::string::npos;
@@ -267,6 +277,53 @@ TEST(Fp8LayerApi, ChecksTheFp8TensorsEachCallReads) {
                     };
                     expect_outcome(attempt(layer, entry, options), MEGAMOE_STATUS_INVALID_ARGUMENT, name,
                                    what + ": on cuda, x on the cpu");
+                }
+            }
+        }
+    }
+}
+
+// A backward without the transposed copies is valid (on CPU tensors: NOT_SUPPORTED naming FP8) while the weights they
+// are made from are given; fp8.w2 absent with fp8.w2_t, or fp8.w13 with fp8.w13_t where dx is wanted, is
+// INVALID_ARGUMENT naming both; fp8.w2_scales stays needed. The forward never needs them.
+TEST(Fp8LayerApi, BackwardTakesAbsentTransposedCopies) {
+    CpuLayer layer;
+    const auto drop = [](std::vector<std::string> names) {
+        return [names](megamoe_fp8_experts_t& f) {
+            for (const std::string& name : names) fp8_field(f, name) = megamoe_tensor_t{};
+        };
+    };
+    for (const Entry entry : kEntries) {
+        for (const bool with_h : {false, true}) {
+            for (const bool with_dx : {true, false}) {
+                if (!is_backward(entry) && !with_dx) continue;
+                const std::string what =
+                    std::string(entry_name(entry)) + (with_h ? ", saved_h" : "") + (with_dx ? "" : ", no dx") + ", ";
+                Options options;
+                options.with_h = with_h;
+                options.with_dx = with_dx;
+                options.fp8 = drop({"fp8.w2_t", "fp8.w13_t"});
+                expect_outcome(attempt(layer, entry, options), MEGAMOE_STATUS_NOT_SUPPORTED, "FP8",
+                               what + "both transposed copies absent");
+                if (!is_backward(entry)) continue;
+                options.fp8 = drop({"fp8.w2_t", "fp8.w2"});
+                Outcome o = attempt(layer, entry, options);
+                expect_outcome(o, MEGAMOE_STATUS_INVALID_ARGUMENT, "fp8.w2:", what + "fp8.w2_t and fp8.w2 absent");
+                EXPECT_NE(o.message.find("fp8.w2_t"), std::string::npos) << what << "message \"" << o.message << "\"";
+                options.fp8 = drop({"fp8.w2_t", "fp8.w2_scales"});
+                expect_outcome(attempt(layer, entry, options), MEGAMOE_STATUS_INVALID_ARGUMENT, "fp8.w2_scales",
+                               what + "fp8.w2_t and fp8.w2_scales absent");
+                options.fp8 = drop({"fp8.w13_t", "fp8.w13"});
+                o = attempt(layer, entry, options);
+                if (with_dx || !with_h) {  // fp8.w13 needed: for fp8.w13_t, or for h
+                    expect_outcome(o, MEGAMOE_STATUS_INVALID_ARGUMENT,
+                                   "fp8.w13:", what + "fp8.w13_t and fp8.w13 absent");
+                    if (with_h) {
+                        EXPECT_NE(o.message.find("fp8.w13_t"), std::string::npos)
+                            << what << "message \"" << o.message << "\"";
+                    }
+                } else {
+                    expect_outcome(o, MEGAMOE_STATUS_NOT_SUPPORTED, "FP8", what + "fp8.w13_t and fp8.w13 absent");
                 }
             }
         }

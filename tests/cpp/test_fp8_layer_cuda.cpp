@@ -607,7 +607,8 @@ TEST(Fp8LayerCuda, RefusesWhatTheFp8KernelsDoNotRun) {
     }
 }
 
-// megamoe_quantize_experts refuses what it cannot write, naming the argument.
+// megamoe_quantize_experts refuses what it cannot write, naming the argument (absent transposed copies it leaves
+// unwritten: test_fp8_one_copy_cuda.cpp).
 TEST(Fp8LayerCuda, QuantizeExpertsNamesBadArguments) {
     SKIP_WITHOUT_SM90();
     const LayerData d = make_layer(whole_case("quantize refusals", 4, 256, 128, 3, 1));
@@ -623,7 +624,7 @@ TEST(Fp8LayerCuda, QuantizeExpertsNamesBadArguments) {
         {"w13 f64", [](auto& w13, auto&, auto&) { w13.dtype = MEGAMOE_DTYPE_F64; }, "w13"},
         {"w2 on the CPU", [&](auto&, auto& w2, auto&) { w2 = host_w2.view; }, "w2"},
         {"fp8.w13 shape", [](auto&, auto&, auto& f) { f.w13.shape[1] = 128; }, "fp8.w13"},
-        {"fp8.w13_t absent", [](auto&, auto&, auto& f) { f.w13_t = megamoe_tensor_t{}; }, "fp8.w13_t"},
+        {"fp8.w2 absent", [](auto&, auto&, auto& f) { f.w2 = megamoe_tensor_t{}; }, "fp8.w2"},
         {"fp8.w2_t bf16", [](auto&, auto&, auto& f) { f.w2_t.dtype = MEGAMOE_DTYPE_BF16; }, "fp8.w2_t"},
         {"fp8.w2_scales shape", [](auto&, auto&, auto& f) { f.w2_scales.shape[2] = 2; }, "fp8.w2_scales"},
         {"fp8.w13_scales f16", [](auto&, auto&, auto& f) { f.w13_scales.dtype = MEGAMOE_DTYPE_F16; }, "fp8.w13_scales"},
