@@ -529,7 +529,7 @@ def quantize_experts_into(w13, w2, fp8_tensors):
     """megamoe_quantize_experts: the blockwise FP8 copies of w13 [E, 2I, H] and w2 [E, H, I] (CUDA, contiguous, the
     default layout) written into fp8_tensors, the six tensors of FP8_FIELDS in that order (an fp8.Fp8Experts: w13
     [E, 2I, H], w13_t [E, H, 2I] e4m3, w13_scales [E, 2I / 128, H / 128] f32, w2 [E, H, I], w2_t [E, I, H] e4m3,
-    w2_scales [E, H / 128, I / 128] f32), on the current stream."""
+    w2_scales [E, H / 128, I / 128] f32; w13_t / w2_t None: absent, not written), on the current stream."""
     lib = library()
     if not hasattr(lib, "megamoe_quantize_experts"):
         raise NotImplementedError(f"megamoe: {lib._name} has no megamoe_quantize_experts (a library without the FP8 "

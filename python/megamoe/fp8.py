@@ -25,6 +25,12 @@ weights' memory, FSDP all-gathering into the same buffer each step) with no opti
 update weights so pass fp8_experts themselves (or call weights_changed() after each update). Tensors made anew on every call (`w.detach()`,
 `torch.stack` of per-expert weights) miss the cache each time: quantized on each call, correctly, at that cost.
 
+The transposed copies (w13_t, w2_t): by default every Fp8Experts holds them, 2 bytes per weight element.
+quantize_experts(w13, w2, transposes=False) makes one-copy Fp8Experts (w13_t and w2_t None, 1 byte per weight
+element): each backward then transposes w2 and w13 into its workspace (one buffer of E * 2I * H bytes, freed with it;
+a copy-rate pass over 2 bytes per weight element per backward) and gives bitwise the same gradients.
+set_cached_transposes(False) makes experts_for (the cache, and its quantization under torch.compile) one-copy too.
+
 Under torch.compile (torch.compiler.is_compiling()) and while a CUDA graph is being captured, experts_for does not
 use the cache: it calls quantize_experts, which is the custom op megamoe::quantize_experts (with a fake kernel), so
 the quantization is part of the graph and runs on each of its calls; to quantize once per step there, call
@@ -35,7 +41,7 @@ as quantize_experts and the cache always make) never changes what a pending back
 """
 
 import weakref
-from typing import NamedTuple
+from typing import NamedTuple, Optional
 
 import torch
 from torch.optim.optimizer import register_optimizer_step_post_hook
@@ -52,23 +58,26 @@ class Fp8Experts(NamedTuple):
     """The expert weights in blockwise FP8, as the C API's megamoe_fp8_experts_t (the same order), contiguous:
 
         w13         [E, 2I, H]               float8_e4m3fn   w13 in 128 x 128 blocks (rows [0, I) gate, [I, 2I) up)
-        w13_t       [E, H, 2I]               float8_e4m3fn   its transpose (the dX GEMM reads it K-major)
+        w13_t       [E, H, 2I]               float8_e4m3fn   its transpose (the dX GEMM reads it K-major), or None
         w13_scales  [E, 2I / 128, H / 128]   float32         one per block (w13_t's blocks: the same, transposed)
         w2          [E, H, I]                float8_e4m3fn
-        w2_t        [E, I, H]                float8_e4m3fn   its transpose (the dH GEMM)
+        w2_t        [E, I, H]                float8_e4m3fn   its transpose (the dH GEMM), or None
         w2_scales   [E, H / 128, I / 128]    float32
 
     q = e4m3(v * (448 / amax)) rounded to nearest even, scale = amax / 448 of the block in f32 (a block of zeros:
-    scale 1; one holding a NaN or an infinity: NaN; megamoe.fp8_reference has every rule). Memory: one byte per weight element twice (the copy and its transpose),
-    so as much as the 16-bit weights themselves, plus 4 bytes of scale per 16384 elements; the cache keeps one such
-    set per pair of weights (per layer) for as long as the weights live.
+    scale 1; one holding a NaN or an infinity: NaN; megamoe.fp8_reference has every rule). Memory, in two forms:
+    with the transposed copies (quantize_experts' default), one byte per weight element twice, as much as the 16-bit
+    weights themselves; one-copy (transposes=False: w13_t and w2_t None; an empty [0] tensor counts as None too), one
+    byte per weight element, and each backward transposes w2 and w13 into its workspace (E * 2I * H bytes while it
+    runs). Either plus 4 bytes of scale per 16384 elements. The cache keeps one such set per pair of weights (per
+    layer) for as long as the weights live, in the form set_cached_transposes chose.
     """
 
     w13: torch.Tensor
-    w13_t: torch.Tensor
+    w13_t: Optional[torch.Tensor]
     w13_scales: torch.Tensor
     w2: torch.Tensor
-    w2_t: torch.Tensor
+    w2_t: Optional[torch.Tensor]
     w2_scales: torch.Tensor
 
 
@@ -86,51 +95,70 @@ def _check_weights(w13, w2):
                              f"w2 [E, H, I]), got {getattr(tensor, 'shape', type(tensor).__name__)}")
 
 
-def empty_experts(w13, w2):
-    """Uninitialised Fp8Experts for w13 [E, 2I, H] and w2 [E, H, I], on their device (what quantize_experts fills)."""
+_TRANSPOSED = ("w13_t", "w2_t")  # the fields a one-copy Fp8Experts leaves None
+
+
+def empty_experts(w13, w2, transposes=True):
+    """Uninitialised Fp8Experts for w13 [E, 2I, H] and w2 [E, H, I], on their device (what quantize_experts fills);
+    transposes=False: w13_t and w2_t None."""
     _check_weights(w13, w2)
     E, two_i, H = w13.shape
     H2, I = w2.shape[1], w2.shape[2]
     e4m3 = torch.float8_e4m3fn
     return Fp8Experts(
         w13=w13.new_empty((E, two_i, H), dtype=e4m3),  # [E, 2I, H]
-        w13_t=w13.new_empty((E, H, two_i), dtype=e4m3),  # [E, H, 2I]
+        w13_t=w13.new_empty((E, H, two_i), dtype=e4m3) if transposes else None,  # [E, H, 2I]
         w13_scales=w13.new_empty((E, _blocks(two_i), _blocks(H)), dtype=torch.float32),  # [E, 2I / 128, H / 128]
         w2=w2.new_empty((w2.shape[0], H2, I), dtype=e4m3),  # [E, H, I]
-        w2_t=w2.new_empty((w2.shape[0], I, H2), dtype=e4m3),  # [E, I, H]
+        w2_t=w2.new_empty((w2.shape[0], I, H2), dtype=e4m3) if transposes else None,  # [E, I, H]
         w2_scales=w2.new_empty((w2.shape[0], _blocks(H2), _blocks(I)), dtype=torch.float32))  # [E, H / 128, I / 128]
 
 
-def _reference_blocks(w):
-    """(q, q transposed, scales) of w [E, N, K] by fp8_reference (the recipe's specification, bitwise the kernels')."""
+def _reference_blocks(w, transposes):
+    """(q, q transposed or None, scales) of w [E, N, K] by fp8_reference (the recipe's specification, bitwise the
+    kernels')."""
     q, scales = fp8_reference.quantize_blocks(w)
-    return q, q.transpose(1, 2).contiguous(), scales
+    return q, q.transpose(1, 2).contiguous() if transposes else None, scales
+
+
+def _op_outputs(experts, like):
+    """The op's six tensors of `experts`: an absent transposed copy as an empty [0] e4m3 tensor (a custom op returns
+    tensors only)."""
+    return tuple(like.new_empty((0,), dtype=torch.float8_e4m3fn) if t is None else t for t in experts)
 
 
 @torch.library.custom_op("megamoe::quantize_experts", mutates_args=())
-def _quantize_op(w13: torch.Tensor, w2: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor,
-                                                                torch.Tensor, torch.Tensor, torch.Tensor]:
+def _quantize_op(w13: torch.Tensor, w2: torch.Tensor, transposes: bool = True) -> tuple[
+        torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
     if not w13.is_cuda:  # CPU: the reference (the C API quantizes CUDA tensors only; the FP8 layer runs on CUDA)
-        return (*_reference_blocks(w13), *_reference_blocks(w2))
-    out = empty_experts(w13, w2)
-    _lib.quantize_experts_into(w13.contiguous(), w2.contiguous(), out)
-    return tuple(out)
+        return _op_outputs((*_reference_blocks(w13, transposes), *_reference_blocks(w2, transposes)), w13)
+    out = empty_experts(w13, w2, transposes)
+    _lib.quantize_experts_into(w13.contiguous(), w2.contiguous(), out)  # None: absent, not written
+    return _op_outputs(out, w13)
 
 
 @_quantize_op.register_fake
-def _quantize_fake(w13, w2):
-    return tuple(empty_experts(w13, w2))
+def _quantize_fake(w13, w2, transposes=True):
+    return _op_outputs(empty_experts(w13, w2, transposes), w13)
 
 
-def quantize_experts(w13, w2):
+def quantize_experts(w13, w2, transposes=True):
     """Fp8Experts of w13 [E, 2I, H] (gate rows, then up rows) and w2 [E, H, I] (bf16, f16 or f32; the default layout):
-    every 128 x 128 block of each weight quantized to e4m3 with its f32 scale, and the transposed copies, written by
-    the library on the current CUDA stream (asynchronously; CPU tensors: fp8_reference's quantize_blocks, the same
-    bytes). New tensors on every call; no gradient flows through them. The torch custom op
-    megamoe::quantize_experts underneath (with a fake kernel), so torch.compile traces it. H and I multiples of 128
-    (else the library's NotImplementedError names them); other errors as the library reports them (ValueError)."""
+    every 128 x 128 block of each weight quantized to e4m3 with its f32 scale, and (transposes=True, the default) the
+    transposed copies, written by the library on the current CUDA stream (asynchronously; CPU tensors:
+    fp8_reference's quantize_blocks, the same bytes). transposes=False: w13_t and w2_t None, half the memory, each
+    backward transposing in its workspace instead (Fp8Experts). New tensors on every call; no gradient flows through
+    them. The torch custom op megamoe::quantize_experts(w13, w2, transposes) underneath (with a fake kernel), so
+    torch.compile traces it; the op returns an empty [0] tensor for each absent copy, which this function turns into
+    None. H and I multiples of 128 (else the library's NotImplementedError names them); other errors as the library
+    reports them (ValueError); transposes not a bool: TypeError."""
     _check_weights(w13, w2)
-    return Fp8Experts(*torch.ops.megamoe.quantize_experts(w13.detach(), w2.detach()))
+    if not isinstance(transposes, bool):
+        raise TypeError(f"megamoe.fp8.quantize_experts: transposes must be True or False, got "
+                        f"{type(transposes).__name__}")
+    tensors = torch.ops.megamoe.quantize_experts(w13.detach(), w2.detach(), transposes)
+    return Fp8Experts(*(None if name in _TRANSPOSED and not transposes else t
+                        for name, t in zip(Fp8Experts._fields, tensors)))
 
 
 # ---- the cache
@@ -147,6 +175,24 @@ class _Entry:
 
 
 _CACHE = {}  # (id of w13's root, id of w2's root) -> _Entry
+_cached_transposes = True  # set_cached_transposes: the form of experts_for's Fp8Experts
+
+
+def set_cached_transposes(enabled):
+    """The form of the Fp8Experts experts_for makes from now on (the cache's, and those it quantizes in a compiled or
+    captured graph): True (the default) with the transposed copies, False one-copy (w13_t and w2_t None: 1 byte per
+    weight element held between steps instead of 2, each backward transposing in its workspace; Fp8Experts). An
+    entry of the other form is replaced at its weights' next call. TypeError for a non-bool."""
+    global _cached_transposes
+    if not isinstance(enabled, bool):
+        raise TypeError(f"megamoe.fp8.set_cached_transposes: enabled must be True or False, got "
+                        f"{type(enabled).__name__}")
+    _cached_transposes = enabled
+
+
+def cached_transposes():
+    """Whether experts_for's Fp8Experts hold the transposed copies (set_cached_transposes)."""
+    return _cached_transposes
 
 
 def _dropper(key):
@@ -223,10 +269,13 @@ def default_layout_weights(w13, w2, w3=None, options=None):
 def experts_for(w13, w2, w3=None, options=None):
     """The Fp8Experts of w13 and w2 (and w3 in the separate layout; options: layouts.op_options', None: the default
     layout) from the cache (see the module docstring), quantizing them (default_layout_weights, then
-    quantize_experts) where the cache has none for their current state. Under torch.compile and CUDA graph capture:
-    quantized anew, in the graph (no cache)."""
+    quantize_experts) where the cache has none for their current state, with the transposed copies or not as
+    set_cached_transposes chose. Under torch.compile and CUDA graph capture: quantized anew, in the graph (no
+    cache)."""
+    transposes = _cached_transposes
+
     def quantize():
-        return quantize_experts(*default_layout_weights(w13, w2, w3, options))
+        return quantize_experts(*default_layout_weights(w13, w2, w3, options), transposes=transposes)
 
     if _bypasses_cache(w13):
         return quantize()
@@ -235,7 +284,7 @@ def experts_for(w13, w2, w3=None, options=None):
         if not isinstance(tensor, torch.Tensor) or tensor.dim() != 3:
             _check_weights(w13, w2)  # names the argument
     try:
-        state = tuple(_state(w) for w in weights)
+        state = (*(_state(w) for w in weights), transposes)
     except RuntimeError:  # inference tensors have no version counter: nothing to key on
         return quantize()
     roots = tuple(_root(w) for w in weights)
@@ -260,24 +309,33 @@ def cache_size():
 
 # ---- the ops' FP8 arguments
 
+def _absent(tensor):
+    """An absent transposed copy: None, or an empty [0] tensor (the quantize op's stand-in)."""
+    return tensor is None or (tensor.dim() == 1 and tensor.shape[0] == 0)
+
+
 def as_experts(entry, fp8_experts):
-    """fp8_experts as an Fp8Experts of six tensors (TypeError naming the argument otherwise; DTensors refused: the FP8
-    weights are this rank's, quantized from the local weights)."""
+    """fp8_experts as an Fp8Experts of six tensors, w13_t and w2_t possibly None (an empty [0] one taken as None;
+    TypeError naming the argument otherwise; DTensors refused: the FP8 weights are this rank's, quantized from the
+    local weights)."""
     if not isinstance(fp8_experts, (tuple, list)) or len(fp8_experts) != len(Fp8Experts._fields) or not all(
-            isinstance(t, torch.Tensor) for t in fp8_experts):
+            isinstance(t, torch.Tensor) or (t is None and name in _TRANSPOSED)
+            for name, t in zip(Fp8Experts._fields, fp8_experts)):
         raise TypeError(f"{entry}: fp8_experts must be a megamoe.fp8.Fp8Experts (megamoe.fp8.quantize_experts(w13, "
                         f"w2)), got {type(fp8_experts).__name__}")
-    experts = Fp8Experts(*fp8_experts)
+    experts = Fp8Experts(*(None if name in _TRANSPOSED and _absent(t) else t
+                           for name, t in zip(Fp8Experts._fields, fp8_experts)))
     refuse_dtensors(entry, "the FP8 weights are plain tensors",
-                    **{f"fp8_experts.{name}": t for name, t in zip(Fp8Experts._fields, experts)})
+                    **{f"fp8_experts.{name}": t for name, t in zip(Fp8Experts._fields, experts) if t is not None})
     return experts
 
 
 def op_arguments(entry, options, w13, w2, fp8_experts, *, quantize=True, w3=None):
     """The FP8 op arguments {fp8_w13: ..., ...} (_lib.FP8_ARGS) of a call with op_options() `options`: none in
     precision "bf16" (fp8_experts given there: ValueError); in "fp8" the tensors of fp8_experts (always in the default
-    layout: w13 [E, 2I, H], w2 [E, H, I]), else the cache's for w13, w2 (and w3) in their layout (quantize=False:
-    uninitialised ones, for a path query that reads no data). The interleaved layout raises NotImplementedError."""
+    layout: w13 [E, 2I, H], w2 [E, H, I]; a one-copy one's fp8_w13_t and fp8_w2_t None: absent in the C API), else the
+    cache's for w13, w2 (and w3) in their layout (quantize=False: uninitialised ones, for a path query that reads no
+    data). The interleaved layout raises NotImplementedError."""
     if options["precision"] != "fp8":
         if fp8_experts is not None:
             raise ValueError(f"{entry}: fp8_experts: given, but precision is {options['precision']!r} (the FP8 weights "

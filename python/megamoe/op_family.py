@@ -17,8 +17,9 @@ WGRAD_F32 here; a new C API field also needs its ctypes field in _lib.py (the AB
 library).
 
 Precision "fp8" (an option, like the layout's): the six FP8 weights (fp8.Fp8Experts) ride as the optional tensors FP8
-(fp8_w13, fp8_w13_t, fp8_w13_scales, fp8_w2, fp8_w2_t, fp8_w2_scales; None in "bf16"), inputs of every op like the
-experts; the forward's autograd saves them with the other inputs, so its backward reads the ones the forward read.
+(fp8_w13, fp8_w13_t, fp8_w13_scales, fp8_w2, fp8_w2_t, fp8_w2_scales; None in "bf16", and fp8_w13_t / fp8_w2_t
+None for one-copy FP8 weights), inputs of every op like the experts; the forward's autograd saves them with the other
+inputs, so its backward reads the ones the forward read.
 
 The backwards compute only the gradients asked for (their need_* arguments; autograd asks for those of
 ctx.needs_input_grad) and return an empty [0] tensor for the others and for absent inputs (a custom op cannot return

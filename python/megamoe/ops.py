@@ -101,7 +101,9 @@ def moe(x, topk_ids, topk_weights, w13, w2, recompute=False, *, w3=None, b13=Non
     optimizer step), else megamoe.fp8.experts_for(w13, w2): quantized on the first call, cached while w13 and w2 are
     unchanged (their identity, memory and version counters), so one quantization serves every micro-batch of a step;
     under torch.compile, quantized in the graph on each call. The backward reads the FP8 weights its forward read
-    (saved with the inputs).
+    (saved with the inputs). One-copy FP8 weights (quantize_experts(..., transposes=False), or the cache after
+    megamoe.fp8.set_cached_transposes(False)) hold half the bytes; the backward transposes them in its workspace and
+    gives the same bits.
     """
     try:
         inputs, experts = _replicated_weights("megamoe.moe", x, topk_ids, topk_weights, w13, w2,

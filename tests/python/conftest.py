@@ -1,8 +1,10 @@
 """Shared fixtures of the Python tests: random problems (fresh data each run, never zeros), ragged
-routings, an independent plain-PyTorch implementation of DESIGN.md section 1, and the whole layer's slots as
-grouped rows (group_rows, grouped_as_layer) for the grouped-rows tests."""
+routings, an independent plain-PyTorch implementation of DESIGN.md section 1, the whole layer's slots as
+grouped rows (group_rows, grouped_as_layer) for the grouped-rows tests, the library's test overrides and a recorder
+of the library's calls."""
 
 import os
+import types
 
 import pytest
 import torch
@@ -151,3 +153,24 @@ def overrides():
     yield set_overrides
     if previous:
         _lib.set_test_overrides(previous[0])
+
+
+@pytest.fixture
+def recorder(monkeypatch):
+    """Replaces the library's calls (_lib.call) by a recorder: each call's kind, tensors and options are kept, its
+    outputs filled with zeros (the accumulating backward's weight gradients left as they are)."""
+    from megamoe import _lib
+
+    calls = []
+
+    def record(kind, tensors, options=None, **fields):
+        calls.append(types.SimpleNamespace(kind=kind, tensors=dict(tensors), options=dict(options or {})))
+        inputs = {"x", "x_sorted", "dy", "dout", "saved_h"} if "backward" in kind else {"x", "x_sorted"}
+        for name, tensor in tensors.items():
+            if tensor is None or name in inputs or not (name in ("y", "out", "saved_h") or name.startswith("d")):
+                continue
+            if not (fields.get("accumulate_weight_grads") and name[1:] in ("w13", "w2", "w3", "b13", "b2")):
+                tensor.zero_()
+
+    monkeypatch.setattr(_lib, "call", record)
+    return calls
