@@ -2,8 +2,10 @@
 // balanced routing (slot (t, j) to expert (t * topk + j) mod E): the forward (keep-h: saved_h written) and the forward
 // + backward (dx, d topk_weights, dw13, dw2 in bf16), with the FP8 weights made once beforehand by
 // megamoe_quantize_experts (timed on its own: once per optimizer step in training), each call's backward workspace
-// printed. CUDA events on the default stream, 3 warm-up calls, the median of 10; the two precisions alternate within
-// each of ROUNDS rounds (argument 2, default 2). Weights N(0, 1 / K)-like, x and dy uniform in [-1, 1]. Usage:
+// printed. FP8 twice: with the transposed copies (fp8) and one-copy (fp8-one-copy: w13_t and w2_t absent, the
+// backward transposing w2 and w13 into its workspace; its outputs checked bitwise against fp8's). CUDA events on the
+// default stream, 3 warm-up calls, the median of 10; the variants alternate within each of ROUNDS rounds (argument 2,
+// default 2). Weights N(0, 1 / K)-like, x and dy uniform in [-1, 1]. Usage:
 //   megamoe_fp8_layer_timing [shape name|all] [rounds]
 #include <cuda_bf16.h>
 #include <cuda_runtime.h>
@@ -148,6 +150,8 @@ void time_shape(const Shape& s, int rounds) {
     const megamoe_tensor_t w13_t = tensor(w13.data, MEGAMOE_DTYPE_BF16, {E, 2 * I, H});
     const megamoe_tensor_t w2_t = tensor(w2.data, MEGAMOE_DTYPE_BF16, {E, H, I});
     CHECK_MEGAMOE(megamoe_quantize_experts(&w13_t, &w2_t, &fp8, nullptr));
+    megamoe_fp8_experts_t one_copy = fp8;  // the same w13, w2 and scales, no transposed copies
+    one_copy.w13_t = one_copy.w2_t = megamoe_tensor_t{};
 
     megamoe_forward_params_t fwd{};
     fwd.x = tensor(x.data, MEGAMOE_DTYPE_BF16, {T, H});
@@ -170,11 +174,21 @@ void time_shape(const Shape& s, int rounds) {
     bwd.dw13 = tensor(dw13.data, MEGAMOE_DTYPE_BF16, {E, 2 * I, H});
     bwd.dw2 = tensor(dw2.data, MEGAMOE_DTYPE_BF16, {E, H, I});
 
-    // The workspace of the larger of the two precisions.
+    struct Variant {
+        const char* name;
+        megamoe_precision_t precision;
+        const megamoe_fp8_experts_t* fp8;
+    } variants[] = {{"bf16", MEGAMOE_PRECISION_DEFAULT, nullptr},
+                    {"fp8", MEGAMOE_PRECISION_FP8_BLOCKWISE, &fp8},
+                    {"fp8-one-copy", MEGAMOE_PRECISION_FP8_BLOCKWISE, &one_copy}};
+    const auto select = [&](const Variant& v) {
+        fwd.precision = bwd.precision = v.precision;
+        fwd.fp8 = bwd.fp8 = v.fp8 == nullptr ? megamoe_fp8_experts_t{} : *v.fp8;
+    };
+    // The workspace of the largest variant.
     size_t workspace_bytes = 0;
-    for (const megamoe_precision_t precision : {MEGAMOE_PRECISION_DEFAULT, MEGAMOE_PRECISION_FP8_BLOCKWISE}) {
-        fwd.precision = bwd.precision = precision;
-        fwd.fp8 = bwd.fp8 = precision == MEGAMOE_PRECISION_DEFAULT ? megamoe_fp8_experts_t{} : fp8;
+    for (const Variant& v : variants) {
+        select(v);
         size_t bytes = 0;
         CHECK_MEGAMOE(megamoe_forward_workspace_size(&fwd, &bytes));
         workspace_bytes = std::max(workspace_bytes, bytes);
@@ -184,18 +198,10 @@ void time_shape(const Shape& s, int rounds) {
     Buffer workspace(workspace_bytes);
     fwd.workspace = bwd.workspace = workspace.data;
     fwd.workspace_bytes = bwd.workspace_bytes = workspace_bytes;
-
-    struct Variant {
-        const char* name;
-        megamoe_precision_t precision;
-    } variants[] = {{"bf16", MEGAMOE_PRECISION_DEFAULT}, {"fp8", MEGAMOE_PRECISION_FP8_BLOCKWISE}};
-    const auto select = [&](const Variant& v) {
-        fwd.precision = bwd.precision = v.precision;
-        fwd.fp8 = bwd.fp8 = v.precision == MEGAMOE_PRECISION_DEFAULT ? megamoe_fp8_experts_t{} : fp8;
-    };
     const megamoe_tensor_t* w13p = &w13_t;
     const megamoe_tensor_t* w2p = &w2_t;
-    // A sanity check, not a test (tests/cpp/test_fp8_layer_cuda.cpp is): y, dx and expert 0's dw13 of FP8 against bf16's.
+    // A sanity check, not a test (tests/cpp/test_fp8_layer_cuda.cpp is): y, dx and expert 0's dw13 of FP8 against
+    // bf16's.
     std::vector<std::vector<float>> y_of, dx_of, dw13_of;
     for (const Variant& v : variants) {
         select(v);
@@ -213,6 +219,8 @@ void time_shape(const Shape& s, int rounds) {
             relative_difference(dx_of.back(), dx_of.front()), relative_difference(dw13_of.back(), dw13_of.front()),
             static_cast<double>(backward_bytes) / (1 << 20));
     }
+    const bool same = y_of[2] == y_of[1] && dx_of[2] == dx_of[1] && dw13_of[2] == dw13_of[1];
+    std::printf("%-16s fp8-one-copy  y, dx, dw13[0] bitwise fp8's: %s\n", s.name, same ? "yes" : "NO");
     for (int round = 1; round <= rounds; ++round) {
         for (const Variant& v : variants) {
             select(v);
@@ -227,6 +235,9 @@ void time_shape(const Shape& s, int rounds) {
         const float quant_ms = median_ms([&] { CHECK_MEGAMOE(megamoe_quantize_experts(w13p, w2p, &fp8, nullptr)); });
         std::printf("%-16s round %d  %-13s %8.3f ms (w13 and w2 with their transposes, once per optimizer step)\n",
                     s.name, round, "quantize-w", quant_ms);
+        const float one_ms = median_ms([&] { CHECK_MEGAMOE(megamoe_quantize_experts(w13p, w2p, &one_copy, nullptr)); });
+        std::printf("%-16s round %d  %-13s %8.3f ms (w13 and w2 alone, once per optimizer step)\n", s.name, round,
+                    "quantize-1", one_ms);
         std::fflush(stdout);
     }
     CHECK_CUDA(cudaDeviceSynchronize());
