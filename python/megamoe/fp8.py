@@ -179,10 +179,10 @@ _cached_transposes = True  # set_cached_transposes: the form of experts_for's Fp
 
 
 def set_cached_transposes(enabled):
-    """The form of the Fp8Experts experts_for makes from now on (the cache's, and those it quantizes in a compiled or
-    captured graph): True (the default) with the transposed copies, False one-copy (w13_t and w2_t None: 1 byte per
-    weight element held between steps instead of 2, each backward transposing in its workspace; Fp8Experts). An
-    entry of the other form is replaced at its weights' next call. TypeError for a non-bool."""
+    """Sets the form of the Fp8Experts experts_for makes after this call (the cache's, and those it quantizes in a
+    compiled or captured graph): True (the default) with the transposed copies, False one-copy (w13_t and w2_t None:
+    1 byte per weight element held between steps instead of 2, each backward transposing in its workspace;
+    Fp8Experts). An entry of the other form is replaced at its weights' next call. TypeError for a non-bool."""
     global _cached_transposes
     if not isinstance(enabled, bool):
         raise TypeError(f"megamoe.fp8.set_cached_transposes: enabled must be True or False, got "

@@ -41,8 +41,8 @@ ExpertOperand fp8_weight(const void* weight, int64_t n_b, int64_t k) {
 }
 
 // B of dH / dX, a weight's transposed copy [E, k, n]: `given` (the caller's), or, where the plan found it absent
-// (`transpose`), `weight` [E, n, k] transposed into workspace.fp8_weight_t now (the buffer's previous content, w2_t,
-// read by dH before dX's transpose overwrites it: one stream).
+// (`transpose`), `weight` [E, n, k] transposed into workspace.fp8_weight_t by this call, on the call's stream (dX's
+// transpose goes over dH's w2_t, which dH has read by then: one stream).
 megamoe_status_t transposed_weight(const BackwardStep& step, bool transpose, const megamoe_tensor_t& given,
                                    const megamoe_tensor_t& weight, int64_t n, int64_t k, const void** out) {
     if (!transpose) {
