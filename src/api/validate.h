@@ -79,7 +79,8 @@ megamoe_status_t check_precision_supported(const char* x_name, const megamoe_ten
 // The FP8 weights, named as in the params structs (for the overlap and pointer checks).
 std::vector<Named> fp8_inputs(const Experts& experts);
 // megamoe_quantize_experts' arguments: w13 [E, 2I, H] and w2 [E, H, I] (bf16, f16 or f32, CUDA), every tensor of fp8
-// present in its shape but the transposed copies (absent: not written), disjoint, device memory. Fills shape's num_experts, hidden and intermediate.
+// present in its shape but the transposed copies (absent: not written), disjoint, device memory. Fills shape's
+// num_experts, hidden and intermediate.
 megamoe_status_t check_quantize_experts(const megamoe_tensor_t* w13, const megamoe_tensor_t* w2,
                                         const megamoe_fp8_experts_t* fp8, Shape* shape);
 

@@ -57,7 +57,7 @@ __device__ __forceinline__ RowWeights load_row_weights(const MainloopParams& par
 // hold g and u of the sub-tiles with sub-tile index % 2 == b, so the next sub-tile's g, u are in flight while the
 // current one is computed; the current buffer then takes its outputs dg, du, then s * a. Two buffers are 4 KiB a
 // warp, the store epilogue's staging, so dH keeps the 4 pipeline stages (four buffers, three sub-tiles in flight for
-// a stage, measured 9-11 % slower: docs/log/2026-12-06-dswiglu-buffers.md).
+// a stage, measured 9-12 % slower: docs/log/2026-12-06-dswiglu-buffers.md).
 constexpr int kDSwiGLUBuffers = 2;
 constexpr int kDSwiGLUSubRows = kWgmmaM / kWarpsPerWarpgroup;            // 16: a warp's rows of a row block
 constexpr int kDSwiGLUSubCols = kSwizzle64RowBytes / kElemBytes;         // 32
