@@ -27,6 +27,19 @@ struct DSwiGLUParamsOf : Act::Params {
     megamoe_dtype_t weights_dtype;
 };
 
+// dSwiGLU of one element, the math every dH epilogue runs: p = (W2[e]^T dy)[column], s the row's weight, g, u the
+// column's gate and up. da = s p; (a, dg, du) from the activation policy; ds += p a (one fma, in the caller's order);
+// scaled_act = s a.
+template <class Act>
+__device__ __forceinline__ void dswiglu_element(const DSwiGLUParamsOf<Act>& epilogue, float gate, float up, float p,
+                                                float weight, float& ds, float& d_gate, float& d_up,
+                                                float& scaled_act) {
+    float activation;
+    Act::backward(epilogue, gate, up, weight * p, activation, d_gate, d_up);
+    ds = fmaf(p, activation, ds);
+    scaled_act = weight * activation;
+}
+
 // The topk weight s of the thread's two accumulator rows of a row block (rows 16 w + l / 4 and + 8 of its 64), 0 for
 // rows past the tile's end. Loaded when the tile starts (slot, then weight: two dependent loads), so the epilogue, a
 // whole mainloop later, does not wait for them.
@@ -188,12 +201,8 @@ __device__ __forceinline__ void store_tile_dswiglu(const MainloopParams& params,
                 cuda::unpack_pair<T>(up_regs[block][matrix], up[0], up[1]);
 #pragma unroll
                 for (int item_idx = 0; item_idx < 2; ++item_idx) {
-                    const float p = acc[reg_idx + item_idx];
-                    float activation;
-                    Act::backward(epilogue, gate[item_idx], up[item_idx], weight * p, activation, d_gate[item_idx],
-                                  d_up[item_idx]);
-                    ds[half] = fmaf(p, activation, ds[half]);
-                    scaled_act[item_idx] = weight * activation;
+                    dswiglu_element<Act>(epilogue, gate[item_idx], up[item_idx], acc[reg_idx + item_idx], weight,
+                                         ds[half], d_gate[item_idx], d_up[item_idx], scaled_act[item_idx]);
                 }
                 if constexpr (kInterleaved) {  // dh positions 2i .. 2i + 3 of the pair's columns i, i + 1: 8 bytes
                     const int64_t frag_col = first_col + frag_idx * 8 + 2 * quad_lane;

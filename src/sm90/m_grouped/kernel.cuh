@@ -89,6 +89,7 @@
 #include "sm90/kit/launch.h"
 #include "sm90/kit/pipeline.cuh"
 #include "sm90/m_grouped/config.cuh"
+#include "sm90/m_grouped/dh_warpgroup.cuh"
 #include "sm90/m_grouped/dswiglu.cuh"
 #include "sm90/m_grouped/epilogue.cuh"
 #include "sm90/m_grouped/fp8_mainloop.cuh"
@@ -209,10 +210,17 @@ megamoe_status_t launch_typed(const cuda::MGroupedGemmArgs& args,
     }
     const int64_t max_tiles = ceil_div(args.max_m_tiles, kClusterSize) * params.mainloop.num_n_tiles;  // cluster tiles
     const int64_t max_clusters = std::min<int64_t>(std::max(num_sms, kClusterSize) / kClusterSize, max_tiles);
-    return launch_cluster_kernel<kClusterSize>(m_grouped_gemm_sm90_kernel<T, Epi, kBLayout, kBSource, Config>,
-                                               Epi::name(kBLayout), kNumThreads,
-                                               smem_bytes<Config, Epi::kWarpStagingBytes>(), max_clusters, stream,
-                                               a_map, b_map, out_map, params, b_second_map);
+    if constexpr (Epi::kEpilogueWarpgroup) {  // dH with its epilogue warpgroup (dh_warpgroup.cuh): 512 threads
+        static_assert(kBSource == BSource::kOne, "dH reads one B map");
+        return launch_cluster_kernel<kClusterSize>(m_grouped_gemm_sm90_dh_kernel<T, Epi, kBLayout, Config>,
+                                                   Epi::name(kBLayout), kDhNumThreads, DhPlan<Config>::kSmemBytes,
+                                                   max_clusters, stream, a_map, b_map, out_map, params, b_second_map);
+    } else {
+        return launch_cluster_kernel<kClusterSize>(m_grouped_gemm_sm90_kernel<T, Epi, kBLayout, kBSource, Config>,
+                                                   Epi::name(kBLayout), kNumThreads,
+                                                   smem_bytes<Config, Epi::kWarpStagingBytes>(), max_clusters, stream,
+                                                   a_map, b_map, out_map, params, b_second_map);
+    }
 }
 
 // `a_map`: A's tensor map where Epi::kTmaA (kBSource::kKHalves: encode_a_halves_map's); `out_map`: the store
