@@ -16,11 +16,13 @@
 //
 // Warp roles (512 threads, 1 CTA per SM, clusters of 2 as kernel.cuh):
 //   warpgroup 0, producer (setmaxnreg kDhProducerRegs): StageLoader::run, as in kernel.cuh.
-//   warpgroups 1, 2, MMA (setmaxnreg kDhMmaRegs): rows [64 (w - 1), + 64) of every tile (WgmmaMainloop::mma_tile), then
-//     each warp hands its 16 rows x 256 columns of f32 accumulators to the epilogue warpgroup through one slot of the
-//     hand-off ring and goes straight to the next tile's mainloop. Warp m (0 .. 7 over both MMA warpgroups) hands off
-//     chunk m of each tile: tile rows [16 m, 16 m + 16); chunk c of the CTA's sequence (c = 8 t + m for its t-th tile)
-//     takes slot c % kDhSlots in phase (c / kDhSlots) % 2.
+//   warpgroups 1, 2, MMA (setmaxnreg kDhMmaRegs): rows [64 (w - 1), + 64) of every tile (WgmmaMainloop::mma_tile, each
+//     k16 step as two m64n128 wgmmas on the halves of B: ptxas compiles no m64n256 wgmma, 154 registers at the
+//     instruction, in a kernel of 512 threads, whatever setmaxnreg gives the warpgroup; the accumulator layout is the
+//     same), then each warp hands its 16 rows x 256 columns of f32 accumulators to the epilogue warpgroup through one
+//     slot of the hand-off ring and goes straight to the next tile's mainloop. Warp m (0 .. 7 over both MMA
+//     warpgroups) hands off chunk m of each tile: tile rows [16 m, 16 m + 16); chunk c of the CTA's sequence
+//     (c = 8 t + m for its t-th tile) takes slot c % kDhSlots.
 //   warpgroup 3, epilogue (setmaxnreg kDhEpilogueRegs): walks the same tiles (its own Scheduler) and the chunks in
 //     sequence; epilogue warp e takes rows 4 e .. 4 e + 3 of each chunk, one row at a time, lane l columns
 //     [8 l, 8 l + 8) of the tile: g, u by 16-byte loads from h (issued one chunk ahead: the next chunk's row i is
@@ -29,23 +31,30 @@
 //     s come once per tile (the next tile's while this one runs): lane l loads that of the warp's tile row
 //     16 (l / 4) + 4 e + l % 4 (chunk l / 4, the warp's row l % 4 of it), broadcast by shuffles.
 // Shared memory (DhStorageOf, 1024-byte aligned): kDhStages pipeline stages of 48 KiB (A 16 KiB + B 32 KiB), the
-//   hand-off ring of kDhSlots slots of 16 KiB (16 rows x 256 f32), the stages' full / empty mbarriers and the slots'.
-//   A whole f32 tile (128 KiB) beside 3 stages (144 KiB) exceeds 227 KiB, so the ring holds part of a tile: the
-//   stage count is the most that leaves room for kDhMinSlots slots (half a tile), then as many slots as fit: 3 stages,
-//   5 slots (80 KiB), 224 KiB in all. An MMA warp waits for its slot only where the epilogue is more than
-//   kDhSlots chunks behind (the last 3 warps of a tile wait for the first 3 chunks to be read out).
+//   hand-off ring of kDhSlots slots of 16 KiB (16 rows x 256 f32), the stages' full / empty mbarriers, the slots'
+//   full mbarriers and the epilogue warps' read counters. A whole f32 tile (128 KiB) beside 3 stages (144 KiB)
+//   exceeds 227 KiB, so the ring holds part of a tile: the stage count is the most that leaves room for kDhMinSlots
+//   slots (half a tile), then as many slots as fit: 3 stages, 5 slots (80 KiB), 224 KiB in all. An MMA warp waits
+//   for its slot only where the epilogue is more than kDhSlots chunks behind (the last 3 warps of a tile wait for the
+//   first 3 chunks to be read out). bf16 p would hold a whole tile in 64 KiB, but changes dh's bits.
 //   Slot layout: row r at 1024 r bytes, 16-byte chunk c (f32 columns 4 c .. 4 c + 3) at chunk position c ^ 2 (r % 4)
 //   (handoff_offset): the MMA warps' 8-byte stores (a half-warp: 4 rows, r % 4 all different, x 32 bytes) fall in 8
 //   distinct 16-byte bank groups; an epilogue lane reads chunks 2 l and 2 l + 1 of one row, lanes with l / 4 odd the
 //   second first, so a quarter-warp's 16-byte loads do too (positions 0, 2, 4, 6 and 1, 3, 5, 7 of a group).
-// Barriers: the stages' as in kernel.cuh. Slot s: handoff_full[s] (kHandoffFullArrivals: every lane of the writing
-//   warp arrives after its stores, release), handoff_empty[s] (kHandoffEmptyArrivals: every epilogue thread arrives
-//   once its last p of the chunk is in registers). The kit's StagePipeline<kDhSlots, 1> waits on them (producer_acquire
-//   for the MMA warps, consumer_wait for the epilogue). No named barriers, no __syncthreads. Deadlock-free: a chunk
+// Synchronization: the stages' barriers as in kernel.cuh. Writer to reader: handoff_full[s] (kHandoffFullArrivals:
+//   every lane of the writing warp arrives after its stores, release), waited on by the epilogue warps in sequence
+//   (the kit's StagePipeline<kDhSlots, 1>, consumer_wait; a parity wait is exact there: before waiting for chunk c an
+//   epilogue warp has itself seen chunk c - kDhSlots, the slot's previous phase, complete). Reader to writers: not an
+//   empty mbarrier, since the 8 MMA warps reach their hand-offs in no fixed order (a warp may run a tile ahead of
+//   another where K is short, and warps m and m + 5 share a slot within a tile), so a parity wait could match a phase
+//   two uses old; instead handoff_read[e] counts the chunks epilogue warp e has read out (after __syncwarp, lane 0
+//   stores c + 1 with release once its rows' p of chunk c are in registers) and the writer of chunk c waits (acquire)
+//   until every counter is at least c - kDhSlots + 1. No named barriers, no __syncthreads. Deadlock-free: a chunk
 //   waits only on the read-out of the chunk kDhSlots before it, and the epilogue reads chunks in sequence.
-// Registers (64 K, 512 threads, 128 a thread at launch): producer 48 (its 8 gathered row pointers), MMA 2 x 184 (128
-//   accumulators, the mainloop, the hand-off), epilogue 96 (a chunk of g, u in flight: 32, p: 8, the math):
-//   48 + 2 x 184 + 96 = 512, the register file exactly.
+// Registers (64 K, 512 threads, 128 a thread at launch): producer 56 (its 8 gathered row pointers; kernel.cuh's
+//   budget), MMA 2 x 168 (128 accumulators, the mainloop, the hand-off: ptxas uses 152), epilogue 120 (4 rows of g, u
+//   in flight: 32, p: 8, the math and two tiles' state: ptxas uses 117): 56 + 2 x 168 + 120 = 512, the register file
+//   exactly.
 #pragma once
 
 #include <cstdint>
@@ -77,8 +86,7 @@ constexpr int kDhEpilogueWarpgroupIdx = kDhNumWarpgroups - 1;
 constexpr int kDhProducerRegs = 56;
 constexpr int kDhMmaRegs = 168;
 constexpr int kDhEpilogueRegs = 120;
-// wgmmas per k16 step (WgmmaMainloop): two of m64n128, as ptxas compiles no m64n256 wgmma (154 registers at the
-// instruction) in a kernel of 512 threads, whatever setmaxnreg gives the MMA warpgroups.
+// wgmmas per k16 step (WgmmaMainloop): two of m64n128 (the opening comment says why).
 constexpr int kDhMmaNSplit = 2;
 static_assert(kDhNumThreads == 512, "four warpgroups");
 static_assert((kDhProducerRegs + kDhNumMmaWarpgroups * kDhMmaRegs + kDhEpilogueRegs) * kWarpgroupThreads <=
@@ -99,8 +107,7 @@ constexpr int kHandoffSlotBytes = kHandoffRows * kHandoffRowBytes;
 constexpr int kHandoffChunksPerTile = kBlockM / kHandoffRows;  // one per MMA warp
 constexpr int kDhMinSlots = kHandoffChunksPerTile / 2;
 constexpr int kDhMinStages = 3;
-constexpr int kHandoffFullArrivals = kWarpSize;           // the writing warp's lanes
-constexpr int kHandoffEmptyArrivals = kWarpgroupThreads;  // the epilogue warpgroup's threads
+constexpr int kHandoffFullArrivals = kWarpSize;  // the writing warp's lanes
 constexpr int kDhEpilogueWarps = kWarpsPerWarpgroup;
 constexpr int kDhRowsPerWarp = kHandoffRows / kDhEpilogueWarps;  // rows of a chunk per epilogue warp
 constexpr int kDhColsPerLane = kHandoffCols / kWarpSize;
@@ -127,7 +134,7 @@ struct DhStorageOf {
     uint64_t full[kNumStages];
     uint64_t empty[kNumStages];
     uint64_t handoff_full[kNumSlots];
-    uint64_t handoff_empty[kNumSlots];
+    uint32_t handoff_read[kDhEpilogueWarps];  // chunks of the sequence each epilogue warp has read out (0, 1, ...)
 };
 
 template <class Config, int kNumSlots>
@@ -301,6 +308,8 @@ struct DhEpilogueWarpgroup {
             load_gate_up(params, epilogue.h, tile, tile_row(0, row), lane_col(tile), gate[row], up[row]);
         }
         typename Ring::State state;
+        uint32_t sequence_idx = 0;  // the chunk's place in the CTA's sequence
+        const uint32_t read_counter = shared_address(&smem.handoff_read[warp_idx]);
         for (;;) {
             Tile next_tile;
             const bool has_next = scheduler.next(next_tile, lane_idx);
@@ -326,7 +335,10 @@ struct DhEpilogueWarpgroup {
                         p[word] = __uint_as_float(odd_quad != 0 ? second[word] : first[word]);
                         p[4 + word] = __uint_as_float(odd_quad != 0 ? first[word] : second[word]);
                     }
-                    if (row + 1 == kDhRowsPerWarp) mbarrier_arrive(&smem.handoff_empty[state.index]);  // p read out
+                    if (row + 1 == kDhRowsPerWarp) {  // the warp's p of the chunk read out: the slot may be refilled
+                        __syncwarp();
+                        if (lane_idx == 0) st_release_shared_u32(read_counter, sequence_idx + 1);
+                    }
                     const float row_weight =
                         __shfl_sync(0xffffffffu, weight, chunk * kDhRowsPerWarp + row);  // lane_row_weight's lane
                     const bool row_valid = local_row < tile.num_rows;                    // warp-uniform
@@ -349,6 +361,7 @@ struct DhEpilogueWarpgroup {
                     }
                 }
                 state.advance();
+                ++sequence_idx;
             }
             if (!has_next) break;
             tile = next_tile;
@@ -366,7 +379,8 @@ struct DhKernel {
     static constexpr int kNumStages = Plan::kStages;
     static constexpr int kNumSlots = Plan::kSlots;
     using Pipeline = StagePipeline<kNumStages, kClusterSize>;
-    using Ring = StagePipeline<kNumSlots, 1>;  // its arrivals by mbarrier_arrive: the ring is this CTA's alone
+    // The ring's full side (its empty barriers unused: handoff_read counts instead); arrivals by mbarrier_arrive.
+    using Ring = StagePipeline<kNumSlots, 1>;
     using Loader = StageLoader<Config, Epi, kBLayout, BSource::kOne>;
     using Mainloop = WgmmaMainloop<T, Config, Epi, kBLayout, kDhMmaNSplit>;
     using Epilogue = DhEpilogueWarpgroup<T, typename Epi::Activation, Epi::kDhInterleaved>;
@@ -388,7 +402,16 @@ struct DhKernel {
             typename Ring::State slot;
             slot.index = sequence_idx % kNumSlots;
             slot.phase = static_cast<uint32_t>(sequence_idx / kNumSlots) & 1u;
-            ring.producer_acquire(slot);
+            // The slot's previous chunk (sequence_idx - kNumSlots) read out by every epilogue warp.
+            if (sequence_idx >= kNumSlots) {
+                const auto needed = static_cast<uint32_t>(sequence_idx - kNumSlots + 1);
+#pragma unroll 1
+                for (int epilogue_warp = 0; epilogue_warp < kDhEpilogueWarps; ++epilogue_warp) {
+                    const uint32_t counter = shared_address(&smem.handoff_read[epilogue_warp]);
+                    while (ld_acquire_shared_u32(counter) < needed) {
+                    }
+                }
+            }
             if (chunk_idx * kHandoffRows < tile.num_rows) {  // a chunk past the tile's end is not read
                 write_handoff(shared_address(smem.handoff[slot.index]), acc, lane_idx);
             }
@@ -412,7 +435,7 @@ __global__ void __launch_bounds__(kDhNumThreads, 1)
     const uint32_t misalignment = shared_address(smem_raw) % kSwizzleAtomBytes;
     Storage& smem = *reinterpret_cast<Storage*>(smem_raw + (misalignment == 0 ? 0 : kSwizzleAtomBytes - misalignment));
     const typename Parts::Pipeline pipeline{smem.full, smem.empty};
-    const typename Parts::Ring ring{smem.handoff_full, smem.handoff_empty};
+    const typename Parts::Ring ring{smem.handoff_full, nullptr};
 
     const int thread_idx = static_cast<int>(threadIdx.x);
     if (thread_idx == 0) {
@@ -422,8 +445,8 @@ __global__ void __launch_bounds__(kDhNumThreads, 1)
         }
         for (int slot_idx = 0; slot_idx < Parts::kNumSlots; ++slot_idx) {
             mbarrier_init(&smem.handoff_full[slot_idx], kHandoffFullArrivals);
-            mbarrier_init(&smem.handoff_empty[slot_idx], kHandoffEmptyArrivals);
         }
+        for (int warp = 0; warp < kDhEpilogueWarps; ++warp) smem.handoff_read[warp] = 0;
         fence_barrier_init();
         prefetch_tensor_map(&b_map);
     }
