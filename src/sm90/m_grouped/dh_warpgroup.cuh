@@ -89,9 +89,10 @@ constexpr int kDhEpilogueRegs = 120;
 // wgmmas per k16 step (WgmmaMainloop): two of m64n128 (the opening comment says why).
 constexpr int kDhMmaNSplit = 2;
 static_assert(kDhNumThreads == 512, "four warpgroups");
-static_assert((kDhProducerRegs + kDhNumMmaWarpgroups * kDhMmaRegs + kDhEpilogueRegs) * kWarpgroupThreads <=
+static_assert((kDhProducerRegs + kDhNumMmaWarpgroups * kDhMmaRegs + kDhEpilogueRegs) * kWarpgroupThreads ==
                   kRegisterFile,
-              "setmaxnreg budgets (producer + 2 MMA + epilogue) exceed the register file");
+              "setmaxnreg budgets (producer + 2 MMA + epilogue) sum to the register file: no more (the MMA "
+              "warpgroups' setmaxnreg.inc would wait forever), no less (registers left idle)");
 static_assert(kDhProducerRegs % 8 == 0 && kDhMmaRegs % 8 == 0 && kDhEpilogueRegs % 8 == 0,
               "setmaxnreg takes multiples of 8");
 static_assert(kDhProducerRegs >= 24 && kDhMmaRegs <= 256 && kDhEpilogueRegs >= 24, "setmaxnreg's range is 24 .. 256");
