@@ -53,7 +53,7 @@
 //   waits only on the read-out of the chunk kDhSlots before it, and the epilogue reads chunks in sequence.
 // Registers (64 K, 512 threads, 128 a thread at launch): producer 56 (its 8 gathered row pointers; kernel.cuh's
 //   budget), MMA 2 x 168 (128 accumulators, the mainloop, the hand-off: ptxas uses 152), epilogue 120 (4 rows of g, u
-//   in flight: 32, p: 8, the math and two tiles' state: ptxas uses 117): 56 + 2 x 168 + 120 = 512, the register file
+//   in flight: 32, p: 8, the math and two tiles' state: ptxas uses 118): 56 + 2 x 168 + 120 = 512, the register file
 //   exactly.
 #pragma once
 
