@@ -131,10 +131,10 @@ class Fp8Backend final : public Backend {
         const Shape& shape = call.shape;
         const Fp8Rows& dh = step.workspace.dh_fp8;
         *q = {step.workspace.q_elem, call.dtype};
+        MEGAMOE_CUDA_RETURN_IF_ERROR(quantize_rows(call, step.workspace.dh, shape.num_slots(), dh));
         const void* w13_t = nullptr;
         MEGAMOE_CUDA_RETURN_IF_ERROR(transposed_weight(step, fp8_transposes_w13(call), call.fp8->w13_t, call.fp8->w13,
                                                        2 * shape.intermediate, shape.hidden, &w13_t));
-        MEGAMOE_CUDA_RETURN_IF_ERROR(quantize_rows(call, step.workspace.dh, shape.num_slots(), dh));
         const MGroupedGemmArgs d_input = m_grouped_args(
             call, step.rows, sorted_rows(call, dh.q, 2 * shape.intermediate),
             fp8_weight(w13_t, shape.hidden, 2 * shape.intermediate), shape.hidden, 2 * shape.intermediate);

@@ -422,13 +422,12 @@ struct DhKernel {
     }
 };
 
-// `out_map` and `b_second_map` unused (the parameters of kernel.cuh's kernel, so one launch passes either).
+// dH reads one B map (kBSource::kOne) and stores by its epilogue warpgroup (no TMA store map): the loader's second B
+// map is b_map, never read.
 template <typename T, class Epi, BLayout kBLayout, class Config>
 __global__ void __launch_bounds__(kDhNumThreads, 1)
     m_grouped_gemm_sm90_dh_kernel(const __grid_constant__ CUtensorMap a_map, const __grid_constant__ CUtensorMap b_map,
-                                  const __grid_constant__ CUtensorMap out_map,
-                                  const KernelParams<typename Epi::Params, ScaleParamsOf<Config>> params,
-                                  const __grid_constant__ CUtensorMap b_second_map) {
+                                  const KernelParams<typename Epi::Params, ScaleParamsOf<Config>> params) {
 #if defined(__CUDA_ARCH__) && defined(__CUDA_ARCH_FEAT_SM90_ALL)
     using Parts = DhKernel<T, Epi, kBLayout, Config>;
     using Storage = typename Parts::Storage;
@@ -461,7 +460,7 @@ __global__ void __launch_bounds__(kDhNumThreads, 1)
     const int warpgroup_idx = __shfl_sync(0xffffffffu, thread_idx / kWarpgroupThreads, 0);
     if (warpgroup_idx == 0) {
         setmaxnreg_dec<kDhProducerRegs>();
-        Parts::Loader::run(&a_map, &b_map, &b_second_map, mainloop, pipeline, smem, scheduler(), num_k_blocks, cta_rank,
+        Parts::Loader::run(&a_map, &b_map, &b_map, mainloop, pipeline, smem, scheduler(), num_k_blocks, cta_rank,
                            thread_idx);
     } else if (warpgroup_idx == kDhEpilogueWarpgroupIdx) {
         setmaxnreg_dec<kDhEpilogueRegs>();

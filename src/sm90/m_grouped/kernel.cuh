@@ -214,7 +214,7 @@ megamoe_status_t launch_typed(const cuda::MGroupedGemmArgs& args,
         static_assert(kBSource == BSource::kOne, "dH reads one B map");
         return launch_cluster_kernel<kClusterSize>(m_grouped_gemm_sm90_dh_kernel<T, Epi, kBLayout, Config>,
                                                    Epi::name(kBLayout), kDhNumThreads, DhPlan<Config>::kSmemBytes,
-                                                   max_clusters, stream, a_map, b_map, out_map, params, b_second_map);
+                                                   max_clusters, stream, a_map, b_map, params);
     } else {
         return launch_cluster_kernel<kClusterSize>(m_grouped_gemm_sm90_kernel<T, Epi, kBLayout, kBSource, Config>,
                                                    Epi::name(kBLayout), kNumThreads,
