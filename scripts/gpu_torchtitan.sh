@@ -75,8 +75,8 @@ cp "$LOGS/parity.log" "$OUT/parity.log"
 
 # name, model, experts, compile (0/1), cap (seconds of steps), torchtitan arguments. DeepSeek-V3: local batch 2 (its
 # config's 4 x 4096 tokens does not leave room for 4 layers' optimizer state beside its activations on 80 GB). The
-# -noac runs: no activation checkpointing (Qwen3's config checkpoints every block, so the AdamW step, the same for
-# every experts implementation, sets the step's peak; without it the experts' activations do).
+# -noac runs: no activation checkpointing (Qwen3's config checkpoints every block, so the experts' activations live
+# one block at a time and the step's peak is the same for every experts implementation; without it they set it).
 RUN_TABLE="
 qwen3-torchtitan          qwen3_30b_a3b   torchtitan  0 50
 qwen3-megamoe             qwen3_30b_a3b   megamoe     0 50

@@ -138,29 +138,24 @@ struct DhStorageOf {
     uint32_t handoff_read[kDhEpilogueWarps];  // chunks of the sequence each epilogue warp has read out (0, 1, ...)
 };
 
+// DhStorageOf as a template on one count, the other fixed (kit/smem.h's fit_stages sizes either).
 template <class Config, int kNumSlots>
 struct DhStorageWithSlots {
     template <int kNumStages>
     using Of = DhStorageOf<kNumStages, kNumSlots, Config::kBTileBytes>;
 };
-
-// The most slots in [kDhMinSlots, kHandoffChunksPerTile] beside kNumStages stages (kDhMinSlots if none fits: the
-// static_assert on the storage's bytes says so).
-template <class Config, int kNumStages, int kNumSlots = kHandoffChunksPerTile>
-constexpr int fit_slots() {
-    if constexpr (kNumSlots <= kDhMinSlots ||
-                  smem_bytes_of<DhStorageOf<kNumStages, kNumSlots, Config::kBTileBytes>>() <= kMaxSmemBytes) {
-        return kNumSlots;
-    } else {
-        return fit_slots<Config, kNumStages, kNumSlots - 1>();
-    }
-}
+template <class Config, int kNumStages>
+struct DhStorageWithStages {
+    template <int kNumSlots>
+    using Of = DhStorageOf<kNumStages, kNumSlots, Config::kBTileBytes>;
+};
 
 // The plan of one configuration: the most stages beside half a tile of hand-off, then the most slots.
 template <class Config>
 struct DhPlan {
     static constexpr int kStages = fit_stages<DhStorageWithSlots<Config, kDhMinSlots>::template Of, kMaxStages>();
-    static constexpr int kSlots = fit_slots<Config, kStages>();
+    static constexpr int kSlots =
+        fit_stages<DhStorageWithStages<Config, kStages>::template Of, kHandoffChunksPerTile, kDhMinSlots>();
     using Storage = DhStorageOf<kStages, kSlots, Config::kBTileBytes>;
     static constexpr int kSmemBytes = smem_bytes_of<Storage>();
     static_assert(kSmemBytes <= kMaxSmemBytes, "stages and the hand-off ring exceed the shared memory of an SM");
