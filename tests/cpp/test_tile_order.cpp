@@ -69,16 +69,21 @@ TEST(TileOrder, ABlockWalksItsPairsOfOneNTileFirst) {
 
 TEST(TileOrder, PairBlockFromTheBudget) {
     constexpr int64_t kMiB = int64_t{1} << 20;
-    constexpr int64_t kRowsPerPair = 256;  // two 128-row M tiles
+    constexpr int64_t kRowsPerPair = 256;    // two 128-row M tiles
+    constexpr int64_t kOverL2 = 235 * kMiB;  // an expert's B that exceeds the L2 (mixtral-8x7b's w13[e])
     // bf16 A rows of a pair: 256 x K x 2 bytes.
-    EXPECT_EQ(pair_block_for(kRowsPerPair, 4096, 2, 8 * kMiB), 4);   // 2 MiB a pair (mixtral-8x7b up, dH)
-    EXPECT_EQ(pair_block_for(kRowsPerPair, 14336, 2, 8 * kMiB), 1);  // 7 MiB a pair (its down)
-    EXPECT_EQ(pair_block_for(kRowsPerPair, 28672, 2, 8 * kMiB), 1);  // 14 MiB, over the budget: still one pair
-    EXPECT_EQ(pair_block_for(kRowsPerPair, 2048, 2, 8 * kMiB), 8);   // 1 MiB a pair: 8, the most
-    EXPECT_EQ(pair_block_for(kRowsPerPair, 512, 2, 8 * kMiB), 8);    // capped at kMaxPairBlock
-    EXPECT_EQ(pair_block_for(kRowsPerPair, 4096, 1, 8 * kMiB), 8);   // e4m3 A: half the bytes
-    EXPECT_EQ(pair_block_for(kRowsPerPair, 4096, 2, 0), 1);          // no budget: the plain order
-    EXPECT_EQ(pair_block_for(kRowsPerPair, 0, 2, 8 * kMiB), 1);      // K = 0
+    EXPECT_EQ(pair_block_for(kRowsPerPair, 4096, 2, kOverL2, 8 * kMiB), 4);   // 2 MiB a pair (mixtral-8x7b up, dH)
+    EXPECT_EQ(pair_block_for(kRowsPerPair, 14336, 2, kOverL2, 8 * kMiB), 1);  // 7 MiB a pair (its down)
+    EXPECT_EQ(pair_block_for(kRowsPerPair, 28672, 2, kOverL2, 8 * kMiB), 1);  // 14 MiB, over the budget: one pair
+    EXPECT_EQ(pair_block_for(kRowsPerPair, 2048, 2, kOverL2, 8 * kMiB), 8);   // 1 MiB a pair: 8, the most
+    EXPECT_EQ(pair_block_for(kRowsPerPair, 512, 2, kOverL2, 8 * kMiB), 8);    // capped at kMaxPairBlock
+    EXPECT_EQ(pair_block_for(kRowsPerPair, 4096, 1, kOverL2, 8 * kMiB), 8);   // e4m3 A: half the bytes
+    EXPECT_EQ(pair_block_for(kRowsPerPair, 4096, 2, kOverL2, 0), 1);          // no budget: the plain order
+    EXPECT_EQ(pair_block_for(kRowsPerPair, 0, 2, kOverL2, 8 * kMiB), 1);      // K = 0
+    // B_e within the L2 (qwen3-235b-a22b's w13[e], 24 MiB; exactly the L2): the plain order.
+    EXPECT_EQ(pair_block_for(kRowsPerPair, 4096, 2, 24 * kMiB, 8 * kMiB), 1);
+    EXPECT_EQ(pair_block_for(kRowsPerPair, 4096, 2, sm90::m_grouped::kL2Bytes, 8 * kMiB), 1);
+    EXPECT_EQ(pair_block_for(kRowsPerPair, 4096, 2, sm90::m_grouped::kL2Bytes + 1, 8 * kMiB), 4);
 }
 
 }  // namespace

@@ -8,9 +8,7 @@
 //              (non-tensor) bulk copy of contiguous bytes into shared memory, completing on an mbarrier;
 //   cp.async   arrival on an mbarrier once a thread's copies landed (the copy itself: device/cp_async.cuh);
 //   stmatrix   four 8 x 8 b16 matrices from the mma fragment layout to shared memory; ldmatrix, the other way;
-//   ld.shared / st.shared  a 16-byte vector load from, an 8-byte f32 pair store to, a shared-memory address; a
-//              32-bit load with acquire and store with release semantics at CTA scope (a counter that orders
-//              shared-memory accesses between warps);
+//   ld.shared / st.shared  a 16-byte vector load from, an 8-byte f32 pair store to, a shared-memory address;
 //   proxies    fence.proxy.async: generic-proxy writes to shared memory (cp.async, st.shared, stmatrix) before
 //              the async proxy (wgmma, TMA) reads them;
 //   wgmma      shared-memory matrix descriptors (K-major and MN-major, 128-byte swizzle), fence / commit / wait, and
@@ -292,20 +290,6 @@ __device__ __forceinline__ void ld_shared_v4(uint32_t shared_addr, uint32_t (&wo
                  : "=r"(words[0]), "=r"(words[1]), "=r"(words[2]), "=r"(words[3])
                  : "r"(shared_addr)
                  : "memory");
-}
-
-// A 32-bit word of shared memory, read with acquire semantics at CTA scope: this thread's later memory accesses are
-// ordered after those that preceded the release store (st_release_shared_u32) whose value it reads.
-__device__ __forceinline__ uint32_t ld_acquire_shared_u32(uint32_t shared_addr) {
-    uint32_t value;
-    asm volatile("ld.acquire.cta.shared::cta.u32 %0, [%1];\n" : "=r"(value) : "r"(shared_addr) : "memory");
-    return value;
-}
-
-// A 32-bit word to shared memory with release semantics at CTA scope (this thread's earlier accesses, and those it
-// has observed, e.g. through __syncwarp, are ordered before it).
-__device__ __forceinline__ void st_release_shared_u32(uint32_t shared_addr, uint32_t value) {
-    asm volatile("st.release.cta.shared::cta.u32 [%0], %1;\n" ::"r"(shared_addr), "r"(value) : "memory");
 }
 
 __device__ __forceinline__ void prefetch_tensor_map(const CUtensorMap* tensor_map) {

@@ -256,9 +256,6 @@ struct EpiloguePolicy {
     static constexpr bool kGateUpHalves = kGateUpHalfBoxes;
     static constexpr int kWarpStagingBytes = kWarpStagingSmemBytes;
     static constexpr bool kStaging = kWarpStagingBytes > 0;
-    // The kernel this policy runs on: false, the 3-warpgroup kernel (kernel.cuh); true, dH's 4-warpgroup kernel with
-    // an epilogue warpgroup (dh_warpgroup.cuh), whose policy runs no store() of its own.
-    static constexpr bool kEpilogueWarpgroup = false;
     static_assert(kGateUpPairs || !kGateUpHalves, "gate / up halves are a layout of gate / up pairs");
 
     using TileState = NoTileState;

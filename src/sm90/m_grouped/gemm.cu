@@ -3,7 +3,6 @@
 #include "sm90/m_grouped_gemm_sm90.h"
 
 #include <algorithm>
-#include <type_traits>
 
 #include "device/cuda_utils.h"
 #include "sm90/m_grouped/kernel.cuh"
@@ -52,14 +51,11 @@ megamoe_status_t launch_gated(const cuda::MGroupedGemmArgs& args, const GatedArg
 }
 
 // The dSwiGLU epilogue for activation Act, dh in the interleaved order or [dg, du]; B = w2 read kKN, or kNK when w2
-// is stored transposed. *num_ds_parts: the tile configuration's n-tiles of I, one partial sum of ds each per row. The
-// build option MEGAMOE_DH_EPILOGUE_WARPGROUP (kDhEpilogueWarpgroup) runs it on the 4-warpgroup kernel
-// (m_grouped/dh_warpgroup.cuh).
+// is stored transposed. *num_ds_parts: the tile configuration's n-tiles of I, one partial sum of ds each per row.
 template <class Act, bool kInterleaved>
 megamoe_status_t launch_dswiglu(const cuda::MGroupedGemmArgs& args, const DSwiGLUEpilogueArgs& epilogue, int num_sms,
                                 cudaStream_t stream, int64_t* num_ds_parts) {
-    using Epi = std::conditional_t<kDhEpilogueWarpgroup, DSwiGLUWarpgroupEpilogueOf<Act, kInterleaved>,
-                                   DSwiGLUEpilogueOf<Act, kInterleaved>>;
+    using Epi = DSwiGLUEpilogueOf<Act, kInterleaved>;
     *num_ds_parts = ceil_div(args.n, int64_t{ConfigOf<Epi>::kBlockN});
     const typename Epi::Params params = make_dswiglu_params<Act>(epilogue);
     return epilogue.b_layout == BLayout::kKN ? launch<Epi, BLayout::kKN>(args, params, num_sms, stream)

@@ -89,7 +89,6 @@
 #include "sm90/kit/launch.h"
 #include "sm90/kit/pipeline.cuh"
 #include "sm90/m_grouped/config.cuh"
-#include "sm90/m_grouped/dh_warpgroup.cuh"
 #include "sm90/m_grouped/dswiglu.cuh"
 #include "sm90/m_grouped/epilogue.cuh"
 #include "sm90/m_grouped/fp8_mainloop.cuh"
@@ -210,17 +209,10 @@ megamoe_status_t launch_typed(const cuda::MGroupedGemmArgs& args,
     }
     const int64_t max_tiles = ceil_div(args.max_m_tiles, kClusterSize) * params.mainloop.num_n_tiles;  // cluster tiles
     const int64_t max_clusters = std::min<int64_t>(std::max(num_sms, kClusterSize) / kClusterSize, max_tiles);
-    if constexpr (Epi::kEpilogueWarpgroup) {  // dH with its epilogue warpgroup (dh_warpgroup.cuh): 512 threads
-        static_assert(kBSource == BSource::kOne, "dH reads one B map");
-        return launch_cluster_kernel<kClusterSize>(m_grouped_gemm_sm90_dh_kernel<T, Epi, kBLayout, Config>,
-                                                   Epi::name(kBLayout), kDhNumThreads, DhPlan<Config>::kSmemBytes,
-                                                   max_clusters, stream, a_map, b_map, params);
-    } else {
-        return launch_cluster_kernel<kClusterSize>(m_grouped_gemm_sm90_kernel<T, Epi, kBLayout, kBSource, Config>,
-                                                   Epi::name(kBLayout), kNumThreads,
-                                                   smem_bytes<Config, Epi::kWarpStagingBytes>(), max_clusters, stream,
-                                                   a_map, b_map, out_map, params, b_second_map);
-    }
+    return launch_cluster_kernel<kClusterSize>(m_grouped_gemm_sm90_kernel<T, Epi, kBLayout, kBSource, Config>,
+                                               Epi::name(kBLayout), kNumThreads,
+                                               smem_bytes<Config, Epi::kWarpStagingBytes>(), max_clusters, stream,
+                                               a_map, b_map, out_map, params, b_second_map);
 }
 
 // `a_map`: A's tensor map where Epi::kTmaA (kBSource::kKHalves: encode_a_halves_map's); `out_map`: the store
@@ -236,7 +228,9 @@ megamoe_status_t launch_on(const cuda::MGroupedGemmArgs& args, const typename Ep
     constexpr bool kUpHalf = kBSource == BSource::kUpHalf;
     KernelParams<typename Epi::Params, ScaleParamsOf<Config>> params{make_mainloop_params(args), epilogue, scales};
     params.mainloop.num_n_tiles = ceil_div(args.n, kPairs ? Config::kBlockN / 2 : Config::kBlockN);
-    params.mainloop.pair_block = pair_block_for(int64_t{kClusterSize} * kBlockM, args.k, Config::kOperandBytes);
+    const int64_t b_bytes = (kPairs ? 2 : 1) * args.n * args.k * Config::kOperandBytes;  // B_e over all its tensors
+    params.mainloop.pair_block =
+        pair_block_for(int64_t{kClusterSize} * kBlockM, args.k, Config::kOperandBytes, b_bytes);
     params.mainloop.second_box_row_offset = kUpHalf ? 0 : Epi::kGateUpHalves ? args.n : Config::kBBoxRows;
     if (kBSource == BSource::kKHalves) params.mainloop.k = args.k / 2;
     if (args.max_m_tiles == 0 || params.mainloop.num_n_tiles == 0) return MEGAMOE_STATUS_SUCCESS;

@@ -31,24 +31,6 @@ __device__ __forceinline__ void wgmma(uint64_t desc_a, uint64_t desc_b, float (&
         desc_a, desc_b, acc, std::make_index_sequence<Config::kBlockRegs>{});
 }
 
-// As wgmma, in kNSplit wgmmas of m64 x (kBlockN / kNSplit) x k16, slice s on B's columns (rows, kNK)
-// [s kBlockN / kNSplit, + kBlockN / kNSplit): kBTileBytes / kNSplit further in either layout (kKN: whole 64-column
-// boxes). The accumulator layout is wgmma's: fragment f of slice s is the tile's fragment s kBlockN / kNSplit / 8 + f,
-// register kBlockRegs / kNSplit * s + 4 f + ... (AccFragment). Two slices: the m64n128 wgmma needs fewer registers
-// than ptxas allows a kernel of 512 threads (128) at the instruction, where m64n256 needs 154.
-template <typename T, BLayout kBLayout, class Config, int kNSplit, int kNumRegs>
-__device__ __forceinline__ void wgmma_n_slices(uint64_t desc_a, uint64_t desc_b, float (&acc)[kNumRegs]) {
-    constexpr int kSliceN = Config::kBlockN / kNSplit;
-    constexpr int kSliceRegs = Config::kBlockRegs / kNSplit;
-    constexpr uint64_t kSliceDescStep = static_cast<uint64_t>(Config::kBTileBytes / kNSplit) >> 4;
-    static_assert(!Config::kFp8, "16-bit operands");
-    static_assert(kNSplit == 2 && kSliceN % kKNBoxCols == 0, "two slices of whole 64-column kKN boxes");
-    static_assert(Config::kBlockRegs <= kNumRegs, "the row block's accumulators are the consumer's");
-    using Op = WgmmaOp<T, kSliceN, gmma::Major::K, kBMajor<kBLayout>>;
-    wgmma_unpacked<Op, 0>(desc_a, desc_b, acc, std::make_index_sequence<kSliceRegs>{});
-    wgmma_unpacked<Op, kSliceRegs>(desc_a, desc_b + kSliceDescStep, acc, std::make_index_sequence<kSliceRegs>{});
-}
-
 // Descriptor of the B tile of a stage, and its advance per k16 step.
 template <BLayout kBLayout>
 __device__ __forceinline__ uint64_t make_b_desc(const uint8_t* tile_b) {
@@ -175,26 +157,18 @@ struct StageLoader {
 };
 
 
-// One row block's wgmmas of a stage: kBlockK / 16 k16 steps of m64 x kBlockN x k16 on the block's A rows (kNSplit 2:
-// each step as two m64 x kBlockN / 2 x k16, wgmma_n_slices).
-template <typename T, BLayout kBLayout, class Config, int kNSplit, int kNumRegs>
+// One row block's wgmmas of a stage: kBlockK / 16 k16 steps of m64 x kBlockN x k16 on the block's A rows.
+template <typename T, BLayout kBLayout, class Config, int kNumRegs>
 __device__ __forceinline__ void row_block_mma(uint64_t desc_a, uint64_t desc_b, float (&acc)[kNumRegs]) {
 #pragma unroll
     for (int k_step = 0; k_step < Config::kBlockK / kWgmmaK; ++k_step) {
-        if constexpr (kNSplit == 1) {
-            wgmma<T, kBLayout, Config, 0>(desc_a + k_step * kDescK16Step, desc_b + k_step * kBDescK16Step<kBLayout>,
-                                          acc);
-        } else {
-            wgmma_n_slices<T, kBLayout, Config, kNSplit>(desc_a + k_step * kDescK16Step,
-                                                         desc_b + k_step * kBDescK16Step<kBLayout>, acc);
-        }
+        wgmma<T, kBLayout, Config, 0>(desc_a + k_step * kDescK16Step, desc_b + k_step * kBDescK16Step<kBLayout>, acc);
     }
 }
 
-// The consumers' 16-bit mainloop of one tile: rows [64 row_block, + 64), kBlockK / 16 k16 steps a stage, each step
-// one wgmma (kNSplit 1) or two on the halves of B's columns (kNSplit 2: the 512-thread dH kernel). A consumer whose row
-// block has no rows only keeps the pipeline going (waits, releases).
-template <typename T, class Config, class Epi, BLayout kBLayout, int kNSplit = 1>
+// The consumers' 16-bit mainloop of one tile: rows [64 row_block, + 64), kBlockK / 16 k16 steps a stage. A consumer
+// whose row block has no rows only keeps the pipeline going (waits, releases).
+template <typename T, class Config, class Epi, BLayout kBLayout>
 struct WgmmaMainloop {
     static_assert(!Config::kFp8, "16-bit operands");
 
@@ -217,7 +191,7 @@ struct WgmmaMainloop {
             if (has_rows) {
                 fence_accumulators(acc);
                 wgmma_fence();
-                row_block_mma<T, kBLayout, Config, kNSplit>(make_smem_desc_k_major_sw128(tile_a), desc_b, acc);
+                row_block_mma<T, kBLayout, Config>(make_smem_desc_k_major_sw128(tile_a), desc_b, acc);
                 wgmma_commit_group();
             }
             pipeline.retire_previous_batch(acc, state, in_flight_stage, lane_idx);
