@@ -75,6 +75,8 @@ TEST(TileOrder, PairBlockFromTheBudget) {
     EXPECT_EQ(pair_block_for(kRowsPerPair, 4096, 2, kOverL2, 8 * kMiB), 4);   // 2 MiB a pair (mixtral-8x7b up, dH)
     EXPECT_EQ(pair_block_for(kRowsPerPair, 14336, 2, kOverL2, 8 * kMiB), 1);  // 7 MiB a pair (its down)
     EXPECT_EQ(pair_block_for(kRowsPerPair, 28672, 2, kOverL2, 8 * kMiB), 1);  // 14 MiB, over the budget: one pair
+    EXPECT_EQ(pair_block_for(kRowsPerPair, 7168, 2, kOverL2, 8 * kMiB), 1);   // 3.5 MiB: 2 fit, under kMinPairBlock
+    EXPECT_EQ(pair_block_for(kRowsPerPair, 7168, 1, kOverL2, 8 * kMiB), 4);   // its e4m3 A: 4 fit
     EXPECT_EQ(pair_block_for(kRowsPerPair, 2048, 2, kOverL2, 8 * kMiB), 8);   // 1 MiB a pair: 8, the most
     EXPECT_EQ(pair_block_for(kRowsPerPair, 512, 2, kOverL2, 8 * kMiB), 8);    // capped at kMaxPairBlock
     EXPECT_EQ(pair_block_for(kRowsPerPair, 4096, 1, kOverL2, 8 * kMiB), 8);   // e4m3 A: half the bytes

@@ -29,7 +29,7 @@ struct Tile {
 __device__ __forceinline__ Tile decode_tile(const MainloopParams& params, int64_t tile_idx, int num_m_tiles,
                                             int num_pairs, uint32_t cta_rank) {
     const TileCoords coords =
-        kPairBlockABytes == 0  // the plain order (pair_block 1) without the block arithmetic
+        kPairBlockABytes == 0 || params.pair_block == 1  // the plain order without the block arithmetic
             ? TileCoords{static_cast<int>(tile_idx / params.num_n_tiles), tile_idx % params.num_n_tiles}
             : tile_coords(tile_idx, params.num_n_tiles, num_pairs, params.pair_block);
     const int first_m_tile = coords.pair_idx * kClusterSize;

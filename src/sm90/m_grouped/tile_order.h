@@ -25,10 +25,15 @@ namespace megamoe::sm90::m_grouped {
 // measurement (MEGAMOE_M_PAIR_BLOCK_MIB; docs/log/2026-12-06-m-tile-order.md).
 constexpr int64_t kPairBlockABytes = int64_t{MEGAMOE_M_PAIR_BLOCK_MIB} << 20;
 constexpr int kMaxPairBlock = 8;
+// The smallest block formed: a block of p pairs reads B from DRAM once for p pairs, so 2 saves at most half, and where
+// an expert holds fewer pairs than the block (deepseek-v3: ~1.3) it spans experts, putting more B tiles in flight.
+// Measured (docs/log/2026-12-06-m-tile-order.md): blocks of 4 gain 8-16 %, deepseek-v3's up at 2 lost 9 %.
+constexpr int kMinPairBlock = 4;
 // Hopper's L2 (H100 and H200: 50 MiB). An expert's B that fits is read from DRAM once in the plain order already, and
 // there a block only spreads the clusters in flight over more A rows; a block is formed only where B_e exceeds it.
 constexpr int64_t kL2Bytes = int64_t{50} << 20;
 static_assert(kPairBlockABytes >= 0, "a byte budget");
+static_assert(1 < kMinPairBlock && kMinPairBlock <= kMaxPairBlock, "a block is at least two pairs");
 
 struct TileCoords {
     int pair_idx;
@@ -49,13 +54,14 @@ MEGAMOE_HOST_DEVICE TileCoords tile_coords(int64_t tile_idx, int64_t num_n_tiles
 }
 
 // The pair block of a launch: 1 where an expert's B (b_bytes) fits the L2, else as many pairs as keep their A rows (a
-// pair's rows_per_pair rows of k elements of operand_bytes) within budget_bytes, from 1 to kMaxPairBlock.
+// pair's rows_per_pair rows of k elements of operand_bytes) within budget_bytes, at most kMaxPairBlock, and 1 where
+// fewer than kMinPairBlock fit.
 inline int pair_block_for(int64_t rows_per_pair, int64_t k, int operand_bytes, int64_t b_bytes,
                           int64_t budget_bytes = kPairBlockABytes) {
     const int64_t pair_bytes = rows_per_pair * k * operand_bytes;
     if (pair_bytes <= 0 || b_bytes <= kL2Bytes) return 1;
     const int64_t fit = budget_bytes / pair_bytes;
-    return fit < 1 ? 1 : fit > kMaxPairBlock ? kMaxPairBlock : static_cast<int>(fit);
+    return fit < kMinPairBlock ? 1 : fit > kMaxPairBlock ? kMaxPairBlock : static_cast<int>(fit);
 }
 
 }  // namespace megamoe::sm90::m_grouped
