@@ -388,7 +388,10 @@ typedef enum {
     MEGAMOE_TEST_PORTABLE_WEIGHT_GRADS = 1,     /* the sm_90a backward's weight gradients on the portable kernel */
     MEGAMOE_TEST_FP8_FORWARD_ONLY = 2,          /* an FP8_BLOCKWISE call's backward in the element type */
     MEGAMOE_TEST_FP8_BACKWARD_ONLY = 4,         /* an FP8_BLOCKWISE call's forward in the element type */
-    MEGAMOE_TEST_FP8_OPERANDS_IN_WORKSPACE = 8  /* the FP8 backward's dy and dh copies in the workspace, not in dw13 */
+    MEGAMOE_TEST_FP8_OPERANDS_IN_WORKSPACE = 8, /* the FP8 backward's dy and dh copies in the workspace, not in dw13 */
+    MEGAMOE_TEST_PAIR_BLOCKS = 16               /* the sm_90a M-grouped tile order in pair blocks at every launch (in
+                                                   builds that form them), not only where an expert's weights exceed
+                                                   the L2 */
 } megamoe_test_override_t;
 /* Sets the overrides (a bitwise OR of megamoe_test_override_t values). */
 MEGAMOE_API void megamoe_testing_set_overrides(uint32_t overrides);

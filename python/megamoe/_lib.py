@@ -256,6 +256,7 @@ TEST_PORTABLE_WEIGHT_GRADS = 1  # the sm_90a backward's weight gradients on the 
 TEST_FP8_FORWARD_ONLY = 2  # an FP8 call's backward in the element type
 TEST_FP8_BACKWARD_ONLY = 4  # an FP8 call's forward in the element type
 TEST_FP8_OPERANDS_IN_WORKSPACE = 8  # the FP8 backward's dy and dh copies in the workspace, not in dw13
+TEST_PAIR_BLOCKS = 16  # the sm_90a M-grouped tile order in pair blocks at every launch (builds that form them)
 
 
 def set_test_overrides(overrides):

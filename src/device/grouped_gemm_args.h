@@ -35,7 +35,9 @@ struct MGroupedGemmArgs {
     const int* expert_offsets;  // [E + 1] sorted rows per expert
     const int* m_tile_offsets;  // [E + 1] M-tile schedule (kGemmBlockM rows per tile)
     int64_t num_experts;
-    int64_t max_m_tiles;  // host bound on m_tile_offsets[E]
+    int64_t max_m_tiles;      // host bound on m_tile_offsets[E]
+    bool pair_blocks_always;  // sm_90a tile order: pair blocks whatever B_e's size (the test override
+                              // MEGAMOE_TEST_PAIR_BLOCKS)
     // The gated-activation up GEMM of the non-default options (launch_m_grouped_gemm_gated) and the down GEMM's bias.
     const void* b_up;              // concatenated / separate: B_0 of the up rows (up row j is row / column j of it)
     bool interleaved;              // gate i and up i are the adjacent rows (kKN: columns) 2i and 2i + 1 of B_e

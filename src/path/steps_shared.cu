@@ -100,6 +100,7 @@ MGroupedGemmArgs m_grouped_args(const Call& call, const SortedRows& rows, const 
     args.m_tile_offsets = rows.m_tile_offsets;
     args.num_experts = call.shape.num_experts;
     args.max_m_tiles = rows.max_m_tiles;
+    args.pair_blocks_always = test_override(MEGAMOE_TEST_PAIR_BLOCKS);
     return args;
 }
 

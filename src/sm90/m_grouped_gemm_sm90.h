@@ -20,6 +20,9 @@
 
 namespace megamoe::sm90 {
 
+// Whether this build's M-grouped tile order forms pair blocks (m_grouped/tile_order.h; MEGAMOE_M_PAIR_BLOCK_MIB > 0).
+bool m_grouped_pair_blocks_built();
+
 // Whether the sm_90a kernels take these operands (dtype, alignment, sizes, the driver's TMA encoder).
 // `swiglu`: args describe the up projection (B_e has 2 * args.n rows; kNK only).
 bool m_grouped_gemm_sm90_supported(const cuda::MGroupedGemmArgs& args, bool swiglu,

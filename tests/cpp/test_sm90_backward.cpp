@@ -10,6 +10,7 @@
 //     opts out) on the ragged set and on cases aimed at its TMA k-blocks and cluster pairs;
 //   - the keep-h memory mode (the forward's saved_h read by the backward) against the recompute mode, bitwise, on
 //     the sm_90a and the portable path, with saved_h itself against the CPU reference's h;
+//   - the M-grouped tile order in pair blocks against the plain order, bitwise (builds that form pair blocks);
 //   - the dispatch: misaligned views fall back to the portable path; s * a and q in the dw13 output.
 // Skips, with the reason, without a compute capability 9.0 device.
 #include <cuda_runtime.h>
@@ -25,6 +26,7 @@
 #include <vector>
 
 #include "path/cuda_path.h"
+#include "sm90/m_grouped_gemm_sm90.h"
 #include "cuda_test_util.h"
 #include "device_fill.h"
 #include "test_util.h"
@@ -153,6 +155,33 @@ TEST(Sm90Backward, KeepHMatchesRecomputeOnPortablePath) {
     SKIP_WITHOUT_SM90();
     const ScopedEnv portable("MEGAMOE_DISABLE_SM90", "1");
     for (const Sm90Case& c : sm90_ragged_cases()) check_keep_h(c, false);
+}
+
+// The M-grouped tile order in pair blocks (the test override MEGAMOE_TEST_PAIR_BLOCKS forms them at every launch, not
+// only where an expert's weights exceed the L2) computes the plain order's bits: each output tile is one CTA's over
+// the whole K, whichever cluster takes it. y and every gradient, on the ragged set and on experts of several pairs of
+// M tiles with a partial last block. Runs where the build forms pair blocks.
+TEST(Sm90Backward, PairBlocksMatchThePlainOrderBitwise) {
+    SKIP_WITHOUT_SM90();
+    if (!sm90::m_grouped_pair_blocks_built()) {
+        GTEST_SKIP() << "this build forms no pair blocks (MEGAMOE_M_PAIR_BLOCK_MIB 0): both orders are the plain one";
+    }
+    std::vector<Sm90Case> cases = sm90_ragged_cases();
+    cases.push_back({"4 pairs an expert, a partial last block", 1500, 264, 392, 3, 2});
+    cases.push_back({"one expert of 12 pairs", 3000, 136, 264, 4, 1, Routing::kOneExpert});
+    for (const Sm90Case& c : cases) {
+        SCOPED_TRACE(::testing::PrintToString(c));
+        const Problem problem = make_problem(c);
+        DeviceForward forward = upload_forward(problem);
+        DeviceBackward backward = upload_backward(problem);
+        const HostTensor y_plain = forward.run();
+        backward.run();
+        const Grads plain = backward.download();
+        const ScopedOverrides pair_blocks(MEGAMOE_TEST_PAIR_BLOCKS);
+        EXPECT_EQ(forward.run().bytes, y_plain.bytes) << "y differs between the orders";
+        backward.run();
+        expect_bitwise_equal(plain, backward.download());
+    }
 }
 
 // The sm_90a backward needs less workspace than the portable one (q in the element type, no p); a workspace that is

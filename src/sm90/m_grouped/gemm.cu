@@ -97,6 +97,10 @@ megamoe_status_t launch_store(const cuda::MGroupedGemmArgs& args, BLayout b_layo
 
 }  // namespace
 
+bool m_grouped_pair_blocks_built() {
+    return m_grouped::kPairBlockABytes > 0;
+}
+
 bool m_grouped_gemm_sm90_supported(const cuda::MGroupedGemmArgs& args, bool swiglu, BLayout /*b_layout*/) {
     constexpr int64_t kMaxTmaCoord = INT32_MAX;
     const bool dtype_ok = args.dtype == MEGAMOE_DTYPE_BF16 || args.dtype == MEGAMOE_DTYPE_F16;

@@ -80,6 +80,7 @@
 #include "sm90/m_grouped_gemm_sm90.h"
 
 #include <algorithm>
+#include <limits>
 #include <type_traits>
 #include <utility>
 
@@ -228,7 +229,8 @@ megamoe_status_t launch_on(const cuda::MGroupedGemmArgs& args, const typename Ep
     constexpr bool kUpHalf = kBSource == BSource::kUpHalf;
     KernelParams<typename Epi::Params, ScaleParamsOf<Config>> params{make_mainloop_params(args), epilogue, scales};
     params.mainloop.num_n_tiles = ceil_div(args.n, kPairs ? Config::kBlockN / 2 : Config::kBlockN);
-    const int64_t b_bytes = (kPairs ? 2 : 1) * args.n * args.k * Config::kOperandBytes;  // B_e over all its tensors
+    const int64_t b_bytes = args.pair_blocks_always ? std::numeric_limits<int64_t>::max()  // as if over the L2
+                                                    : (kPairs ? 2 : 1) * args.n * args.k * Config::kOperandBytes;
     params.mainloop.pair_block =
         pair_block_for(int64_t{kClusterSize} * kBlockM, args.k, Config::kOperandBytes, b_bytes);
     params.mainloop.second_box_row_offset = kUpHalf ? 0 : Epi::kGateUpHalves ? args.n : Config::kBBoxRows;
