@@ -7,9 +7,10 @@ over the median step time, the first steps left out), peak active memory (torcht
 peak allocated before the optimizer step (forward and backward; bench/titan_train.py), the MoE layers' share
 of a step (bench/titan_train.py's estimate), and the loss agreement with the run of torchtitan's own experts of the
 same model, compile setting and activation checkpointing: the mean and the largest relative difference of the
-per-step losses over the steps both ran, and the mean loss of the last 20 of those steps for each. A run named `<baseline run>-repeat` (torchtitan's
-own experts again, same seed and data) is compared with that baseline the same way: torchtitan's run-to-run spread,
-against which the other runs' loss differences read. A run that failed or was skipped shows why.
+per-step losses over the steps both ran, and the mean loss of the last 20 of those steps for each. A run named
+`<baseline run>-repeat` (torchtitan's own experts again, same seed and data) is compared with that baseline the same
+way: torchtitan's run-to-run spread, against which the other runs' loss differences read. A run that failed or was
+skipped shows why.
 """
 
 import argparse

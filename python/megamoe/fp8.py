@@ -157,8 +157,7 @@ def quantize_experts(w13, w2, transposes=True):
         raise TypeError(f"megamoe.fp8.quantize_experts: transposes must be True or False, got "
                         f"{type(transposes).__name__}")
     tensors = torch.ops.megamoe.quantize_experts(w13.detach(), w2.detach(), transposes)
-    return Fp8Experts(*(None if name in _TRANSPOSED and not transposes else t
-                        for name, t in zip(Fp8Experts._fields, tensors)))
+    return _experts_of(tensors)
 
 
 # ---- the cache
@@ -314,6 +313,12 @@ def _absent(tensor):
     return tensor is None or (tensor.dim() == 1 and tensor.shape[0] == 0)
 
 
+def _experts_of(tensors):
+    """Fp8Experts of six tensors, an absent transposed copy (None or the op's empty stand-in) as None."""
+    return Fp8Experts(*(None if name in _TRANSPOSED and _absent(t) else t
+                        for name, t in zip(Fp8Experts._fields, tensors)))
+
+
 def as_experts(entry, fp8_experts):
     """fp8_experts as an Fp8Experts of six tensors, w13_t and w2_t possibly None (an empty [0] one taken as None;
     TypeError naming the argument otherwise; DTensors refused: the FP8 weights are this rank's, quantized from the
@@ -323,8 +328,7 @@ def as_experts(entry, fp8_experts):
             for name, t in zip(Fp8Experts._fields, fp8_experts)):
         raise TypeError(f"{entry}: fp8_experts must be a megamoe.fp8.Fp8Experts (megamoe.fp8.quantize_experts(w13, "
                         f"w2)), got {type(fp8_experts).__name__}")
-    experts = Fp8Experts(*(None if name in _TRANSPOSED and _absent(t) else t
-                           for name, t in zip(Fp8Experts._fields, fp8_experts)))
+    experts = _experts_of(fp8_experts)
     refuse_dtensors(entry, "the FP8 weights are plain tensors",
                     **{f"fp8_experts.{name}": t for name, t in zip(Fp8Experts._fields, experts) if t is not None})
     return experts
