@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # One device call: bench/bench.py (megamoe beside SonicMoE, the compiled and eager torch paths and the dense GEMM; its
 # FP8 variants beside torchao's FP8 path) on a GPU machine without network. Inputs, carried from here:
-#   CARRY (default .carry/): libmegamoe.so built here, or libmegamoe.so.xz (xz -9: ~1.2 MB instead of ~10 MB);
+#   CARRY (default .carry/): libmegamoe.so built here, or libmegamoe.so.xz; beside .peers/sonicmoe (~56 MB) only the
+#   lean library fits a call's 64 MiB with the tree: CARRY=.carry-peer LEAN=1 bash scripts/pack_carry.sh (~0.85 MB);
 #   .peers/sonicmoe: ../shared/tools/peers/pack_sonicmoe.sh .peers/sonicmoe (without it the SonicMoE column says why);
 #   .peers/torchao: scripts/pack_torchao.sh (the torchao 0.18.0 wheel of the FP8 peer torchao-fp8; without it its
 #   rows say why);
