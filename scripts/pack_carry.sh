@@ -11,17 +11,15 @@
 set -euo pipefail
 cd "$(dirname "$0")/.."
 CARRY=${CARRY:-.carry}
-mkdir -p "$CARRY"
 if [ "${LEAN:-0}" = 1 ]; then
-    [ -f build-lean/build.ninja ] ||
-        cmake -S . -B build-lean -G Ninja -DMEGAMOE_LEAN_HOPPER=ON -DMEGAMOE_BUILD_TESTS=OFF >/dev/null
-    ninja -C build-lean megamoe
-    xz -T0 -9e -c build-lean/libmegamoe.so >"$CARRY/libmegamoe.so.xz"
-    du -h "$CARRY/libmegamoe.so.xz"
-    exit 0
+    BUILD=build-lean CONFIG=(-DMEGAMOE_LEAN_HOPPER=ON -DMEGAMOE_BUILD_TESTS=OFF) XZ_LEVEL=-9e
+    TARGETS=(libmegamoe.so)
+else
+    BUILD=build CONFIG=(-DMEGAMOE_BUILD_TESTS=ON) XZ_LEVEL=-9
+    TARGETS=(libmegamoe.so megamoe_tests megamoe_fp8_gemm_timing megamoe_fp8_layer_timing)
 fi
-TARGETS=(libmegamoe.so megamoe_tests megamoe_fp8_gemm_timing megamoe_fp8_layer_timing)
-[ -f build/build.ninja ] || cmake -S . -B build -G Ninja -DMEGAMOE_BUILD_TESTS=ON >/dev/null
-ninja -C build megamoe "${TARGETS[@]:1}"
-for f in "${TARGETS[@]}"; do xz -T0 -9 -c "build/$f" >"$CARRY/$f.xz"; done
+[ -f "$BUILD/build.ninja" ] || cmake -S . -B "$BUILD" -G Ninja "${CONFIG[@]}" >/dev/null
+ninja -C "$BUILD" megamoe "${TARGETS[@]:1}"
+mkdir -p "$CARRY"
+for f in "${TARGETS[@]}"; do xz -T0 "$XZ_LEVEL" -c "$BUILD/$f" >"$CARRY/$f.xz"; done
 du -ch "$CARRY"/*.xz
